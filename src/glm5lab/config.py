@@ -1,0 +1,260 @@
+"""`ModelConfig`: one flat, typed description of a GLM-5-family model.
+
+Field names are those of the HF `glm_moe_dsa` config.json (transformers' `GlmMoeDsaConfig`), so a
+real GLM-5 `config.json` maps onto it field for field. The fields after `pad_token_id` are
+glm5lab's own switches for what the report ablates; they are written into config.json too
+(transformers keeps unknown keys as attributes and ignores them).
+
+Conversion to and from config.json lives in `glm5lab.hf_config`; named presets in
+`glm5lab.presets`. Every check raises `ConfigError` naming the field, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+ATTENTION_TYPES = ("mla", "gqa")
+INDEXER_TYPES = ("full", "shared")
+MLP_LAYER_TYPES = ("dense", "sparse")
+HIDDEN_ACTS = ("silu",)
+
+
+class ConfigError(ValueError):
+    """A config value is out of its allowed range; the message names field, value and the rule."""
+
+
+def _fail(name: str, value, allowed: str):
+    raise ConfigError(f"config field `{name}` = {value!r} is not allowed: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a GLM-5-family causal LM (defaults: the published GLM-5, 744B).
+
+    Per-layer lists (`attention_types`, `indexer_types`, `mlp_layer_types`) have one entry per
+    main layer (`num_hidden_layers`); `None` means "derive the default" and is resolved in
+    `__post_init__`, so after construction they are always lists. The MTP layer (layer index
+    `num_hidden_layers` in the checkpoint) copies the last main layer's attention and MLP kind
+    and always runs its own indexer.
+    """
+
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    first_k_dense_replace: int = 3
+    mlp_layer_types: list[str] | None = None
+    index_topk: int = 2048
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    indexer_types: list[str] | None = None
+    num_nextn_predict_layers: int = 1
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 202752
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = None
+    # --- glm5lab switches (what the report ablates) ---
+    attention_types: list[str] | None = None
+    """Per main layer: "mla" (GLM-5) or "gqa" (baseline with `num_key_value_heads` KV heads,
+    per-head q/k width `qk_head_dim` with RoPE on its last `qk_rope_head_dim` dims, v width
+    `v_head_dim`)."""
+    use_dsa: bool = True
+    """Sparse attention on MLA layers: keep only the indexer's `index_topk` keys per query.
+    False = dense attention; indexer weights are still built (when `index_n_heads` > 0) so a
+    dense model can be warmed up into DSA and still loads in transformers."""
+    mtp_depth: int = 3
+    """How many times the one shared MTP module is unrolled in training (D in the report)."""
+    rope_interleave: bool = True
+    """RoPE pairing in MLA/GQA: True = interleaved pairs (x0,x1),(x2,x3).. as GLM-5; False = half split."""
+    indexer_rope_interleave: bool = True
+    """RoPE pairing in the indexer: True for GLM-5, False for DeepSeek-V3.2's indexer."""
+    use_qk_norm: bool = False
+    """GQA layers only: RMSNorm on each q/k head (GLM-4.5)."""
+    hf_extra: dict = field(default_factory=dict)
+    """config.json keys glm5lab does not interpret, kept so a save writes them back unchanged."""
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        _positive(self, "num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads",
+                  "num_key_value_heads", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+                  "mtp_depth", "index_topk")
+        _non_negative(self, "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                      "qk_nope_head_dim", "n_routed_experts", "n_shared_experts", "index_n_heads",
+                      "index_head_dim", "first_k_dense_replace", "num_nextn_predict_layers")
+        if self.attention_types is None:
+            self.attention_types = ["mla"] * n
+        if self.mlp_layer_types is None:
+            k = min(self.first_k_dense_replace, n)
+            self.mlp_layer_types = ["dense"] * k + ["sparse"] * (n - k)
+        if self.indexer_types is None:
+            self.indexer_types = ["full"] * n
+        for name, allowed in (("attention_types", ATTENTION_TYPES), ("indexer_types", INDEXER_TYPES),
+                              ("mlp_layer_types", MLP_LAYER_TYPES)):
+            _check_layer_list(self, name, allowed)
+        self._check_shapes()
+        self._check_moe()
+        self._check_dsa()
+
+    def _check_shapes(self):
+        if self.hidden_act not in HIDDEN_ACTS:
+            _fail("hidden_act", self.hidden_act, f"one of {HIDDEN_ACTS}")
+        if self.qk_rope_head_dim % 2:
+            _fail("qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE rotates pairs)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            _fail("num_key_value_heads", self.num_key_value_heads,
+                  f"a divisor of num_attention_heads={self.num_attention_heads}")
+        if "mla" in self.attention_types:
+            for name in ("q_lora_rank", "kv_lora_rank"):
+                if getattr(self, name) < 1:
+                    _fail(name, getattr(self, name), "at least 1 when any layer is MLA")
+        if self.num_nextn_predict_layers > 1:
+            _fail("num_nextn_predict_layers", self.num_nextn_predict_layers,
+                  "0 or 1 (GLM-5 shares one MTP module across depths)")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            _fail("first_k_dense_replace", self.first_k_dense_replace,
+                  f"at most num_hidden_layers={self.num_hidden_layers}")
+
+    def _check_moe(self):
+        if "sparse" not in self.mlp_layer_types and self.num_nextn_predict_layers == 0:
+            return
+        if "sparse" in self.mlp_layer_types:
+            _positive(self, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group")
+            if self.n_routed_experts % self.n_group:
+                _fail("n_group", self.n_group, f"a divisor of n_routed_experts={self.n_routed_experts}")
+            if self.topk_group > self.n_group:
+                _fail("topk_group", self.topk_group, f"at most n_group={self.n_group}")
+            reachable = self.topk_group * (self.n_routed_experts // self.n_group)
+            if self.num_experts_per_tok > reachable:
+                _fail("num_experts_per_tok", self.num_experts_per_tok,
+                      f"at most n_routed_experts={self.n_routed_experts} (and at most "
+                      f"topk_group * experts per group = {reachable})")
+            if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+                _fail("n_group", self.n_group, "groups of at least 2 experts (group score = sum of top-2)")
+
+    def _check_dsa(self):
+        if self.has_indexer:
+            if self.index_head_dim < self.qk_rope_head_dim:
+                _fail("index_head_dim", self.index_head_dim, f"at least qk_rope_head_dim={self.qk_rope_head_dim}")
+            if "mla" not in self.attention_types:
+                _fail("index_n_heads", self.index_n_heads, "0 when no layer is MLA (DSA runs on MLA layers)")
+        elif self.use_dsa:
+            _fail("use_dsa", True, "False when index_n_heads is 0 (no indexer to select keys)")
+        last_full = None
+        for i, (kind, attn) in enumerate(zip(self.indexer_types, self.attention_types)):
+            if attn != "mla" or not self.has_indexer:
+                continue
+            if kind == "shared" and last_full is None:
+                _fail(f"indexer_types[{i}]", kind, "'full' for the first MLA layer (a shared layer reuses "
+                      "the top-k of an earlier full layer)")
+            if kind == "full":
+                last_full = i
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_n_heads > 0 and self.index_head_dim > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_cache_width(self) -> int:
+        """Values cached per token per MLA layer: latent + shared RoPE key (512 + 64 = 576 in GLM-5)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def gqa_cache_width(self) -> int:
+        """Values cached per token per GQA layer: K and V of every KV head."""
+        return self.num_key_value_heads * (self.qk_head_dim + self.v_head_dim)
+
+    @property
+    def mtp_attention_type(self) -> str:
+        return self.attention_types[-1]
+
+    @property
+    def mtp_mlp_type(self) -> str:
+        return self.mlp_layer_types[-1]
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes` applied and validated (per-layer lists re-derived if their
+        length no longer matches `num_hidden_layers` and they were not given)."""
+        if "num_hidden_layers" in changes:
+            for name in ("attention_types", "indexer_types", "mlp_layer_types"):
+                changes.setdefault(name, None)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        """The named preset (see `glm5lab.presets.PRESETS`), with `overrides` applied.
+
+        Raises ConfigError for an unknown name, listing the known ones."""
+        from glm5lab.presets import preset
+
+        return preset(name, **overrides)
+
+    @classmethod
+    def from_hf(cls, path_or_dict) -> "ModelConfig":
+        """Parse an HF `config.json` (a path to the file or its folder, or the dict).
+
+        Accepts the GLM-5 one unchanged, with its aliases (`index_topk_freq`,
+        `index_skip_topk_offset`, `index_topk_pattern`, `rope_theta`/`rope_parameters`).
+        Raises ConfigError for another `model_type` or an unsupported setting."""
+        from glm5lab.hf_config import config_from_hf
+
+        return config_from_hf(path_or_dict)
+
+    def to_hf(self) -> dict:
+        """The HF `config.json` dict (`model_type` `glm_moe_dsa`) for this config."""
+        from glm5lab.hf_config import config_to_hf
+
+        return config_to_hf(self)
+
+
+def _positive(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            _fail(name, value, "an integer >= 1")
+
+
+def _non_negative(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            _fail(name, value, "an integer >= 0")
+
+
+def _check_layer_list(cfg, name, allowed):
+    values = getattr(cfg, name)
+    if not isinstance(values, (list, tuple)) or len(values) != cfg.num_hidden_layers:
+        _fail(name, values, f"a list of {cfg.num_hidden_layers} entries (one per layer), each one of {allowed}")
+    for i, v in enumerate(values):
+        if v not in allowed:
+            _fail(f"{name}[{i}]", v, f"one of {allowed}")
+    setattr(cfg, name, list(values))

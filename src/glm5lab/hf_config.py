@@ -1,0 +1,134 @@
+"""HF `config.json` (model_type `glm_moe_dsa`) <-> `ModelConfig`.
+
+Reference: transformers' `GlmMoeDsaConfig` (>= 5.24), including its derivation of
+`indexer_types` from `index_topk_pattern` or `index_topk_freq`/`index_skip_topk_offset`, and
+the public GLM-5 config.json (which also carries DeepSeek-style keys such as `scoring_func`,
+`topk_method`, `indexer_rope_interleave`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from glm5lab.config import ConfigError, ModelConfig
+
+MODEL_TYPE = "glm_moe_dsa"
+ARCHITECTURE = "GlmMoeDsaForCausalLM"
+
+# Keys that HF derives from others or that only concern HF's runtime: read and dropped.
+_DERIVED_OR_RUNTIME = {
+    "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "head_dim",
+    "qk_head_dim", "layer_types", "output_router_logits", "attention_dropout", "mlp_bias",
+    "model_type", "rope_parameters", "rope_scaling", "num_experts", "index_topk_freq",
+    "index_skip_topk_offset", "index_topk_pattern", "_name_or_path",
+}
+# Keys whose value changes the math: only the value GLM-5 uses is accepted.
+_MUST_EQUAL = {
+    "scoring_func": ("sigmoid",),
+    "topk_method": ("noaux_tc",),
+    "moe_layer_freq": (1,),
+    "mlp_bias": (False,),
+    "attention_dropout": (0, 0.0),
+}
+_UNSUPPORTED = {
+    "quantization_config": "quantised checkpoints (e.g. GLM-5-FP8) are not supported; use the bf16 one",
+}
+
+
+def _read(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    path = Path(path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def _rope_theta(d: dict) -> float:
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"config field `rope_parameters.rope_type` = {rope_type!r} is not allowed: "
+                          "'default' (GLM-5 uses plain RoPE; YaRN and others are not implemented)")
+    theta = params.get("rope_theta", d.get("rope_theta"))
+    return float(theta) if theta is not None else ModelConfig.rope_theta
+
+
+def _indexer_types(d: dict, n_layers: int) -> list[str] | None:
+    """Same derivation as transformers' GlmMoeDsaConfig.__post_init__."""
+    if d.get("indexer_types") is not None:
+        return list(d["indexer_types"])
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            bad = sorted(set(pattern) - {"F", "S"})
+            if bad:
+                raise ConfigError(f"config field `index_topk_pattern` = {pattern!r} is not allowed: "
+                                  "a string of 'F' (full) and 'S' (shared)")
+            return [{"F": "full", "S": "shared"}[c] for c in pattern]
+        return list(pattern)
+    if "index_topk_freq" not in d and "index_skip_topk_offset" not in d:
+        return None
+    freq = max(int(d.get("index_topk_freq", 1)), 1)
+    offset = int(d.get("index_skip_topk_offset", 2))
+    return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n_layers)]
+
+
+def config_from_hf(path_or_dict) -> ModelConfig:
+    """Parse an HF config.json (path, folder or dict) into a validated `ModelConfig`.
+
+    Raises ConfigError for another model_type, a quantised checkpoint, or a setting whose math
+    glm5lab does not implement; FileNotFoundError when the file is missing."""
+    d = _read(path_or_dict)
+    model_type = d.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise ConfigError(f"config field `model_type` = {model_type!r} is not allowed: {MODEL_TYPE!r} "
+                          "(glm5lab reads GLM-5 / GlmMoeDsa checkpoints)")
+    for key, why in _UNSUPPORTED.items():
+        if d.get(key) is not None:
+            raise ConfigError(f"config field `{key}` is set: {why}")
+    for key, allowed in _MUST_EQUAL.items():
+        if key in d and d[key] not in allowed:
+            raise ConfigError(f"config field `{key}` = {d[key]!r} is not allowed: one of {allowed}")
+    if d.get("num_experts") is not None:
+        d.setdefault("n_routed_experts", d["num_experts"])
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"hf_extra"}
+    kwargs = {k: d[k] for k in names if k in d}
+    kwargs["rope_theta"] = _rope_theta(d)
+    n_layers = int(d.get("num_hidden_layers", ModelConfig.num_hidden_layers))
+    indexer_types = _indexer_types(d, n_layers)
+    if indexer_types is not None:
+        kwargs["indexer_types"] = indexer_types
+    known = names | _DERIVED_OR_RUNTIME | set(_MUST_EQUAL) | set(_UNSUPPORTED)
+    kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in known}
+    return ModelConfig(**kwargs)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The config.json dict transformers' `GlmMoeDsaConfig` reads (plus glm5lab's switches)."""
+    d = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+    d.update(cfg.hf_extra)
+    for f in dataclasses.fields(cfg):
+        if f.name in ("hf_extra", "rope_theta"):
+            continue
+        value = getattr(cfg, f.name)
+        d[f.name] = list(value) if isinstance(value, list) else value
+    d["rope_parameters"] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    d["head_dim"] = cfg.qk_rope_head_dim  # HF's convention: its rotary embedding reads head_dim
+    d["qk_head_dim"] = cfg.qk_head_dim
+    d["layer_types"] = ["indexed_attention"] * cfg.num_hidden_layers
+    return d
+
+
+def save_config(cfg: ModelConfig, folder: Path) -> None:
+    """Write `folder/config.json` atomically."""
+    from glm5lab.io_utils import atomic_write_text
+
+    atomic_write_text(Path(folder) / "config.json", json.dumps(config_to_hf(cfg), indent=2) + "\n")

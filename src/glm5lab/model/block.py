@@ -1,0 +1,36 @@
+"""One pre-norm decoder block: x + Attn(norm(x)), then + MLP/MoE(norm(.)).
+
+The attention kind ("mla" / "gqa"), whether the layer runs its own DSA indexer, and the MLP kind
+("dense" / "sparse") are chosen per layer from the config by the caller.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from glm5lab.config import ModelConfig
+from glm5lab.model.gqa import GQAttention
+from glm5lab.model.mla import MLAttention
+from glm5lab.model.mlp import MLP
+from glm5lab.model.moe import MoE
+from glm5lab.model.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, attention_type: str, has_indexer: bool, mlp_type: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if attention_type == "mla":
+            self.self_attn = MLAttention(cfg, has_indexer=has_indexer)
+        else:
+            self.self_attn = GQAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if mlp_type == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, attn_impl="auto", moe_impl="grouped"):
+        """Returns (x_BTD, topk): the block output and the DSA selection this layer used."""
+        h_BTD, topk = self.self_attn(self.input_layernorm(x_BTD), cos_TR2, sin_TR2, prev_topk=prev_topk, impl=attn_impl)
+        x_BTD = x_BTD + h_BTD
+        h_BTD = self.post_attention_layernorm(x_BTD)
+        h_BTD = self.mlp(h_BTD, impl=moe_impl) if isinstance(self.mlp, MoE) else self.mlp(h_BTD)
+        return x_BTD + h_BTD, topk

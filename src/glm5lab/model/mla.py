@@ -1,0 +1,138 @@
+"""Multi-head Latent Attention (MLA) with DSA.
+
+Legend: B batch, T queries, S keys, H heads, N no-RoPE q/k width (`qk_nope_head_dim`), R RoPE
+width (`qk_rope_head_dim`), V value width (`v_head_dim`), C kv latent (`kv_lora_rank`),
+Q q latent (`q_lora_rank`).
+
+    q:  x -> q_a_proj -> q_a_layernorm (= q_lat, also the indexer's input) -> q_b_proj -> H x (N | R)
+    kv: x -> kv_a_proj_with_mqa -> [c (C) | k_pe (R, one per token)]; c -> kv_a_layernorm
+        naive:    kv_b_proj(c) -> H x (N key | V value); k = [k_nope | k_pe]
+        absorbed: W_uk, W_uv = kv_b_proj split by head; q_c = q_nope W_uk, attention over
+                  [c | k_pe] (C+R = 576 values per token in GLM-5), output o_c W_uv^T
+Only c and k_pe are ever cached. The two paths are the same function of the weights
+(q_nope . (W_uk c) = (q_nope W_uk) . c); `tests/model/test_mla.py` ties them forward and backward.
+
+Source: DeepSeek-V2 section 2.1 (MLA, absorption), DeepSeek-V3 `model.py` (naive/absorb modes),
+transformers' `GlmMoeDsaAttention` (names, RoPE pairing, DSA masking).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glm5lab.config import ModelConfig
+from glm5lab.model.attention import (
+    TopK, attention_causal, attention_gathered, attention_reference, causal_mask, topk_mask,
+)
+from glm5lab.model.dsa import LightningIndexer, select_topk
+from glm5lab.model.norm import RMSNorm
+from glm5lab.model.rope import apply_rope
+
+ATTN_IMPLS = ("auto", "naive", "absorbed")
+
+
+class MLAttention(nn.Module):
+    """MLA self-attention of one layer; with an indexer when `has_indexer` ("full" DSA layer)."""
+
+    def __init__(self, cfg: ModelConfig, *, has_indexer: bool):
+        super().__init__()
+        self.cfg = cfg
+        H, N, R, V, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                         cfg.v_head_dim, cfg.kv_lora_rank)
+        self.n_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = H, N, R, V, C
+        self.scale = cfg.qk_head_dim**-0.5
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (N + R), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, C + R, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(C, eps=1e-6)
+        self.kv_b_proj = nn.Linear(C, H * (N + V), bias=False)
+        self.o_proj = nn.Linear(H * V, cfg.hidden_size, bias=cfg.attention_bias)
+        self.indexer = LightningIndexer(cfg) if has_indexer else None
+
+    def project(self, x_BTD, cos_TR2, sin_TR2):
+        """q_nope_BTHN, q_pe_BTHR, q_lat_BTQ, c_BTC, k_pe_BTR for the tokens in x (RoPE applied)."""
+        B, T, _ = x_BTD.shape
+        q_lat_BTQ = self.q_a_layernorm(self.q_a_proj(x_BTD))
+        q_BTHX = self.q_b_proj(q_lat_BTQ).view(B, T, self.n_heads, self.nope_dim + self.rope_dim)
+        q_nope_BTHN, q_pe_BTHR = q_BTHX.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_BTC, k_pe_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_rank, self.rope_dim], dim=-1)
+        c_BTC = self.kv_a_layernorm(c_BTC)
+        interleaved = self.cfg.rope_interleave
+        q_pe_BTHR = apply_rope(q_pe_BTHR, cos_TR2, sin_TR2, interleaved=interleaved)
+        k_pe_BTR = apply_rope(k_pe_BTR, cos_TR2, sin_TR2, interleaved=interleaved)
+        return q_nope_BTHN, q_pe_BTHR, q_lat_BTQ, c_BTC, k_pe_BTR
+
+    def expand_kv(self, c_BSC, k_pe_BSR):
+        """Naive path: per-head keys k_BSHX (X = N+R) and values v_BSHV from the latent."""
+        B, S, _ = c_BSC.shape
+        kv_BSHY = self.kv_b_proj(c_BSC).view(B, S, self.n_heads, self.nope_dim + self.v_dim)
+        k_nope_BSHN, v_BSHV = kv_BSHY.split([self.nope_dim, self.v_dim], dim=-1)
+        k_pe_BSHR = k_pe_BSR[:, :, None, :].expand(-1, -1, self.n_heads, -1)
+        return torch.cat([k_nope_BSHN, k_pe_BSHR], dim=-1), v_BSHV
+
+    def absorbed_weights(self):
+        """W_uk [H, N, C] and W_uv [H, V, C], views of kv_b_proj.weight."""
+        w_HYC = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        return w_HYC.split([self.nope_dim, self.v_dim], dim=1)
+
+    def attend_naive(self, q_nope, q_pe, c_BSC, k_pe_BSR, *, topk: TopK | None, q_offset: int):
+        """Reference: materialised per-head K/V, explicit mask (causal, and top-k when given)."""
+        k_BSHX, v_BSHV = self.expand_kv(c_BSC, k_pe_BSR)
+        q_BTHX = torch.cat([q_nope, q_pe], dim=-1)
+        T, S = q_BTHX.shape[1], k_BSHX.shape[1]
+        mask = causal_mask(T, S, q_offset, q_BTHX.device)[None]
+        if topk is not None:
+            mask = mask & topk_mask(topk, S)
+        return attention_reference(q_BTHX, k_BSHX, v_BSHV, scale=self.scale, mask_BTS=mask)
+
+    def attend_absorbed(self, q_nope, q_pe, c_BSC, k_pe_BSR, *, topk: TopK | None, q_offset: int):
+        """Fast path: attention in the latent space (one 576-wide key per token for all heads);
+        only the selected keys are gathered when `topk` is given."""
+        w_uk_HNC, w_uv_HVC = self.absorbed_weights()
+        q_c_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HNC)
+        q_BTHX = torch.cat([q_c_BTHC, q_pe], dim=-1)
+        k_BS1X = torch.cat([c_BSC, k_pe_BSR], dim=-1)[:, :, None, :]
+        v_BS1C = c_BSC[:, :, None, :]
+        if topk is None:
+            o_BTHC = attention_causal(q_BTHX, k_BS1X, v_BS1C, scale=self.scale, q_offset=q_offset)
+        else:
+            o_BTHC = attention_gathered(q_BTHX, k_BS1X, v_BS1C, scale=self.scale, topk=topk)
+        return torch.einsum("bthc,hvc->bthv", o_BTHC, w_uv_HVC)
+
+    def select(self, x_BTD, q_lat_BTQ, cos_TR2, sin_TR2, *, prev_topk: TopK | None) -> TopK:
+        """The top-k for this layer: its own indexer ("full" layer), else the earlier full
+        layer's (IndexCache "shared" layer). Selection is discrete: no gradient flows here."""
+        if self.indexer is None:
+            if prev_topk is None:
+                raise ValueError("a 'shared' DSA layer needs the top-k of an earlier 'full' layer")
+            return prev_topk
+        with torch.no_grad():
+            k_BSJ = self.indexer.keys(x_BTD, cos_TR2, sin_TR2)
+            scores_BTS = self.indexer.scores(x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2)
+        return select_topk(scores_BTS, self.cfg.index_topk)
+
+    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk: TopK | None = None, impl: str = "auto"):
+        """Causal self-attention over x (positions 0..T-1). Returns (out_BTD, topk or None).
+
+        DSA is active when `use_dsa` and T > index_topk (otherwise top-k keeps every causal key
+        and attention is exactly dense). impl: "naive" (reference, as transformers' eager path),
+        "absorbed" (latent space, gathered top-k), "auto" (absorbed when sparse, naive K/V with
+        SDPA when dense). Raises ValueError for an unknown impl."""
+        if impl not in ATTN_IMPLS:
+            raise ValueError(f"attention impl {impl!r} is not allowed: one of {ATTN_IMPLS}")
+        B, T, _ = x_BTD.shape
+        q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, cos_TR2, sin_TR2)
+        topk = None
+        if self.cfg.use_dsa and T > self.cfg.index_topk:
+            topk = self.select(x_BTD, q_lat, cos_TR2, sin_TR2, prev_topk=prev_topk)
+        if impl == "naive":
+            o_BTHV = self.attend_naive(q_nope, q_pe, c_BTC, k_pe_BTR, topk=topk, q_offset=0)
+        elif impl == "absorbed" or topk is not None:
+            o_BTHV = self.attend_absorbed(q_nope, q_pe, c_BTC, k_pe_BTR, topk=topk, q_offset=0)
+        else:
+            k_BTHX, v_BTHV = self.expand_kv(c_BTC, k_pe_BTR)
+            q_BTHX = torch.cat([q_nope, q_pe], dim=-1)
+            o_BTHV = attention_causal(q_BTHX, k_BTHX, v_BTHV, scale=self.scale)
+        return self.o_proj(o_BTHV.reshape(B, T, -1)), topk

@@ -1,0 +1,132 @@
+"""`GLM5ForCausalLM`: embedding, decoder blocks chosen per layer from the config, final norm,
+output head, and the shared-parameter MTP module.
+
+Legend: B batch, T positions, D hidden, V vocab.
+Parameter names equal transformers' `GlmMoeDsaForCausalLM` except the routed experts (kept as
+3-D tensors here) and the MTP layer (`model.mtp_layers.0` here, `model.layers.{N}` in the
+checkpoint); `glm5lab.hf` holds the mapping. Single device, no globals: FSDP, compile and
+activation checkpointing are applied from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glm5lab.config import ModelConfig
+from glm5lab.model.block import DecoderLayer
+from glm5lab.model.moe import Experts, Router
+from glm5lab.model.mtp import MTPLayer, mtp_unroll
+from glm5lab.model.norm import RMSNorm
+from glm5lab.model.rope import rope_angles
+
+
+@dataclass
+class CausalLMOutput:
+    """logits [B, T, V]; mtp_logits[j-1] [B, T-j, V] predicts token t+j+1 (empty unless asked);
+    hidden_states [B, T, D] after the final norm (the MTP module's z^(0))."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class GLM5Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([
+            DecoderLayer(cfg, attention_type=cfg.attention_types[i], mlp_type=cfg.mlp_layer_types[i],
+                         has_indexer=cfg.has_indexer and cfg.indexer_types[i] == "full")
+            for i in range(cfg.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mtp_layers = nn.ModuleList([MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
+
+
+class GLM5ForCausalLM(nn.Module):
+    """The GLM-5 causal LM. `GLM5ForCausalLM(config)` builds it with random weights (normal,
+    std `initializer_range`; norms 1; biases and router bias 0) on the current default device;
+    build under `torch.device("meta")` to count a full-size model without memory."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = GLM5Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+            elif isinstance(m, (RMSNorm, nn.LayerNorm)):
+                m.weight.fill_(1.0)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+            elif isinstance(m, Experts):
+                for p in (m.gate_proj, m.up_proj, m.down_proj):
+                    p.normal_(0.0, std)
+            elif isinstance(m, Router):
+                m.weight.normal_(0.0, std)
+                m.e_score_correction_bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, *, mtp_depth: int = 0, attn_impl: str = "auto",
+                moe_impl: str = "grouped") -> CausalLMOutput:
+        """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings.
+
+        mtp_depth: unroll the MTP module this many times (0 = none; needs
+        num_nextn_predict_layers = 1). attn_impl: "auto" | "naive" | "absorbed" (see
+        `MLAttention.forward`); moe_impl: "grouped" | "loop". Raises ValueError on bad ids/shapes."""
+        self._check_input(input_ids, mtp_depth)
+        cfg, T = self.config, input_ids.shape[1]
+        cos_TR2, sin_TR2 = rope_angles(torch.arange(T, device=input_ids.device), cfg.qk_rope_head_dim, cfg.rope_theta)
+        x_BTD = self.model.embed_tokens(input_ids)
+        topk = None
+        for layer in self.model.layers:
+            x_BTD, layer_topk = layer(x_BTD, cos_TR2, sin_TR2, prev_topk=topk, attn_impl=attn_impl, moe_impl=moe_impl)
+            topk = layer_topk if layer_topk is not None else topk
+        h_BTD = self.model.norm(x_BTD)
+        out = CausalLMOutput(logits=self.lm_head(h_BTD), hidden_states=h_BTD)
+        if mtp_depth:
+            out.mtp_logits = mtp_unroll(self.model.mtp_layers[0], self.model.embed_tokens, self.lm_head, h_BTD,
+                                        input_ids, mtp_depth, cos_TR2, sin_TR2, attn_impl=attn_impl, moe_impl=moe_impl)
+        return out
+
+    def _check_input(self, input_ids: torch.Tensor, mtp_depth: int) -> None:
+        cfg = self.config
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        T = input_ids.shape[1]
+        if not 1 <= T <= cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {T} is not allowed: 1..max_position_embeddings={cfg.max_position_embeddings}")
+        if input_ids.device.type != "meta" and input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got min {lo} max {hi}")
+        if mtp_depth < 0 or (mtp_depth and cfg.num_nextn_predict_layers == 0):
+            raise ValueError(f"mtp_depth={mtp_depth} is not allowed: 0, or >= 1 when the model has an MTP "
+                             f"layer (num_nextn_predict_layers={cfg.num_nextn_predict_layers})")
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, mtp: bool | None = None):
+        """Load an HF-layout folder (config.json + safetensors, sharded or not). See `glm5lab.hf.load_pretrained`."""
+        from glm5lab.hf import load_pretrained
+
+        return load_pretrained(cls, path, dtype=dtype, device=device, mtp=mtp)
+
+    def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
+        """Write config.json + safetensors in the layout transformers reads. See `glm5lab.hf.save_pretrained`."""
+        from glm5lab.hf import save_pretrained
+
+        return save_pretrained(self, path, max_shard_bytes=max_shard_bytes)

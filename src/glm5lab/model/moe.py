@@ -1,0 +1,142 @@
+"""Mixture of experts: sigmoid router with selection-only bias, routed experts, shared expert.
+
+Legend: N tokens, D hidden, E routed experts, K experts per token (`num_experts_per_tok`),
+I expert width (`moe_intermediate_size`), C capacity (most tokens any expert got this call).
+
+Router (DeepSeek-V3 "noaux_tc", as transformers' `GlmMoeDsaTopkRouter`), all in fp32:
+    s = sigmoid(x W_r^T);  choice = s + e_score_correction_bias   (bias: selection only)
+    group-limited: keep the `topk_group` groups with the largest sum of their top-2 choices
+    idx = top-K of choice;  w = s[idx] / (sum s[idx] + 1e-20) if norm_topk_prob;  w *= routed_scaling_factor
+Ties go to the lower expert index. The bias is a buffer (not trained by backprop); aux-loss-free
+balancing nudges it from outside using `MoE.last_load`.
+
+Experts: two implementations with one signature, tied by `tests/model/test_moe.py`:
+`experts_loop` (reference: one matmul per expert over its tokens) and `experts_grouped` (sort
+the N*K assignments by expert, pad each expert's bucket to C rows, three batched matmuls, no
+Python loop). Source: DeepSeek-V3 section 2.1.2; GShard-style capacity buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5lab.config import ModelConfig
+from glm5lab.model.mlp import MLP
+
+EXPERT_IMPLS = ("grouped", "loop")
+
+
+def _topk_by_position(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries along the last dim; ties to the lower index."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # Router weight and bias stay fp32 whatever dtype the model is cast to (as in transformers).
+        super()._apply(fn, recurse)
+        self.weight.data = self.weight.data.float()
+        self.e_score_correction_bias = self.e_score_correction_bias.float()
+        return self
+
+    def forward(self, x_ND: torch.Tensor):
+        """Returns (w_NK fp32 combine weights, idx_NK int64 expert ids, scores_NE fp32 sigmoid)."""
+        N, E = x_ND.shape[0], self.weight.shape[0]
+        scores_NE = F.linear(x_ND.float(), self.weight.float()).sigmoid()
+        choice_NE = scores_NE.detach() + self.e_score_correction_bias
+        if self.n_group > 1:
+            choice_NGe = choice_NE.view(N, self.n_group, E // self.n_group)
+            group_scores_NG = choice_NGe.topk(2, dim=-1).values.sum(-1)
+            keep_NG = torch.zeros_like(group_scores_NG, dtype=torch.bool)
+            keep_NG.scatter_(1, _topk_by_position(group_scores_NG, self.topk_group), True)
+            choice_NE = choice_NGe.masked_fill(~keep_NG[..., None], float("-inf")).view(N, E)
+        idx_NK = _topk_by_position(choice_NE, self.top_k)
+        w_NK = scores_NE.gather(1, idx_NK)
+        if self.norm_topk_prob:
+            w_NK = w_NK / (w_NK.sum(-1, keepdim=True) + 1e-20)
+        return w_NK * self.scaling, idx_NK, scores_NE
+
+
+def _expert_ffn(x, gate_IxD, up_IxD, down_DxI):
+    return (F.silu(x @ gate_IxD.mT) * (x @ up_IxD.mT)) @ down_DxI.mT
+
+
+def experts_loop(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
+    """Reference: y_n = sum_k w_nk * FFN_{idx_nk}(x_n), one expert at a time. Returns y_ND in x's dtype."""
+    y_ND = torch.zeros_like(x_ND)
+    for e in range(gate_EID.shape[0]):
+        tok, slot = torch.where(idx_NK == e)
+        if tok.numel() == 0:
+            continue
+        h = _expert_ffn(x_ND[tok], gate_EID[e], up_EID[e], down_EDI[e])
+        y_ND = y_ND.index_add(0, tok, (h * w_NK[tok, slot, None]).to(x_ND.dtype))
+    return y_ND
+
+
+def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
+    """Same result as `experts_loop` with no Python loop: assignments sorted by expert into a
+    [E, C, D] buffer (C = the busiest expert's count), three bmm, then a weighted scatter-add."""
+    N, K = idx_NK.shape
+    E, D = gate_EID.shape[0], x_ND.shape[1]
+    e_A = idx_NK.reshape(-1)
+    order_A = torch.argsort(e_A, stable=True)
+    e_sorted_A, tok_A = e_A[order_A], order_A // K
+    counts_E = torch.bincount(e_A, minlength=E)
+    C = int(counts_E.max())
+    starts_E = counts_E.cumsum(0) - counts_E
+    slot_A = torch.arange(N * K, device=x_ND.device) - starts_E[e_sorted_A]
+    x_ECD = x_ND.new_zeros(E, C, D).index_put((e_sorted_A, slot_A), x_ND[tok_A])
+    h_ECI = F.silu(torch.bmm(x_ECD, gate_EID.mT)) * torch.bmm(x_ECD, up_EID.mT)
+    y_ECD = torch.bmm(h_ECI, down_EDI.mT)
+    y_AD = y_ECD[e_sorted_A, slot_A] * w_NK.reshape(-1)[order_A, None]
+    return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
+
+
+class Experts(nn.Module):
+    """Routed experts as 3-D weights (one [I, D] / [D, I] matrix per expert); the checkpoint keeps
+    them per expert (`experts.{e}.gate_proj.weight`), see `glm5lab.hf`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_proj = nn.Parameter(torch.empty(E, I, D))
+        self.up_proj = nn.Parameter(torch.empty(E, I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def forward(self, x_ND, idx_NK, w_NK, *, impl: str = "grouped"):
+        if impl not in EXPERT_IMPLS:
+            raise ValueError(f"experts impl {impl!r} is not allowed: one of {EXPERT_IMPLS}")
+        fn = experts_grouped if impl == "grouped" else experts_loop
+        return fn(x_ND, idx_NK, w_NK, self.gate_proj, self.up_proj, self.down_proj)
+
+
+class MoE(nn.Module):
+    """Routed experts + always-on shared expert. After each forward, `last_load` holds the
+    number of tokens routed to each expert (int64 [E], no grad) for load balancing and logging."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        width = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = MLP(cfg.hidden_size, width) if width else None
+        self.last_load: torch.Tensor | None = None
+
+    def forward(self, x_BTD: torch.Tensor, *, impl: str = "grouped") -> torch.Tensor:
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        w_NK, idx_NK, _ = self.gate(x_ND)
+        self.last_load = torch.bincount(idx_NK.reshape(-1), minlength=self.experts.gate_proj.shape[0]).detach()
+        y_ND = self.experts(x_ND, idx_NK, w_NK, impl=impl)
+        if self.shared_experts is not None:
+            y_ND = y_ND + self.shared_experts(x_ND)
+        return y_ND.view_as(x_BTD)

@@ -1,0 +1,65 @@
+"""Shared-parameter multi-token prediction (MTP).
+
+Legend: B batch, T positions, D hidden, V vocab, j depth (1..D_mtp).
+
+One module phi (DeepSeek-V3 layout: `enorm`, `hnorm`, `eh_proj`, one decoder block,
+`shared_head.norm`; embedding and output head shared with the main model) is applied
+recursively:
+    z^(0) = main model's final hidden state (after its final norm, as vLLM/SGLang feed it)
+    z^(j)_t = Block(eh_proj([enorm(emb(x_{t+j})) ; hnorm(z^(j-1)_t)]))
+    logits^(j)_t = lm_head(shared_head.norm(z^(j)_t))  predicts x_{t+j+1}
+Depth j is computed on positions t = 0..T-1-j only (where x_{t+j} exists), so its logits are
+[B, T-j, V]; the last one predicts the token after the sequence. The same parameters serve
+every depth: the report's "unrolled 3 times in training", and the draft head of speculative
+decoding. Source: DeepSeek-V3 section 2.2; the seed's `SharedMTP` example (semantics kept as a
+test); GLM-5 report (shared-parameter MTP).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glm5lab.config import ModelConfig
+from glm5lab.model.block import DecoderLayer
+from glm5lab.model.norm import RMSNorm
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """The MTP module: a decoder block (checkpoint layer index `num_hidden_layers`) plus
+    `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`. It copies the last main layer's
+    attention and MLP kind and runs its own indexer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, attention_type=cfg.mtp_attention_type, has_indexer=cfg.has_indexer,
+                         mlp_type=cfg.mtp_mlp_type)
+        self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def step(self, z_BLD, emb_BLD, cos_LR2, sin_LR2, **impls) -> torch.Tensor:
+        """One depth: the next z [B, L, D] from the previous z and the next tokens' embeddings."""
+        joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(z_BLD)], dim=-1)
+        z_BLD, _ = self(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **impls)
+        return z_BLD
+
+
+def mtp_unroll(mtp_layer, embed, lm_head, z0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **impls):
+    """Logits of depths 1..depth (list; depth j: [B, T-j, V]), one shared parameter set.
+    Depths with no position left (j >= T) are omitted. Raises ValueError for depth < 1."""
+    if depth < 1:
+        raise ValueError(f"mtp depth must be >= 1, got {depth}")
+    T = input_ids_BT.shape[1]
+    z_BLD, logits = z0_BTD, []
+    for j in range(1, min(depth, T - 1) + 1):
+        L = T - j
+        z_BLD = mtp_layer.step(z_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **impls)
+        logits.append(lm_head(mtp_layer.shared_head.norm(z_BLD)))
+    return logits

@@ -1,0 +1,20 @@
+"""RMSNorm (reference: transformers' GlmMoeDsaRMSNorm / DeepSeek-V3 `model.py`).
+
+Shapes: x_*D -> same shape and dtype. The statistic is computed in fp32 whatever the input
+dtype; the weight multiplies after casting back, exactly as transformers does.
+"""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)

@@ -1,0 +1,87 @@
+"""Named configurations. `tiny` and `small` run on a 2-core CPU; the others are full-size shapes
+for the ledger (build them on the meta device).
+
+Sources: GLM-5 = the public `zai-org/GLM-5` config.json and the report's appendix table;
+GLM-4.5 = its report/config (GQA 96 heads, 8 KV heads, head 128 with RoPE on half, QK-norm,
+qkv bias, 160 experts); the proxy variants follow the report's MLA ablation (section on
+MLA-256): `mla-192` = 96 heads of QK 128+64 / V 128, `mla-256` = 64 heads of QK 192+64 / V 256,
+`gqa-8` = 96 heads with 8 KV heads of 128 (2048 cached values per token per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from glm5lab.config import ConfigError, ModelConfig
+
+
+def glm5() -> ModelConfig:
+    return ModelConfig(eos_token_id=[154820, 154827, 154829])
+
+
+def glm4_5() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=151552, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8, q_lora_rank=0,
+        kv_lora_rank=0, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=160,
+        attention_types=["gqa"] * 92, attention_bias=True, use_qk_norm=True, index_n_heads=0,
+        index_head_dim=0, use_dsa=False, max_position_embeddings=131072,
+    )
+
+
+def mla_256() -> ModelConfig:
+    """GLM-5's attention shape without DSA: 64 heads, QK 192+64, V 256."""
+    return ModelConfig(use_dsa=False, index_n_heads=0, index_head_dim=0)
+
+
+def mla_192() -> ModelConfig:
+    """The DeepSeek-V3-like MLA shape the report starts from: 96 heads, QK 128+64, V 128."""
+    return mla_256().replace(num_attention_heads=96, num_key_value_heads=96, qk_nope_head_dim=128, v_head_dim=128)
+
+
+def gqa_8() -> ModelConfig:
+    """The report's GQA-8 proxy: 96 heads, 8 KV heads of width 128 (64 no-RoPE + 64 RoPE)."""
+    return mla_256().replace(
+        attention_types=["gqa"] * 78, num_attention_heads=96, num_key_value_heads=8, q_lora_rank=0,
+        kv_lora_rank=0, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
+    )
+
+
+def tiny() -> ModelConfig:
+    """For tests: 4 layers (1 dense, 3 MoE), DSA with top-8 and full/shared indexer layers, MTP."""
+    return ModelConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        first_k_dense_replace=1, index_topk=8, index_n_heads=4, index_head_dim=16,
+        indexer_types=["full", "shared", "full", "shared"], rope_theta=10000.0, max_position_embeddings=2048,
+    )
+
+
+def small() -> ModelConfig:
+    """The default training model: about 5M activated parameters, every lever on (MoE with a
+    shared expert, MLA, DSA with top-64 below the 256-token training length, index sharing, MTP)."""
+    return ModelConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=2,
+        first_k_dense_replace=1, index_topk=64, index_n_heads=4, index_head_dim=32,
+        indexer_types=["full", "full", "shared", "full", "shared", "full"], rope_theta=10000.0,
+        max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
+    )
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "glm5": glm5, "glm4.5": glm4_5, "mla-256": mla_256, "mla-192": mla_192, "gqa-8": gqa_8,
+    "tiny": tiny, "small": small,
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The preset `name` with `overrides` (ModelConfig fields) applied and validated.
+
+    Raises ConfigError for an unknown name (listing the known ones) or a bad override."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    cfg = PRESETS[name]()
+    return cfg.replace(**overrides) if overrides else cfg
