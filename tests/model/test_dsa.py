@@ -1,0 +1,64 @@
+"""DSA selection: deterministic top-k with ties by position; the indexer against
+transformers' GlmMoeDsaIndexer; shared layers reuse the top-k."""
+
+import pytest
+import torch
+
+from glm5lab import ModelConfig
+from glm5lab.model.attention import causal_mask
+from glm5lab.model.dsa import LightningIndexer, select_topk
+from glm5lab.model.rope import rope_angles
+
+
+def test_topk_ties_break_by_position_and_invalid_slots_are_marked():
+    s = torch.tensor([[[1.0, -1, -1, -1, -1],
+                       [2.0, 2.0, -1, -1, -1],
+                       [0.0, 3.0, 0.0, -1, -1],
+                       [0.0, 0.0, 0.0, 0.0, -1],
+                       [5.0, 0.0, 5.0, 0.0, 5.0]]])
+    s = s.masked_fill(~causal_mask(5, 5, 0, "cpu"), float("-inf"))
+    topk = select_topk(s, 3)
+    assert topk.idx_BTK[0, 1, :2].tolist() == [0, 1]
+    assert topk.idx_BTK[0, 2].tolist() == [1, 0, 2]
+    assert topk.idx_BTK[0, 3].tolist() == [0, 1, 2]
+    assert topk.idx_BTK[0, 4].tolist() == [0, 2, 4]
+    assert topk.valid_BTK[0].sum(-1).tolist() == [1, 2, 3, 3, 3]
+
+
+def test_topk_is_min_k_and_s_and_refuses_k_below_one():
+    s = torch.zeros(1, 2, 2).masked_fill(~causal_mask(2, 2, 0, "cpu"), float("-inf"))
+    assert select_topk(s, 10).idx_BTK.shape == (1, 2, 2)
+    with pytest.raises(ValueError, match="index_topk must be >= 1"):
+        select_topk(s, 0)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_indexer_matches_transformers(interleaved):
+    from transformers import GlmMoeDsaConfig
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
+
+    cfg = ModelConfig.from_preset("tiny", indexer_rope_interleave=interleaved)
+    hf_cfg = GlmMoeDsaConfig.from_dict(cfg.to_hf())
+    torch.manual_seed(0)
+    ours = LightningIndexer(cfg)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    if interleaved:
+        theirs = GlmMoeDsaIndexer(hf_cfg, 0)
+    else:
+        from transformers import DeepseekV32Config
+        theirs = DeepseekV32Indexer(DeepseekV32Config(**{k: v for k, v in cfg.to_hf().items() if k != "model_type"}), 0)
+    theirs.load_state_dict(ours.state_dict())
+    B, T = 2, 11
+    x, q_lat = torch.randn(B, T, cfg.hidden_size), torch.randn(B, T, cfg.q_lora_rank)
+    pos = torch.arange(T)
+    cos, sin = rope_angles(pos, cfg.qk_rope_head_dim, cfg.rope_theta)
+    scores = ours.scores(x, q_lat, ours.keys(x, cos, sin), cos, sin)
+    ours_idx = select_topk(scores, cfg.index_topk)
+    rope = GlmMoeDsaRotaryEmbedding(hf_cfg)
+    mask = torch.where(causal_mask(T, T, 0, "cpu"), 0.0, float("-inf"))[None].expand(B, T, T)
+    their_idx = theirs(x, q_lat, rope(x, pos[None]), mask, pos[None])
+    for b in range(B):
+        for t in range(cfg.index_topk, T):  # rows with more causal keys than K: a real choice
+            assert sorted(ours_idx.idx_BTK[b, t].tolist()) == sorted(their_idx[b, t].tolist())

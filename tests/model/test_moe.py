@@ -1,0 +1,108 @@
+"""MoE: router against transformers' GlmMoeDsaTopkRouter (incl. group-limited routing), the
+grouped expert path against the per-expert loop (forward and backward), the whole block against
+transformers' GlmMoeDsaMoE, and the router's fp32 and selection-only bias rules."""
+
+import pytest
+import torch
+
+from glm5lab import ModelConfig
+from glm5lab.model.moe import MoE, Router, experts_grouped, experts_loop
+from tests.conftest import assert_close, grads
+
+
+def _cfg(**changes):
+    return ModelConfig.from_preset("tiny", **changes)
+
+
+def _hf(cfg):
+    from transformers import GlmMoeDsaConfig
+
+    return GlmMoeDsaConfig.from_dict(cfg.to_hf())
+
+
+@pytest.mark.parametrize("changes", [{}, dict(n_group=4, topk_group=2, num_experts_per_tok=3),
+                                     dict(norm_topk_prob=False, routed_scaling_factor=1.7)])
+def test_router_matches_transformers(changes):
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+    cfg = _cfg(**changes)
+    torch.manual_seed(0)
+    ours = Router(cfg)
+    torch.nn.init.normal_(ours.weight)
+    ours.e_score_correction_bias.normal_(std=0.3)
+    theirs = GlmMoeDsaTopkRouter(_hf(cfg))
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(37, cfg.hidden_size)
+    w, idx, _ = ours(x)
+    _, w_hf, idx_hf = theirs(x)
+    order, order_hf = idx.argsort(-1), idx_hf.argsort(-1)
+    assert torch.equal(idx.gather(1, order), idx_hf.gather(1, order_hf))
+    assert_close(w.gather(1, order), w_hf.gather(1, order_hf))
+
+
+def test_bias_steers_selection_but_not_weights():
+    cfg = _cfg()
+    torch.manual_seed(1)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(5, cfg.hidden_size)
+    router.e_score_correction_bias[3] = 100.0
+    w, idx, scores = router(x)
+    assert (idx == 3).any(-1).all()
+    chosen = scores.gather(1, idx)
+    expected = chosen / chosen.sum(-1, keepdim=True) * cfg.routed_scaling_factor
+    assert_close(w, expected)
+    assert_close(w.sum(-1), torch.full((5,), cfg.routed_scaling_factor))
+
+
+def test_router_stays_fp32_when_model_is_cast():
+    router = Router(_cfg()).to(torch.bfloat16)
+    assert router.weight.dtype == torch.float32 and router.e_score_correction_bias.dtype == torch.float32
+    assert isinstance(router.weight, torch.nn.Parameter)
+    assert "e_score_correction_bias" not in dict(router.named_parameters())
+
+
+@pytest.mark.parametrize("N", [1, 2, 7, 33])
+@pytest.mark.parametrize("E,K", [(8, 2), (5, 3), (3, 3)])
+def test_grouped_equals_loop_forward_and_backward(N, E, K):
+    g = torch.Generator().manual_seed(N * 10 + E)
+    D, I = 6, 5
+    x = torch.randn(N, D, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    w = torch.rand(N, K, generator=g, requires_grad=True)
+    weights = [torch.randn(E, I, D, generator=g, requires_grad=True), torch.randn(E, I, D, generator=g, requires_grad=True),
+               torch.randn(E, D, I, generator=g, requires_grad=True)]
+    ref = experts_loop(x, idx, w, *weights)
+    out = experts_grouped(x, idx, w, *weights)
+    assert_close(out, ref)
+    for a, b in zip(grads(out, x, w, *weights), grads(ref, x, w, *weights)):
+        assert_close(a, b)
+
+
+def test_grouped_loop_tie_catches_a_wrong_expert():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 6, generator=g), torch.rand(4, 2, generator=g)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
+    weights = [torch.randn(4, 5, 6, generator=g), torch.randn(4, 5, 6, generator=g), torch.randn(4, 6, 5, generator=g)]
+    with pytest.raises(AssertionError):
+        assert_close(experts_grouped(x, (idx + 1) % 4, w, *weights), experts_loop(x, idx, w, *weights))
+
+
+def test_moe_block_matches_transformers_and_records_load():
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaMoE
+
+    cfg = _cfg()
+    torch.manual_seed(2)
+    ours = MoE(cfg)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    theirs = GlmMoeDsaMoE(_hf(cfg))
+    sd = {k: v for k, v in ours.state_dict().items() if not k.startswith("experts.")}
+    sd["experts.gate_up_proj"] = torch.cat([ours.experts.gate_proj, ours.experts.up_proj], dim=1).detach()
+    sd["experts.down_proj"] = ours.experts.down_proj.detach()
+    theirs.load_state_dict(sd)
+    x = torch.randn(2, 9, cfg.hidden_size)
+    assert_close(ours(x), theirs(x))
+    assert_close(ours(x, impl="loop"), theirs(x))
+    assert ours.last_load.sum().item() == 2 * 9 * cfg.num_experts_per_tok
+    assert ours.last_load.shape == (cfg.n_routed_experts,)

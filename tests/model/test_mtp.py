@@ -1,0 +1,75 @@
+"""Shared-parameter MTP: the seed's `SharedMTP` semantics (one parameter set, D depths, stacked
+per-depth logits), our recursion against a hand-written one, and causality (depth j at position t
+sees tokens up to t+j only)."""
+
+import torch
+import torch.nn as nn
+
+from glm5lab import GLM5ForCausalLM
+from glm5lab.model.rope import rope_angles
+from tests.conftest import assert_close
+
+
+class SharedMTP(nn.Module):
+    """The seed's minimal example (../shared/seed), kept as the statement of the semantics."""
+
+    def __init__(self, width, vocab):
+        super().__init__()
+        self.token = nn.Embedding(vocab, width)
+        self.block = nn.Linear(2 * width, width, bias=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, hidden, future_ids, steps=3):
+        state, logits = hidden, []
+        for step in range(steps):
+            joined = torch.cat([state, self.token(future_ids[:, step])], dim=-1)
+            state = torch.tanh(self.block(joined))
+            logits.append(self.head(state))
+        return torch.stack(logits, dim=1)
+
+
+def test_seed_shared_mtp_example_properties():
+    torch.manual_seed(0)
+    mtp = SharedMTP(width=4, vocab=11)
+    output = mtp(torch.randn(2, 4), torch.tensor([[1, 2, 3], [3, 2, 1]]))
+    assert output.shape == (2, 3, 11)
+    assert sum(p.numel() for p in mtp.parameters()) == 11 * 4 + 8 * 4 + 4 * 11
+
+
+def test_one_parameter_set_serves_every_depth(tiny_model):
+    ids = torch.randint(0, 256, (2, 12))
+    n_params = sum(p.numel() for p in tiny_model.parameters())
+    out = tiny_model(ids, mtp_depth=3)
+    assert [t.shape for t in out.mtp_logits] == [(2, 11, 256), (2, 10, 256), (2, 9, 256)]
+    assert sum(p.numel() for p in tiny_model.parameters()) == n_params
+    out.mtp_logits[2].sum().backward()  # depth 3 alone trains the one shared module
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for n, p in tiny_model.model.mtp_layers[0].named_parameters() if "indexer" not in n)
+
+
+def test_recursion_matches_hand_written_unroll(tiny_model):
+    m, ids = tiny_model, torch.randint(0, 256, (1, 10))
+    out = m(ids, mtp_depth=3, attn_impl="naive", moe_impl="loop")
+    layer = m.model.mtp_layers[0]
+    cos, sin = rope_angles(torch.arange(10), m.config.qk_rope_head_dim, m.config.rope_theta)
+    z = out.hidden_states
+    for j in (1, 2, 3):
+        L = 10 - j
+        h = layer.eh_proj(torch.cat([layer.enorm(m.model.embed_tokens(ids[:, j:])), layer.hnorm(z[:, :L])], -1))
+        z, _ = super(type(layer), layer).forward(h, cos[:L], sin[:L], attn_impl="naive", moe_impl="loop")
+        assert_close(out.mtp_logits[j - 1], m.lm_head(layer.shared_head.norm(z)))
+
+
+def test_depth_j_at_t_sees_tokens_up_to_t_plus_j_only(tiny_model):
+    torch.manual_seed(3)
+    ids = torch.randint(0, 256, (1, 14))
+    base = tiny_model(ids, mtp_depth=3)
+    t = 4
+    for j in (1, 2, 3):
+        changed = ids.clone()
+        changed[0, t + j + 1:] = (changed[0, t + j + 1:] + 1) % 256
+        out = tiny_model(changed, mtp_depth=3)
+        assert_close(out.mtp_logits[j - 1][:, : t + 1], base.mtp_logits[j - 1][:, : t + 1])
+        changed[0, t + j] = (changed[0, t + j] + 1) % 256
+        out = tiny_model(changed, mtp_depth=3)
+        assert (out.mtp_logits[j - 1][0, t] - base.mtp_logits[j - 1][0, t]).abs().max() > 1e-6
