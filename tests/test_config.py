@@ -135,3 +135,19 @@ def test_transformers_reads_our_config():
                  "n_routed_experts", "routed_scaling_factor", "first_k_dense_replace"):
         assert getattr(theirs, name) == getattr(ours, name), name
     assert theirs.rope_parameters["rope_theta"] == ours.rope_theta
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[1, 2]", "must hold a JSON object, got list"),
+    ('{"model_type": "glm_moe_dsa", "num_hidden_layers": null}', "`num_hidden_layers` = None"),
+    ('{"model_type": "glm_moe_dsa", "rope_parameters": 5}', "`rope_parameters` = 5"),
+    ('{"model_type": "glm_moe_dsa", "hidden_size": "big"}', "`hidden_size` = 'big'"),
+    ('{"model_type": "glm_moe_dsa", "indexer_types": 3}', "indexer_types"),
+])
+def test_malformed_config_json_is_a_config_error(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_hf(tmp_path)

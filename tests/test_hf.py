@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 
 from glm5lab import ConfigError, GLM5ForCausalLM, ModelConfig
 from glm5lab.hf import CheckpointError, read_checkpoint
-from glm5lab.model.rope import rope_angles
 from tests.conftest import HF_LOGITS_ATOL, assert_close
 
 T = 24  # > index_topk = 8 of the tiny preset: DSA is active in every layer
@@ -204,3 +203,19 @@ def test_mtp_true_requires_weights(hf_folder):
 def test_save_leaves_no_temp_files(tiny_model, tmp_path):
     tiny_model.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    cfg = ModelConfig.from_preset("tiny", tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = GLM5ForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in read_checkpoint(tmp_path)
+    loaded = GLM5ForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = _ids(6)
+    with torch.no_grad():
+        ours = loaded(ids).logits
+        assert_close(ours, model(ids).logits, atol=0, rtol=0)
+    assert (ours - _hf_logits(tmp_path, ids)).abs().max() < HF_LOGITS_ATOL

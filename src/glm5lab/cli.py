@@ -27,11 +27,7 @@ def load_config(preset: str | None, config: str | None) -> tuple[ModelConfig, st
     if config is None:
         name = preset or "glm5"
         return ModelConfig.from_preset(name), name
-    try:
-        return ModelConfig.from_hf(config), config
-    except (TypeError, AttributeError) as e:
-        # from_hf assumes a JSON object with well-typed values; anything else is a malformed file.
-        raise ConfigError(f"{config}: malformed config.json ({e})") from None
+    return ModelConfig.from_hf(config), config
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:

@@ -163,7 +163,7 @@ class ModelConfig:
         elif self.use_dsa:
             _fail("use_dsa", True, "False when index_n_heads is 0 (no indexer to select keys)")
         last_full = None
-        for i, (kind, attn) in enumerate(zip(self.indexer_types, self.attention_types)):
+        for i, (kind, attn) in enumerate(zip(self.indexer_types, self.attention_types, strict=False)):
             if attn != "mla" or not self.has_indexer:
                 continue
             if kind == "shared" and last_full is None:

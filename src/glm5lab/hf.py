@@ -75,7 +75,10 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_
                 continue
             rest = name[len(ckpt_mtp):]
             if rest in _MTP_SHARED:
-                _check_shared_copy(name, t, tensors.get(_MTP_SHARED[rest]))
+                main_key = _MTP_SHARED[rest]
+                if cfg.tie_word_embeddings:
+                    main_key = "model.embed_tokens.weight"
+                _check_shared_copy(name, t, tensors.get(main_key))
                 continue
             name = ours_mtp + rest
         m = _CKPT_EXPERT_RE.match(name)
@@ -194,17 +197,17 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
     tensors = to_checkpoint(state, model.config)
+    if model.config.tie_word_embeddings:
+        del tensors["lm_head.weight"]
     shards = _shard(tensors, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for name, shard in zip(names, shards):
+    for name, shard in zip(names, shards, strict=False):
         atomic_write(folder / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+                 "weight_map": {k: n for n, s in zip(names, shards, strict=False) for k in s}}
         atomic_write_text(folder / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
     save_config(model.config, folder)
     return folder

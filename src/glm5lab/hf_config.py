@@ -46,13 +46,19 @@ def _read(path_or_dict) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 def _rope_theta(d: dict) -> float:
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"config field `rope_parameters` = {params!r} is not allowed: an object "
+                          "with `rope_theta` and `rope_type`")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(f"config field `rope_parameters.rope_type` = {rope_type!r} is not allowed: "
@@ -64,7 +70,7 @@ def _rope_theta(d: dict) -> float:
 def _indexer_types(d: dict, n_layers: int) -> list[str] | None:
     """Same derivation as transformers' GlmMoeDsaConfig.__post_init__."""
     if d.get("indexer_types") is not None:
-        return list(d["indexer_types"])
+        return d["indexer_types"]  # validated by ModelConfig
     pattern = d.get("index_topk_pattern")
     if pattern is not None:
         if isinstance(pattern, str):
@@ -102,13 +108,20 @@ def config_from_hf(path_or_dict) -> ModelConfig:
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"hf_extra"}
     kwargs = {k: d[k] for k in names if k in d}
     kwargs["rope_theta"] = _rope_theta(d)
-    n_layers = int(d.get("num_hidden_layers", ModelConfig.num_hidden_layers))
-    indexer_types = _indexer_types(d, n_layers)
-    if indexer_types is not None:
-        kwargs["indexer_types"] = indexer_types
-    known = names | _DERIVED_OR_RUNTIME | set(_MUST_EQUAL) | set(_UNSUPPORTED)
-    kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in known}
-    return ModelConfig(**kwargs)
+    n_layers = d.get("num_hidden_layers", ModelConfig.num_hidden_layers)
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
+        raise ConfigError(f"config field `num_hidden_layers` = {n_layers!r} is not allowed: an integer >= 1")
+    try:
+        indexer_types = _indexer_types(d, n_layers)
+        if indexer_types is not None:
+            kwargs["indexer_types"] = indexer_types
+        known = names | _DERIVED_OR_RUNTIME | set(_MUST_EQUAL) | set(_UNSUPPORTED)
+        kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in known}
+        return ModelConfig(**kwargs)
+    except (TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config.json has a value of the wrong type: {e}") from None
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -89,7 +89,7 @@ def layer_kinds(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
     """(attention_type, mlp_type, has_indexer) of each main layer. An indexer sits on MLA layers
     whose `indexer_types` entry is "full" when the config has one (`has_indexer`)."""
     return [(a, m, cfg.has_indexer and a == "mla" and ix == "full")
-            for a, m, ix in zip(cfg.attention_types, cfg.mlp_layer_types, cfg.indexer_types)]
+            for a, m, ix in zip(cfg.attention_types, cfg.mlp_layer_types, cfg.indexer_types, strict=False)]
 
 
 def mtp_kind(cfg: ModelConfig) -> tuple[str, str, bool]:

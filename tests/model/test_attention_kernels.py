@@ -29,7 +29,7 @@ def test_gathered_equals_masked_reference(T, H, G):
     ref = attention_reference(q, k, v, scale=0.3, mask_BTS=mask)
     out = attention_gathered(q, k, v, scale=0.3, topk=topk)
     assert_close(out, ref)
-    for a, b in zip(_grads(out, q, k, v), _grads(ref, q, k, v)):
+    for a, b in zip(_grads(out, q, k, v), _grads(ref, q, k, v), strict=True):
         assert_close(a, b)
 
 
@@ -42,7 +42,7 @@ def test_sdpa_causal_equals_reference(T, S, offset):
     ref = attention_reference(q, k, v, scale=0.5, mask_BTS=causal_mask(T, S, offset, "cpu")[None])
     out = attention_causal(q, k, v, scale=0.5, q_offset=offset)
     assert_close(out, ref)
-    for a, b in zip(_grads(out, q, k, v), _grads(ref, q, k, v)):
+    for a, b in zip(_grads(out, q, k, v), _grads(ref, q, k, v), strict=True):
         assert_close(a, b)
 
 

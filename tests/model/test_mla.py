@@ -40,7 +40,7 @@ def test_absorbed_equals_naive_forward_and_backward(T, use_dsa):
     assert_close(out_abs, out_naive)
     assert_close(out_auto, out_naive)
     params = [x] + list(layer.parameters())
-    for a, b in zip(grads(out_abs, *params), grads(out_naive, *params)):
+    for a, b in zip(grads(out_abs, *params), grads(out_naive, *params), strict=True):
         if a is None or b is None:
             assert a is None and b is None  # indexer weights: selection is not differentiable
         else:

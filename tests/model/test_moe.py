@@ -75,7 +75,7 @@ def test_grouped_equals_loop_forward_and_backward(N, E, K):
     ref = experts_loop(x, idx, w, *weights)
     out = experts_grouped(x, idx, w, *weights)
     assert_close(out, ref)
-    for a, b in zip(grads(out, x, w, *weights), grads(ref, x, w, *weights)):
+    for a, b in zip(grads(out, x, w, *weights), grads(ref, x, w, *weights), strict=True):
         assert_close(a, b)
 
 

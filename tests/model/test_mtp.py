@@ -5,7 +5,6 @@ sees tokens up to t+j only)."""
 import torch
 import torch.nn as nn
 
-from glm5lab import GLM5ForCausalLM
 from glm5lab.model.rope import rope_angles
 from tests.conftest import assert_close
 
@@ -73,3 +72,12 @@ def test_depth_j_at_t_sees_tokens_up_to_t_plus_j_only(tiny_model):
         changed[0, t + j] = (changed[0, t + j] + 1) % 256
         out = tiny_model(changed, mtp_depth=3)
         assert (out.mtp_logits[j - 1][0, t] - base.mtp_logits[j - 1][0, t]).abs().max() > 1e-6
+
+
+def test_depth_beyond_the_sequence_is_refused(tiny_model):
+    import pytest
+
+    with pytest.raises(ValueError, match="mtp_depth=3 is not allowed for a sequence of 3 tokens: 1..2"):
+        tiny_model(torch.randint(0, 256, (1, 3)), mtp_depth=3)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
+        type(tiny_model)(tiny_model.config.replace(num_nextn_predict_layers=0))(torch.zeros(1, 4, dtype=torch.long), mtp_depth=1)

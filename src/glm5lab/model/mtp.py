@@ -34,11 +34,11 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """The MTP module: a decoder block (checkpoint layer index `num_hidden_layers`) plus
     `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`. It copies the last main layer's
-    attention and MLP kind and runs its own indexer."""
+    attention and MLP kind and, when that is MLA with DSA weights, runs its own indexer."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, attention_type=cfg.mtp_attention_type, has_indexer=cfg.has_indexer,
-                         mlp_type=cfg.mtp_mlp_type)
+        super().__init__(cfg, attention_type=cfg.mtp_attention_type, mlp_type=cfg.mtp_mlp_type,
+                         has_indexer=cfg.has_indexer and cfg.mtp_attention_type == "mla")
         self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -53,12 +53,13 @@ class MTPLayer(DecoderLayer):
 
 def mtp_unroll(mtp_layer, embed, lm_head, z0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **impls):
     """Logits of depths 1..depth (list; depth j: [B, T-j, V]), one shared parameter set.
-    Depths with no position left (j >= T) are omitted. Raises ValueError for depth < 1."""
-    if depth < 1:
-        raise ValueError(f"mtp depth must be >= 1, got {depth}")
+    Raises ValueError unless 1 <= depth <= T-1 (depth j needs the token t+j to exist)."""
     T = input_ids_BT.shape[1]
+    if not 1 <= depth <= T - 1:
+        raise ValueError(f"mtp_depth={depth} is not allowed for a sequence of {T} tokens: 1..{T - 1} "
+                         "(depth j reads token t+j)")
     z_BLD, logits = z0_BTD, []
-    for j in range(1, min(depth, T - 1) + 1):
+    for j in range(1, depth + 1):
         L = T - j
         z_BLD = mtp_layer.step(z_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **impls)
         logits.append(lm_head(mtp_layer.shared_head.norm(z_BLD)))
