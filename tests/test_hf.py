@@ -61,9 +61,7 @@ def test_transformers_checkpoint_loads_with_same_logits(hf_folder):
     assert ours.config.num_nextn_predict_layers == 0
     with torch.no_grad():
         logits = ours(ids).logits
-        dense = GLM5ForCausalLM.from_pretrained(hf_folder, mtp=False)
-        dense.config.use_dsa = False
-        dense_logits = dense(ids).logits
+        dense_logits = ours(ids, use_dsa=False).logits
     theirs = _hf_logits(hf_folder, ids)
     assert (logits - theirs).abs().max() < HF_LOGITS_ATOL
     assert torch.equal(logits.argmax(-1), theirs.argmax(-1))

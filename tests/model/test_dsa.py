@@ -62,3 +62,34 @@ def test_indexer_matches_transformers(interleaved):
     for b in range(B):
         for t in range(cfg.index_topk, T):  # rows with more causal keys than K: a real choice
             assert sorted(ours_idx.idx_BTK[b, t].tolist()) == sorted(their_idx[b, t].tolist())
+
+
+def test_kl_to_indexer_hand_computed_and_zero_at_match():
+    from glm5lab.model.mla import kl_to_indexer
+
+    keep = torch.tensor([[[True, False, False], [True, True, False], [True, True, True]]])
+    target = torch.tensor([[[1.0, 0, 0], [0.25, 0.75, 0], [0.5, 0.0, 0.5]]])
+    scores = torch.tensor([[[3.0, 9, 9], [0.0, 0.0, 9], [0.0, 1.0, 2.0]]])
+    q1 = torch.tensor([0.5, 0.5])
+    q2 = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
+    expected = (0.0 + (0.25 * (0.25 / q1[0]).log() + 0.75 * (0.75 / q1[1]).log())
+                + (0.5 * (0.5 / q2[0]).log() + 0.5 * (0.5 / q2[2]).log())) / 3
+    assert torch.allclose(kl_to_indexer(target, scores, keep), expected, atol=1e-6)
+    matched = torch.where(target > 0, target.log(), torch.full_like(target, -30.0))
+    assert kl_to_indexer(target, matched, keep).abs() < 1e-6
+
+
+def test_indexer_loss_trains_only_the_indexer():
+    from glm5lab import GLM5ForCausalLM
+
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
+    ids = torch.randint(0, 256, (2, 20))
+    for use_dsa in (False, True):  # warm-up (dense target) and sparse adaptation (selected keys)
+        model.zero_grad()
+        out = model(ids, indexer_loss=True, use_dsa=use_dsa)
+        assert out.indexer_loss.item() > 0
+        out.indexer_loss.backward()
+        for name, p in model.named_parameters():
+            has_grad = p.grad is not None and p.grad.abs().sum() > 0
+            assert has_grad == (".indexer." in name and not name.startswith("model.mtp_layers")), name

@@ -38,8 +38,9 @@ class GQAttention(nn.Module):
         nope, pe = x.split([self.x_dim - self.rope_dim, self.rope_dim], dim=-1)
         return torch.cat([nope, apply_rope(pe, cos, sin, interleaved=self.cfg.rope_interleave)], dim=-1)
 
-    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, impl: str = "auto"):
-        """Causal GQA over x. Returns (out_BTD, None): GQA layers never select keys.
+    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, impl: str = "auto", use_dsa=None,
+                indexer_loss: bool = False):
+        """Causal GQA over x. Returns (out_BTD, None, None): GQA layers never select keys.
         impl "naive" = explicit masked softmax (reference); otherwise SDPA."""
         if impl not in GQA_IMPLS:
             raise ValueError(f"attention impl {impl!r} is not allowed: one of {GQA_IMPLS}")
@@ -54,4 +55,4 @@ class GQAttention(nn.Module):
             o = attention_reference(q, k, v, scale=self.scale, mask_BTS=causal_mask(T, T, 0, x_BTD.device)[None])
         else:
             o = attention_causal(q, k, v, scale=self.scale)
-        return self.o_proj(o.reshape(B, T, -1)), None
+        return self.o_proj(o.reshape(B, T, -1)), None, None

@@ -113,19 +113,24 @@ class MLAttention(nn.Module):
             scores_BTS = self.indexer.scores(x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2)
         return select_topk(scores_BTS, self.cfg.index_topk)
 
-    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk: TopK | None = None, impl: str = "auto"):
-        """Causal self-attention over x (positions 0..T-1). Returns (out_BTD, topk or None).
+    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk: TopK | None = None, impl: str = "auto",
+                use_dsa: bool | None = None, indexer_loss: bool = False):
+        """Causal self-attention over x (positions 0..T-1). Returns (out_BTD, topk or None,
+        indexer KL or None).
 
-        DSA is active when `use_dsa` and T > index_topk (otherwise top-k keeps every causal key
-        and attention is exactly dense). impl: "naive" (reference, as transformers' eager path),
-        "absorbed" (latent space, gathered top-k), "auto" (absorbed when sparse, naive K/V with
-        SDPA when dense). Raises ValueError for an unknown impl."""
+        DSA is active when `use_dsa` (default: the config's) and T > index_topk (otherwise
+        top-k keeps every causal key and attention is exactly dense). impl: "naive" (reference,
+        as transformers' eager path), "absorbed" (latent space, gathered top-k), "auto"
+        (absorbed when sparse, naive K/V with SDPA when dense). `indexer_loss` (layers with an
+        indexer): also return the DSA indexer's KL to this layer's attention, see `indexer_kl`.
+        Raises ValueError for an unknown impl."""
         if impl not in ATTN_IMPLS:
             raise ValueError(f"attention impl {impl!r} is not allowed: one of {ATTN_IMPLS}")
         B, T, _ = x_BTD.shape
+        use_dsa = self.cfg.use_dsa if use_dsa is None else use_dsa
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, cos_TR2, sin_TR2)
         topk = None
-        if self.cfg.use_dsa and T > self.cfg.index_topk:
+        if use_dsa and T > self.cfg.index_topk:
             topk = self.select(x_BTD, q_lat, cos_TR2, sin_TR2, prev_topk=prev_topk)
         if impl == "naive":
             o_BTHV = self.attend_naive(q_nope, q_pe, c_BTC, k_pe_BTR, topk=topk, q_offset=0)
@@ -135,4 +140,39 @@ class MLAttention(nn.Module):
             k_BTHX, v_BTHV = self.expand_kv(c_BTC, k_pe_BTR)
             q_BTHX = torch.cat([q_nope, q_pe], dim=-1)
             o_BTHV = attention_causal(q_BTHX, k_BTHX, v_BTHV, scale=self.scale)
-        return self.o_proj(o_BTHV.reshape(B, T, -1)), topk
+        kl = None
+        if indexer_loss and self.indexer is not None:
+            kl = self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), cos_TR2, sin_TR2, topk=topk)
+        return self.o_proj(o_BTHV.reshape(B, T, -1)), topk, kl
+
+    def indexer_kl(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, *, topk: TopK | None) -> torch.Tensor:
+        """DSA indexer training loss (DeepSeek-V3.2, section 2.1): mean over queries of
+        KL(p || softmax(index scores)), p = this layer's attention probabilities summed over heads
+        and L1-normalised. Dense (warm-up): over all causal keys; sparse (`topk` given): both
+        restricted to the selected keys. The indexer's inputs are detached, so this loss trains the
+        indexer only, and p carries no gradient. Returns a scalar fp32 tensor."""
+        q_nope, q_pe, c_BTC, k_pe_BTR = projected
+        T = x_BTD.shape[1]
+        keep_BTS = causal_mask(T, T, 0, x_BTD.device)[None]
+        if topk is not None:
+            keep_BTS = keep_BTS & topk_mask(topk, T)
+        with torch.no_grad():
+            w_uk_HNC, _ = self.absorbed_weights()
+            q_BTHX = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HNC), q_pe], dim=-1).float()
+            k_BTX = torch.cat([c_BTC, k_pe_BTR], dim=-1).float()
+            logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, k_BTX) * self.scale
+            probs_BHTS = logits_BHTS.masked_fill(~keep_BTS[:, None], float("-inf")).softmax(-1)
+            target_BTS = probs_BHTS.sum(1) / probs_BHTS.shape[1]
+        x_in, q_lat_in = x_BTD.detach(), q_lat_BTQ.detach()
+        k_BSJ = self.indexer.keys(x_in, cos_TR2, sin_TR2)
+        scores_BTS = self.indexer.scores(x_in, q_lat_in, k_BSJ, cos_TR2, sin_TR2)
+        return kl_to_indexer(target_BTS, scores_BTS, keep_BTS)
+
+
+def kl_to_indexer(target_BTS: torch.Tensor, scores_BTS: torch.Tensor, keep_BTS: torch.Tensor) -> torch.Tensor:
+    """mean_{b,t} sum_s p log(p / q), q = softmax of `scores_BTS` over the kept keys (fp32).
+    target_BTS: a distribution over the kept keys (zero elsewhere). Terms with p = 0 count 0."""
+    log_q_BTS = scores_BTS.float().masked_fill(~keep_BTS, float("-inf")).log_softmax(-1)
+    p_log_p = torch.xlogy(target_BTS, target_BTS)
+    p_log_q = (target_BTS * log_q_BTS.masked_fill(~keep_BTS, 0.0))
+    return (p_log_p - p_log_q).sum(-1).mean()

@@ -32,6 +32,8 @@ class CausalLMOutput:
     logits: torch.Tensor
     hidden_states: torch.Tensor
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
+    indexer_loss: torch.Tensor | None = None
+    """Mean over the main layers with an indexer of their DSA indexer KL (when asked)."""
 
 
 class GLM5Model(nn.Module):
@@ -81,25 +83,32 @@ class GLM5ForCausalLM(nn.Module):
                 m.e_score_correction_bias.zero_()
 
     def forward(self, input_ids: torch.Tensor, *, mtp_depth: int = 0, attn_impl: str = "auto",
-                moe_impl: str = "grouped") -> CausalLMOutput:
+                moe_impl: str = "grouped", use_dsa: bool | None = None, indexer_loss: bool = False) -> CausalLMOutput:
         """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings.
 
         mtp_depth: unroll the MTP module this many times (0 = none; needs
         num_nextn_predict_layers = 1). attn_impl: "auto" | "naive" | "absorbed" (see
-        `MLAttention.forward`); moe_impl: "grouped" | "loop". Raises ValueError on bad ids/shapes."""
+        `MLAttention.forward`); moe_impl: "grouped" | "loop". use_dsa: override the config's
+        switch for this call (training stages). indexer_loss: also compute the DSA indexer KL
+        (`MLAttention.indexer_kl`). Raises ValueError on bad ids/shapes."""
         self._check_input(input_ids, mtp_depth)
         cfg, T = self.config, input_ids.shape[1]
         cos_TR2, sin_TR2 = rope_angles(torch.arange(T, device=input_ids.device), cfg.qk_rope_head_dim, cfg.rope_theta)
+        opts = dict(attn_impl=attn_impl, moe_impl=moe_impl, use_dsa=use_dsa)
         x_BTD = self.model.embed_tokens(input_ids)
-        topk = None
+        topk, kls = None, []
         for layer in self.model.layers:
-            x_BTD, layer_topk = layer(x_BTD, cos_TR2, sin_TR2, prev_topk=topk, attn_impl=attn_impl, moe_impl=moe_impl)
+            x_BTD, layer_topk, kl = layer(x_BTD, cos_TR2, sin_TR2, prev_topk=topk, indexer_loss=indexer_loss, **opts)
             topk = layer_topk if layer_topk is not None else topk
+            if kl is not None:
+                kls.append(kl)
         h_BTD = self.model.norm(x_BTD)
         out = CausalLMOutput(logits=self.lm_head(h_BTD), hidden_states=h_BTD)
+        if kls:
+            out.indexer_loss = torch.stack(kls).mean()
         if mtp_depth:
             out.mtp_logits = mtp_unroll(self.model.mtp_layers[0], self.model.embed_tokens, self.lm_head, h_BTD,
-                                        input_ids, mtp_depth, cos_TR2, sin_TR2, attn_impl=attn_impl, moe_impl=moe_impl)
+                                        input_ids, mtp_depth, cos_TR2, sin_TR2, **opts)
         return out
 
     def _check_input(self, input_ids: torch.Tensor, mtp_depth: int) -> None:

@@ -47,7 +47,7 @@ class MTPLayer(DecoderLayer):
     def step(self, z_BLD, emb_BLD, cos_LR2, sin_LR2, **impls) -> torch.Tensor:
         """One depth: the next z [B, L, D] from the previous z and the next tokens' embeddings."""
         joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(z_BLD)], dim=-1)
-        z_BLD, _ = self(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **impls)
+        z_BLD, _, _ = self(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **impls)
         return z_BLD
 
 
