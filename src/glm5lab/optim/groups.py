@@ -1,0 +1,123 @@
+"""The parameter-group table: which optimizer kind, head split and weight decay every parameter gets.
+
+`RULES` is the one declarative list: a regex (full match on the `named_parameters()` name) ->
+kind under Muon, weight decay on/off, and for Muon Split the config field holding the head count.
+Every parameter must match exactly one rule (`param_group_table` raises otherwise, listing the
+names), so a new module cannot silently fall into a default group. Buffers such as the router's
+`e_score_correction_bias` are not parameters and never reach the optimizer.
+
+Choices (docs/optim.md): AdamW for embedding, output head, norms and biases; Muon for every other
+matrix, including the router, the indexer and the 3-D routed experts (one matrix per expert);
+with "muon-split" MLA's `q_b_proj` / `kv_b_proj` (rows head-major) split per attention head, as
+the GLM-5 report does. Weight decay: off for norms and biases, on for the embedding and head.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from glm5lab.optim.muon import MuonAdamW
+
+OPTIMIZERS = ("adamw", "muon", "muon-split")
+
+_LAYER = r"model\.(?:layers|mtp_layers)\.\d+\."
+_NORMS = "input_layernorm|post_attention_layernorm|self_attn\\.(?:q_a_layernorm|kv_a_layernorm|q_norm|k_norm)" \
+         "|self_attn\\.indexer\\.k_norm|enorm|hnorm|shared_head\\.norm"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """pattern (full match) -> kind with optimizer "muon" ("muon" or "adamw"); decay: weight decay on;
+    split_heads: config field with the head count when "muon-split" splits this matrix by rows."""
+
+    pattern: str
+    kind: str
+    decay: bool
+    split_heads: str | None = None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(r"model\.embed_tokens\.weight", "adamw", decay=True),
+    Rule(r"lm_head\.weight", "adamw", decay=True),
+    Rule(rf"model\.norm\.weight|{_LAYER}(?:{_NORMS})\.weight", "adamw", decay=False),
+    Rule(r".+\.bias", "adamw", decay=False),
+    # MLA up-projections, rows head-major: q_b H x (N + R), kv_b H x (N + V_h); split per head.
+    Rule(rf"{_LAYER}self_attn\.(?:q_b_proj|kv_b_proj)\.weight", "muon", decay=True, split_heads="num_attention_heads"),
+    Rule(rf"{_LAYER}self_attn\.(?:q_a_proj|kv_a_proj_with_mqa|q_proj|k_proj|v_proj|o_proj)\.weight", "muon",
+         decay=True),
+    Rule(rf"{_LAYER}self_attn\.indexer\.(?:wq_b|wk|weights_proj)\.weight", "muon", decay=True),
+    Rule(rf"{_LAYER}mlp\.(?:|shared_experts\.)(?:gate_proj|up_proj|down_proj)\.weight", "muon", decay=True),
+    Rule(rf"{_LAYER}mlp\.gate\.weight", "muon", decay=True),
+    Rule(rf"{_LAYER}mlp\.experts\.(?:gate_proj|up_proj|down_proj)", "muon", decay=True),
+    Rule(rf"{_LAYER}eh_proj\.weight", "muon", decay=True),
+)
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """One row of the resolved table: parameter name, kind ("muon" | "muon_split" | "adamw"),
+    heads (for "muon_split", else None), decay (weight decay applies)."""
+
+    name: str
+    kind: str
+    heads: int | None = None
+    decay: bool = True
+
+
+def _check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not allowed: one of {', '.join(OPTIMIZERS)}")
+
+
+def _match_one(names: list[str], rules=RULES) -> dict[str, Rule]:
+    """name -> its only matching rule; raises ValueError listing uncovered and doubly-covered names."""
+    hits = {n: [r for r in rules if re.fullmatch(r.pattern, n)] for n in names}
+    uncovered = [n for n, rs in hits.items() if not rs]
+    doubled = [n for n, rs in hits.items() if len(rs) > 1]
+    if uncovered or doubled:
+        raise ValueError(f"optimizer group table must cover every parameter exactly once; "
+                         f"uncovered: {uncovered}; covered more than once: {doubled}")
+    return {n: rs[0] for n, rs in hits.items()}
+
+
+def _resolve(name: str, rule: Rule, optimizer: str, config) -> ParamRule:
+    if optimizer == "adamw" or rule.kind == "adamw":
+        return ParamRule(name, "adamw", None, rule.decay)
+    if optimizer == "muon-split" and rule.split_heads is not None:
+        return ParamRule(name, "muon_split", getattr(config, rule.split_heads), rule.decay)
+    return ParamRule(name, "muon", None, rule.decay)
+
+
+def param_group_table(model: nn.Module, optimizer: str) -> list[ParamRule]:
+    """One ParamRule per `model.named_parameters()` entry (a tied weight appears once), in order.
+
+    model: a `GLM5ForCausalLM` (needs `model.config` for head counts). optimizer: one of
+    OPTIMIZERS. Raises ValueError for an unknown optimizer, or when a parameter matches no rule
+    or several (the message lists those names)."""
+    _check_optimizer(optimizer)
+    names = [n for n, _ in model.named_parameters()]
+    matched = _match_one(names)
+    return [_resolve(n, matched[n], optimizer, model.config) for n in names]
+
+
+def build_optimizer(model: nn.Module, optimizer: str, *, lr: float, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95,
+                    eps: float = 1e-8) -> MuonAdamW:
+    """MuonAdamW over every parameter of `model`, grouped by (kind, heads, decay) per the table.
+
+    One lr for all groups (adjust_lr_fn "match_rms_adamw" scales Muon blocks to AdamW's RMS);
+    weight_decay applies to rows with decay=True, 0 elsewhere. Frozen parameters are included
+    (they have no grad, so the step skips them) so unfreezing later needs no new optimizer.
+    Groups carry `param_names`. Raises ValueError as `param_group_table`."""
+    params = dict(model.named_parameters())
+    groups: dict[tuple, dict] = {}
+    for row in param_group_table(model, optimizer):
+        key = (row.kind, row.heads, row.decay)
+        if key not in groups:
+            groups[key] = {"params": [], "kind": row.kind, "heads": row.heads,
+                           "weight_decay": weight_decay if row.decay else 0.0}
+        groups[key]["params"].append((row.name, params[row.name]))
+    return MuonAdamW(list(groups.values()), lr=lr, betas=betas, momentum=momentum, eps=eps)

