@@ -44,11 +44,13 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
-    def step(self, z_BLD, emb_BLD, cos_LR2, sin_LR2, **impls) -> torch.Tensor:
-        """One depth: the next z [B, L, D] from the previous z and the next tokens' embeddings."""
+    def forward(self, z_BLD, emb_BLD, cos_LR2, sin_LR2, **impls):
+        """One depth: (next z [B, L, D], shared_head.norm(next z) for the output head), from the
+        previous z and the next tokens' embeddings. Everything runs inside this call, so wrappers
+        that act on `__call__` (FSDP2 unsharding, activation checkpointing) cover it."""
         joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(z_BLD)], dim=-1)
-        z_BLD, _, _ = self(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **impls)
-        return z_BLD
+        z_BLD, _, _ = super().forward(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **impls)
+        return z_BLD, self.shared_head.norm(z_BLD)
 
 
 def mtp_unroll(mtp_layer, embed, lm_head, z0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **impls):
@@ -61,6 +63,6 @@ def mtp_unroll(mtp_layer, embed, lm_head, z0_BTD, input_ids_BT, depth: int, cos_
     z_BLD, logits = z0_BTD, []
     for j in range(1, depth + 1):
         L = T - j
-        z_BLD = mtp_layer.step(z_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **impls)
-        logits.append(lm_head(mtp_layer.shared_head.norm(z_BLD)))
+        z_BLD, h_BLD = mtp_layer(z_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **impls)
+        logits.append(lm_head(h_BLD))
     return logits

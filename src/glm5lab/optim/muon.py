@@ -23,6 +23,7 @@ import math
 from functools import partial
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.optimizer import Optimizer, required
 
 from glm5lab.optim.newton_schulz import (
@@ -134,10 +135,20 @@ def _muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
     update = grad.lerp(buf, momentum) if group["nesterov"] else buf
     ns = partial(newton_schulz, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["ns_eps"])
     kind, heads = group["kind"], group["heads"]
-    ortho = muon_split(update, heads, orthogonalize=ns) if kind == "muon_split" else ns(update)
+    ortho = _orthogonalized(update, kind, heads, ns)
     lr = group["lr"]
     p.mul_(1 - lr * group["weight_decay"])
     p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], block_shape(p, kind, heads)))
+
+
+def _orthogonalized(update: torch.Tensor, kind: str, heads: int | None, ns) -> torch.Tensor:
+    """The Muon direction of `update`. A DTensor (an FSDP2 shard) is gathered whole on every
+    rank, orthogonalised (each rank computes the same result), and re-sharded like the update:
+    Newton-Schulz needs whole matrices (whole heads for Muon Split, whole experts for 3-D)."""
+    if isinstance(update, DTensor):
+        full = _orthogonalized(update.full_tensor(), kind, heads, ns)
+        return distribute_tensor(full, update.device_mesh, update.placements)
+    return muon_split(update, heads, orthogonalize=ns) if kind == "muon_split" else ns(update)
 
 
 def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:

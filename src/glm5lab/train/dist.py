@@ -79,6 +79,44 @@ def full_model(model, ctx: DistContext):
     return full
 
 
+def mean_over_ranks(values: dict, ctx: DistContext) -> dict:
+    """Average the float entries of `values` (None and lists of floats allowed) over ranks, so
+    what rank 0 logs is the global batch's loss, as in a single process."""
+    if ctx.world_size == 1:
+        return values
+    keys = [k for k, v in values.items() if v is not None]
+    flat = [x for k in keys for x in (values[k] if isinstance(values[k], list) else [values[k]])]
+    t = torch.tensor(flat, dtype=torch.float64)
+    dist.all_reduce(t)
+    t /= ctx.world_size
+    out, i = dict(values), 0
+    for k in keys:
+        n = len(values[k]) if isinstance(values[k], list) else 1
+        out[k] = t[i:i + n].tolist() if isinstance(values[k], list) else float(t[i])
+        i += n
+    return out
+
+
+def optimizer_state(model, optimizer, ctx: DistContext) -> dict:
+    """The optimizer state to checkpoint: plain `state_dict()` in one process; under FSDP2 the
+    full (unsharded, CPU) state keyed by parameter name, gathered on every rank."""
+    if ctx.world_size == 1:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, optimizer, state: dict, ctx: DistContext) -> None:
+    """Inverse of `optimizer_state` (same world size as the run that saved it)."""
+    if ctx.world_size == 1:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.world_size > 1:
         dist.barrier()

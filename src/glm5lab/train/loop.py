@@ -117,16 +117,19 @@ def check_finite(model, losses, step: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int) -> float:
-    """Mean next-token CE (nats) over the first n_batches * batch_size validation windows."""
+def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1) -> float:
+    """Mean next-token CE (nats) over the first n_batches global batches of validation windows
+    (every rank evaluates all of them, so the result does not depend on the world size)."""
     model.eval()
-    rows = windows[: n_batches * stage.batch_size]
+    rows = windows[: n_batches * stage.batch_size * world_size]
     losses = [cross_entropy(model(rows[i:i + stage.batch_size, :-1], use_dsa=stage.use_dsa).logits,
                             rows[i:i + stage.batch_size, 1:])
               for i in range(0, len(rows), stage.batch_size)]
     model.train()
     for _, moe in moe_layers(model):  # validation tokens must not steer the router bias
         moe.pop_load()
+    if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
+        model.reshard()
     return float(torch.stack(losses).mean())
 
 
@@ -163,9 +166,14 @@ def train(args: TrainArgs) -> dict:
     model = build_model(args)
     data = prepare_data(args, model.config)
     stages = resolve_stages(args, model.config)
+    resumed = _resume_weights(run_dir, model) if args.resume else None
+    shard = dist.shard_model(model, ctx)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = build_optimizer(model, args.optimizer, lr=stages[0].lr, weight_decay=args.weight_decay)
-    start = _resume(run_dir, model, optimizer) if args.resume else {"step": 0, "stage": 0, "in_stage": 0}
-    shard = dist.shard_model(model, ctx)
+    start = {"step": 0, "stage": 0, "in_stage": 0}
+    if resumed is not None:
+        dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
+        set_rng_state(resumed["rng"])
+        start = resumed["position"]
     if ctx.is_main:
         _write_run_files(run_dir, args, model.config, stages, ctx)
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
@@ -179,14 +187,12 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
 
 
-def _resume(run_dir: Path, model, optimizer) -> dict:
+def _resume_weights(run_dir: Path, model) -> dict:
+    """Load the latest checkpoint's weights into `model`; return its trainer state."""
     folder = latest_checkpoint(run_dir)
     loaded = GLM5ForCausalLM.from_pretrained(folder, mtp=model.config.num_nextn_predict_layers > 0)
     model.load_state_dict(loaded.state_dict())
-    state = load_trainer_state(folder)
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
-    return state["position"]
+    return load_trainer_state(folder)
 
 
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
@@ -255,12 +261,12 @@ class _Loop:
         loads = update_router_bias(self.model, 0.0 if frozen_router else self.args.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = window.shape[0] * (window.shape[1] - 1) * self.ctx.world_size
-        return {**losses.to_log(), "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
+        return {**dist.mean_over_ranks(losses.to_log(), self.ctx), "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
                 "step_time_s": dt, "expert_load": loads}
 
     def validate(self, stage: Stage) -> float:
         val = pack(self.data.val_tokens, stage.seq_len)
-        return evaluate(self.shard, val, stage, self.args.eval_batches)
+        return evaluate(self.shard, val, stage, self.args.eval_batches, self.ctx.world_size)
 
     def log(self, record: dict, bar) -> None:
         if self.metrics is not None:
@@ -271,7 +277,7 @@ class _Loop:
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:
             stage_index, in_stage = stage_index + 1, 0
-        state = {"optimizer": self.opt.state_dict(), "rng": rng_state(),
+        state = {"optimizer": dist.optimizer_state(self.model, self.opt, self.ctx), "rng": rng_state(),
                  "position": {"step": self.step, "stage": stage_index, "in_stage": in_stage}}
         model = dist.full_model(self.model, self.ctx)
         if self.ctx.is_main:
@@ -281,7 +287,7 @@ class _Loop:
     def finish(self) -> dict:
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
-        val_loss = evaluate(self.shard, val, last, max(self.args.eval_batches, len(val) // last.batch_size))
+        val_loss = evaluate(self.shard, val, last, max(self.args.eval_batches, len(val) // last.batch_size))  # all of it
         summary = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss),
                    "unigram_val_loss": unigram_loss(self.data.train_tokens, self.data.val_tokens, self.model.config.vocab_size),
                    "steps": self.step, "stages": self.stage_summaries, "run_dir": str(self.run_dir)}
