@@ -104,5 +104,6 @@ def test_moe_block_matches_transformers_and_records_load():
     x = torch.randn(2, 9, cfg.hidden_size)
     assert_close(ours(x), theirs(x))
     assert_close(ours(x, impl="loop"), theirs(x))
-    assert ours.last_load.sum().item() == 2 * 9 * cfg.num_experts_per_tok
-    assert ours.last_load.shape == (cfg.n_routed_experts,)
+    load = ours.pop_load()  # two forwards above
+    assert load.sum().item() == 2 * 2 * 9 * cfg.num_experts_per_tok and load.shape == (cfg.n_routed_experts,)
+    assert ours.pop_load().sum().item() == 0

@@ -121,8 +121,9 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts + always-on shared expert. After each forward, `last_load` holds the
-    number of tokens routed to each expert (int64 [E], no grad) for load balancing and logging."""
+    """Routed experts + always-on shared expert. Each forward adds the number of tokens routed to
+    each expert to `load` (int64 [E], no grad; the MTP layer runs once per depth, so it counts
+    every depth); `pop_load()` returns and resets it, for aux-loss-free balancing and logging."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -130,12 +131,19 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         width = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = MLP(cfg.hidden_size, width) if width else None
-        self.last_load: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
+
+    def pop_load(self) -> torch.Tensor:
+        """Tokens per expert since the last call (int64 [E]; zeros if no forward ran)."""
+        load = self.load if self.load is not None else torch.zeros(self.experts.gate_proj.shape[0], dtype=torch.long)
+        self.load = None
+        return load
 
     def forward(self, x_BTD: torch.Tensor, *, impl: str = "grouped") -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         w_NK, idx_NK, _ = self.gate(x_ND)
-        self.last_load = torch.bincount(idx_NK.reshape(-1), minlength=self.experts.gate_proj.shape[0]).detach()
+        counts_E = torch.bincount(idx_NK.reshape(-1).detach(), minlength=self.experts.gate_proj.shape[0])
+        self.load = counts_E if self.load is None else self.load + counts_E
         y_ND = self.experts(x_ND, idx_NK, w_NK, impl=impl)
         if self.shared_experts is not None:
             y_ND = y_ND + self.shared_experts(x_ND)
