@@ -79,3 +79,26 @@ def test_main_in_process(capsys):
     with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
+
+
+def test_help_is_written_for_users(capsys):
+    from glm5lab.cli import build_parser
+
+    top = build_parser().format_help()
+    assert "thin over the library" not in top and "GLM-5" in top
+    assert "ledger" in top
+    with pytest.raises(SystemExit):
+        main(["ledger", "-h"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "larger values are refused" in help_text
+
+
+def test_ledger_note_and_per_layer_entries_follow_the_config():
+    r = run("ledger", "--preset", "tiny", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    d = json.loads(lines[-1])
+    assert "Convention that matches the report" not in r.stdout
+    assert "GLM-5 and GLM-4.5 reports state" in " ".join(r.stdout.split())
+    assert "gqa" not in d["state"]["per_layer_values"]
+    assert {"total_params", "activated_params", *CONVENTIONS} <= set(d)

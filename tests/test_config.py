@@ -47,6 +47,28 @@ def test_small_presets_exercise_every_lever():
     (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers", "0 or 1"),
     (dict(index_n_heads=0), "use_dsa", "index_n_heads is 0"),
     (dict(hidden_size=0), "hidden_size", ">= 1"),
+    (dict(hidden_size=64.0), "hidden_size", "an integer >= 1 (write 64, not 64.0)"),
+    (dict(n_group=None), "n_group", "an integer >= 0"),
+    (dict(rope_theta=0.0), "rope_theta", "a finite number > 0"),
+    (dict(rope_theta=float("inf")), "rope_theta", "a finite number > 0"),
+    (dict(rope_theta="1e4"), "rope_theta", "a finite number > 0"),
+    (dict(rms_norm_eps=0), "rms_norm_eps", "a finite number > 0"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor", "a finite number > 0"),
+    (dict(routed_scaling_factor=-1.0), "routed_scaling_factor", "a finite number > 0"),
+    (dict(initializer_range=-0.02), "initializer_range", "a finite number >= 0"),
+    (dict(use_dsa="no"), "use_dsa", "True or False"),
+    (dict(norm_topk_prob=1), "norm_topk_prob", "True or False"),
+    (dict(tie_word_embeddings=None), "tie_word_embeddings", "True or False"),
+    (dict(attention_bias="false"), "attention_bias", "True or False"),
+    (dict(rope_interleave=0), "rope_interleave", "True or False"),
+    (dict(indexer_rope_interleave="yes"), "indexer_rope_interleave", "True or False"),
+    (dict(use_qk_norm=1.0), "use_qk_norm", "True or False"),
+    (dict(bos_token_id="0"), "bos_token_id", "an integer >= 0 or None"),
+    (dict(pad_token_id=1.0), "pad_token_id", "an integer >= 0 or None"),
+    (dict(eos_token_id=[1, True]), "eos_token_id", "or a list of integers >= 0"),
+    (dict(eos_token_id=-1), "eos_token_id", "an integer >= 0 or None"),
+    (dict(hf_extra=["ep_size"]), "hf_extra", "a dict"),
+    (dict(first_k_dense_replace=5), "first_k_dense_replace", "at most num_hidden_layers=4"),
 ])
 def test_bad_values_name_field_value_and_rule(changes, field, allowed):
     with pytest.raises(ConfigError) as e:
@@ -151,3 +173,72 @@ def test_malformed_config_json_is_a_config_error(tmp_path, text, match):
     (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_hf(tmp_path)
+
+
+def test_ints_may_be_none_or_lists_where_allowed():
+    cfg = ModelConfig.from_preset("tiny", bos_token_id=None, pad_token_id=3, eos_token_id=(1, 2))
+    assert cfg.eos_token_id == [1, 2] and cfg.bos_token_id is None
+    assert isinstance(ModelConfig.from_preset("tiny", rope_theta=10000).rope_theta, float)
+
+
+def test_unknown_fields_are_a_config_error():
+    with pytest.raises(ConfigError, match=r"unknown config fields \['hiden_size'\]"):
+        ModelConfig.from_preset("tiny", hiden_size=64)
+
+
+def test_first_k_dense_replace_rederives_mlp_layer_types():
+    cfg = ModelConfig.from_preset("tiny", first_k_dense_replace=3)
+    assert cfg.mlp_layer_types == ["dense"] * 3 + ["sparse"] and cfg.first_k_dense_replace == 3
+    cfg = cfg.replace(first_k_dense_replace=0)
+    assert cfg.mlp_layer_types == ["sparse"] * 4 and cfg.first_k_dense_replace == 0
+    assert cfg.replace(num_hidden_layers=6).mlp_layer_types == ["sparse"] * 6
+
+
+def test_mlp_layer_types_wins_and_first_k_dense_replace_follows():
+    pattern = ["dense", "sparse", "dense", "sparse"]
+    cfg = ModelConfig.from_preset("tiny").replace(mlp_layer_types=pattern)
+    assert cfg.mlp_layer_types == pattern and cfg.first_k_dense_replace == 1
+    assert ModelConfig.from_preset("tiny", mlp_layer_types=["dense"] * 4).first_k_dense_replace == 4
+    both = ModelConfig.from_preset("tiny", first_k_dense_replace=3, mlp_layer_types=["dense"] * 2 + ["sparse"] * 2)
+    assert both.first_k_dense_replace == 2
+    d = {**ModelConfig.from_preset("tiny").to_hf(), "first_k_dense_replace": 3, "mlp_layer_types": pattern}
+    from_hf = ModelConfig.from_hf(d)
+    assert from_hf.mlp_layer_types == pattern and from_hf.first_k_dense_replace == 1
+    assert ModelConfig.from_hf(from_hf.to_hf()) == from_hf
+    del d["mlp_layer_types"]
+    assert ModelConfig.from_hf(d).mlp_layer_types == ["dense"] * 3 + ["sparse"]
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(rope_parameters={"rope_theta": "abc", "rope_type": "default"}), r"`rope_parameters.rope_theta` = 'abc'"),
+    (dict(rope_parameters={"rope_theta": -1, "rope_type": "default"}), r"`rope_parameters.rope_theta` = -1"),
+    (dict(rope_parameters=None, rope_theta="abc"), r"`rope_theta` = 'abc'"),
+    (dict(rope_parameters=None, rope_theta=None), r"`rope_theta` = None"),
+    (dict(rope_theta=5.0), r"`rope_parameters.rope_theta` = 10000.0 and `rope_theta` = 5.0 disagree"),
+    (dict(hidden_size=64.0), r"`hidden_size` = 64.0 .*write 64"),
+    (dict(rms_norm_eps=None), r"`rms_norm_eps` = None"),
+    (dict(use_dsa=None), r"`use_dsa` = None"),
+    (dict(use_dsa="no"), r"`use_dsa` = 'no'"),
+    (dict(hidden_act=None), r"`hidden_act` = None"),
+    (dict(mtp_depth=None), r"`mtp_depth` = None"),
+    (dict(num_experts=4), r"`num_experts` = 4 and `n_routed_experts` = 8 disagree"),
+    (dict(index_topk_freq=2.5), r"`index_topk_freq` = 2.5 .*an integer >= 1"),
+    (dict(index_topk_freq=0), r"`index_topk_freq` = 0 .*an integer >= 1"),
+    (dict(index_topk_freq="2"), r"`index_topk_freq` = '2'"),
+    (dict(index_skip_topk_offset=1.7), r"`index_skip_topk_offset` = 1.7 .*an integer >= 0"),
+    (dict(index_skip_topk_offset=-1), r"`index_skip_topk_offset` = -1"),
+])
+def test_hf_config_type_refusals_name_the_field(changes, match):
+    d = {**ModelConfig.from_preset("tiny").to_hf(), **changes}
+    if any(k.startswith("index_") for k in changes):
+        del d["indexer_types"]
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf(d)
+
+
+def test_hf_config_num_experts_alias_and_nulls_that_mean_default():
+    d = {**ModelConfig.from_preset("tiny").to_hf(), "num_experts": 8, "pad_token_id": None, "bos_token_id": None}
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.n_routed_experts == 8 and cfg.pad_token_id is None and cfg.bos_token_id is None
+    del d["n_routed_experts"]
+    assert ModelConfig.from_hf({**d, "num_experts": 4, "num_experts_per_tok": 2}).n_routed_experts == 4

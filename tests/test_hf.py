@@ -172,6 +172,10 @@ def _corrupt(folder, edit):
     (lambda t: t.__setitem__("model.norm.weight", torch.zeros(3)), r"model.norm.weight: checkpoint \(3,\) vs model \(64,\)"),
     (lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"), r"experts \[3\] are missing"),
     (lambda t: t["model.layers.4.shared_head.head.weight"].add_(1), "differs from the main model"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.experts.3.up_proj.weight", torch.zeros(5, 64)),
+     r"model.layers.1.mlp.experts.3.up_proj.weight: \(5, 64\) torch.float32 vs expert 0's \(32, 64\)"),
+    (lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(torch.int32)),
+     r"non-floating tensors where a float weight is expected: \['model.norm.weight: torch.int32'\]"),
 ])
 def test_mismatched_checkpoints_are_refused_with_keys_listed(tiny_model, tmp_path, edit, match):
     tiny_model.save_pretrained(tmp_path)
@@ -217,3 +221,153 @@ def test_tied_embeddings_round_trip(tmp_path):
         ours = loaded(ids).logits
         assert_close(ours, model(ids).logits, atol=0, rtol=0)
     assert (ours - _hf_logits(tmp_path, ids)).abs().max() < HF_LOGITS_ATOL
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
+
+
+def _assert_loads_as(folder, model, **kw):
+    ids = _ids(7)
+    with torch.no_grad():
+        assert_close(_load_ours(folder, **kw)(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def _siblings(folder):
+    return sorted(p.name for p in folder.parent.iterdir() if p.name != folder.name)
+
+
+def test_resave_replaces_every_old_weight_file(tmp_path):
+    folder, a, b = tmp_path / "ckpt", _model(1), _model(2)
+    a.save_pretrained(folder, max_shard_bytes=200_000)
+    b.save_pretrained(folder)  # unsharded over sharded: the stale index and shards must go
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    _assert_loads_as(folder, b)
+    a.save_pretrained(folder, max_shard_bytes=100_000)
+    b.save_pretrained(folder, max_shard_bytes=300_000)  # fewer shards than the save before
+    shards = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert sorted(p.name for p in folder.iterdir()) == sorted({"config.json", "model.safetensors.index.json", *shards})
+    _assert_loads_as(folder, b)
+    assert _siblings(folder) == []
+
+
+def test_resave_carries_over_other_files(tmp_path):
+    folder = tmp_path / "ckpt"
+    _model(1).save_pretrained(folder, max_shard_bytes=200_000)
+    extras = {"tokenizer.json": "{}", "trainer_state.pt": "state", "generation_config.json": "{}",
+              "notes/run.txt": "kept"}
+    for name, text in extras.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(text)
+    b = _model(2)
+    b.save_pretrained(folder)
+    assert {name: (folder / name).read_text() for name in extras} == extras
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "generation_config.json", "notes"])
+    _assert_loads_as(folder, b)
+    assert _siblings(folder) == []
+
+
+def test_save_into_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _model(1).save_pretrained(".")
+    b = _model(2)
+    b.save_pretrained(".")
+    _assert_loads_as(".", b)
+
+
+@pytest.mark.parametrize("fail_at", ["second shard", "swap in"])
+def test_interrupted_resave_leaves_the_previous_checkpoint(tmp_path, monkeypatch, fail_at):
+    import glm5lab.hf
+    import glm5lab.io_utils
+
+    folder, a = tmp_path / "ckpt", _model(1)
+    a.save_pretrained(folder, max_shard_bytes=200_000)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    if fail_at == "second shard":
+        real_save, calls = glm5lab.hf.save_file, []
+
+        def save_file(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # killed mid-save
+            real_save(*args, **kw)
+
+        monkeypatch.setattr(glm5lab.hf, "save_file", save_file)
+    else:
+        real_rename = glm5lab.io_utils.os.rename
+
+        def rename(src, dst):
+            if ".tmp-" in str(src):
+                raise OSError("simulated failure between the two renames")
+            real_rename(src, dst)
+
+        monkeypatch.setattr(glm5lab.io_utils.os, "rename", rename)
+    with pytest.raises((KeyboardInterrupt, OSError)):
+        _model(2).save_pretrained(folder, max_shard_bytes=300_000)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    _assert_loads_as(folder, a)
+    _assert_loads_as(folder, a, mtp=False)
+    assert _siblings(folder) == []
+
+
+def test_a_missing_folder_points_at_the_old_sibling_of_an_interrupted_save(tmp_path):
+    folder = tmp_path / "ckpt"
+    _model(1).save_pretrained(folder)
+    folder.rename(tmp_path / ".ckpt.old-1234abcd")  # the state between the two renames of a save
+    with pytest.raises(FileNotFoundError, match=r"previous checkpoint at .*\.ckpt\.old-1234abcd"):
+        GLM5ForCausalLM.from_pretrained(folder)
+
+
+def test_both_single_file_and_index_are_refused(tiny_model, tmp_path):
+    tiny_model.save_pretrained(tmp_path / "single")
+    tiny_model.save_pretrained(tmp_path, max_shard_bytes=200_000)
+    (tmp_path / "single" / "model.safetensors").rename(tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="both model.safetensors and model.safetensors.index.json"):
+        read_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("index, match", [
+    ("{not json", "is not a safetensors index"),
+    ('{"metadata": {}}', "is not a safetensors index.*KeyError"),
+    ('{"weight_map": ["model-00001-of-00002.safetensors"]}', "`weight_map` must be an object"),
+    ('{"weight_map": {"a": 3}}', "`weight_map` must be an object"),
+    ('{"weight_map": {"a": "../outside.safetensors"}}',
+     "names shard '../outside.safetensors': shards must be files inside"),
+    ('{"weight_map": {"a": "/etc/x.safetensors"}}', "names shard '/etc/x.safetensors'"),
+])
+def test_corrupt_index_is_a_checkpoint_error_naming_it(tiny_model, tmp_path, index, match):
+    folder = tmp_path / "ckpt"
+    tiny_model.save_pretrained(folder, max_shard_bytes=200_000)
+    save_file({"x": torch.zeros(1)}, tmp_path / "outside.safetensors")
+    (folder / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=match) as e:
+        read_checkpoint(folder)
+    assert "model.safetensors.index.json" in str(e.value)
+
+
+def test_save_refusals_write_nothing(tiny_model, tmp_path):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_shard_bytes"):
+            tiny_model.save_pretrained(tmp_path / "a", max_shard_bytes=bad)
+    with torch.device("meta"):
+        meta = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
+    with pytest.raises(ValueError, match="meta device"):
+        meta.save_pretrained(tmp_path / "b" / "c")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_readme_python_api_snippet_runs_verbatim(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    out, cfg = scope["out"], scope["cfg"]
+    assert [tuple(t.shape) for t in out.mtp_logits] == [(2, 32 - j, cfg.vocab_size) for j in (1, 2, 3)]
+    assert isinstance(scope["model"], GLM5ForCausalLM) and (tmp_path / "ckpt" / "config.json").is_file()

@@ -126,12 +126,12 @@ def test_glm4_5_report_figures_fit_the_stated_convention():
 
 def test_state_widths_and_bytes():
     glm5 = lg.state(ModelConfig.from_preset("glm5"), context=1000)
-    assert glm5["per_layer_values"] == {"mla": 576, "gqa": 64 * (256 + 256), "indexer": 128}
+    assert glm5["per_layer_values"] == {"mla": 576, "indexer": 128}  # no GQA layer: no gqa entry
     assert glm5["main"]["values"] == 78 * (576 + 128) and glm5["mtp"]["values"] == 576 + 128
     assert glm5["main"]["bytes_per_token"] == 78 * 704 * 2
     assert glm5["main"]["bytes_for_context"] == 78 * 704 * 2 * 1000
     gqa8 = lg.state(ModelConfig.from_preset("gqa-8"), dtype="fp8")
-    assert gqa8["per_layer_values"]["gqa"] == 2048
+    assert gqa8["per_layer_values"] == {"gqa": 2048, "indexer": 0}
     assert gqa8["main"] == {"attention_values": 78 * 2048, "indexer_values": 0, "values": 78 * 2048,
                             "bytes_per_token": 78 * 2048, "bytes_for_context": 78 * 2048 * 202752}
     tiny = lg.state(ModelConfig.from_preset("tiny"), dtype="fp32")
@@ -209,3 +209,28 @@ def test_ledger_dict_is_json_and_render_states_the_convention():
 def test_bad_arguments_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         lg.ledger(ModelConfig.from_preset("tiny"), **kw)
+
+
+@pytest.mark.parametrize("name, specific", [("glm5", True), ("glm4.5", True), ("tiny", False),
+                                            ("gqa-8", False), ("mla-256", False)])
+def test_report_note_only_for_the_report_shapes(name, specific):
+    cfg = ModelConfig.from_preset(name)
+    d = lg.ledger(cfg, name=name)
+    text = " ".join(lg.render(d).split())
+    assert ("Convention that matches the report" in text) is specific
+    assert ("752B for GLM-5" in text) is specific
+    assert d["report_note"] == (lg.REPORT_NOTE if specific else lg.GENERAL_NOTE)
+    assert " ".join(d["report_note"].split()) in text
+    assert d["report_stated_convention"] == "without_embeddings_with_mtp"
+    # the GLM-5 checkpoint's own config.json (pad token, extra keys) is still the GLM-5 shape
+    if name == "glm5":
+        assert lg.report_note(cfg.replace(pad_token_id=154820, hf_extra={"ep_size": 1})) == lg.REPORT_NOTE
+
+
+def test_per_layer_values_list_only_the_attention_kinds_present():
+    mixed = ModelConfig.from_preset("tiny", attention_types=["mla", "gqa", "mla", "mla"])
+    assert lg.state(mixed)["per_layer_values"] == {"mla": 40, "gqa": 4 * (24 + 16), "indexer": 16}
+    assert lg.state(tiny_gqa())["per_layer_values"] == {"gqa": 4 * (24 + 16), "indexer": 0}
+    for name in ("glm5", "tiny", "gqa-8"):
+        d = lg.ledger(ModelConfig.from_preset(name))
+        assert {"total_params", "activated_params", *lg.CONVENTIONS} <= set(d)

@@ -1,6 +1,8 @@
 """The `glm5lab` command: one entry point, one subcommand per task, thin over the library.
 
     glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--context N] [--json]
+    glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
+                   [--optimizer adamw|muon|muon-split] [--quick] ...
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a
 bad --context) print one line `glm5lab <command>: error: ...` to stderr and exit with status 2;
@@ -18,6 +20,9 @@ from glm5lab.ledger import DTYPE_BYTES, ledger, render
 from glm5lab.presets import PRESETS
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
+DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attention, MoE, multi-token "
+               "prediction): count their parameters, cache bytes and FLOPs, or train one. Run "
+               "`glm5lab COMMAND -h` for a command's options.")
 
 
 def load_config(preset: str | None, config: str | None) -> tuple[ModelConfig, str]:
@@ -39,9 +44,64 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from glm5lab.train.loop import TrainArgs, train
+
+    fields = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
+    fields["progress"] = not args.no_progress
+    summary = train(TrainArgs(**fields))
+    print(format_summary(summary))
+    return 0
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"run: {summary['run_dir']}  ({summary['steps']} steps)"]
+    for st in summary["stages"]:
+        lines.append(f"  {st['stage']:<18} {st['steps']:>5} steps {st['tokens']:>10,} tokens  dsa={st['use_dsa']!s:<5} "
+                     f"trains {st['trainable']:<7} loss {st['first_loss']:.3f} -> {st['last_loss']:.3f}")
+    lines.append(f"validation loss {summary['val_loss']:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}); "
+                 f"unigram baseline {summary['unigram_val_loss']:.3f}")
+    return "\n".join(lines)
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model (default: the small preset on the Shakespeare corpus)",
+                       description="Train with Muon Split, the MTP loss and the DSA stages (dense, indexer "
+                       "warm-up, sparse adaptation); writes metrics.jsonl, checkpoints (HF layout), loss.png "
+                       "and summary.json into --out. Under torchrun the model is sharded with FSDP2.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", metavar="NAME", help=f"model preset: one of {', '.join(PRESETS)} (default small)")
+    src.add_argument("--config", metavar="FILE", help="a model config.json (HF glm_moe_dsa layout)")
+    src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's weights and config "
+                     "(e.g. a dense run, then --stages indexer_warmup,sparse_adaptation)")
+    p.add_argument("--data", metavar="PATH", help="a text file, a folder of .txt/.md/.jsonl files, or JSONL with a "
+                   "`text` field (default: the Shakespeare corpus, fetched and cached)")
+    p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: "
+                   "byte-level BPE trained on the training split at the model's vocab_size, cached)")
+    p.add_argument("--out", metavar="DIR", help="run folder (default runs/small)")
+    p.add_argument("--steps", type=int, metavar="N", help="total steps, split over the stages in the default "
+                   "proportions (default 420; 18 with --quick)")
+    p.add_argument("--stages", type=lambda s: s.split(","), metavar="A,B",
+                   help="run only these default stages, in order: dense, indexer_warmup, sparse_adaptation")
+    p.add_argument("--optimizer", choices=["adamw", "muon", "muon-split"], help="default muon-split")
+    p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run of every stage (tests, CI)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--seed", type=int, help="seed for init, data split and batch order (default 0)")
+    p.add_argument("--seq-len", dest="seq_len", type=int, metavar="T", help="training sequence length (default 256)")
+    p.add_argument("--batch-size", dest="batch_size", type=int, metavar="B", help="sequences per step and process (default 8)")
+    p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N", help="validation every N steps (default 50)")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, metavar="N",
+                   help="checkpoint every N steps and at each stage end (default 100)")
+    p.add_argument("--bias-update-rate", dest="bias_update_rate", type=float, metavar="R",
+                   help="aux-loss-free router bias step per update (default 1e-3; 0 disables)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glm5lab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="glm5lab", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_parser(sub)
     p = sub.add_parser("ledger", help="parameters, state bytes and FLOPs per token, from the config alone",
                        description="Parameters by component and counting convention, inference state "
                        "bytes and FLOPs per token, computed from the config alone (no model is built).")
@@ -51,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16",
                    help="element type of the cached state, for its bytes (default bf16)")
     p.add_argument("--context", type=int, metavar="N",
-                   help="context length in tokens for state bytes and FLOPs (default max_position_embeddings)")
+                   help="context length in tokens for state bytes and FLOPs (default: the model's "
+                   "max_position_embeddings; larger values are refused)")
     p.add_argument("--json", action="store_true", help="also print the whole ledger as one JSON line, last")
     p.set_defaults(func=cmd_ledger)
     return parser
@@ -66,3 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())
         print(f"glm5lab {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a run that diverged, or a checkpoint that cannot be resumed
+        print(f"glm5lab {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

@@ -6,19 +6,23 @@ glm5lab's own switches for what the report ablates; they are written into config
 (transformers keeps unknown keys as attributes and ignores them).
 
 Conversion to and from config.json lives in `glm5lab.hf_config`; named presets in
-`glm5lab.presets`. Every check raises `ConfigError` naming the field, the value and what is
-allowed.
+`glm5lab.presets`. Every check (construction, `replace`, `from_preset`, `from_hf`) raises
+`ConfigError` naming the field, the value and what is allowed: every field's type is checked
+(integers must be `int`, not 64.0; switches real bools; floats finite), then its range.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 ATTENTION_TYPES = ("mla", "gqa")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu",)
+BOOL_FIELDS = ("norm_topk_prob", "attention_bias", "tie_word_embeddings", "use_dsa", "rope_interleave",
+               "indexer_rope_interleave", "use_qk_norm")
 
 
 class ConfigError(ValueError):
@@ -38,6 +42,12 @@ class ModelConfig:
     `__post_init__`, so after construction they are always lists. The MTP layer (layer index
     `num_hidden_layers` in the checkpoint) copies the last main layer's attention and MLP kind
     and always runs its own indexer.
+
+    `mlp_layer_types` wins over `first_k_dense_replace`: when it is given, `first_k_dense_replace`
+    is set to its number of leading dense layers (any pattern is allowed, as in transformers; the
+    serving stacks read only `first_k_dense_replace`, so they see a dense prefix only). When it
+    is None it is derived as `first_k_dense_replace` dense layers, then sparse ones.
+    Raises ConfigError (see the module docstring); floats are stored as `float`.
     """
 
     vocab_size: int = 154880
@@ -97,26 +107,42 @@ class ModelConfig:
     """config.json keys glm5lab does not interpret, kept so a save writes them back unchanged."""
 
     def __post_init__(self):
+        self._check_types()
         n = self.num_hidden_layers
-        _positive(self, "num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads",
-                  "num_key_value_heads", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
-                  "mtp_depth", "index_topk")
-        _non_negative(self, "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
-                      "qk_nope_head_dim", "n_routed_experts", "n_shared_experts", "index_n_heads",
-                      "index_head_dim", "first_k_dense_replace", "num_nextn_predict_layers")
         if self.attention_types is None:
             self.attention_types = ["mla"] * n
         if self.mlp_layer_types is None:
-            k = min(self.first_k_dense_replace, n)
+            if self.first_k_dense_replace > n:
+                _fail("first_k_dense_replace", self.first_k_dense_replace, f"at most num_hidden_layers={n}")
+            k = self.first_k_dense_replace
             self.mlp_layer_types = ["dense"] * k + ["sparse"] * (n - k)
         if self.indexer_types is None:
             self.indexer_types = ["full"] * n
         for name, allowed in (("attention_types", ATTENTION_TYPES), ("indexer_types", INDEXER_TYPES),
                               ("mlp_layer_types", MLP_LAYER_TYPES)):
             _check_layer_list(self, name, allowed)
+        # mlp_layer_types wins: first_k_dense_replace follows it (serving stacks read only the latter)
+        self.first_k_dense_replace = next((i for i, t in enumerate(self.mlp_layer_types) if t != "dense"), n)
         self._check_shapes()
         self._check_moe()
         self._check_dsa()
+
+    def _check_types(self):
+        _integers(self, 1, "num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads",
+                  "num_key_value_heads", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+                  "mtp_depth", "index_topk")
+        _integers(self, 0, "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                  "qk_nope_head_dim", "n_routed_experts", "n_shared_experts", "index_n_heads", "index_head_dim",
+                  "first_k_dense_replace", "num_nextn_predict_layers", "num_experts_per_tok", "n_group",
+                  "topk_group")
+        _numbers(self, positive=True, names=("rope_theta", "rms_norm_eps", "routed_scaling_factor"))
+        _numbers(self, positive=False, names=("initializer_range",))
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "True or False (a JSON boolean)")
+        _check_token_ids(self)
+        if not isinstance(self.hf_extra, dict):
+            _fail("hf_extra", self.hf_extra, "a dict of config.json keys")
 
     def _check_shapes(self):
         if self.hidden_act not in HIDDEN_ACTS:
@@ -133,15 +159,11 @@ class ModelConfig:
         if self.num_nextn_predict_layers > 1:
             _fail("num_nextn_predict_layers", self.num_nextn_predict_layers,
                   "0 or 1 (GLM-5 shares one MTP module across depths)")
-        if self.first_k_dense_replace > self.num_hidden_layers:
-            _fail("first_k_dense_replace", self.first_k_dense_replace,
-                  f"at most num_hidden_layers={self.num_hidden_layers}")
 
     def _check_moe(self):
-        if "sparse" not in self.mlp_layer_types and self.num_nextn_predict_layers == 0:
-            return
         if "sparse" in self.mlp_layer_types:
-            _positive(self, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group")
+            _integers(self, 1, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+                      "topk_group")
             if self.n_routed_experts % self.n_group:
                 _fail("n_group", self.n_group, f"a divisor of n_routed_experts={self.n_routed_experts}")
             if self.topk_group > self.n_group:
@@ -199,11 +221,15 @@ class ModelConfig:
         return self.mlp_layer_types[-1]
 
     def replace(self, **changes) -> "ModelConfig":
-        """A copy with `changes` applied and validated (per-layer lists re-derived if their
-        length no longer matches `num_hidden_layers` and they were not given)."""
-        if "num_hidden_layers" in changes:
-            for name in ("attention_types", "indexer_types", "mlp_layer_types"):
-                changes.setdefault(name, None)
+        """A copy with `changes` applied and validated. A per-layer list that was not given is
+        re-derived when a field it derives from changes: `num_hidden_layers` -> all three lists,
+        `first_k_dense_replace` -> `mlp_layer_types`. Raises ConfigError (unknown field, bad value)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown config fields {unknown}: see `ModelConfig`")
+        derived = [name for src, names in _DERIVED_FROM.items() if src in changes for name in names]
+        for name in derived:
+            changes.setdefault(name, None)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -236,18 +262,43 @@ class ModelConfig:
         return config_to_hf(self)
 
 
-def _positive(cfg, *names):
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            _fail(name, value, "an integer >= 1")
+_DERIVED_FROM = {
+    "num_hidden_layers": ("attention_types", "indexer_types", "mlp_layer_types"),
+    "first_k_dense_replace": ("mlp_layer_types",),
+}
 
 
-def _non_negative(cfg, *names):
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integers(cfg, lo: int, *names):
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            _fail(name, value, "an integer >= 0")
+        if not _is_int(value) or value < lo:
+            hint = f" (write {int(value)}, not {value})" if isinstance(value, float) and value.is_integer() else ""
+            _fail(name, value, f"an integer >= {lo}{hint}")
+
+
+def _numbers(cfg, *, positive: bool, names):
+    for name in names:
+        value = getattr(cfg, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (positive and value == 0):
+            _fail(name, value, f"a finite number {'> 0' if positive else '>= 0'}")
+        setattr(cfg, name, float(value))
+
+
+def _check_token_ids(cfg):
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(cfg, name)
+        many = name == "eos_token_id" and isinstance(value, (list, tuple))
+        ids = list(value) if many else [value]
+        if value is not None and not all(_is_int(i) and i >= 0 for i in ids):
+            lists = ", or a list of integers >= 0" if name == "eos_token_id" else ""
+            _fail(name, value, f"an integer >= 0 or None{lists}")
+        if many:
+            setattr(cfg, name, ids)
 
 
 def _check_layer_list(cfg, name, allowed):

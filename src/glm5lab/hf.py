@@ -29,10 +29,12 @@ from safetensors.torch import save_file
 
 from glm5lab.config import ModelConfig
 from glm5lab.hf_config import config_from_hf, save_config
-from glm5lab.io_utils import atomic_write, atomic_write_text
+from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
 
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 _CKPT_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 _MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
 
@@ -65,11 +67,13 @@ def to_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_mtp: bool) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> our state dict. Experts are stacked in index order; MTP keys are
     renamed (or dropped when `keep_mtp` is False). Raises CheckpointError when an expert index
-    is missing or the MTP copies of the embedding/head differ from the main ones."""
+    is missing, an expert's shape or dtype differs from expert 0's, or the MTP copies of the
+    embedding/head differ from the main ones."""
     ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
     out = {}
-    for name, t in tensors.items():
+    for ckpt_name, t in tensors.items():
+        name = ckpt_name
         if name.startswith(ckpt_mtp):
             if not keep_mtp:
                 continue
@@ -83,15 +87,26 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_
             name = ours_mtp + rest
         m = _CKPT_EXPERT_RE.match(name)
         if m:
-            experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+            experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = (ckpt_name, t)
         else:
             out[name] = t
     for key, per_expert in experts.items():
-        missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
-        if missing:
-            raise CheckpointError(f"{key}: experts {missing} are missing from the checkpoint")
-        out[key] = torch.stack([per_expert[e] for e in range(len(per_expert))])
+        out[key] = _stack_experts(key, per_expert)
     return out
+
+
+def _stack_experts(key: str, per_expert: dict[int, tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """[E, ...] from {expert index: (checkpoint key, tensor)}; CheckpointError for a missing
+    index, or a shape or dtype that differs from expert 0's (listing each checkpoint key)."""
+    missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
+    if missing:
+        raise CheckpointError(f"{key}: experts {missing} are missing from the checkpoint")
+    ref = per_expert[0][1]
+    bad = [f"{name}: {tuple(t.shape)} {t.dtype} vs expert 0's {tuple(ref.shape)} {ref.dtype}"
+           for name, t in (per_expert[e] for e in sorted(per_expert)) if t.shape != ref.shape or t.dtype != ref.dtype]
+    if bad:
+        raise CheckpointError(f"expert tensors differ in shape or dtype: {bad}")
+    return torch.stack([per_expert[e][1] for e in range(len(per_expert))])
 
 
 def _check_shared_copy(name, t, main):
@@ -101,11 +116,12 @@ def _check_shared_copy(name, t, main):
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+    index, single = folder / INDEX_NAME, folder / "model.safetensors"
+    if index.is_file() and single.is_file():
+        raise CheckpointError(f"{folder} holds both {single.name} and {index.name}: which one is the "
+                              "checkpoint is ambiguous; remove the stale one")
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / f for f in sorted(set(weight_map.values()))]
-    single = folder / "model.safetensors"
+        return [_index_entry(folder, index, name) for name in sorted(set(_weight_map(index).values()))]
     if single.is_file():
         return [single]
     files = sorted(folder.glob("*.safetensors"))
@@ -114,13 +130,35 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
+def _weight_map(index: Path) -> dict:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:  # bad JSON or UTF-8, no "weight_map", not an object
+        raise CheckpointError(f"{index} is not a safetensors index (JSON with a `weight_map` object): "
+                              f"{type(e).__name__}: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index}: `weight_map` must be an object {{tensor name: shard file name}}, "
+                              f"got {str(weight_map)[:200]}")
+    return weight_map
+
+
+def _index_entry(folder: Path, index: Path, name: str) -> Path:
+    path = folder / name
+    if Path(name).is_absolute() or not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{index} names shard {name!r}: shards must be files inside {folder}")
+    return path
+
+
 def read_checkpoint(folder) -> dict[str, torch.Tensor]:
     """Every tensor of the (sharded) safetensors checkpoint in `folder`, on CPU, dtypes as stored.
-    Raises FileNotFoundError (no weights), CheckpointError (unreadable shard)."""
+    The files read: those `model.safetensors.index.json` names, else `model.safetensors`, else
+    every `*.safetensors`. Raises FileNotFoundError (no weights, or a shard the index names is
+    missing), CheckpointError (unreadable shard; corrupt index or one naming a file outside the
+    folder; both `model.safetensors` and an index present)."""
     tensors = {}
     for path in _checkpoint_files(Path(folder)):
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in model.safetensors.index.json but missing")
+            raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
@@ -146,7 +184,9 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
     keys or shape mismatches, listed)."""
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+        olds = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
+        hint = f" (an interrupted save left the previous checkpoint at {olds[0]}: rename it back)" if olds else ""
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist{hint}")
     cfg = config_from_hf(folder)
     tensors = read_checkpoint(folder)
     if cfg.num_nextn_predict_layers and not _has_mtp_weights(tensors, cfg):
@@ -172,17 +212,22 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
 
 
 def load_state_exact(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Assign `state` to a (meta) model; refuse any missing/unexpected key or shape mismatch,
-    listing them all. Router weight and bias are kept fp32."""
-    expected = {k: v.shape for k, v in model.state_dict().items()}
+    """Assign `state` to a (meta) model; refuse (CheckpointError) any missing/unexpected key,
+    shape mismatch or non-floating tensor for a float weight, listing them all. Router weight
+    and bias are kept fp32."""
+    expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k])}"
-              for k in sorted(set(expected) & set(state)) if tuple(state[k].shape) != tuple(expected[k])]
-    if missing or unexpected or shapes:
+    common = sorted(set(expected) & set(state))
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+              for k in common if tuple(state[k].shape) != tuple(expected[k].shape)]
+    dtypes = [f"{k}: {state[k].dtype}" for k in common
+              if expected[k].is_floating_point() and not state[k].is_floating_point()]
+    if missing or unexpected or shapes or dtypes:
         parts = [f"{len(missing)} missing keys: {missing}"] if missing else []
         parts += [f"{len(unexpected)} unexpected keys: {unexpected}"] if unexpected else []
         parts += [f"{len(shapes)} shape mismatches: {shapes}"] if shapes else []
+        parts += [f"{len(dtypes)} non-floating tensors where a float weight is expected: {dtypes}"] if dtypes else []
         raise CheckpointError("checkpoint does not match the model config; " + "; ".join(parts))
     model.load_state_dict(state, strict=True, assign=True)
     model._apply(lambda t: t)  # identity; lets Router._apply restore its fp32 weight and bias
@@ -191,26 +236,50 @@ def load_state_exact(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
 
 
 def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write config.json and model(-0000k-of-0000n).safetensors (+ index when sharded) into
-    `path`, every file atomically. The layout is the one transformers' GlmMoeDsaForCausalLM and
-    the serving stacks read. Returns the folder."""
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tensors = to_checkpoint(state, model.config)
+    """Write config.json and model.safetensors, or model-0000k-of-0000n.safetensors + index when
+    the weights exceed `max_shard_bytes`, as folder `path`. The layout is the one transformers'
+    GlmMoeDsaForCausalLM and the serving stacks read. Returns `Path(path)`.
+
+    The whole checkpoint is written into a fresh hidden sibling `.NAME.tmp-XXXX`, then swapped
+    in (`glm5lab.io_utils.replace_folder`): other files already in `path` (tokenizer.json,
+    trainer_state.pt, generation_config.json, ...) are carried over, while its old weights,
+    index and config.json are dropped, so no stale shard survives. An interruption at any point
+    leaves the previous checkpoint whole: at `path`, or, for the instant between the two renames,
+    at the sibling `.NAME.old-XXXX` (a killed save may leave such hidden siblings to delete).
+    Old and new checkpoint coexist on disk during the swap. A new or empty `path` simply
+    receives the files. Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is not allowed: an integer >= 1")
+    state = model.state_dict()
+    on_meta = [k for k, v in state.items() if v.is_meta]
+    if on_meta:
+        raise ValueError(f"cannot save a model with weights on the meta device ({len(on_meta)} tensors, e.g. "
+                         f"{on_meta[0]}): materialise them first (e.g. `model.to_empty(device='cpu')`, then load or "
+                         "`reset_parameters()`)")
+    tensors = to_checkpoint({k: v.detach().cpu() for k, v in state.items()}, model.config)
     if model.config.tie_word_embeddings:
         del tensors["lm_head.weight"]
+    replace_folder(Path(path), lambda tmp: _write_checkpoint(tmp, tensors, model.config, max_shard_bytes),
+                   replaces=_is_checkpoint_file)
+    return Path(path)
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """Files a save replaces: config.json, the weights (single or sharded) and the index."""
+    return name in ("config.json", "model.safetensors", INDEX_NAME) or bool(_SHARD_RE.match(name))
+
+
+def _write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_shard_bytes: int) -> None:
     shards = _shard(tensors, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for name, shard in zip(names, shards, strict=False):
+    for name, shard in zip(names, shards, strict=True):
         atomic_write(folder / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards, strict=False) for k in s}}
-        atomic_write_text(folder / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
-    save_config(model.config, folder)
-    return folder
+                 "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s}}
+        atomic_write_text(folder / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    save_config(cfg, folder)
 
 
 def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

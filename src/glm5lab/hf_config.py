@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from glm5lab.config import ConfigError, ModelConfig
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
+_ABSENT = object()
 
 # Keys that HF derives from others or that only concern HF's runtime: read and dropped.
 _DERIVED_OR_RUNTIME = {
@@ -55,16 +57,31 @@ def _read(path_or_dict) -> dict:
 
 
 def _rope_theta(d: dict) -> float:
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    """`rope_parameters.rope_theta` (or `rope_scaling.`, or top-level `rope_theta`; they must agree)."""
+    key = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
+    params = d.get(key) or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"config field `rope_parameters` = {params!r} is not allowed: an object "
+        raise ConfigError(f"config field `{key}` = {params!r} is not allowed: an object "
                           "with `rope_theta` and `rope_type`")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"config field `rope_parameters.rope_type` = {rope_type!r} is not allowed: "
+        raise ConfigError(f"config field `{key}.rope_type` = {rope_type!r} is not allowed: "
                           "'default' (GLM-5 uses plain RoPE; YaRN and others are not implemented)")
-    theta = params.get("rope_theta", d.get("rope_theta"))
-    return float(theta) if theta is not None else ModelConfig.rope_theta
+    found = {name: v for name, v in ((f"{key}.rope_theta", params.get("rope_theta", _ABSENT)),
+                                     ("rope_theta", d.get("rope_theta", _ABSENT))) if v is not _ABSENT}
+    for name, theta in found.items():
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
+            raise ConfigError(f"config field `{name}` = {theta!r} is not allowed: a finite number > 0")
+    if len(set(found.values())) > 1:
+        raise ConfigError(f"config fields {' and '.join(f'`{k}` = {v!r}' for k, v in found.items())} disagree")
+    return float(next(iter(found.values()), ModelConfig.rope_theta))
+
+
+def _hf_int(d: dict, key: str, default: int, lo: int) -> int:
+    value = d.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ConfigError(f"config field `{key}` = {value!r} is not allowed: an integer >= {lo}")
+    return value
 
 
 def _indexer_types(d: dict, n_layers: int) -> list[str] | None:
@@ -82,8 +99,8 @@ def _indexer_types(d: dict, n_layers: int) -> list[str] | None:
         return list(pattern)
     if "index_topk_freq" not in d and "index_skip_topk_offset" not in d:
         return None
-    freq = max(int(d.get("index_topk_freq", 1)), 1)
-    offset = int(d.get("index_skip_topk_offset", 2))
+    freq = _hf_int(d, "index_topk_freq", 1, 1)
+    offset = _hf_int(d, "index_skip_topk_offset", 2, 0)
     return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n_layers)]
 
 
@@ -105,6 +122,9 @@ def config_from_hf(path_or_dict) -> ModelConfig:
             raise ConfigError(f"config field `{key}` = {d[key]!r} is not allowed: one of {allowed}")
     if d.get("num_experts") is not None:
         d.setdefault("n_routed_experts", d["num_experts"])
+        if d["n_routed_experts"] != d["num_experts"]:
+            raise ConfigError(f"config fields `num_experts` = {d['num_experts']!r} and `n_routed_experts` = "
+                              f"{d['n_routed_experts']!r} disagree (both name the routed expert count)")
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"hf_extra"}
     kwargs = {k: d[k] for k in names if k in d}
     kwargs["rope_theta"] = _rope_theta(d)

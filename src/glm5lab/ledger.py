@@ -41,6 +41,11 @@ REPORT_NOTE = (
     "gives 752B for GLM-5, not its 744B; 744B = incl. embedding+output, excl. MTP (transformers' "
     "GlmMoeDsaForCausalLM). GLM-5's 40B activated and GLM-4.5's 355B / 32B fit the stated "
     "convention (excl. embedding+output).")
+GENERAL_NOTE = (
+    "The GLM-5 and GLM-4.5 reports state their counts 'incl. MTP, excl. embedding and output' (the "
+    "row marked \"report's stated\"); transformers counts incl. embedding+output, excl. MTP.")
+REPORT_SHAPES = ("glm5", "glm4.5")
+"""Presets whose published figures `REPORT_NOTE` discusses; it is printed for these shapes only."""
 FLOP_TERMS = ("projections", "indexer_scoring", "core_attention", "moe", "dense_ffn", "lm_head")
 
 
@@ -176,16 +181,19 @@ def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) 
     """Inference state per token and for `context` tokens (default `max_position_embeddings`).
 
     Per MLA layer `mla_cache_width` values (latent + shared RoPE key: 576 in GLM-5); per GQA
-    layer `gqa_cache_width` (K and V of every KV head: 2048 in GQA-8); plus `index_head_dim`
+    layer `gqa_cache_width` (K and V of every KV head: 2048 in GQA-8), each listed in
+    "per_layer_values" only when the model has such a layer; plus `index_head_dim`
     indexer-key values (128) per full-indexer layer when `use_dsa`. One dtype for all of it
     (DeepSeek-V3.2 keeps indexer keys in fp8: pass dtype="fp8" to bound that). The MTP layer is
     reported apart (it holds a cache only when used as a draft head).
     Raises ValueError for an unknown dtype or a context outside 1..max_position_embeddings."""
     nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
-    out = {"dtype": dtype, "bytes_per_value": nbytes, "context": L,
-           "per_layer_values": {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width,
-                                "indexer": cfg.index_head_dim if cfg.has_indexer and cfg.use_dsa else 0}}
     mtp = [mtp_kind(cfg)] if cfg.num_nextn_predict_layers else []
+    kinds = {a for a, _, _ in layer_kinds(cfg) + mtp}
+    widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}
+    out = {"dtype": dtype, "bytes_per_value": nbytes, "context": L,
+           "per_layer_values": {**{a: w for a, w in widths.items() if a in kinds},
+                                "indexer": cfg.index_head_dim if cfg.has_indexer and cfg.use_dsa else 0}}
     for part, kinds in (("main", layer_kinds(cfg)), ("mtp", mtp)):
         s = _state_of(cfg, kinds)
         s["bytes_per_token"] = s["values"] * nbytes
@@ -275,15 +283,25 @@ def _context(cfg: ModelConfig, context: int | None) -> int:
     return L
 
 
+def report_note(cfg: ModelConfig) -> str:
+    """`REPORT_NOTE` when `cfg` has the parameter counts of a `REPORT_SHAPES` preset (GLM-5 or
+    GLM-4.5, under every convention), else `GENERAL_NOTE`."""
+    from glm5lab.presets import PRESETS
+
+    counts = conventions(cfg)
+    return REPORT_NOTE if any(counts == conventions(PRESETS[n]()) for n in REPORT_SHAPES) else GENERAL_NOTE
+
+
 def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, name: str = "") -> dict:
     """Everything, as a JSON-serialisable dict. `total_params` / `activated_params` = every
     parameter the model holds (with embedding+output, with MTP); one key per convention of
-    `CONVENTIONS`, each {"total", "activated"}. Raises ValueError (bad dtype or context)."""
+    `CONVENTIONS`, each {"total", "activated"}; "report_note" from `report_note`.
+    Raises ValueError (bad dtype or context)."""
     conv = conventions(cfg)
     full = conv["with_embeddings_with_mtp"]
     return {
         "name": name, "total_params": full["total"], "activated_params": full["activated"], **conv,
-        "report_stated_convention": "without_embeddings_with_mtp", "report_note": REPORT_NOTE,
+        "report_stated_convention": "without_embeddings_with_mtp", "report_note": report_note(cfg),
         "params": {"main": main_params(cfg), "main_activated": main_params(cfg, active=True),
                    "mtp": mtp_params(cfg), "mtp_activated": mtp_params(cfg, active=True)},
         "buffers": {"e_score_correction_bias": router_bias_elements(cfg)},
@@ -319,7 +337,7 @@ def _param_lines(d: dict) -> list[str]:
     for name, text in CONVENTIONS.items():
         t, a = d[name]["total"], d[name]["activated"]
         lines.append(f"  {text:<50}{t:>19,} ={_si(t):>8}{a:>17,} ={_si(a):>8}")
-    return lines + textwrap.wrap(REPORT_NOTE, 104, initial_indent="  ", subsequent_indent="  ")
+    return lines + textwrap.wrap(d["report_note"], 104, initial_indent="  ", subsequent_indent="  ")
 
 
 def _state_lines(s: dict) -> list[str]:

@@ -112,17 +112,27 @@ class GLM5ForCausalLM(nn.Module):
         return out
 
     def _check_input(self, input_ids: torch.Tensor, mtp_depth: int) -> None:
+        """TypeError: `input_ids` not a tensor, `mtp_depth` not an int. ValueError: not an integer
+        [B, T] tensor, B = 0, T outside 1..max_position_embeddings, an id outside the vocab, a
+        negative `mtp_depth` or one > 0 without an MTP layer."""
         cfg = self.config
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.LongTensor [batch, seq], got {type(input_ids).__name__}; "
+                            "wrap it with torch.as_tensor(ids, dtype=torch.long)")
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
+        if B < 1:
+            raise ValueError(f"input_ids has {B} rows: a batch needs at least 1 sequence")
         if not 1 <= T <= cfg.max_position_embeddings:
             raise ValueError(f"sequence length {T} is not allowed: 1..max_position_embeddings={cfg.max_position_embeddings}")
-        if input_ids.device.type != "meta" and input_ids.numel():
+        if input_ids.device.type != "meta":
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= cfg.vocab_size:
                 raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), got min {lo} max {hi}")
+        if not isinstance(mtp_depth, int) or isinstance(mtp_depth, bool):
+            raise TypeError(f"mtp_depth must be an int, got {mtp_depth!r} ({type(mtp_depth).__name__})")
         if mtp_depth < 0 or (mtp_depth and cfg.num_nextn_predict_layers == 0):
             raise ValueError(f"mtp_depth={mtp_depth} is not allowed: 0, or >= 1 when the model has an MTP "
                              f"layer (num_nextn_predict_layers={cfg.num_nextn_predict_layers})")
