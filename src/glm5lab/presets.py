@@ -53,7 +53,7 @@ def tiny() -> ModelConfig:
     the top-k boundary are where implementations may legitimately differ (ours: earlier key wins;
     torch.topk: unspecified). With 4 heads such ties occur in most random sequences."""
     return ModelConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
         first_k_dense_replace=1, index_topk=8, index_n_heads=16, index_head_dim=16,

@@ -13,7 +13,7 @@ import torch
     (torch.zeros(2, 0, dtype=torch.long), ValueError, "sequence length 0"),
     (torch.zeros(5, dtype=torch.long), ValueError, r"integer tensor \[batch, seq\]"),
     (torch.zeros(1, 5), ValueError, "integer tensor"),
-    (torch.full((1, 5), 256), ValueError, r"\[0, vocab_size=256\)"),
+    (torch.full((1, 5), 512), ValueError, r"\[0, vocab_size=512\)"),
 ])
 def test_bad_input_ids_are_refused(tiny_model, ids, error, match):
     with pytest.raises(error, match=match):
@@ -35,4 +35,4 @@ def test_bad_mtp_depth_is_refused(tiny_model, depth, error, match):
 def test_int32_ids_and_one_row_still_run(tiny_model):
     with torch.no_grad():
         out = tiny_model(torch.zeros(1, 5, dtype=torch.int32), mtp_depth=2)
-    assert out.logits.shape == (1, 5, 256) and [t.shape[1] for t in out.mtp_logits] == [4, 3]
+    assert out.logits.shape == (1, 5, 512) and [t.shape[1] for t in out.mtp_logits] == [4, 3]

@@ -40,7 +40,7 @@ def test_one_parameter_set_serves_every_depth(tiny_model):
     ids = torch.randint(0, 256, (2, 12))
     n_params = sum(p.numel() for p in tiny_model.parameters())
     out = tiny_model(ids, mtp_depth=3)
-    assert [t.shape for t in out.mtp_logits] == [(2, 11, 256), (2, 10, 256), (2, 9, 256)]
+    assert [t.shape for t in out.mtp_logits] == [(2, 11, 512), (2, 10, 512), (2, 9, 512)]
     assert sum(p.numel() for p in tiny_model.parameters()) == n_params
     out.mtp_logits[2].sum().backward()  # depth 3 alone trains the one shared module
     assert all(p.grad is not None and p.grad.abs().sum() > 0

@@ -1,0 +1,42 @@
+"""`glm5lab train` as a user runs it: a short run on user data, and clear one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.train.test_loop import corpus  # noqa: F401  (fixture)
+
+
+def _run(*args, env_cache):
+    env = {**os.environ, "GLM5LAB_CACHE": str(env_cache)}
+    return subprocess.run([sys.executable, "-m", "glm5lab", "train", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_short_run_on_user_data(corpus, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    r = _run("--preset", "tiny", "--data", str(corpus / "texts"), "--steps", "6", "--seq-len", "24",
+             "--batch-size", "2", "--out", str(out), "--no-progress", "--eval-every", "3", env_cache=corpus / "cache")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "validation loss" in r.stdout and "unigram baseline" in r.stdout
+    assert "indexer_warmup" in r.stdout and "sparse_adaptation" in r.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and {"step", "stage", "loss"} <= rows[0].keys()
+    assert (out / "loss.png").is_file() and (out / "run.json").is_file() and (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--data", "/no/such/path"], "/no/such/path"),
+    (["--stages", "warmup"], "unknown stage"),
+    (["--resume"], "no checkpoint"),
+    (["--steps", "1"], "at least one per stage"),
+])
+def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noqa: F811
+    base = ["--preset", "tiny", "--data", str(corpus / "texts"), "--out", str(tmp_path / "r"), "--no-progress"]
+    r = _run(*base, *args, env_cache=corpus / "cache")
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr
+    assert r.stderr.startswith("glm5lab train: ") and message in r.stderr, r.stderr
