@@ -106,8 +106,9 @@ def set_trainable(model, stage: Stage) -> None:
 def check_finite(model, losses, step: int) -> float:
     """Clip-free total grad norm; raises TrainingDiverged naming the first non-finite tensor."""
     if not math.isfinite(float(losses.total.detach())):
-        parts = {k: v for k, v in losses.to_log().items() if k != "mtp_losses"}
-        raise TrainingDiverged(f"step {step}: loss is not finite ({parts}, mtp {losses.to_log()['mtp_losses']})")
+        bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        where = f"non-finite parameter `{bad}`" if bad else "every parameter is finite (activations overflowed)"
+        raise TrainingDiverged(f"step {step}: loss is not finite ({losses.to_log()}); {where}")
     grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for _, g in grads]))
     if not torch.isfinite(norm):
