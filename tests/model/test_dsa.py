@@ -85,11 +85,11 @@ def test_indexer_loss_trains_only_the_indexer():
     torch.manual_seed(0)
     model = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
     ids = torch.randint(0, 256, (2, 20))
-    for use_dsa in (False, True):  # warm-up (dense target) and sparse adaptation (selected keys)
+    for use_dsa, depth in ((False, 0), (True, 0), (False, 2)):  # warm-up (dense), sparse, with MTP
         model.zero_grad()
-        out = model(ids, indexer_loss=True, use_dsa=use_dsa)
+        out = model(ids, indexer_loss=True, use_dsa=use_dsa, mtp_depth=depth)
         assert out.indexer_loss.item() > 0
         out.indexer_loss.backward()
         for name, p in model.named_parameters():
             has_grad = p.grad is not None and p.grad.abs().sum() > 0
-            assert has_grad == (".indexer." in name and not name.startswith("model.mtp_layers")), name
+            assert has_grad == (".indexer." in name and (depth > 0 or not name.startswith("model.mtp_layers"))), name

@@ -34,7 +34,7 @@ def corpus(tmp_path, monkeypatch):
 def _plan(steps=(4, 2, 3), seq_len=24, batch=2):
     return [s.to_dict() for s in (
         Stage("dense", steps[0], 3e-3, seq_len, batch, warmup_steps=min(1, steps[0] - 1)),
-        Stage("indexer_warmup", steps[1], 5e-3, seq_len, batch, trainable="indexer", lm_weight=0.0, mtp_weights=(),
+        Stage("indexer_warmup", steps[1], 5e-3, seq_len, batch, trainable="indexer", lm_weight=0.0, mtp_weights=(0.0,),
               indexer_weight=1.0),
         Stage("sparse_adaptation", steps[2], 3e-4, seq_len, batch, use_dsa=True, indexer_weight=1.0),
     )]
@@ -56,7 +56,7 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     assert [r["step"] for r in rows] == list(range(1, 10))
     assert [r["stage"] for r in rows] == ["dense"] * 4 + ["indexer_warmup"] * 2 + ["sparse_adaptation"] * 3
     assert all(math.isfinite(r["loss"]) for r in rows) and all(len(r["mtp_losses"]) == 3 for r in rows[:4])
-    assert rows[4]["indexer_kl"] is not None and rows[4]["mtp_losses"] == []
+    assert rows[4]["indexer_kl"] is not None and len(rows[4]["mtp_losses"]) == 1  # MTP run for its indexer
     assert len(rows[0]["expert_load"]) == 4  # 3 MoE layers + the MTP layer
     assert sum(rows[0]["expert_load"][0]) == 2 * 24 * 2  # batch * seq * top-k
     assert (run / "loss.png").stat().st_size > 10_000
@@ -80,7 +80,7 @@ def test_warmup_trains_only_the_indexer(corpus):
     warm = GLM5ForCausalLM.from_pretrained(run2 / "checkpoints" / "step-000002").state_dict()
     for key in dense:
         changed = not torch.equal(dense[key], warm[key])
-        assert changed == (".indexer." in key and "mtp_layers" not in key and "layers.4." not in key), key
+        assert changed == (".indexer." in key), key  # the MTP layer's (layers.4) indexer included
 
 
 def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monkeypatch):

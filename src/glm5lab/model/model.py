@@ -33,7 +33,8 @@ class CausalLMOutput:
     hidden_states: torch.Tensor
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
     indexer_loss: torch.Tensor | None = None
-    """Mean over the main layers with an indexer of their DSA indexer KL (when asked)."""
+    """Mean DSA indexer KL over the layers with an indexer (when asked); the MTP layer, when run,
+    counts as one layer (its KL averaged over depths)."""
 
 
 class GLM5Model(nn.Module):
@@ -104,11 +105,14 @@ class GLM5ForCausalLM(nn.Module):
                 kls.append(kl)
         h_BTD = self.model.norm(x_BTD)
         out = CausalLMOutput(logits=self.lm_head(h_BTD), hidden_states=h_BTD)
+        if mtp_depth:
+            out.mtp_logits, mtp_kls = mtp_unroll(self.model.mtp_layers[0], self.model.embed_tokens, self.lm_head,
+                                                 h_BTD, input_ids, mtp_depth, cos_TR2, sin_TR2,
+                                                 indexer_loss=indexer_loss, **opts)
+            if mtp_kls:  # the MTP layer counts as one indexer layer, averaged over its depths
+                kls.append(torch.stack(mtp_kls).mean())
         if kls:
             out.indexer_loss = torch.stack(kls).mean()
-        if mtp_depth:
-            out.mtp_logits = mtp_unroll(self.model.mtp_layers[0], self.model.embed_tokens, self.lm_head, h_BTD,
-                                        input_ids, mtp_depth, cos_TR2, sin_TR2, **opts)
         return out
 
     def _check_input(self, input_ids: torch.Tensor, mtp_depth: int) -> None:

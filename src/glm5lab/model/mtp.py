@@ -44,25 +44,29 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
-    def forward(self, z_BLD, emb_BLD, cos_LR2, sin_LR2, **impls):
-        """One depth: (next z [B, L, D], shared_head.norm(next z) for the output head), from the
-        previous z and the next tokens' embeddings. Everything runs inside this call, so wrappers
-        that act on `__call__` (FSDP2 unsharding, activation checkpointing) cover it."""
+    def forward(self, z_BLD, emb_BLD, cos_LR2, sin_LR2, **opts):
+        """One depth: (next z [B, L, D], shared_head.norm(next z) for the output head, this
+        layer's indexer KL or None), from the previous z and the next tokens' embeddings.
+        Everything runs inside this call, so wrappers that act on `__call__` (FSDP2 unsharding,
+        activation checkpointing) cover it. opts: as `DecoderLayer.forward`."""
         joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(z_BLD)], dim=-1)
-        z_BLD, _, _ = super().forward(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **impls)
-        return z_BLD, self.shared_head.norm(z_BLD)
+        z_BLD, _, kl = super().forward(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **opts)
+        return z_BLD, self.shared_head.norm(z_BLD), kl
 
 
-def mtp_unroll(mtp_layer, embed, lm_head, z0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **impls):
-    """Logits of depths 1..depth (list; depth j: [B, T-j, V]), one shared parameter set.
-    Raises ValueError unless 1 <= depth <= T-1 (depth j needs the token t+j to exist)."""
+def mtp_unroll(mtp_layer, embed, lm_head, z0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **opts):
+    """(logits of depths 1..depth, indexer KLs): logits[j-1] is [B, T-j, V]; the KL list has one
+    entry per depth when opts ask for `indexer_loss` and the layer has an indexer, else is empty.
+    One shared parameter set. Raises ValueError unless 1 <= depth <= T-1 (depth j reads token t+j)."""
     T = input_ids_BT.shape[1]
     if not 1 <= depth <= T - 1:
         raise ValueError(f"mtp_depth={depth} is not allowed for a sequence of {T} tokens: 1..{T - 1} "
                          "(depth j reads token t+j)")
-    z_BLD, logits = z0_BTD, []
+    z_BLD, logits, kls = z0_BTD, [], []
     for j in range(1, depth + 1):
         L = T - j
-        z_BLD, h_BLD = mtp_layer(z_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **impls)
+        z_BLD, h_BLD, kl = mtp_layer(z_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **opts)
         logits.append(lm_head(h_BLD))
-    return logits
+        if kl is not None:
+            kls.append(kl)
+    return logits, kls

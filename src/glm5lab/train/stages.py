@@ -72,7 +72,8 @@ class Stage:
 def default_stages(*, seq_len: int = 256, batch_size: int = 8, quick: bool = False, mtp_depth: int = 3,
                    mtp_weight: float = 0.3, use_indexer: bool = True) -> list[Stage]:
     """Dense pre-training, then (when the model has an indexer) indexer warm-up and sparse
-    adaptation. Sized so `glm5lab train` on the `small` preset takes about 10 minutes on 2 CPU
+    adaptation. The warm-up runs MTP depth 1 at weight 0 so the MTP layer's indexer is warmed up
+    too. Sized so `glm5lab train` on the `small` preset takes about 10 minutes on 2 CPU
     cores; `quick` is a ~1 minute smoke run of the same three stages."""
     scale = 0.04 if quick else 1.0
     n = lambda steps: max(2, round(steps * scale))  # noqa: E731
@@ -81,7 +82,7 @@ def default_stages(*, seq_len: int = 256, batch_size: int = 8, quick: bool = Fal
     if use_indexer:
         stages += [
             Stage("indexer_warmup", n(40), 5e-3, seq_len, batch_size, lr_end=2e-4, trainable="indexer",
-                  lm_weight=0.0, mtp_weights=(), indexer_weight=1.0),
+                  lm_weight=0.0, mtp_weights=(0.0,) if mtp_depth else (), indexer_weight=1.0),
             Stage("sparse_adaptation", n(80), 3e-4, seq_len, batch_size, use_dsa=True, mtp_weights=mtp,
                   indexer_weight=1.0),
         ]
