@@ -57,8 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def format_summary(summary: dict) -> str:
     lines = [f"run: {summary['run_dir']}  ({summary['steps']} steps)"]
     for st in summary["stages"]:
+        change = "(resumed after this stage)" if st["first"] is None else f"{st['first']:.3f} -> {st['last']:.3f}"
         lines.append(f"  {st['stage']:<18} {st['steps']:>5} steps {st['tokens']:>10,} tokens  dsa={st['use_dsa']!s:<5} "
-                     f"trains {st['trainable']:<7} loss {st['first_loss']:.3f} -> {st['last_loss']:.3f}")
+                     f"trains {st['trainable']:<7} {st['reported']:<10} {change}")
     lines.append(f"validation loss {summary['val_loss']:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}); "
                  f"unigram baseline {summary['unigram_val_loss']:.3f}")
     return "\n".join(lines)

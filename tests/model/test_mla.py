@@ -27,7 +27,7 @@ def _run(layer, cfg, x, impl, prev_topk=None, **kw):
     return out, topk
 
 
-@pytest.mark.parametrize("T", [1, K - 1, K, K + 1, 17])
+@pytest.mark.parametrize("T", [1, K - 1, K, K + 1, 17, 16 * K + 1])  # the last: `auto` gathers
 @pytest.mark.parametrize("use_dsa", [True, False])
 def test_absorbed_equals_naive_forward_and_backward(T, use_dsa):
     cfg, layer = _layer(use_dsa=use_dsa)

@@ -64,7 +64,8 @@ def test_router_stays_fp32_when_model_is_cast():
 
 @pytest.mark.parametrize("N", [1, 2, 7, 33])
 @pytest.mark.parametrize("E,K", [(8, 2), (5, 3), (3, 3)])
-def test_grouped_equals_loop_forward_and_backward(N, E, K):
+@pytest.mark.parametrize("tile", [1, 3, 64])
+def test_grouped_equals_loop_forward_and_backward(N, E, K, tile):
     g = torch.Generator().manual_seed(N * 10 + E)
     D, I = 6, 5
     x = torch.randn(N, D, generator=g, requires_grad=True)
@@ -73,7 +74,7 @@ def test_grouped_equals_loop_forward_and_backward(N, E, K):
     weights = [torch.randn(E, I, D, generator=g, requires_grad=True), torch.randn(E, I, D, generator=g, requires_grad=True),
                torch.randn(E, D, I, generator=g, requires_grad=True)]
     ref = experts_loop(x, idx, w, *weights)
-    out = experts_grouped(x, idx, w, *weights)
+    out = experts_grouped(x, idx, w, *weights, tile=tile)
     assert_close(out, ref)
     for a, b in zip(grads(out, x, w, *weights), grads(ref, x, w, *weights), strict=True):
         assert_close(a, b)

@@ -10,6 +10,7 @@ position <= query position".
 - `attention_reference`: explicit scores + boolean mask. The obvious version; the twin every
   other kernel is tested against.
 - `attention_causal`: dense causal attention through `F.scaled_dot_product_attention`.
+- `attention_masked`: the reference's mask through SDPA (DSA at short context).
 - `attention_gathered`: DSA core attention. Gathers the K selected keys of each query and
   attends to those only: O(T*K) scores instead of O(T*S). Source: DeepSeek-V3.2 (DSA),
   FlashMLA's sparse kernels; reference twin = `attention_reference` with `topk_mask`.
@@ -75,6 +76,18 @@ def attention_causal(q_BTHD, k_BSGD, v_BSGE, *, scale: float, q_offset: int = 0)
     else:
         mask = causal_mask(T, S, q_offset, q.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G != H)
+    return o.transpose(1, 2)
+
+
+def attention_masked(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch.Tensor) -> torch.Tensor:
+    """`attention_reference` through SDPA: the same boolean mask ([B|1, T, S], True = may
+    attend), fused kernels. The fast form of DSA when the selection is dense-ish (short context),
+    where gathering K keys per query costs more than masking S."""
+    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSGD, v_BSGE))
+    G, H = k.shape[1], q.shape[1]
+    if H % G:
+        raise ValueError(f"query heads H={H} must be a multiple of key/value heads G={G}")
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTS[:, None], scale=scale, enable_gqa=G != H)
     return o.transpose(1, 2)
 
 

@@ -1,7 +1,7 @@
 """Mixture of experts: sigmoid router with selection-only bias, routed experts, shared expert.
 
 Legend: N tokens, D hidden, E routed experts, K experts per token (`num_experts_per_tok`),
-I expert width (`moe_intermediate_size`), C capacity (most tokens any expert got this call).
+I expert width (`moe_intermediate_size`), A = N*K assignments, T tiles of M rows.
 
 Router (DeepSeek-V3 "noaux_tc", as transformers' `GlmMoeDsaTopkRouter`), all in fp32:
     s = sigmoid(x W_r^T);  choice = s + e_score_correction_bias   (bias: selection only)
@@ -12,8 +12,9 @@ balancing nudges it from outside using `MoE.last_load`.
 
 Experts: two implementations with one signature, tied by `tests/model/test_moe.py`:
 `experts_loop` (reference: one matmul per expert over its tokens) and `experts_grouped` (sort
-the N*K assignments by expert, pad each expert's bucket to C rows, three batched matmuls, no
-Python loop). Source: DeepSeek-V3 section 2.1.2; GShard-style capacity buffers.
+the N*K assignments by expert into fixed-size tiles, one expert per tile, three batched matmuls,
+no Python loop). Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse
+grouped matmul.
 """
 
 from __future__ import annotations
@@ -83,22 +84,27 @@ def experts_loop(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor
     return y_ND
 
 
-def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
-    """Same result as `experts_loop` with no Python loop: assignments sorted by expert into a
-    [E, C, D] buffer (C = the busiest expert's count), three bmm, then a weighted scatter-add."""
+def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI, *, tile: int = 64) -> torch.Tensor:
+    """Same result as `experts_loop` with no Python loop (block-sparse grouped matmul, as
+    MegaBlocks): the N*K assignments are sorted by expert and laid into tiles of `tile` rows, each
+    tile holding one expert's tokens (an expert's last tile is zero-padded, so at most E*(tile-1)
+    rows are wasted, whatever the routing skew); every tile multiplies by its expert's weights
+    in three `bmm`, then rows are weighted and scatter-added back to their tokens."""
     N, K = idx_NK.shape
     E, D = gate_EID.shape[0], x_ND.shape[1]
     e_A = idx_NK.reshape(-1)
     order_A = torch.argsort(e_A, stable=True)
     e_sorted_A, tok_A = e_A[order_A], order_A // K
     counts_E = torch.bincount(e_A, minlength=E)
-    C = int(counts_E.max())
-    starts_E = counts_E.cumsum(0) - counts_E
-    slot_A = torch.arange(N * K, device=x_ND.device) - starts_E[e_sorted_A]
-    x_ECD = x_ND.new_zeros(E, C, D).index_put((e_sorted_A, slot_A), x_ND[tok_A])
-    h_ECI = F.silu(torch.bmm(x_ECD, gate_EID.mT)) * torch.bmm(x_ECD, up_EID.mT)
-    y_ECD = torch.bmm(h_ECI, down_EDI.mT)
-    y_AD = y_ECD[e_sorted_A, slot_A] * w_NK.reshape(-1)[order_A, None]
+    tiles_E = (counts_E + tile - 1) // tile
+    first_row_E = (tiles_E.cumsum(0) - tiles_E) * tile
+    rank_A = torch.arange(N * K, device=x_ND.device) - (counts_E.cumsum(0) - counts_E)[e_sorted_A]
+    row_A = first_row_E[e_sorted_A] + rank_A
+    n_tiles = int(tiles_E.sum())
+    expert_T = torch.repeat_interleave(torch.arange(E, device=x_ND.device), tiles_E, output_size=n_tiles)
+    x_TMD = x_ND.new_zeros(n_tiles * tile, D).index_put((row_A,), x_ND[tok_A]).view(n_tiles, tile, D)
+    h_TMI = F.silu(torch.bmm(x_TMD, gate_EID[expert_T].mT)) * torch.bmm(x_TMD, up_EID[expert_T].mT)
+    y_AD = torch.bmm(h_TMI, down_EDI[expert_T].mT).view(-1, D)[row_A] * w_NK.reshape(-1)[order_A, None]
     return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
 
 

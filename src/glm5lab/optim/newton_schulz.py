@@ -47,9 +47,10 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, *, coefficients: tuple[float,
     if tall:
         X = X.mT
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
+    for _ in range(steps):  # fused: B = b A + c A A, X = a X + B X (two baddbmm, no temporaries)
         A = X @ X.mT
-        X = a * X + (b * A + c * (A @ A)) @ X
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if A.dim() == 3 else torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a) if X.dim() == 3 else torch.addmm(X, B, X, beta=a)
     if tall:
         X = X.mT
     return X.contiguous().to(G.dtype)

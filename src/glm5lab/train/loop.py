@@ -228,11 +228,12 @@ class _Loop:
         set_trainable(self.model, stage)
         stream = BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size,
                              seed=self.args.seed * 1000 + index, rank=self.ctx.rank, world_size=self.ctx.world_size)
+        key = "lm_loss" if stage.lm_weight else "indexer_kl"  # what the stage summary reports
         losses_seen = []
         for i in range(first, stage.steps):
             record = self.train_step(stage, stream, i)
             self.step += 1
-            losses_seen.append(record["loss"])
+            losses_seen.append(record[key])
             record.update(step=self.step, stage=stage.name, stage_step=i + 1)
             if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
                 record["val_loss"] = self.validate(stage)
@@ -241,8 +242,8 @@ class _Loop:
                 self.checkpoint(index, i + 1, stage)
         self.stage_summaries.append({"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa,
                                      "trainable": stage.trainable, "tokens": stage.steps * stage.batch_size * stage.seq_len * self.ctx.world_size,
-                                     "first_loss": losses_seen[0] if losses_seen else None,
-                                     "last_loss": losses_seen[-1] if losses_seen else None})
+                                     "reported": key, "first": losses_seen[0] if losses_seen else None,
+                                     "last": losses_seen[-1] if losses_seen else None})
 
     def train_step(self, stage: Stage, stream: BatchStream, i: int) -> dict:
         t0 = time.perf_counter()

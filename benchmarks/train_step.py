@@ -1,0 +1,378 @@
+"""Training-step throughput: glm5lab vs transformers' GlmMoeDsaForCausalLM, MFU, optimizer share.
+
+In one process, on one config and the same initial weights, timed interleaved (see common.py):
+- ours, full step: forward with MTP (depth 3, weights 0.3), the stage's losses (CE + MTP, + the
+  indexer KL with --dsa), backward, grad clip 1.0, `MuonAdamW` Muon Split step, router bias update
+  (as `glm5lab.train.loop`, without its non-finite check);
+- ours, like for like: forward without MTP, CE, backward, `torch.optim.AdamW` step;
+- transformers: `GlmMoeDsaForCausalLM.from_pretrained` of our saved weights (its default attention
+  implementation, sdpa), forward, CE, backward, `torch.optim.AdamW` step. transformers has no MTP,
+  so the headline speedup is like for like (ours without MTP, same AdamW, vs transformers).
+Without --dsa the dense stage (use_dsa=False); transformers has no dense switch (its indexer
+always runs and masks to index_topk keys), so there it is loaded with index_topk = seq_len: every
+key kept, attention exactly dense, its indexer still computed. With --dsa the sparse-adaptation
+stage (use_dsa=True, top-k keys; ours adds the indexer KL loss in the full step only).
+
+MFU = model FLOPs per step / step time / matmul peak. The ledger has no training FLOPs, so model
+FLOPs = 3 x its forward FLOPs per token ("prefill" at context T on T tokens, plus "mtp_prefill"
+at context T-j on T-j tokens for each MTP depth j), with the ledger's conventions (2 per
+multiply-add; norms, softmax, activations, the indexer KL and the optimizer not counted).
+Peak = median GFLOP/s of a large `torch.mm` (fp32 2048^3 on CPU, bf16 8192^3 on CUDA), timed
+in the same process and thread count, interleaved with the cases so it sees the same load.
+Before timing, both models' losses on the first window cut to index_topk tokens must agree
+(`PARITY_RTOL`): the comparison is between the same weights.
+
+    .venv/bin/python benchmarks/train_step.py            # small preset, 8 x 256, fp32 CPU, dense
+    .venv/bin/python benchmarks/train_step.py --dsa      # sparse-adaptation stage
+    .venv/bin/python benchmarks/train_step.py --profile ours   # top ops of one full step
+
+Prints a markdown table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    env_facts,
+    load_average,
+    markdown_table,
+    matmul_case,
+    median,
+    print_json_line,
+    time_interleaved,
+    timed,
+)
+
+from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.ledger import flops
+from glm5lab.optim import build_optimizer
+from glm5lab.train.balance import moe_layers, update_router_bias
+from glm5lab.train.losses import cross_entropy, stage_losses
+from glm5lab.train.stages import Stage, default_stages
+
+GOALS = {"speedup": 3.0, "mfu": 0.40, "muon_split_share": 0.15}
+"""Targets: like-for-like tokens/s >= 3x transformers'; full step >= 40% of the matmul peak;
+the Muon Split optimizer step <= 15% of the full step."""
+GRAD_CLIP = 1.0
+BIAS_UPDATE_RATE = 1e-3
+ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+PARITY_RTOL = 1e-5
+"""fp32 CPU: ours and transformers, same weights, on the first window cut to index_topk tokens
+(where both attend densely), must give the same loss to this relative error. Observed: equal to
+7 digits. Garbage checks (small preset, random init, 64 tokens): one layer's routed experts
+reversed 2.1e-3, one layer's kv_b_proj rows reversed 1.6e-4: both fail it. (At full length with
+--dsa the two differ by ~7e-5 because of top-k ties: the small preset's 4 indexer heads give
+exactly equal ReLU scores at the boundary in ~6% of rows; ours keeps the earlier key.)"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small", help="ModelConfig preset (default: small)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256, help="input tokens per row (windows hold seq-len + 1)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per timed repeat (default: 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per case; the median is reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repeats per case first (default: 1)")
+    p.add_argument("--dsa", action="store_true", help="sparse-adaptation stage (use_dsa=True) instead of dense")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs under bf16 autocast")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--mm-size", type=int, default=None, help="matmul peak size n (default 2048 CPU, 8192 CUDA)")
+    p.add_argument("--profile", choices=("ours", "ours-plain", "hf"), default=None,
+                   help="instead of the benchmark: profile one step of this case, print top ops by self CPU time")
+    p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def stages_for(cfg: ModelConfig, args) -> tuple[Stage, Stage]:
+    """(full stage, like-for-like stage): the loop's dense or sparse-adaptation stage, and the same
+    without MTP and without the indexer loss."""
+    if args.dsa and not cfg.has_indexer:
+        raise SystemExit(f"--dsa needs a preset with a DSA indexer; {args.preset!r} has none")
+    stages = {s.name: s for s in default_stages(seq_len=args.seq_len, batch_size=args.batch_size,
+                                                mtp_depth=3 if cfg.num_nextn_predict_layers else 0,
+                                                use_indexer=cfg.has_indexer)}
+    full = stages["sparse_adaptation" if args.dsa else "dense"]
+    plain = Stage.from_dict({**full.to_dict(), "mtp_weights": (), "indexer_weight": 0.0})
+    return full, plain
+
+
+def step_flops(cfg: ModelConfig, B: int, T: int, mtp_depth: int, use_dsa: bool) -> float:
+    """Model FLOPs of one training step: 3 x the ledger's forward FLOPs (see module docstring)."""
+    c = cfg.replace(use_dsa=use_dsa)
+    forward = T * flops(c, context=T)["prefill"]["total"]
+    forward += sum((T - j) * flops(c, context=T - j)["mtp_prefill"]["total"] for j in range(1, mtp_depth + 1))
+    return 3.0 * B * forward
+
+
+class Case:
+    """`steps` training steps over fixed windows per call; returns {"optimizer_s", "loss"} and keeps
+    the very first loss (initial weights, window 0), printed beside the parity check."""
+
+    def __init__(self, step_fn, windows):
+        self.step_fn, self.windows, self.first_loss = step_fn, windows, None
+
+    def __call__(self) -> dict:
+        opt_s = 0.0
+        for w in self.windows:
+            loss, s = self.step_fn(w)
+            opt_s += s
+            if self.first_loss is None:
+                self.first_loss = float(loss)
+        return {"optimizer_s": opt_s, "loss": float(loss)}
+
+
+def ours_full_step(model, opt, stage: Stage, autocast, device):
+    """One step as `glm5lab.train.loop._Loop.train_step` (minus its non-finite check); the
+    optimizer step is timed on its own."""
+    def step(window):
+        with autocast():
+            losses = stage_losses(model, window, stage)
+        losses.total.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
+        opt_s, _ = timed(opt.step, device)
+        opt.zero_grad(set_to_none=True)
+        update_router_bias(model, BIAS_UPDATE_RATE)
+        return losses.total.detach(), opt_s
+    return step
+
+
+def ours_plain_step(model, opt, stage: Stage, autocast, device):
+    """Like for like with transformers: forward (no MTP), CE, backward, AdamW step."""
+    def step(window):
+        with autocast():
+            loss = stage_losses(model, window, stage).total
+        loss.backward()
+        opt_s, _ = timed(opt.step, device)
+        opt.zero_grad(set_to_none=True)
+        for _, moe in moe_layers(model):  # the load counter would otherwise grow; O(1)
+            moe.pop_load()
+        return loss.detach(), opt_s
+    return step
+
+
+def hf_step(model, opt, autocast, device):
+    def step(window):
+        with autocast():
+            logits = model(input_ids=window[:, :-1], use_cache=False).logits
+            loss = cross_entropy(logits, window[:, 1:])
+        loss.backward()
+        opt_s, _ = timed(opt.step, device)
+        opt.zero_grad(set_to_none=True)
+        return loss.detach(), opt_s
+    return step
+
+
+def load_hf(model: GLM5ForCausalLM, args, device):
+    """transformers' model from our saved checkpoint (same weights), fp32, train mode."""
+    from transformers import GlmMoeDsaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # it reports our MTP layer's weights as unused: expected
+    hf_logging.disable_progress_bar()
+    overrides = {} if args.dsa else {"index_topk": args.seq_len}
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        hf = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=torch.float32, **overrides)
+    return hf.to(device).train()
+
+
+def build_cases(args, device):
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig.from_preset(args.preset)
+    full_stage, plain_stage = stages_for(cfg, args)
+    ours = GLM5ForCausalLM(cfg).train()
+    ours_plain = copy.deepcopy(ours).to(device)
+    hf = load_hf(ours, args, device)  # saved from CPU, before `ours` moves
+    ours = ours.to(device)
+    windows = torch.randint(0, cfg.vocab_size, (args.steps, args.batch_size, args.seq_len + 1), device=device)
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+                else contextlib.nullcontext)
+    muon = build_optimizer(ours, "muon-split", lr=full_stage.lr, weight_decay=ADAMW["weight_decay"])
+    adamw_ours = torch.optim.AdamW(ours_plain.parameters(), lr=full_stage.lr, **ADAMW)
+    adamw_hf = torch.optim.AdamW(hf.parameters(), lr=full_stage.lr, **ADAMW)
+    cases = {
+        "ours": Case(ours_full_step(ours, muon, full_stage, autocast, device), windows),
+        "ours-plain": Case(ours_plain_step(ours_plain, adamw_ours, plain_stage, autocast, device), windows),
+        "hf": Case(hf_step(hf, adamw_hf, autocast, device), windows),
+    }
+    info = {"cfg": cfg, "full_stage": full_stage, "attn_implementation": hf.config._attn_implementation,
+            "parity": same_weights_check(ours_plain, hf, windows[0], cfg, autocast)}
+    return cases, info
+
+
+@torch.no_grad()
+def same_weights_check(ours, hf, window_BT1, cfg: ModelConfig, autocast) -> dict:
+    """Loss of both models on the window cut to index_topk + 1 tokens (exactly dense attention in
+    both); raises SystemExit when they differ by more than PARITY_RTOL (CPU fp32 only)."""
+    w = window_BT1[:, : min(window_BT1.shape[1], cfg.index_topk + 1)]
+    with autocast():
+        ours_loss = float(cross_entropy(ours(w[:, :-1], use_dsa=False).logits, w[:, 1:]))
+        hf_loss = float(cross_entropy(hf(input_ids=w[:, :-1], use_cache=False).logits, w[:, 1:]))
+    for _, moe in moe_layers(ours):
+        moe.pop_load()
+    rel = abs(ours_loss - hf_loss) / abs(hf_loss)
+    if w.device.type == "cpu" and rel > PARITY_RTOL:
+        raise SystemExit(f"ours and transformers disagree ({ours_loss} vs {hf_loss}, relative {rel:.1e} > "
+                         f"{PARITY_RTOL}): the two models do not hold the same weights")
+    return {"tokens": w.shape[1] - 1, "ours": ours_loss, "hf": hf_loss, "relative": rel}
+
+
+def profile(args, device) -> None:
+    """One warm-up and one profiled call of a case; prints top ops by self CPU time + JSON line."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cases, _ = build_cases(args, device)
+    case = cases[args.profile]
+    case()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        case()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+    total = sum(e.self_cpu_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.profile_rows]
+    print_json_line({"profile": args.profile, "steps": args.steps, "self_cpu_total_s": total / 1e6,
+                     "top_ops": [{"op": e.key, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4),
+                                  "share": round(e.self_cpu_time_total / total, 4), "calls": e.count}
+                                 for e in top]})
+
+
+def summarise(runs, info, args, peak: float) -> dict:
+    cfg, stage = info["cfg"], info["full_stage"]
+    B, T, n = args.batch_size, args.seq_len, args.steps
+    model_flops = {"ours": step_flops(cfg, B, T, stage.mtp_depth, stage.use_dsa),
+                   "ours-plain": step_flops(cfg, B, T, 0, stage.use_dsa),
+                   "hf": step_flops(cfg, B, T, 0, stage.use_dsa)}
+    out = {}
+    for name, samples in runs.items():
+        seconds = [s for s, _ in samples]
+        out[name] = {
+            "step_s": median(seconds) / n,
+            "tokens_per_s": median([n * B * T / s for s in seconds]),
+            "tokens_per_s_repeats": [round(n * B * T / s, 1) for s in seconds],
+            "model_flops_per_step": model_flops[name],
+            "mfu": median([n * model_flops[name] / s / (peak * 1e9) for s in seconds]),
+            "optimizer_share": median([r["optimizer_s"] / s for s, r in samples]),
+        }
+    return out
+
+
+def headline(res: dict) -> dict:
+    """speedup (like for like), mfu and muon_split_share (full step), and which goals are met."""
+    h = {"speedup": res["ours-plain"]["tokens_per_s"] / res["hf"]["tokens_per_s"], "mfu": res["ours"]["mfu"],
+         "muon_split_share": res["ours"]["optimizer_share"]}
+    h["met"] = {"speedup": h["speedup"] >= GOALS["speedup"], "mfu": h["mfu"] >= GOALS["mfu"],
+                "muon_split_share": h["muon_split_share"] <= GOALS["muon_split_share"]}
+    return h
+
+
+def print_report(res: dict, info, args, peak: tuple[float, list[float]], first_losses: dict, env: dict) -> None:
+    stage = info["full_stage"]
+    h = headline(res)
+    speedup, mfu, share, met = h["speedup"], h["mfu"], h["muon_split_share"], h["met"]
+    mode = "sparse adaptation (use_dsa=True)" if stage.use_dsa else "dense (use_dsa=False)"
+    labels = {
+        "ours": f"ours, full: MTP {stage.mtp_depth}x{stage.mtp_weights[0] if stage.mtp_weights else 0}"
+                + (", indexer KL" if stage.indexer_weight else "") + ", clip, Muon Split, router bias",
+        "ours-plain": "ours, like for like: no MTP, CE, AdamW",
+        "hf": f"transformers ({info['attn_implementation']}): CE, AdamW",
+    }
+    rows = [[labels[k], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['model_flops_per_step'] / 1e9:.1f}",
+             f"{r['mfu'] * 100:.1f}%", f"{r['optimizer_share'] * 100:.1f}%"] for k, r in res.items()]
+    met = {"speedup": speedup >= GOALS["speedup"], "mfu": mfu >= GOALS["mfu"],
+           "muon_split_share": share <= GOALS["muon_split_share"]}
+    print(f"train step: preset {args.preset}, batch {args.batch_size} x seq {args.seq_len}, {mode}, "
+          f"{args.device} {'bf16 autocast' if args.device == 'cuda' else 'fp32'}, {env['torch_threads']} threads\n")
+    print(markdown_table(["step", "s/step (median)", "tokens/s (median)", "model GFLOP/step", "MFU",
+                          "optimizer share"], rows))
+    print(f"\n- matmul peak: {peak[0]:.1f} GFLOP/s (4 x torch.mm {info['mm_size']}^3 {info['mm_dtype']} per "
+          f"repeat, timed between the cases, median of {len(peak[1])})\n"
+          f"- {args.repeats} repeats x {args.steps} steps after {args.warmup} warm-up; "
+          f"load average at start {env['load_average_start']}, end {env['load_average_end']}")
+    par = info["parity"]
+    print(f"- same weights: loss on {par['tokens']} tokens (dense in both) ours {par['ours']:.7f}, transformers "
+          f"{par['hf']:.7f} (relative {par['relative']:.1e})\n"
+          f"- first training loss (full length) ours like for "
+          f"like {first_losses['ours-plain']:.6f}, transformers {first_losses['hf']:.6f}")
+    print(f"- goal like-for-like speedup >= {GOALS['speedup']:.0f}x: {speedup:.2f}x ({_verdict(met['speedup'])})")
+    print(f"- goal MFU of the full step >= {GOALS['mfu']:.0%}: {mfu:.1%} ({_verdict(met['mfu'])})")
+    print(f"- goal Muon Split step <= {GOALS['muon_split_share']:.0%} of the full step: {share:.1%} "
+          f"({_verdict(met['muon_split_share'])})\n")
+
+
+def json_record(res: dict, info, args, peak: tuple[float, list[float]], first_losses: dict, env: dict) -> dict:
+    """Every figure, the configuration and the environment: the benchmark's JSON last line."""
+    stage, h = info["full_stage"], headline(res)
+    return {
+        "benchmark": "train_step",
+        "ours_tokens_per_s": round(res["ours"]["tokens_per_s"], 1),
+        "ours_like_for_like_tokens_per_s": round(res["ours-plain"]["tokens_per_s"], 1),
+        "hf_tokens_per_s": round(res["hf"]["tokens_per_s"], 1),
+        "speedup": round(h["speedup"], 3),
+        "speedup_definition": "ours like for like (no MTP, AdamW) / transformers (no MTP, AdamW)",
+        "mfu": round(h["mfu"], 4),
+        "mfu_definition": "full step: 3 x ledger forward FLOPs (main + MTP depths) / step time / matmul peak",
+        "matmul_peak_gflops": round(peak[0], 2),
+        "muon_split_share": round(h["muon_split_share"], 4),
+        "goals": {k: {"target": v, "met": h["met"][k]} for k, v in GOALS.items()},
+        "cases": {k: {kk: (round(vv, 5) if isinstance(vv, float) else vv) for kk, vv in r.items()}
+                  for k, r in res.items()},
+        "first_loss": first_losses,
+        "parity": info["parity"],
+        "config": {"preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                   "stage": stage.name, "use_dsa": stage.use_dsa, "mtp_weights": list(stage.mtp_weights),
+                   "indexer_weight": stage.indexer_weight, "lr": stage.lr, "steps": args.steps,
+                   "repeats": args.repeats, "warmup": args.warmup, "device": args.device,
+                   "dtype": "bf16 autocast" if args.device == "cuda" else "fp32",
+                   "hf_attn_implementation": info["attn_implementation"],
+                   "hf_index_topk": info["cfg"].index_topk if stage.use_dsa else args.seq_len,
+                   "mm_size": info["mm_size"], "mm_dtype": info["mm_dtype"]},
+        "env": env,
+    }
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+    if args.profile:
+        return profile(args, device)
+    env = env_facts(device)
+    cases, info = build_cases(args, device)
+    info["mm_size"] = args.mm_size or (8192 if device.type == "cuda" else 2048)
+    mm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    info["mm_dtype"] = str(mm_dtype).removeprefix("torch.")
+    mm_fn, mm_flops = matmul_case(n=info["mm_size"], dtype=mm_dtype, device=device)
+    runs = time_interleaved({**cases, "matmul": mm_fn}, device=device, warmup=args.warmup, repeats=args.repeats)
+    peak_samples = [mm_flops / s / 1e9 for s, _ in runs.pop("matmul")]
+    peak = (median(peak_samples), peak_samples)
+    first = {k: c.first_loss for k, c in cases.items()}
+    env["load_average_end"] = load_average()
+    env["matmul_peak_repeats_gflops"] = [round(x, 1) for x in peak_samples]
+    res = summarise(runs, info, args, peak[0])
+    print_report(res, info, args, peak, first, env)
+    record = json_record(res, info, args, peak, first, env)
+    print_json_line(record)
+    return record
+
+
+if __name__ == "__main__":
+    main()
