@@ -4,6 +4,7 @@ updates, full checkpoints)."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -20,6 +21,12 @@ train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts"
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _losses(run):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [(r["loss"], r["lm_loss"], r.get("val_loss")) for r in rows]
@@ -32,7 +39,8 @@ def test_two_fsdp_processes_match_one_process(corpus, tmp_path):  # noqa: F811
     one = subprocess.run([sys.executable, str(driver), str(tmp_path / "one"), "4", str(corpus)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(driver),
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={_free_port()}", str(driver),
                           str(tmp_path / "two"), "2", str(corpus)], env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
