@@ -115,6 +115,15 @@ def test_existing_run_needs_resume_and_resume_needs_a_checkpoint(corpus):
         train(_args(corpus, run))
 
 
+def test_resume_with_another_model_config_is_refused(corpus):
+    run = corpus / "run"
+    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(2, 1, 1))[:1]}))
+    other = ModelConfig.from_preset("tiny", vocab_size=320, hidden_size=32)
+    (corpus / "other.json").write_text(json.dumps(other.to_hf()))
+    with pytest.raises(ValueError, match=r"another model config \(fields \['hidden_size'\] differ\)"):
+        train(TrainArgs(**{**_args(corpus, run, resume=True).__dict__, "config": str(corpus / "other.json")}))
+
+
 def test_nan_stops_the_run_naming_step_and_tensor_and_keeps_the_last_checkpoint(corpus, monkeypatch):
     run = corpus / "run"
     real_step = _Loop.train_step

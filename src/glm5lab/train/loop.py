@@ -192,6 +192,10 @@ def _resume_weights(run_dir: Path, model) -> dict:
     """Load the latest checkpoint's weights into `model`; return its trainer state."""
     folder = latest_checkpoint(run_dir)
     loaded = GLM5ForCausalLM.from_pretrained(folder, mtp=model.config.num_nextn_predict_layers > 0)
+    if loaded.config != model.config:
+        diff = sorted(k for k, v in loaded.config.to_dict().items() if model.config.to_dict()[k] != v)
+        raise ValueError(f"--resume: the checkpoint {folder} was trained with another model config (fields "
+                         f"{diff} differ); resume with the run's own --preset/--config")
     model.load_state_dict(loaded.state_dict())
     return load_trainer_state(folder)
 
