@@ -51,7 +51,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     fields["progress"] = not args.no_progress
     if args.out is None:
         fields["out"] = f"runs/{args.preset or 'small'}" if not (args.config or args.init) else "runs/custom"
-    summary = train(TrainArgs(**fields))
+    try:
+        summary = train(TrainArgs(**fields))
+    except KeyboardInterrupt:
+        print(f"glm5lab train: interrupted; the latest checkpoint in {fields['out']} is kept: continue with "
+              "the same arguments plus --resume", file=sys.stderr)
+        return 130
     print(format_summary(summary))
     return 0
 

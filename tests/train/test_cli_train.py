@@ -34,6 +34,10 @@ def test_short_run_on_user_data(corpus, tmp_path):  # noqa: F811
     (["--stages", "warmup"], "unknown stage"),
     (["--resume"], "no checkpoint"),
     (["--steps", "1"], "at least one per stage"),
+    (["--bias-update-rate", "-1"], "--bias-update-rate -1.0 is not allowed"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every -1 is not allowed"),
+    (["--stages", "dense,dense"], "each stage at most once"),
+    (["--preset", "glm5"], "GiB to train in fp32"),
 ])
 def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noqa: F811
     base = ["--preset", "tiny", "--data", str(corpus / "texts"), "--out", str(tmp_path / "r"), "--no-progress"]

@@ -78,6 +78,8 @@ def test_warmup_trains_only_the_indexer(corpus):
     train(TrainArgs(**{**_args(corpus, run2).__dict__, "init": str(run / "checkpoints" / "step-000002"),
                        "config": None, "stage_plan": plan[1:2]}))
     warm = GLM5ForCausalLM.from_pretrained(run2 / "checkpoints" / "step-000002").state_dict()
+    tok = lambda r: (r / "checkpoints" / "step-000002" / "tokenizer.json").read_bytes()  # noqa: E731
+    assert tok(run2) == tok(run)
     for key in dense:
         changed = not torch.equal(dense[key], warm[key])
         assert changed == (".indexer." in key), key  # the MTP layer's (layers.4) indexer included
@@ -115,13 +117,45 @@ def test_existing_run_needs_resume_and_resume_needs_a_checkpoint(corpus):
         train(_args(corpus, run))
 
 
+def test_init_keeps_the_checkpoint_tokenizer_on_other_data(corpus):
+    run = corpus / "run"
+    plan = _plan(steps=(2, 1, 1))
+    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan[:1]}))
+    other = corpus / "other"
+    other.mkdir()
+    (other / "a.txt").write_text("completely different words here " * 400)
+    (other / "b.txt").write_text("and more unrelated text for a second document " * 300)
+    run2 = corpus / "run2"
+    train(TrainArgs(**{**_args(corpus, run2).__dict__, "config": None, "data": str(other), "stage_plan": plan[1:2],
+                       "init": str(run / "checkpoints" / "step-000002")}))
+    saved = (run / "checkpoints" / "step-000002" / "tokenizer.json").read_bytes()
+    assert (run2 / "checkpoints" / "step-000001" / "tokenizer.json").read_bytes() == saved
+
+
 def test_resume_with_another_model_config_is_refused(corpus):
     run = corpus / "run"
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(2, 1, 1))[:1]}))
+    plan = _plan(steps=(4, 1, 1))[:1]
+    real_step = _Loop.train_step
+
+    def dying_step(self, stage, stream, i):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, stage, stream, i)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_Loop, "train_step", dying_step)
+        with pytest.raises(KeyboardInterrupt):
+            train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan}))
     other = ModelConfig.from_preset("tiny", vocab_size=320, hidden_size=32)
     (corpus / "other.json").write_text(json.dumps(other.to_hf()))
+    resume = {**_args(corpus, run, resume=True).__dict__, "stage_plan": plan}
     with pytest.raises(ValueError, match=r"another model config \(fields \['hidden_size'\] differ\)"):
-        train(TrainArgs(**{**_args(corpus, run, resume=True).__dict__, "config": str(corpus / "other.json")}))
+        train(TrainArgs(**{**resume, "config": str(corpus / "other.json")}))
+    with pytest.raises(ValueError, match=r"--resume: stages, seed differ"):
+        train(TrainArgs(**{**resume, "seed": 5, "stage_plan": _plan(steps=(5, 1, 1))[:1]}))
+    train(TrainArgs(**resume))
+    with pytest.raises(ValueError, match="already complete"):
+        train(TrainArgs(**resume))
 
 
 def test_nan_stops_the_run_naming_step_and_tensor_and_keeps_the_last_checkpoint(corpus, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -90,12 +91,26 @@ def resolve_stages(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
 
 
 def build_model(args: TrainArgs) -> GLM5ForCausalLM:
-    """Random init from the preset/config (seeded), or the weights of `args.init`."""
+    """Random init from the preset/config (seeded), or the weights of `args.init`.
+    Raises ValueError before allocating anything when the model cannot fit in this machine's memory."""
+    cfg = ModelConfig.from_hf(args.init or args.config) if (args.init or args.config) else ModelConfig.from_preset(args.preset)
+    _check_fits(cfg)
     if args.init:
         return GLM5ForCausalLM.from_pretrained(args.init)
-    cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.from_preset(args.preset)
     torch.manual_seed(args.seed)
     return GLM5ForCausalLM(cfg)
+
+
+def _check_fits(cfg: ModelConfig) -> None:
+    """fp32 training holds weights, gradients and two optimizer states: about 16 bytes a parameter."""
+    from glm5lab.ledger import count
+
+    need = 16 * count(cfg, embeddings=True, mtp=True)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"this model needs about {need / 2**30:,.0f} GiB to train in fp32 (16 bytes x "
+                         f"{need // 16:,} parameters) but this machine has {have / 2**30:,.0f} GiB: use a smaller "
+                         "preset (small, tiny) or shard it over more machines with torchrun")
 
 
 def set_trainable(model, stage: Stage) -> None:
@@ -161,12 +176,16 @@ class MetricsLog:
 
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns the summary dict also written to `summary.json`."""
+    _check_args(args)
     ctx = dist.setup()
     run_dir = Path(args.out)
     _check_run_dir(run_dir, args.resume)
     model = build_model(args)
-    data = prepare_data(args, model.config)
     stages = resolve_stages(args, model.config)
+    checkpoint = latest_checkpoint(run_dir) if args.resume else (Path(args.init) if args.init else None)
+    if args.resume:
+        _check_same_plan(run_dir, args, stages)
+    data = prepare_data(args, model.config, checkpoint=checkpoint)
     resumed = _resume_weights(run_dir, model) if args.resume else None
     shard = dist.shard_model(model, ctx)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = build_optimizer(model, args.optimizer, lr=stages[0].lr, weight_decay=args.weight_decay)
@@ -175,12 +194,35 @@ def train(args: TrainArgs) -> dict:
         dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
         set_rng_state(resumed["rng"])
         start = resumed["position"]
-    if ctx.is_main:
+        if start["stage"] >= len(stages):
+            raise ValueError(f"--resume: the run in {run_dir} is already complete ({start['step']} steps); "
+                             "its summary is summary.json")
+    if ctx.is_main and not args.resume:
         _write_run_files(run_dir, args, model.config, stages, ctx)
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
     loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
     loop.run(start)
     return loop.finish()
+
+
+def _check_args(args: TrainArgs) -> None:
+    for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is not allowed: it must be >= 0")
+    if args.stages and len(set(args.stages)) != len(args.stages):
+        raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
+
+
+def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage]) -> None:
+    """A resumed run must continue the plan it started with: same stages, data, seed, optimizer."""
+    saved = json.loads((run_dir / "run.json").read_text())
+    old = {"stages": saved["stages"], **{k: saved["args"].get(k) for k in ("data", "seed", "optimizer", "init")}}
+    new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages],
+                                 **{k: getattr(args, k) for k in ("data", "seed", "optimizer", "init")}}))
+    differ = [k for k in old if old[k] != new[k]]
+    if differ:
+        raise ValueError(f"--resume: {', '.join(differ)} differ from the run in {run_dir} (see its run.json); "
+                         "resume with the arguments the run started with")
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:

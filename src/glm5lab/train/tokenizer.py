@@ -54,13 +54,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
 
 def load_tokenizer(path: Path) -> Tokenizer:
     """Load a `tokenizer.json` file, or the `tokenizer.json` inside a folder (e.g. a GLM-5
-    checkpoint folder). Raises FileNotFoundError naming the path looked at."""
+    checkpoint folder). Raises FileNotFoundError naming the path looked at, ValueError when the
+    file is not a `tokenizers` JSON."""
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer at {file}: expected a {TOKENIZER_FILE} file or a folder "
                                 f"containing one")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
 
 
 def cached_tokenizer(train_texts: Iterable[str], vocab_size: int, cache_dir: Path) -> Tokenizer:
