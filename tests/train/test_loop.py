@@ -106,6 +106,9 @@ def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monke
     assert [r["step"] for r in b] == list(range(1, 10))
     for key in ("loss", "lm_loss", "mtp_losses", "indexer_kl", "grad_norm", "val_loss", "expert_load"):
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    summary = lambda run: json.loads((run / "summary.json").read_text())  # noqa: E731
+    assert summary(killed)["stages"] == summary(full)["stages"]  # the whole history, not just after resume
+    assert summary(killed)["val_loss"] == summary(full)["val_loss"]
 
 
 def test_existing_run_needs_resume_and_resume_needs_a_checkpoint(corpus):

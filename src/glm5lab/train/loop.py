@@ -255,7 +255,6 @@ class _Loop:
         self.args, self.model, self.shard, self.opt, self.data = args, model, shard, optimizer, data
         self.stages, self.ctx, self.run_dir, self.metrics = stages, ctx, run_dir, metrics
         self.total_steps = sum(s.steps for s in stages)
-        self.stage_summaries: list[dict] = []
         self.step = 0
 
     def run(self, start: dict) -> None:
@@ -274,22 +273,15 @@ class _Loop:
         set_trainable(self.model, stage)
         stream = BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size,
                              seed=self.args.seed * 1000 + index, rank=self.ctx.rank, world_size=self.ctx.world_size)
-        key = "lm_loss" if stage.lm_weight else "indexer_kl"  # what the stage summary reports
-        losses_seen = []
         for i in range(first, stage.steps):
             record = self.train_step(stage, stream, i)
             self.step += 1
-            losses_seen.append(record[key])
             record.update(step=self.step, stage=stage.name, stage_step=i + 1)
             if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
                 record["val_loss"] = self.validate(stage)
             self.log(record, bar)
             if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
                 self.checkpoint(index, i + 1, stage)
-        self.stage_summaries.append({"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa,
-                                     "trainable": stage.trainable, "tokens": stage.steps * stage.batch_size * stage.seq_len * self.ctx.world_size,
-                                     "reported": key, "first": losses_seen[0] if losses_seen else None,
-                                     "last": losses_seen[-1] if losses_seen else None})
 
     def train_step(self, stage: Stage, stream: BatchStream, i: int) -> dict:
         t0 = time.perf_counter()
@@ -332,13 +324,27 @@ class _Loop:
             save_checkpoint(self.run_dir, self.step, model, self.data.tokenizer, state)
         dist.barrier(self.ctx)
 
+    def stage_summaries(self) -> list[dict]:
+        """Per stage, from the whole metrics.jsonl (so a resumed run reports its full history):
+        steps, tokens, and the first/last LM loss (indexer KL for a stage without LM loss)."""
+        rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+        out = []
+        for stage in self.stages:
+            key = "lm_loss" if stage.lm_weight else "indexer_kl"
+            seen = [r[key] for r in rows if r["stage"] == stage.name]
+            out.append({"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa,
+                        "trainable": stage.trainable, "tokens": stage.steps * stage.batch_size * stage.seq_len * self.ctx.world_size,
+                        "reported": key, "first": seen[0] if seen else None, "last": seen[-1] if seen else None})
+        return out
+
     def finish(self) -> dict:
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
         val_loss = evaluate(self.shard, val, last, max(self.args.eval_batches, len(val) // last.batch_size))  # all of it
         summary = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss),
                    "unigram_val_loss": unigram_loss(self.data.train_tokens, self.data.val_tokens, self.model.config.vocab_size),
-                   "steps": self.step, "stages": self.stage_summaries, "run_dir": str(self.run_dir)}
+                   "steps": self.step, "stages": self.stage_summaries() if self.ctx.is_main else [],
+                   "run_dir": str(self.run_dir)}
         if self.ctx.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             from glm5lab.train.plot import plot_losses
