@@ -24,6 +24,7 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp (and safetensors) make 0600; give the usual mode
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -104,6 +105,12 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)
     except OSError:  # another file system, or one without hard links
         shutil.copy2(src, dst)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _sibling(path: Path, tag: str) -> Path:

@@ -38,9 +38,12 @@ def test_short_run_on_user_data(corpus, tmp_path):  # noqa: F811
     (["--checkpoint-every", "-1"], "--checkpoint-every -1 is not allowed"),
     (["--stages", "dense,dense"], "each stage at most once"),
     (["--preset", "glm5"], "GiB to train in fp32"),
+    (["--out", "/proc/no/such"], "--out /proc/no/such: cannot create the run folder"),
 ])
 def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noqa: F811
-    base = ["--preset", "tiny", "--data", str(corpus / "texts"), "--out", str(tmp_path / "r"), "--no-progress"]
+    base = ["--preset", "tiny", "--data", str(corpus / "texts"), "--no-progress"]
+    if "--out" not in args:
+        base += ["--out", str(tmp_path / "r")]
     r = _run(*base, *args, env_cache=corpus / "cache")
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr
     assert r.stderr.startswith("glm5lab train: ") and message in r.stderr, r.stderr

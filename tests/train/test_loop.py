@@ -3,6 +3,7 @@ exact resume, divergence handling, MTP overfit, load balancing."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -67,6 +68,10 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     model = GLM5ForCausalLM.from_pretrained(latest)
     assert (latest / "tokenizer.json").is_file() and model.config.vocab_size == 320
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (latest.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
+    assert ((latest / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~umask
 
 
 def test_warmup_trains_only_the_indexer(corpus):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
+import secrets
 from pathlib import Path
 
 import torch
@@ -34,7 +34,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    tmp = root / f".{final.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()  # not mkdtemp: the checkpoint folder keeps the usual (umask) permissions
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:

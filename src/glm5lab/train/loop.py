@@ -226,6 +226,13 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage]) -> Non
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file, not a folder")
+    if not resume:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None
     if not resume and (run_dir / "checkpoints").exists():
         raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
 
