@@ -71,16 +71,6 @@ def matmul_case(*, n: int, dtype: torch.dtype, device, calls: int = 4) -> tuple[
     return fn, 2.0 * n**3 * calls
 
 
-def matmul_peak_gflops(*, n: int, dtype: torch.dtype, device, repeats: int = 7,
-                       warmup: int = 2) -> tuple[float, list[float]]:
-    """Achieved GFLOP/s of `torch.mm` at size n on its own: (median, per-repeat)."""
-    fn, work = matmul_case(n=n, dtype=dtype, device=device, calls=1)
-    for _ in range(warmup):
-        fn()
-    samples = [work / timed(fn, device)[0] / 1e9 for _ in range(repeats)]
-    return median(samples), samples
-
-
 def cpu_model() -> str:
     """The 'model name' line of /proc/cpuinfo (else platform.processor())."""
     try:

@@ -32,11 +32,6 @@ def grads(out: torch.Tensor, *inputs: torch.Tensor):
     return torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
 
 
-def nan_fill(t: torch.Tensor) -> torch.Tensor:
-    """Fill a fresh tensor with NaN, so a kernel that leaves part of it unwritten fails loudly."""
-    return t.fill_(float("nan"))
-
-
 @pytest.fixture
 def tiny_cfg() -> ModelConfig:
     return ModelConfig.from_preset("tiny")

@@ -185,7 +185,7 @@ def test_nan_stops_the_run_naming_step_and_tensor_and_keeps_the_last_checkpoint(
 
 
 def test_nonfinite_gradient_is_named():
-    from glm5lab.train.loop import check_finite
+    from glm5lab.train.loop import clip_and_check
     from glm5lab.train.losses import StepLosses
 
     model = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
@@ -193,7 +193,7 @@ def test_nonfinite_gradient_is_named():
         p.grad = torch.zeros_like(p)
     model.model.norm.weight.grad[3] = float("inf")
     with pytest.raises(TrainingDiverged, match=r"step 12: non-finite gradient in `model.norm.weight`"):
-        check_finite(model, StepLosses(torch.tensor(1.0), None, [], None), 12)
+        clip_and_check(model, StepLosses(torch.tensor(1.0), None, [], None), 12, 1.0)
 
 
 def test_tiny_overfit_drives_every_mtp_depth_near_zero():

@@ -118,18 +118,22 @@ def set_trainable(model, stage: Stage) -> None:
         p.requires_grad_(stage.trainable == "all" or ".indexer." in name)
 
 
-def check_finite(model, losses, step: int) -> float:
-    """Clip-free total grad norm; raises TrainingDiverged naming the first non-finite tensor."""
+def clip_and_check(model, losses, step: int, max_norm: float) -> float:
+    """Clip the gradients to `max_norm` (0 = no clipping) and return their total norm before
+    clipping (one pass over the gradients); raise TrainingDiverged naming the step and the first
+    non-finite parameter or gradient when the loss or the norm is NaN/inf."""
     if not math.isfinite(float(losses.total.detach())):
         bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
         where = f"non-finite parameter `{bad}`" if bad else "every parameter is finite (activations overflowed)"
         raise TrainingDiverged(f"step {step}: loss is not finite ({losses.to_log()}); {where}")
     grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for _, g in grads]))
-    if not torch.isfinite(norm):
+    norm = torch.nn.utils.clip_grad_norm_([p for n, p in model.named_parameters() if p.grad is not None],
+                                          max_norm or float("inf"))
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(norm):
         bad = next(n for n, g in grads if not torch.isfinite(g).all())
         raise TrainingDiverged(f"step {step}: non-finite gradient in `{bad}`")
-    return float(norm)
+    return norm
 
 
 @torch.no_grad()
@@ -299,9 +303,7 @@ class _Loop:
         with self.ctx.autocast():
             losses = stage_losses(self.shard, window, stage)
         losses.total.backward()
-        grad_norm = check_finite(self.model, losses, self.step + 1)
-        if self.args.grad_clip:
-            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.args.grad_clip)
+        grad_norm = clip_and_check(self.model, losses, self.step + 1, self.args.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         frozen_router = stage.trainable != "all"  # indexer warm-up: everything but the indexer stays put
