@@ -371,3 +371,19 @@ def test_readme_python_api_snippet_runs_verbatim(tmp_path, monkeypatch):
     out, cfg = scope["out"], scope["cfg"]
     assert [tuple(t.shape) for t in out.mtp_logits] == [(2, 32 - j, cfg.vocab_size) for j in (1, 2, 3)]
     assert isinstance(scope["model"], GLM5ForCausalLM) and (tmp_path / "ckpt" / "config.json").is_file()
+
+
+def test_cached_greedy_generation_matches_transformers_generate(hf_folder):
+    """Our latent cache + absorbed sparse decode against transformers' generate (DynamicCache with
+    per-head K/V and the indexer-key cache): the same greedy tokens, with prompts past index_topk
+    so every decode step selects keys, in a batch of two rows."""
+    import glm5lab
+    from transformers import GlmMoeDsaForCausalLM
+
+    ids = _ids(3)[:, :12]
+    ours = _load_ours(hf_folder).eval()
+    out = glm5lab.generate(ours, ids, 16)
+    theirs = GlmMoeDsaForCausalLM.from_pretrained(hf_folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = theirs.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert out.tokens == ref[:, ids.shape[1]:].tolist()

@@ -2,7 +2,10 @@
 exact to transformers' `GlmMoeDsaForCausalLM`, with its ledger."""
 
 from glm5lab.config import ConfigError, ModelConfig
+from glm5lab.infer.generate import GenerateOutput, generate
+from glm5lab.model.cache import KVCache
 from glm5lab.model.model import CausalLMOutput, GLM5ForCausalLM
 
-__all__ = ["ConfigError", "ModelConfig", "GLM5ForCausalLM", "CausalLMOutput"]
+__all__ = ["ConfigError", "ModelConfig", "GLM5ForCausalLM", "CausalLMOutput", "KVCache", "generate",
+           "GenerateOutput"]
 __version__ = "0.1.0"

@@ -3,10 +3,16 @@
     glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--context N] [--json]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
                    [--optimizer adamw|muon|muon-split] [--quick] ...
+    glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
+                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
+                   [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
+                   [--dtype fp32|bf16] [--prefill-chunk N] [--json]
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a
-bad --context) print one line `glm5lab <command>: error: ...` to stderr and exit with status 2;
-argparse's own usage errors also exit with 2.
+bad --context or other number, a missing model folder, a prompt too long for the model) print one
+line `glm5lab <command>: error: ...` to stderr and exit with status 2; argparse's own usage
+errors also exit with 2. A RuntimeError (a run that diverged, a checkpoint whose weights do not
+match its config) exits with 1; Ctrl-C during train or generate exits with 130.
 """
 
 from __future__ import annotations
@@ -15,13 +21,15 @@ import argparse
 import json
 import sys
 
+from glm5lab.cli_generate import add_generate_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.ledger import DTYPE_BYTES, ledger, render
 from glm5lab.presets import PRESETS
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
 DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attention, MoE, multi-token "
-               "prediction): count their parameters, cache bytes and FLOPs, or train one. Run "
+               "prediction): count their parameters, cache bytes and FLOPs, train one, or generate "
+               "text with one (plain or MTP-speculative decoding). Run "
                "`glm5lab COMMAND -h` for a command's options.")
 
 
@@ -123,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "max_position_embeddings; larger values are refused)")
     p.add_argument("--json", action="store_true", help="also print the whole ledger as one JSON line, last")
     p.set_defaults(func=cmd_ledger)
+    add_generate_parser(sub)
     return parser
 
 

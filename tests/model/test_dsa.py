@@ -93,3 +93,20 @@ def test_indexer_loss_trains_only_the_indexer():
         for name, p in model.named_parameters():
             has_grad = p.grad is not None and p.grad.abs().sum() > 0
             assert has_grad == (".indexer." in name and (depth > 0 or not name.startswith("model.mtp_layers"))), name
+
+
+def test_topk_is_the_stable_sort_prefix_on_tie_heavy_scores():
+    """`select_topk` (torch.topk over int64 ranking keys) picks exactly what a stable descending
+    sort picks: ties (including -0.0 vs +0.0, which compare equal) go to the earlier key, -inf
+    last, extreme magnitudes ordered."""
+    g = torch.Generator().manual_seed(0)
+    vals = torch.tensor([0.0, -0.0, 1.5, -2.0, float("-inf"), 3.0, -1e-30, 1e-30, 7e30, -7e30])
+    for trial in range(60):
+        S = int(torch.randint(1, 300, (1,), generator=g))
+        if trial % 2:
+            scores = torch.randn(2, 5, S, generator=g).round(decimals=1)
+        else:
+            scores = vals[torch.randint(0, len(vals), (2, 5, S), generator=g)]
+        k = int(torch.randint(1, 40, (1,), generator=g))
+        ref = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :min(k, S)]
+        assert torch.equal(select_topk(scores, k).idx_BTK, ref)

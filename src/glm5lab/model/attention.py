@@ -3,7 +3,8 @@
 Legend: B batch, T queries, S keys, H query heads, G key/value heads (H = G * r), D q/k width,
 E v width, K selected keys per query (DSA top-k).
 
-Every kernel takes q_BTHD, k_BSGD, v_BSGE and returns o_BTHE in q's dtype; softmax runs in fp32.
+Every kernel takes q_BTHD, k_BSGD, v_BSGE (the latent kernels: q_BTHX and one kv_BSX) and
+returns o_BTHE in q's dtype; softmax runs in fp32.
 Query i sits at absolute position `q_offset + i`; key j at position j. Causality is "key
 position <= query position".
 
@@ -11,9 +12,12 @@ position <= query position".
   other kernel is tested against.
 - `attention_causal`: dense causal attention through `F.scaled_dot_product_attention`.
 - `attention_masked`: the reference's mask through SDPA (DSA at short context).
-- `attention_gathered`: DSA core attention. Gathers the K selected keys of each query and
-  attends to those only: O(T*K) scores instead of O(T*S). Source: DeepSeek-V3.2 (DSA),
-  FlashMLA's sparse kernels; reference twin = `attention_reference` with `topk_mask`.
+- `attention_latent_masked` / `attention_latent_gathered`: absorbed MLA, one shared key per
+  token whose first `v_dim` columns are also the value (the latent c): FlashMLA's layout, K and V
+  read from one tensor.
+  `attention_latent_gathered` is DSA's core attention: it gathers the K selected keys of each
+  query and attends to those only, O(T*K) scores instead of O(T*S). Source: DeepSeek-V3.2
+  (DSA), FlashMLA's sparse kernels; reference twin = `attention_reference` with `topk_mask`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ def causal_mask(T: int, S: int, q_offset: int, device) -> torch.Tensor:
     """Bool [T, S]: True where key position <= query position (q_offset + row)."""
     q_pos = torch.arange(T, device=device)[:, None] + q_offset
     return torch.arange(S, device=device)[None, :] <= q_pos
+
+
+def causal_mask_rows(offsets_B: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """Bool [B, T, S] for sequences that each start at their own offset (cached decoding):
+    query t of row b sits at position offsets_B[b] + t and sees keys 0..that position. Slots past
+    it (other rows' tokens, stale entries of a rolled-back cache) are masked."""
+    q_pos_BT = offsets_B[:, None] + torch.arange(T, device=offsets_B.device)
+    return torch.arange(S, device=offsets_B.device) <= q_pos_BT[..., None]
 
 
 def topk_mask(topk: TopK, S: int) -> torch.Tensor:
@@ -91,19 +103,29 @@ def attention_masked(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch.Te
     return o.transpose(1, 2)
 
 
-def attention_gathered(q_BTHD, k_BSGD, v_BSGE, *, scale: float, topk: TopK) -> torch.Tensor:
-    """Attention of each query over its selected keys only (DSA core attention).
+def attention_latent_masked(q_BTHX, kv_BSX, *, v_dim: int, scale: float, mask_BTS: torch.Tensor | None,
+                            q_offset: int = 0) -> torch.Tensor:
+    """Absorbed MLA attention: every head attends to the shared key kv_BSX ([c | k_pe], X wide)
+    and reads the value kv[..., :v_dim] (= c). Returns o_BTHV. mask_BTS: as `attention_masked`
+    (None: causal with `q_offset`). The value passed to SDPA is the whole X-wide key (the extra
+    output columns are dropped): equal widths keep CPU SDPA on its fused kernel, and no sliced
+    copy of the cache is made."""
+    kv_BS1X = kv_BSX[:, :, None, :]
+    if mask_BTS is None:
+        o_BTHX = attention_causal(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, q_offset=q_offset)
+    else:
+        o_BTHX = attention_masked(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, mask_BTS=mask_BTS)
+    return o_BTHX[..., :v_dim]
 
-    Memory and compute are O(B*T*K*G*(D+E)) and O(B*T*K*H*(D+E)); with MLA absorbed (G=1,
-    D=576) this is FlashMLA's sparse layout. Gradients flow to q, k and v (not to the indices)."""
-    B, T, K = topk.idx_BTK.shape
-    G = k_BSGD.shape[2]
-    q_BTGrD = _split_groups(q_BTHD, G)
-    b = torch.arange(B, device=q_BTHD.device)[:, None, None]
-    k_BTKGD = k_BSGD[b, topk.idx_BTK]
-    v_BTKGE = v_BSGE[b, topk.idx_BTK]
-    scores_BTGrK = torch.einsum("btgrd,btkgd->btgrk", q_BTGrD.float(), k_BTKGD.float()) * scale
-    scores_BTGrK = scores_BTGrK.masked_fill(~topk.valid_BTK[:, :, None, None, :], float("-inf"))
-    probs_BTGrK = scores_BTGrK.softmax(dim=-1)
-    o_BTGrE = torch.einsum("btgrk,btkge->btgre", probs_BTGrK, v_BTKGE.float())
-    return o_BTGrE.flatten(2, 3).to(q_BTHD.dtype)
+
+def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk: TopK) -> torch.Tensor:
+    """`attention_latent_masked` over each query's selected keys only (absorbed DSA core
+    attention, FlashMLA's sparse decode): one gather of K latents per query serves as key and
+    value. Returns o_BTHV. Reference twin: `attention_reference` with k = kv, v = kv[..., :v_dim]
+    and the top-k mask."""
+    B = topk.idx_BTK.shape[0]
+    kv_BTKX = kv_BSX[torch.arange(B, device=kv_BSX.device)[:, None, None], topk.idx_BTK]
+    scores_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX.float(), kv_BTKX.float()) * scale
+    scores_BTHK = scores_BTHK.masked_fill(~topk.valid_BTK[:, :, None, :], float("-inf"))
+    o_BTHV = torch.einsum("bthk,btkv->bthv", scores_BTHK.softmax(dim=-1), kv_BTKX[..., :v_dim].float())
+    return o_BTHV.to(q_BTHX.dtype)

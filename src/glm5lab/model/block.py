@@ -27,12 +27,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if mlp_type == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, attn_impl="auto", moe_impl="grouped",
-                use_dsa=None, indexer_loss=False):
+    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, attn_impl="auto", moe_impl="auto",
+                use_dsa=None, indexer_loss=False, cache=None):
         """Returns (x_BTD, topk, indexer_kl): the block output, the DSA selection this layer used
-        (None when dense) and its indexer loss (None unless asked and the layer has an indexer)."""
+        (None when dense) and its indexer loss (None unless asked and the layer has an indexer).
+        cache: this layer's `LayerStep` in cached decoding (None: plain causal forward)."""
         h_BTD, topk, kl = self.self_attn(self.input_layernorm(x_BTD), cos_TR2, sin_TR2, prev_topk=prev_topk,
-                                         impl=attn_impl, use_dsa=use_dsa, indexer_loss=indexer_loss)
+                                         impl=attn_impl, use_dsa=use_dsa, indexer_loss=indexer_loss, cache=cache)
         x_BTD = x_BTD + h_BTD
         h_BTD = self.post_attention_layernorm(x_BTD)
         h_BTD = self.mlp(h_BTD, impl=moe_impl) if isinstance(self.mlp, MoE) else self.mlp(h_BTD)

@@ -48,30 +48,49 @@ class LightningIndexer(nn.Module):
 
         x_BTD: hidden states of the queries (layer input after `input_layernorm`); q_lat_BTQ:
         the MLA q latent after `q_a_layernorm`; k_BSJ: keys from `keys()` for positions 0..S-1;
-        cos/sin: angles of the query positions q_offset..q_offset+T-1."""
+        cos/sin: angles of the query positions q_offset..q_offset+T-1. q_offset: an int, or a
+        LongTensor [B] with one offset per row (cached decoding of rows of different lengths)."""
         B, T, _ = x_BTD.shape
         q_BTIJ = self._rope(self.wq_b(q_lat_BTQ).view(B, T, self.n_heads, self.head_dim), cos_TR2, sin_TR2)
         dots_BTIS = torch.einsum("btij,bsj->btis", q_BTIJ.float(), k_BSJ.float()) * self.head_dim**-0.5
         w_BTI = F.linear(x_BTD.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
         scores_BTS = torch.einsum("bti,btis->bts", w_BTI, dots_BTIS.relu())
-        S = k_BSJ.shape[1]
-        future = torch.arange(S, device=x_BTD.device)[None, :] > (torch.arange(T, device=x_BTD.device)[:, None] + q_offset)
-        return scores_BTS.masked_fill(future, float("-inf"))
+        return scores_BTS.masked_fill(~_visible(q_offset, B, T, k_BSJ.shape[1], x_BTD.device), float("-inf"))
 
 
-def select_topk(scores_BTS: torch.Tensor, k: int, *, q_offset: int = 0) -> TopK:
+def _visible(q_offset, B: int, T: int, S: int, device) -> torch.Tensor:
+    """Bool [B|1, T, S]: key position <= query position, for an int or per-row [B] offset."""
+    q_pos = torch.arange(T, device=device) + (q_offset[:, None] if torch.is_tensor(q_offset) else q_offset)
+    return torch.arange(S, device=device) <= q_pos.reshape(-1, T)[..., None]
+
+
+def select_topk(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     """The min(k, S) best keys of each query, ties broken by position (earlier first).
 
-    scores_BTS must hold -inf exactly at the keys after each query (as `scores` returns). A
-    stable descending sort makes the choice deterministic on every device; slots beyond the
-    query's number of causal keys (q_offset + t + 1) are marked invalid.
-    Raises ValueError for k < 1."""
+    scores_BTS must hold -inf exactly at the keys after each query (as `scores` returns). The
+    choice is that of a stable descending sort, computed as torch.topk over distinct int64 keys
+    (`_ranking_keys`: the score's order-preserving bits, then the position), so it is
+    deterministic on every device and O(S log K) rather than a full sort. Slots beyond the
+    query's number of causal keys (q_offset + t + 1) are marked invalid. q_offset: an int or a
+    LongTensor [B] (one offset per row). Raises ValueError for k < 1."""
     if k < 1:
         raise ValueError(f"index_topk must be >= 1, got {k}")
     B, T, S = scores_BTS.shape
     K = min(k, S)
-    order_BTS = torch.sort(scores_BTS, dim=-1, descending=True, stable=True).indices
-    idx_BTK = order_BTS[..., :K]
-    n_causal_T = (torch.arange(T, device=scores_BTS.device) + q_offset + 1).clamp(max=S)
-    valid_BTK = torch.arange(K, device=scores_BTS.device)[None, None, :] < n_causal_T[None, :, None]
+    idx_BTK = _ranking_keys(scores_BTS).topk(K, dim=-1).indices
+    offset = q_offset[:, None] if torch.is_tensor(q_offset) else q_offset
+    n_causal_BT = (torch.arange(T, device=scores_BTS.device) + offset + 1).clamp(max=S).reshape(-1, T)
+    valid_BTK = torch.arange(K, device=scores_BTS.device) < n_causal_BT[..., None]
     return TopK(idx_BTK, valid_BTK.expand(B, T, K))
+
+
+def _ranking_keys(scores_BTS: torch.Tensor) -> torch.Tensor:
+    """int64 [B, T, S], all distinct per row, ordered as (score, -position): fp32 bits made
+    order-preserving (negative floats get their magnitude bits flipped; -0.0 counts as +0.0),
+    shifted left past the position field, plus (S - 1 - position)."""
+    S = scores_BTS.shape[-1]
+    bits = (scores_BTS.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    shift = max(1, (S - 1).bit_length())
+    later_first = torch.arange(S - 1, -1, -1, device=scores_BTS.device)
+    return (ordered << shift) | later_first

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from glm5lab.config import ModelConfig
-from glm5lab.model.attention import attention_causal, attention_reference, causal_mask
+from glm5lab.model.attention import attention_causal, attention_masked, attention_reference, causal_mask
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 
@@ -39,9 +39,11 @@ class GQAttention(nn.Module):
         return torch.cat([nope, apply_rope(pe, cos, sin, interleaved=self.cfg.rope_interleave)], dim=-1)
 
     def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, impl: str = "auto", use_dsa=None,
-                indexer_loss: bool = False):
+                indexer_loss: bool = False, cache=None):
         """Causal GQA over x. Returns (out_BTD, None, None): GQA layers never select keys.
-        impl "naive" = explicit masked softmax (reference); otherwise SDPA."""
+        impl "naive" = explicit masked softmax (reference); otherwise SDPA. With `cache` (a
+        `LayerStep`): x holds each row's new tokens, their K/V are appended to the cache and
+        attention runs over everything cached (cos/sin [B, T, R/2])."""
         if impl not in GQA_IMPLS:
             raise ValueError(f"attention impl {impl!r} is not allowed: one of {GQA_IMPLS}")
         B, T, _ = x_BTD.shape
@@ -51,7 +53,12 @@ class GQAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, cos_TR2, sin_TR2), self._rope(k, cos_TR2, sin_TR2)
-        if impl == "naive":
+        if cache is not None:
+            k, v = cache.write("k", k), cache.write("v", v)
+            mask_BTS = cache.causal_mask()
+            attend = attention_reference if impl == "naive" else attention_masked
+            o = attend(q, k, v, scale=self.scale, mask_BTS=mask_BTS)
+        elif impl == "naive":
             o = attention_reference(q, k, v, scale=self.scale, mask_BTS=causal_mask(T, T, 0, x_BTD.device)[None])
         else:
             o = attention_causal(q, k, v, scale=self.scale)

@@ -18,19 +18,29 @@ transformers' `GlmMoeDsaAttention` (names, RoPE pairing, DSA masking).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.attention import (
-    TopK, attention_causal, attention_gathered, attention_masked, attention_reference, causal_mask, topk_mask,
+    TopK, attention_causal, attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference,
+    causal_mask, topk_mask,
 )
 from glm5lab.model.dsa import LightningIndexer, select_topk
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 
+if TYPE_CHECKING:
+    from glm5lab.model.cache import LayerStep
+
 ATTN_IMPLS = ("auto", "naive", "absorbed")
 GATHER_MIN_KEYS_PER_TOPK = 16
+ABSORBED_MAX_QUERIES = 16
+"""Cached forwards of at most this many new tokens per row (decode, speculative verification)
+run absorbed: per token only the 576-wide latent is read, never per-head K/V. Longer ones
+(prefill chunks) expand K/V like the uncached forward."""
 """`auto` gathers the top-k keys once the context exceeds 16 x index_topk; below that a masked
 SDPA over all keys is faster on CPU (measured: S=256/K=64 masked 5x faster; S=2048/K=64 gathered
 1.6x faster; crossover near S = 16-24 K). Both compute exactly the same function."""
@@ -96,19 +106,24 @@ class MLAttention(nn.Module):
         """Fast path: attention in the latent space (one 576-wide key per token for all heads).
         With `topk`, only the selected keys are gathered (`gather`), or, for short contexts where
         that costs more, attended through a mask (`gather=False`)."""
+        T, S = q_nope.shape[1], c_BSC.shape[1]
+        mask_BTS = None
+        if topk is not None and not gather:
+            mask_BTS = causal_mask(T, S, q_offset, q_nope.device)[None] & topk_mask(topk, S)
+        return self.attend_latent(q_nope, q_pe, torch.cat([c_BSC, k_pe_BSR], dim=-1), mask_BTS=mask_BTS,
+                                  topk=topk if gather else None, q_offset=q_offset)
+
+    def attend_latent(self, q_nope, q_pe, latent_BSX, *, mask_BTS, topk: TopK | None, q_offset: int = 0):
+        """Absorbed attention over latents [c | k_pe] (X = C+R): q_c = q_nope W_uk, scores over
+        the shared 576-wide keys, values c, output o_c W_uv^T. `topk`: gather the selected keys
+        (validity encodes causality); else `mask_BTS` [B|1, T, S] (None: causal from q_offset)."""
         w_uk_HNC, w_uv_HVC = self.absorbed_weights()
-        q_c_BTHC = torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HNC)
-        q_BTHX = torch.cat([q_c_BTHC, q_pe], dim=-1)
-        k_BS1X = torch.cat([c_BSC, k_pe_BSR], dim=-1)[:, :, None, :]
-        v_BS1C = c_BSC[:, :, None, :]
-        if topk is None:
-            o_BTHC = attention_causal(q_BTHX, k_BS1X, v_BS1C, scale=self.scale, q_offset=q_offset)
-        elif gather:
-            o_BTHC = attention_gathered(q_BTHX, k_BS1X, v_BS1C, scale=self.scale, topk=topk)
+        q_BTHX = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk_HNC), q_pe], dim=-1)
+        if topk is not None:
+            o_BTHC = attention_latent_gathered(q_BTHX, latent_BSX, v_dim=self.kv_rank, scale=self.scale, topk=topk)
         else:
-            T, S = q_BTHX.shape[1], k_BS1X.shape[1]
-            mask_BTS = causal_mask(T, S, q_offset, q_BTHX.device)[None] & topk_mask(topk, S)
-            o_BTHC = attention_masked(q_BTHX, k_BS1X, v_BS1C, scale=self.scale, mask_BTS=mask_BTS)
+            o_BTHC = attention_latent_masked(q_BTHX, latent_BSX, v_dim=self.kv_rank, scale=self.scale,
+                                             mask_BTS=mask_BTS, q_offset=q_offset)
         return torch.einsum("bthc,hvc->bthv", o_BTHC, w_uv_HVC)
 
     def select(self, x_BTD, q_lat_BTQ, cos_TR2, sin_TR2, *, prev_topk: TopK | None) -> TopK:
@@ -124,10 +139,12 @@ class MLAttention(nn.Module):
         return select_topk(scores_BTS, self.cfg.index_topk)
 
     def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk: TopK | None = None, impl: str = "auto",
-                use_dsa: bool | None = None, indexer_loss: bool = False):
+                use_dsa: bool | None = None, indexer_loss: bool = False, cache: LayerStep | None = None):
         """Causal self-attention over x (positions 0..T-1). Returns (out_BTD, topk or None,
         indexer KL or None).
 
+        With `cache` (cached decoding, see `glm5lab.model.cache`): x holds each row's new tokens,
+        cos/sin their positions ([B, T, R/2]); see `forward_cached`.
         DSA is active when `use_dsa` (default: the config's) and T > index_topk (otherwise
         top-k keeps every causal key and attention is exactly dense). impl: "naive" (reference,
         as transformers' eager path), "absorbed" (latent space, gathered top-k), "auto"
@@ -139,6 +156,12 @@ class MLAttention(nn.Module):
             raise ValueError(f"attention impl {impl!r} is not allowed: one of {ATTN_IMPLS}")
         B, T, _ = x_BTD.shape
         use_dsa = self.cfg.use_dsa if use_dsa is None else use_dsa
+        if cache is not None:
+            if indexer_loss:
+                raise ValueError("indexer_loss is a training loss: it is not computed in cached decoding")
+            out_BTD, topk = self.forward_cached(x_BTD, cos_TR2, sin_TR2, cache, prev_topk=prev_topk, impl=impl,
+                                                use_dsa=use_dsa)
+            return out_BTD, topk, None
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, cos_TR2, sin_TR2)
         topk = None
         if use_dsa and T > self.cfg.index_topk:
@@ -156,6 +179,48 @@ class MLAttention(nn.Module):
         if indexer_loss and self.indexer is not None:
             kl = self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), cos_TR2, sin_TR2, topk=topk)
         return self.o_proj(o_BTHV.reshape(B, T, -1)), topk, kl
+
+    def forward_cached(self, x_BTD, cos_BTR2, sin_BTR2, cache: LayerStep, *, prev_topk: TopK | None,
+                       impl: str, use_dsa: bool):
+        """Cached attention of each row's T new tokens over its cached tokens and themselves.
+        Returns (out_BTD, topk or None). Writes the new latents (and indexer keys on a full layer)
+        into `cache`. DSA is active when `use_dsa` and the cache extent S > index_topk; every
+        query then keeps its top-k of the causal keys (all of them while it has <= index_topk).
+        impl "naive": per-head K/V expanded from the latent, explicit mask (the reference);
+        "absorbed": latent-space attention, gathered top-k; "auto": absorbed for steps of up to
+        ABSORBED_MAX_QUERIES tokens, else as the uncached forward (prefill chunks)."""
+        B, T, _ = x_BTD.shape
+        q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, cos_BTR2, sin_BTR2)
+        latent_BSX = cache.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
+        c_BSC, k_pe_BSR = latent_BSX.split([self.kv_rank, self.rope_dim], dim=-1)
+        S, offsets_B = latent_BSX.shape[1], cache.offsets_B
+        index_keys_BSJ = None
+        if self.indexer is not None and cache.has("index_keys"):
+            index_keys_BSJ = cache.write("index_keys", self.indexer.keys(x_BTD, cos_BTR2, sin_BTR2))
+        topk = None
+        if use_dsa and S > self.cfg.index_topk:
+            if self.indexer is None:
+                topk = self.select(x_BTD, q_lat, cos_BTR2, sin_BTR2, prev_topk=prev_topk)
+            elif index_keys_BSJ is None:
+                raise ValueError("DSA is on but this cache holds no indexer keys (built for a dense model)")
+            else:
+                scores_BTS = self.indexer.scores(x_BTD, q_lat, index_keys_BSJ, cos_BTR2, sin_BTR2, q_offset=offsets_B)
+                topk = select_topk(scores_BTS, self.cfg.index_topk, q_offset=offsets_B)
+        mask_BTS = cache.causal_mask()
+        if impl == "naive" or (impl == "auto" and T > ABSORBED_MAX_QUERIES and topk is None):
+            k_BSHX, v_BSHV = self.expand_kv(c_BSC, k_pe_BSR)
+            q_BTHX = torch.cat([q_nope, q_pe], dim=-1)
+            attend = attention_reference if impl == "naive" else attention_masked
+            if topk is not None:
+                mask_BTS = mask_BTS & topk_mask(topk, S)
+            o_BTHV = attend(q_BTHX, k_BSHX, v_BSHV, scale=self.scale, mask_BTS=mask_BTS)
+        else:
+            gather = topk is not None and (impl == "absorbed" or T <= ABSORBED_MAX_QUERIES
+                                           or S > GATHER_MIN_KEYS_PER_TOPK * self.cfg.index_topk)
+            if topk is not None and not gather:
+                mask_BTS = mask_BTS & topk_mask(topk, S)
+            o_BTHV = self.attend_latent(q_nope, q_pe, latent_BSX, mask_BTS=mask_BTS, topk=topk if gather else None)
+        return self.o_proj(o_BTHV.reshape(B, T, -1)), topk
 
     def indexer_kl(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, *, topk: TopK | None) -> torch.Tensor:
         """DSA indexer training loss (DeepSeek-V3.2, section 2.1): mean over queries of

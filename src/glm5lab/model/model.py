@@ -18,6 +18,7 @@ from torch import nn
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.block import DecoderLayer
+from glm5lab.model.cache import KVCache
 from glm5lab.model.moe import Experts, Router
 from glm5lab.model.mtp import MTPLayer, mtp_unroll
 from glm5lab.model.norm import RMSNorm
@@ -84,27 +85,47 @@ class GLM5ForCausalLM(nn.Module):
                 m.e_score_correction_bias.zero_()
 
     def forward(self, input_ids: torch.Tensor, *, mtp_depth: int = 0, attn_impl: str = "auto",
-                moe_impl: str = "grouped", use_dsa: bool | None = None, indexer_loss: bool = False) -> CausalLMOutput:
+                moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
+                cache: KVCache | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
         """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings.
+
+        cache: a `KVCache.for_model(self, ...)`; input_ids are then each row's next T tokens, at
+        positions cache.lengths[b] + 0..T-1; their latents are appended and every row's length
+        grows by T (roll back with `cache.truncate`). Raises CacheOverflowError past its capacity.
+        logits_to_keep: compute logits for the last this-many positions only (0 = all), as in
+        transformers (prefill needs one row of logits, not T).
 
         mtp_depth: unroll the MTP module this many times (0 = none; needs
         num_nextn_predict_layers = 1). attn_impl: "auto" | "naive" | "absorbed" (see
-        `MLAttention.forward`); moe_impl: "grouped" | "loop". use_dsa: override the config's
+        `MLAttention.forward`); moe_impl: "auto" (loop over the hit experts when decoding a few
+        tokens, grouped otherwise) | "grouped" | "loop". use_dsa: override the config's
         switch for this call (training stages). indexer_loss: also compute the DSA indexer KL
         (`MLAttention.indexer_kl`). Raises ValueError on bad ids/shapes."""
         self._check_input(input_ids, mtp_depth)
+        if cache is not None and (mtp_depth or indexer_loss):
+            raise ValueError("mtp_depth and indexer_loss are training options: not available with a cache "
+                             "(speculative drafting runs the MTP layer through `mtp_step`)")
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all positions), got {logits_to_keep!r}")
+        if cache is not None and cache.batch != input_ids.shape[0]:
+            raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache was built for {cache.batch}")
         cfg, T = self.config, input_ids.shape[1]
-        cos_TR2, sin_TR2 = rope_angles(torch.arange(T, device=input_ids.device), cfg.qk_rope_head_dim, cfg.rope_theta)
+        step = cache.begin(T) if cache is not None else None
+        positions = step.positions() if step is not None else torch.arange(T, device=input_ids.device)
+        cos_TR2, sin_TR2 = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         opts = dict(attn_impl=attn_impl, moe_impl=moe_impl, use_dsa=use_dsa)
         x_BTD = self.model.embed_tokens(input_ids)
         topk, kls = None, []
-        for layer in self.model.layers:
-            x_BTD, layer_topk, kl = layer(x_BTD, cos_TR2, sin_TR2, prev_topk=topk, indexer_loss=indexer_loss, **opts)
+        for i, layer in enumerate(self.model.layers):
+            x_BTD, layer_topk, kl = layer(x_BTD, cos_TR2, sin_TR2, prev_topk=topk, indexer_loss=indexer_loss,
+                                          cache=step.layer(i) if step is not None else None, **opts)
             topk = layer_topk if layer_topk is not None else topk
             if kl is not None:
                 kls.append(kl)
+        if step is not None:
+            cache.commit(step)
         h_BTD = self.model.norm(x_BTD)
-        out = CausalLMOutput(logits=self.lm_head(h_BTD), hidden_states=h_BTD)
+        out = CausalLMOutput(logits=self.lm_head(h_BTD[:, -logits_to_keep:]), hidden_states=h_BTD)
         if mtp_depth:
             out.mtp_logits, mtp_kls = mtp_unroll(self.model.mtp_layers[0], self.model.embed_tokens, self.lm_head,
                                                  h_BTD, input_ids, mtp_depth, cos_TR2, sin_TR2,
@@ -114,6 +135,30 @@ class GLM5ForCausalLM(nn.Module):
         if kls:
             out.indexer_loss = torch.stack(kls).mean()
         return out
+
+    def mtp_step(self, hidden_BTD: torch.Tensor, next_ids: torch.Tensor, *, cache: KVCache,
+                 attn_impl: str = "auto", moe_impl: str = "auto",
+                 with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One cached application of the MTP layer (the speculative draft head): for each row's T
+        new pairs (h_t, x_{t+1}), returns (z [B, T, D], logits [B, T, V]) predicting x_{t+2}.
+
+        hidden_BTD: the main model's `hidden_states` (post final norm) or, for the next draft
+        step, the z this method returned; next_ids: int64 [B, T]; cache: `KVCache.for_mtp(self,
+        ...)`, whose entry at slot t is pair t (positions follow the cache, as in vLLM/SGLang's
+        MTP drafting). with_logits=False skips the output head (logits None). Raises ValueError without an MTP layer, CacheOverflowError past capacity."""
+        if not self.config.num_nextn_predict_layers:
+            raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0): nothing to draft with")
+        self._check_input(next_ids, 0)
+        if cache.batch != next_ids.shape[0] or hidden_BTD.shape[:2] != next_ids.shape:
+            raise ValueError(f"mtp_step: hidden {tuple(hidden_BTD.shape)}, next_ids {tuple(next_ids.shape)} and "
+                             f"a cache of {cache.batch} rows do not agree ([B, T, D], [B, T], B rows)")
+        cfg = self.config
+        step = cache.begin(next_ids.shape[1])
+        cos, sin = rope_angles(step.positions(), cfg.qk_rope_head_dim, cfg.rope_theta)
+        z_BTD, h_BTD, _ = self.model.mtp_layers[0](hidden_BTD, self.model.embed_tokens(next_ids), cos, sin,
+                                                   attn_impl=attn_impl, moe_impl=moe_impl, cache=step.layer(0))
+        cache.commit(step)
+        return z_BTD, (self.lm_head(h_BTD) if with_logits else None)
 
     def _check_input(self, input_ids: torch.Tensor, mtp_depth: int) -> None:
         """TypeError: `input_ids` not a tensor, `mtp_depth` not an int. ValueError: not an integer

@@ -26,7 +26,11 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.mlp import MLP
 
-EXPERT_IMPLS = ("grouped", "loop")
+EXPERT_IMPLS = ("auto", "grouped", "loop")
+LOOP_MAX_ASSIGNMENTS_PER_EXPERT = 1
+"""`auto` runs `experts_loop` when there are at most this many (token, expert) assignments per
+expert (decoding: a few tokens, most experts idle, so padding every hit expert to a 64-row tile
+costs more than one small matmul each), else `experts_grouped`. Both compute the same function."""
 
 
 def _topk_by_position(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -73,12 +77,11 @@ def _expert_ffn(x, gate_IxD, up_IxD, down_DxI):
 
 
 def experts_loop(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
-    """Reference: y_n = sum_k w_nk * FFN_{idx_nk}(x_n), one expert at a time. Returns y_ND in x's dtype."""
+    """Reference: y_n = sum_k w_nk * FFN_{idx_nk}(x_n), one expert at a time (the experts some
+    token chose, in index order). Returns y_ND in x's dtype."""
     y_ND = torch.zeros_like(x_ND)
-    for e in range(gate_EID.shape[0]):
+    for e in idx_NK.unique().tolist():
         tok, slot = torch.where(idx_NK == e)
-        if tok.numel() == 0:
-            continue
         h = _expert_ffn(x_ND[tok], gate_EID[e], up_EID[e], down_EDI[e])
         y_ND = y_ND.index_add(0, tok, (h * w_NK[tok, slot, None]).to(x_ND.dtype))
     return y_ND
@@ -119,9 +122,12 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
-    def forward(self, x_ND, idx_NK, w_NK, *, impl: str = "grouped"):
+    def forward(self, x_ND, idx_NK, w_NK, *, impl: str = "auto"):
         if impl not in EXPERT_IMPLS:
             raise ValueError(f"experts impl {impl!r} is not allowed: one of {EXPERT_IMPLS}")
+        if impl == "auto":
+            few = idx_NK.numel() <= LOOP_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0]
+            impl = "loop" if few else "grouped"
         fn = experts_grouped if impl == "grouped" else experts_loop
         return fn(x_ND, idx_NK, w_NK, self.gate_proj, self.up_proj, self.down_proj)
 
@@ -145,7 +151,7 @@ class MoE(nn.Module):
         self.load = None
         return load
 
-    def forward(self, x_BTD: torch.Tensor, *, impl: str = "grouped") -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         w_NK, idx_NK, _ = self.gate(x_ND)
         counts_E = torch.bincount(idx_NK.reshape(-1).detach(), minlength=self.experts.gate_proj.shape[0])

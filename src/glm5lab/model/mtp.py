@@ -48,7 +48,8 @@ class MTPLayer(DecoderLayer):
         """One depth: (next z [B, L, D], shared_head.norm(next z) for the output head, this
         layer's indexer KL or None), from the previous z and the next tokens' embeddings.
         Everything runs inside this call, so wrappers that act on `__call__` (FSDP2 unsharding,
-        activation checkpointing) cover it. opts: as `DecoderLayer.forward`."""
+        activation checkpointing) cover it. opts: as `DecoderLayer.forward` (with `cache`, the MTP
+        layer's own `LayerStep`: speculative drafting, see `glm5lab.infer.speculative`)."""
         joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(z_BLD)], dim=-1)
         z_BLD, _, kl = super().forward(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **opts)
         return z_BLD, self.shared_head.norm(z_BLD), kl

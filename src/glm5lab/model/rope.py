@@ -18,21 +18,23 @@ import torch
 
 
 def rope_angles(positions_T: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [T, R/2] (fp32) for integer positions `positions_T` (any int dtype)."""
+    """cos, sin of shape [T, R/2] (fp32) for integer positions `positions_T` (any int dtype);
+    [B, T] positions (one row per sequence, as in cached decoding) give [B, T, R/2]."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=positions_T.device, dtype=torch.float) / rope_dim))
-    freqs_TR2 = positions_T.float()[:, None] * inv_freq[None, :]
+    freqs_TR2 = positions_T.float()[..., None] * inv_freq
     return freqs_TR2.cos(), freqs_TR2.sin()
 
 
 def apply_rope(x_BTHR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
     """Rotate the last dim of `x_BTHR` ([B, T, H, R] or [B, T, R]) by position.
 
-    cos/sin are [T, R/2] from `rope_angles`; the result has x's shape and dtype. With
-    `interleaved=True` the output layout is [rotated evens | rotated odds] (see module doc)."""
+    cos/sin are [T, R/2] (or [B, T, R/2], per-row positions) from `rope_angles`; the result has
+    x's shape and dtype. With `interleaved=True` the output layout is [rotated evens | rotated
+    odds] (see module doc)."""
     squeeze = x_BTHR.dim() == 3
     x = x_BTHR.unsqueeze(2) if squeeze else x_BTHR
-    cos = cos_TR2.to(x.dtype)[None, :, None, :]
-    sin = sin_TR2.to(x.dtype)[None, :, None, :]
+    cos = cos_TR2.to(x.dtype).unsqueeze(-2)
+    sin = sin_TR2.to(x.dtype).unsqueeze(-2)
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

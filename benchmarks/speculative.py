@@ -1,0 +1,266 @@
+"""MTP speculative decoding vs plain decoding on the trained model: tokens/s and acceptance.
+
+The model trained by `glm5lab train` (default `--model runs/small`: its `checkpoints/latest`),
+with its MTP layer as the draft head, on held-out text: `--prompts` prompts of `--prompt-len`
+tokens from the validation split of the training corpus (the run's `run.json` gives the corpus
+and split seed; the checkpoint's tokenizer.json encodes it, as `glm5lab.train.data` does; windows
+evenly spaced over the split), `--new-tokens` greedy tokens each, batch 1, timed interleaved:
+- plain: `glm5lab.generate(model, prompt, N)`;
+- speculative: `glm5lab.generate(..., speculative="mtp", draft_steps=k)` for k in --draft-steps
+  (headline k = 3): the MTP layer drafts k tokens, one main forward verifies them.
+tokens/s = new tokens / `stats.decode_seconds` summed over the prompts (decode only: the prefill
+is the same cached prefill in both, reported apart). Greedy speculative output must equal plain
+greedy output token for token (checked for every prompt and k; a mismatch fails the run on fp32 CPU, and is reported on bf16 CUDA).
+Acceptance length = mean tokens per verification forward (accepted drafts + 1); acceptance rate
+per draft position i = fraction of verifications whose draft i was accepted with every earlier one.
+Also one sampled run (temperature 1.0, seeded, k = 3): acceptance only (sampled speculative
+output is distributed as plain sampling, not equal to it).
+
+    .venv/bin/python benchmarks/speculative.py                          # runs/small, 8 x 128 -> 128
+    .venv/bin/python benchmarks/speculative.py --model /tmp/bench_quick_run --quick
+
+Prints a markdown table, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    env_facts,
+    load_average,
+    markdown_table,
+    median,
+    model_dtype,
+    print_json_line,
+    resolve_checkpoint,
+    time_interleaved,
+    verdict,
+)
+
+import glm5lab
+from glm5lab import GLM5ForCausalLM
+
+GOALS = {"speedup": 1.6, "acceptance_length": 2.5, "draft_steps": 3}
+"""Targets at 3 draft steps: speculative decode tokens/s >= 1.6x plain, acceptance length >= 2.5."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="runs/small", help="run folder (latest checkpoint) or checkpoint folder")
+    p.add_argument("--data", default=None, help="corpus (default: the run's, from run.json; else glm5lab's default)")
+    p.add_argument("--split-seed", type=int, default=None, help="train/val split seed (default: the run's)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--draft-steps", default="1,2,3,4", help="k values to run (the goal is read at k=3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per case; the median is reported")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the temperature-1.0 run")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs bf16 weights")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="tiny sizes to validate the script (< 1 min)")
+    p.add_argument("--strict", default=None, action=argparse.BooleanOptionalAction,
+                   help="fail when greedy speculative output differs from plain (default: on for fp32 CPU; bf16 "
+                        "CUDA only reports it: the verify forward of k+1 tokens and the 1-token step round "
+                        "differently, which can flip a near-tie)")
+    args = p.parse_args(argv)
+    if args.strict is None:
+        args.strict = args.device == "cpu"
+    if args.quick:
+        args.prompts, args.prompt_len, args.new_tokens, args.draft_steps = 2, 32, 24, "1,3"
+        args.repeats, args.warmup = 1, 0
+    args.k_list = [int(k) for k in args.draft_steps.split(",") if k]
+    if any(k < 1 for k in args.k_list):
+        p.error("--draft-steps must be >= 1")
+    return args
+
+
+def find_run_json(checkpoint: Path) -> dict | None:
+    """run.json of the run a checkpoint belongs to (RUN/checkpoints/step-N -> RUN/run.json)."""
+    for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent):
+        path = folder / "run.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def held_out_prompts(checkpoint: Path, args) -> tuple[list[list[int]], dict]:
+    """`--prompts` windows of --prompt-len tokens, evenly spaced over the validation split (the
+    run's corpus and split seed, encoded with the checkpoint's tokenizer.json)."""
+    from glm5lab.train.batches import pack
+    from glm5lab.train.corpus import (
+        fetch_default_corpus,
+        load_documents,
+        split_documents,
+    )
+    from glm5lab.train.tokenizer import encode_documents, load_tokenizer
+
+    run = find_run_json(checkpoint) or {}
+    run_args = run.get("args", {})
+    data = args.data or run_args.get("data")
+    seed = args.split_seed if args.split_seed is not None else run_args.get("seed", 0)
+    tok_path = checkpoint / "tokenizer.json"
+    if not tok_path.is_file():
+        raise SystemExit(f"{checkpoint} has no tokenizer.json: cannot encode held-out text for it")
+    source = Path(data) if data else fetch_default_corpus()
+    _, val_docs = split_documents(load_documents(source), seed=seed)
+    val = encode_documents(load_tokenizer(tok_path), val_docs)
+    windows = pack(val, args.prompt_len - 1)
+    n = windows.shape[0]
+    if n < args.prompts:
+        raise SystemExit(f"the validation split holds {n} windows of {args.prompt_len} tokens; fewer than "
+                         f"--prompts {args.prompts}")
+    rows = torch.linspace(0, n - 1, args.prompts).round().long()
+    info = {"corpus": str(source), "split_seed": seed, "val_documents": len(val_docs), "val_tokens": len(val),
+            "windows": n, "rows": rows.tolist(), "run_json": bool(run)}
+    return [windows[r].tolist() for r in rows], info
+
+
+def load_model(checkpoint: Path, device):
+    model = GLM5ForCausalLM.from_pretrained(checkpoint, dtype=model_dtype(device), device=device, mtp=True)
+    return model.eval()
+
+
+def make_case(model, prompts, n: int, k: int | None, *, temperature: float = 0.0, seed: int | None = None):
+    """One call = every prompt at batch 1; returns the summed stats and the tokens."""
+    def run():
+        tokens, stats = [], []
+        for i, p in enumerate(prompts):
+            out = glm5lab.generate(model, [p], n, temperature=temperature, seed=None if seed is None else seed + i,
+                                   speculative="mtp" if k else None, draft_steps=k or 3)
+            tokens.append(out.tokens[0])
+            stats.append(out.stats)
+        return {"tokens": tokens, **combine(stats, k)}
+    return run
+
+
+def combine(stats, k: int | None) -> dict:
+    new = sum(s.new_tokens for s in stats)
+    dec = sum(s.decode_seconds for s in stats)
+    out = {"new_tokens": new, "decode_s": dec, "prefill_s": sum(s.prefill_seconds for s in stats),
+           "tokens_per_s": new / dec if dec else 0.0}
+    if k:
+        steps = sum(s.verify_steps for s in stats)
+        accepted = [sum(s.acceptance_rate[i] * s.verify_steps for s in stats) for i in range(k)]
+        out.update(verify_steps=steps, acceptance_rate=[a / steps for a in accepted],
+                   acceptance_length=1.0 + sum(accepted) / steps)
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+    path = Path(args.model)
+    if not path.exists():
+        raise SystemExit(f"no trained model at {path}: run `.venv/bin/glm5lab train` first (it writes runs/small; "
+                         f"`--quick --out DIR` makes a one-minute model), or pass --model DIR")
+    checkpoint = resolve_checkpoint(path)
+    env = env_facts(device)
+    model = load_model(checkpoint, device)
+    prompts, data_info = held_out_prompts(checkpoint, args)
+    n = args.new_tokens
+    cases = {"plain": make_case(model, prompts, n, None)}
+    cases.update({f"k={k}": make_case(model, prompts, n, k) for k in args.k_list})
+    runs = time_interleaved(cases, device=device, warmup=args.warmup, repeats=args.repeats)
+    sampled = make_case(model, prompts, n, GOALS["draft_steps"], temperature=1.0, seed=args.sample_seed)()
+    env["load_average_end"] = load_average()
+    res, mismatches = summarise(runs)
+    record = report(res, sampled, mismatches, args, model.config, checkpoint, data_info, env)
+    print_json_line(record)
+    if mismatches and args.strict:
+        raise SystemExit(f"greedy speculative output differs from plain greedy: {mismatches[:5]}")
+    return record
+
+
+def summarise(runs):
+    plain_tokens = runs["plain"][0][1]["tokens"]
+    res, mismatches = {}, []
+    for name, samples in runs.items():
+        last = samples[-1][1]
+        tps = [r["tokens_per_s"] for _, r in samples]
+        res[name] = {"tokens_per_s": median(tps), "tokens_per_s_repeats": [round(x, 1) for x in tps],
+                     "decode_s_repeats": [round(r["decode_s"], 4) for _, r in samples],
+                     "prefill_s_repeats": [round(r["prefill_s"], 4) for _, r in samples],
+                     "new_tokens": last["new_tokens"]}
+        for key in ("acceptance_length", "acceptance_rate", "verify_steps"):
+            if key in last:
+                res[name][key] = last[key]
+        for _, r in samples:
+            for i, (a, b) in enumerate(zip(r["tokens"], plain_tokens)):
+                if a != b:
+                    first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    mismatches.append({"case": name, "prompt": i, "first_difference": first})
+    for r in res.values():
+        r["speedup"] = r["tokens_per_s"] / res["plain"]["tokens_per_s"]
+    return res, mismatches
+
+
+def report(res, sampled, mismatches, args, cfg, checkpoint, data_info, env) -> dict:
+    k_goal = GOALS["draft_steps"]
+    rows = []
+    for name, r in res.items():
+        rate = r.get("acceptance_rate")
+        rows.append([name if name != "plain" else "plain (no drafts)", f"{r['tokens_per_s']:.1f}",
+                     f"{r['speedup']:.2f}x", f"{r['acceptance_length']:.2f}" if rate else "-",
+                     " / ".join(f"{x:.2f}" for x in rate) if rate else "-",
+                     r.get("verify_steps", "-")])
+    print(f"speculative decoding: {checkpoint}, {args.prompts} held-out prompts x {args.prompt_len} tokens -> "
+          f"{args.new_tokens} greedy tokens, batch 1, {args.device} {'bf16' if args.device == 'cuda' else 'fp32'}, "
+          f"{env['torch_threads']} threads\n")
+    print(markdown_table(["decoding", "tokens/s", "speedup", "acceptance length",
+                          "acceptance rate per draft position", "verify steps"], rows))
+    print(f"\n- tokens/s = new tokens / decode seconds (prefill excluded), summed over the prompts; median of "
+          f"{args.repeats} repeats after {args.warmup} warm-up, cases interleaved; load average at start "
+          f"{env['load_average_start']}, end {env['load_average_end']}\n"
+          f"- prompts: validation split of {data_info['corpus']} (split seed {data_info['split_seed']}, "
+          f"{data_info['val_tokens']} tokens), windows {data_info['rows']} of {data_info['windows']}\n"
+          f"- greedy speculative == plain greedy: "
+          + ("yes, every prompt and k" if not mismatches else f"NO, {len(mismatches)} differences: {mismatches[:3]}")
+          + f"\n- sampled (temperature 1.0, seed {args.sample_seed}, k={k_goal}): acceptance length "
+          f"{sampled['acceptance_length']:.2f}, rate per position "
+          + " / ".join(f"{x:.2f}" for x in sampled["acceptance_rate"]))
+    g = res.get(f"k={k_goal}")
+    met = {}
+    if g:
+        met = {"speedup": g["speedup"] >= GOALS["speedup"],
+               "acceptance_length": g["acceptance_length"] >= GOALS["acceptance_length"]}
+        print(f"- goal speculative speedup >= {GOALS['speedup']}x at k={k_goal}: {g['speedup']:.2f}x "
+              f"({verdict(met['speedup'])})\n- goal acceptance length >= {GOALS['acceptance_length']} at k={k_goal}: "
+              f"{g['acceptance_length']:.2f} ({verdict(met['acceptance_length'])})\n")
+    else:
+        print(f"- goals at k={k_goal}: not measured (k={k_goal} not in --draft-steps)\n")
+    return {
+        "benchmark": "speculative",
+        "goals": {"draft_steps": k_goal,
+                  "speedup": {"target": GOALS["speedup"], "value": g and round(g["speedup"], 3),
+                              "met": met.get("speedup")},
+                  "acceptance_length": {"target": GOALS["acceptance_length"],
+                                        "value": g and round(g["acceptance_length"], 3),
+                                        "met": met.get("acceptance_length")}},
+        "cases": res,
+        "greedy_equal": not mismatches, "mismatches": mismatches,
+        "sampled": {"temperature": 1.0, "seed": args.sample_seed, "draft_steps": k_goal,
+                    "acceptance_length": sampled["acceptance_length"], "acceptance_rate": sampled["acceptance_rate"],
+                    "verify_steps": sampled["verify_steps"], "tokens_per_s": sampled["tokens_per_s"]},
+        "data": data_info,
+        "config": {"model": str(checkpoint), "model_config": cfg.to_dict(), "prompts": args.prompts,
+                   "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "draft_steps": args.k_list,
+                   "repeats": args.repeats, "warmup": args.warmup, "device": args.device,
+                   "dtype": "bf16" if args.device == "cuda" else "fp32", "quick": args.quick},
+        "env": env,
+    }
+
+
+if __name__ == "__main__":
+    main()

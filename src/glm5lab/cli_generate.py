@@ -1,0 +1,315 @@
+"""`glm5lab generate`: load a checkpoint and continue a prompt, plain or MTP-speculative.
+
+The command body behind `glm5lab.cli`; the work is `glm5lab.generate` (see
+`glm5lab.infer.generate`). --model takes a `glm5lab train` run folder (its
+checkpoints/latest checkpoint is used), a checkpoint folder, or any HF GLM-5-layout folder
+(config.json + safetensors, model_type glm_moe_dsa). Text streams to stdout as it is generated;
+a statistics line goes to stderr at the end. Every check that needs no weights (numbers, folder,
+config, tokenizer, prompt length) runs before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+from glm5lab.config import ModelConfig
+
+REPLACEMENT_CHAR = "\ufffd"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_DRAFT_STEPS = 3
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="continue a prompt with a trained or downloaded model (plain or MTP-speculative)",
+        description="Load a model and continue a prompt with the KV-cached decoder, streaming the text to "
+        "stdout; a statistics line (new tokens, decode tokens/s, prefill time; with --speculative the "
+        "acceptance length and the acceptance rate per draft position) goes to stderr at the end. "
+        "Greedy by default.")
+    p.add_argument("--model", metavar="DIR", required=True,
+                   help="a `glm5lab train` run folder (its latest checkpoint is used), a checkpoint folder, or "
+                   "an HF GLM-5 folder (config.json + *.safetensors, model_type glm_moe_dsa)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text (needs a tokenizer)")
+    prompt.add_argument("--prompt-ids", dest="prompt_ids", metavar='"ID ID ..."',
+                        help="the prompt as token ids separated by spaces or commas, e.g. \"1 2 3\" (no tokenizer "
+                        "needed; without one the output is printed as ids)")
+    p.add_argument("--tokenizer", metavar="FILE", help="a tokenizer.json, or a folder holding one (default: the "
+                   "checkpoint folder's tokenizer.json)")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=64, metavar="N",
+                   help="generate at most N tokens (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", dest="top_k", type=int, metavar="K",
+                   help="sample only from the K most likely tokens (with --temperature > 0)")
+    p.add_argument("--top-p", dest="top_p", type=float, metavar="P",
+                   help="sample only from the smallest set of tokens with probability mass >= P, 0 < P <= 1 "
+                   "(with --temperature > 0)")
+    p.add_argument("--seed", type=int, metavar="S", help="seed for sampling (default: a fresh random seed)")
+    p.add_argument("--stop", nargs="+", action="extend", metavar="TEXT_OR_ID",
+                   help="end generation after emitting one of these tokens: a token id (an integer), or a text "
+                   "that is one token of the tokenizer (e.g. '<|endoftext|>'); the stop token is output too. "
+                   "Default: none (run to --max-new-tokens)")
+    p.add_argument("--speculative", choices=["mtp"],
+                   help="speculative decoding: draft with the model's MTP layer, verify them in one forward; "
+                   "the output distribution is unchanged (greedy: the same tokens as without it)")
+    p.add_argument("--draft-steps", dest="draft_steps", type=int, metavar="N",
+                   help=f"tokens drafted per round with --speculative (default {DEFAULT_DRAFT_STEPS})")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="weight and cache dtype (default: fp32 on cpu, bf16 on cuda)")
+    p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
+                   help="prefill the prompt in pieces of N tokens (default: all at once)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON line (prompt_ids, tokens, text, stats) to stdout at the end instead of "
+                   "streaming")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from glm5lab.infer.generate import generate
+
+    check_numbers(args)
+    device, dtype = choose_device(args.device, args.dtype)
+    folder, from_run = resolve_model_dir(args.model)
+    cfg = ModelConfig.from_hf(folder)
+    if args.speculative and not cfg.num_nextn_predict_layers:
+        raise ValueError(f"--speculative mtp needs a model with an MTP layer; {folder} has none "
+                         "(num_nextn_predict_layers = 0 in its config.json)")
+    if args.top_k is not None and args.top_k > cfg.vocab_size:
+        raise ValueError(f"--top-k {args.top_k} is not allowed: at most the model's vocab_size ({cfg.vocab_size})")
+    tokenizer = find_tokenizer(args.tokenizer, folder, Path(args.model))
+    prompt_ids = encode_prompt(args, tokenizer, cfg)
+    stops = parse_stops(args.stop or [], tokenizer, cfg.vocab_size)
+    draft_steps = args.draft_steps or DEFAULT_DRAFT_STEPS
+    check_length(len(prompt_ids), args.max_new_tokens, draft_steps if args.speculative else None,
+                 cfg.max_position_embeddings)
+
+    if from_run:
+        print(f"glm5lab generate: using {folder}", file=sys.stderr)
+    stream = None if args.json else Stream(tokenizer, sys.stdout)
+    try:
+        model = load_model(folder, torch_dtype=getattr(torch, DTYPES[dtype]), device=device,
+                           speculative=bool(args.speculative))
+        out = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, speculative=args.speculative, draft_steps=draft_steps,
+                       stop_tokens=stops, prefill_chunk=args.prefill_chunk,
+                       on_tokens=None if stream is None else (lambda rows: stream.add(rows[0])))
+    except KeyboardInterrupt:
+        if stream is not None and stream.ids:
+            stream.close()
+        print("glm5lab generate: interrupted", file=sys.stderr)
+        return 130
+    tokens = out.tokens[0]
+    if stream is not None:
+        stream.close()
+    else:
+        text = tokenizer.decode(tokens, skip_special_tokens=False) if tokenizer is not None else None
+        print(json.dumps({"model": str(folder), "prompt_ids": prompt_ids, "tokens": tokens, "text": text,
+                          "stats": out.stats.as_dict()}))
+    print(format_stats(out.stats, bool(args.speculative)), file=sys.stderr)
+    return 0
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Range checks on the numeric options; ValueError naming the option and what is allowed."""
+    t = args.temperature
+    if not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"--temperature {t} is not allowed: a finite number >= 0 (0 = greedy)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p} is not allowed: a number in (0, 1]")
+    for option, value in (("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k),
+                          ("--draft-steps", args.draft_steps), ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} {value} is not allowed: an integer >= 1")
+    if args.draft_steps is not None and not args.speculative:
+        raise ValueError("--draft-steps applies only with --speculative mtp")
+
+
+def choose_device(device: str | None, dtype: str | None) -> tuple[str, str]:
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (this torch build or machine has none); "
+                         "use --device cpu")
+    return device, dtype or ("bf16" if device == "cuda" else "fp32")
+
+
+def resolve_model_dir(path: str) -> tuple[Path, bool]:
+    """(checkpoint folder, whether it came from a run folder) for --model. A run folder is one
+    with checkpoints/latest (written by `glm5lab train`); otherwise the folder itself must hold
+    config.json. Raises FileNotFoundError with what was expected."""
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(f"--model {path}: no such folder")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--model {path} is a file: give the folder that holds config.json and the "
+                                "*.safetensors weights, or a `glm5lab train` run folder")
+    pointer = folder / "checkpoints" / "latest"
+    if pointer.is_file():
+        ckpt = folder / "checkpoints" / pointer.read_text(encoding="utf-8").strip()
+        if not (ckpt / "config.json").is_file():
+            raise FileNotFoundError(f"--model {path}: checkpoints/latest points to {ckpt}, which has no "
+                                    "config.json (deleted or incomplete checkpoint)")
+        return ckpt, True
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder, False
+    if (folder / "checkpoints").is_dir():
+        raise FileNotFoundError(f"--model {path}: this run folder has no checkpoints/latest yet (no checkpoint "
+                                "was completed); give a checkpoint folder instead")
+    if (folder / "config.json").is_file():
+        raise FileNotFoundError(f"--model {path} has a config.json but no *.safetensors weights")
+    raise FileNotFoundError(f"--model {path} has no config.json: expected a checkpoint folder (config.json + "
+                            "*.safetensors, model_type glm_moe_dsa) or a `glm5lab train` run folder "
+                            "(checkpoints/latest)")
+
+
+def find_tokenizer(option: str | None, folder: Path, model_arg: Path):
+    """The tokenizer from --tokenizer, else the checkpoint folder's (or the --model folder's)
+    tokenizer.json, else None."""
+    from glm5lab.train.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+    if option is not None:
+        return load_tokenizer(Path(option))
+    for place in (folder, model_arg):
+        if (place / TOKENIZER_FILE).is_file():
+            return load_tokenizer(place)
+    return None
+
+
+def encode_prompt(args: argparse.Namespace, tokenizer, cfg: ModelConfig) -> list[int]:
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ValueError(f"--prompt needs a tokenizer and {args.model} has no tokenizer.json: pass "
+                             "--tokenizer FILE, or give the prompt as token ids with --prompt-ids")
+        ids = tokenizer.encode(args.prompt).ids
+        if not ids:
+            raise ValueError("--prompt encodes to no tokens: give a non-empty prompt")
+    else:
+        try:
+            ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids {args.prompt_ids!r} is not allowed: integers separated by spaces or "
+                             "commas, e.g. \"1 2 3\"") from None
+        if not ids:
+            raise ValueError("--prompt-ids is empty: give at least one token id")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        source = "--prompt-ids" if args.prompt is None else "the tokenizer (--prompt)"
+        raise ValueError(f"{source} gives token ids outside the model's vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
+    return ids
+
+
+def parse_stops(values: list[str], tokenizer, vocab_size: int) -> list[int]:
+    """--stop values as token ids: an integer is an id; other text must be one token."""
+    stops = []
+    for value in values:
+        try:
+            token = int(value)
+        except ValueError:
+            if tokenizer is None:
+                raise ValueError(f"--stop {value!r}: text needs a tokenizer; give a token id instead") from None
+            token = tokenizer.token_to_id(value)
+            if token is None:
+                ids = tokenizer.encode(value, add_special_tokens=False).ids
+                if len(ids) != 1:
+                    raise ValueError(f"--stop {value!r} is {len(ids)} tokens {ids}: a stop must be a single token "
+                                     "(or its id)") from None
+                token = ids[0]
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"--stop {value}: token id outside the model's vocabulary [0, {vocab_size})")
+        stops.append(token)
+    return stops
+
+
+def check_length(prompt_len: int, max_new: int, draft_steps: int | None, max_positions: int) -> None:
+    need = prompt_len + max_new + (draft_steps + 1 if draft_steps is not None else 0)
+    if need > max_positions:
+        extra = f" + (--draft-steps {draft_steps}) + 1" if draft_steps is not None else ""
+        raise ValueError(f"the prompt is too long: {prompt_len} tokens + --max-new-tokens {max_new}{extra} = {need} "
+                         f"exceeds the model's max_position_embeddings ({max_positions})")
+
+
+def load_model(folder: Path, *, torch_dtype, device: str, speculative: bool):
+    """The model, with its MTP layer only when speculative decoding needs it."""
+    from glm5lab.model.model import GLM5ForCausalLM
+
+    if not speculative:
+        return GLM5ForCausalLM.from_pretrained(folder, dtype=torch_dtype, device=device, mtp=False).eval()
+    # mtp=None loads the MTP layer when its weights exist and warns (dropping it) when the config
+    # declares one the checkpoint lacks (e.g. a folder saved by transformers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = GLM5ForCausalLM.from_pretrained(folder, dtype=torch_dtype, device=device, mtp=None).eval()
+    for w in caught:
+        if model.config.num_nextn_predict_layers or "no weights for it" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not model.config.num_nextn_predict_layers:
+        raise ValueError(f"--speculative mtp needs the MTP layer's weights: {folder}/config.json declares an MTP "
+                         "layer but the checkpoint has no weights for it (transformers does not save it)")
+    return model
+
+
+class Stream:
+    """Writes generated text as it comes: decodes all tokens so far and prints the new suffix, so
+    a multi-byte character split over tokens appears once complete (a trailing U+FFFD, an
+    incomplete UTF-8 sequence, is held back until the next token or the end). Without a
+    tokenizer, prints the token ids separated by spaces."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def add(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        if self.tokenizer is None:
+            self._write(" ".join(map(str, ids)) if not self.ids else " " + " ".join(map(str, ids)))
+            self.ids += ids
+            return
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        if not text.endswith(REPLACEMENT_CHAR):
+            self._show(text)
+
+    def close(self) -> None:
+        if self.tokenizer is not None:
+            self._show(self.tokenizer.decode(self.ids, skip_special_tokens=False))
+        self._write("\n")
+
+    def _show(self, text: str) -> None:
+        # byte-level BPE decoding only appends; should a tokenizer rewrite earlier text, the
+        # already printed part stays and only what lies past it is printed
+        self._write(text[len(self.shown):])
+        self.shown = text
+
+    def _write(self, s: str) -> None:
+        if s:
+            self.out.write(s)
+            self.out.flush()
+
+
+def format_stats(stats, speculative: bool = False) -> str:
+    """The stderr statistics line. With speculative decoding, acceptance length and rate per
+    draft position (`glm5lab.infer.speculative.AcceptanceStats`), or a note when the run ended
+    before any verification step."""
+    line = (f"{stats.new_tokens} new token{'' if stats.new_tokens == 1 else 's'}, decode {stats.decode_tokens_per_second:.1f} tok/s "
+            f"({stats.decode_seconds:.3f} s), prefill {stats.prefill_seconds:.3f} s ({stats.prompt_tokens} "
+            "prompt tokens)")
+    if stats.acceptance_length is not None:
+        rates = " ".join(f"{r:.2f}" for r in stats.acceptance_rate)
+        line += (f"; acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} verify steps, "
+                 f"acceptance rate per draft position: {rates}")
+    elif speculative:
+        line += "; no verify step (the run ended with the first token), so no acceptance statistics"
+    return line

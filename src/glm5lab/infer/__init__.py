@@ -1,0 +1,1 @@
+"""Inference: sampling, the speculative accept rule, and `generate` (cached, plain or MTP-speculative)."""

@@ -1,0 +1,322 @@
+"""`glm5lab.generate`: cached generation, plain or with MTP speculative decoding.
+
+Legend: B rows, P prompt length (longest row), k draft steps, D hidden, V vocab.
+
+Plain: prefill every prompt into a preallocated `KVCache` (whole, or in `prefill_chunk` pieces),
+then one cached forward per new token. Rows may have prompts of different lengths: they are
+right-padded and each row's cache length is set to its own prompt length, so every row decodes
+from its own position; a row leaves the batch when it hits a stop token or `max_new_tokens`.
+
+Speculative (`speculative="mtp"`), the draft head being the model's shared MTP layer with its
+own cache. Invariant between rounds, per row, with accepted tokens x_0..x_{m-1}: the main cache
+holds positions 0..m-2; the MTP cache holds pairs (h_t, x_{t+1}) for t < its length; the
+pairs from there to m-2 are pending (their main hidden states h_t are kept). A round:
+  1. draft 1: the MTP layer over the pending pairs (their last logits give d_1), then
+     k-1 single steps, each feeding back (z, d) as the next pair (vLLM/SGLang's chaining);
+  2. verify: one main forward over [x_{m-1}, d_1..d_k];
+  3. accept by `accept_drafts`; roll the main cache back to the accepted tokens and the MTP
+     cache to its true pairs; the accepted tokens' hidden states become the pending pairs.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from glm5lab.infer.sampling import Sampling, distribution, draw
+from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
+from glm5lab.model.cache import KVCache
+
+SPECULATIVE = (None, "mtp")
+
+
+@dataclass
+class GenerateStats:
+    """Counts and wall-clock seconds of one `generate` call. acceptance_length and
+    acceptance_rate (per draft position) are None without speculative decoding (see
+    `AcceptanceStats`)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    acceptance_length: float | None = None
+    acceptance_rate: list[float] | None = None
+    verify_steps: int = 0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "decode_tokens_per_second": self.decode_tokens_per_second}
+
+
+@dataclass
+class GenerateOutput:
+    """tokens[b]: the new token ids of row b (a stop token, when hit, is the last one)."""
+
+    tokens: list[list[int]]
+    stats: GenerateStats = field(default_factory=GenerateStats)
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.stats.acceptance_length
+
+
+@torch.no_grad()
+def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
+             draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | None = None,
+             on_tokens: Callable[[list[list[int]]], None] | None = None, attn_impl: str = "auto") -> GenerateOutput:
+    """Generate up to `max_new_tokens` tokens after each prompt.
+
+    input_ids: int64 tensor [T] or [B, T], a list of ints, or a list of lists of ints (prompts
+    of different lengths are supported). temperature 0 = greedy (ties: lowest id); top_k /
+    top_p restrict sampling (see `glm5lab.infer.sampling`); seed makes sampling reproducible.
+    speculative: None, or "mtp" to draft `draft_steps` tokens per round with the shared MTP
+    layer and verify them in one forward (the output distribution is the target's; greedy
+    output equals plain greedy). stop_tokens: a row ends after emitting one of these.
+    prefill_chunk: prefill in pieces of this many tokens (None = whole prompt). on_tokens:
+    called after each step with the tokens each row just emitted (streaming).
+    Returns GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for
+    speculative runs. Raises ValueError (naming the argument) on bad input, and when a prompt
+    plus max_new_tokens (+ draft_steps + 1) exceeds max_position_embeddings."""
+    cfg = model.config
+    prompts = _prompts(input_ids, cfg.vocab_size)
+    sampling = Sampling(temperature, top_k, top_p).check(cfg.vocab_size)
+    _check_args(model, prompts, max_new_tokens, speculative, draft_steps, prefill_chunk)
+    stops = _stop_set(stop_tokens, cfg.vocab_size)
+    if seed is not None and not _is_id(seed):
+        raise ValueError(f"seed must be None or an int, got {seed!r}")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(int(seed))
+    else:
+        generator.seed()
+    run = _Run(model, prompts, max_new_tokens, sampling, generator, stops, on_tokens, attn_impl, device)
+    if speculative == "mtp":
+        run.speculative(draft_steps, prefill_chunk)
+    else:
+        run.plain(prefill_chunk)
+    return GenerateOutput(run.emitted, run.stats)
+
+
+class _Run:
+    """State of one generate call: rows still running (`alive`, global row ids), their emitted
+    tokens, statistics. Finished rows leave the batch (`_drop_finished`)."""
+
+    def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device):
+        self.model, self.prompts, self.max_new = model, prompts, max_new
+        self.sampling, self.generator, self.stops = sampling, generator, stops
+        self.on_tokens, self.attn_impl, self.device = on_tokens, attn_impl, device
+        self.emitted: list[list[int]] = [[] for _ in prompts]
+        self.alive = torch.arange(len(prompts), device=device)
+        self.stats = GenerateStats(prompt_tokens=sum(map(len, prompts)))
+        self.lens = torch.tensor([len(p) for p in prompts], device=device)
+
+    # -- pieces shared by both modes -------------------------------------------------------
+    def prefill(self, cache: KVCache, chunk: int | None, *, keep_hidden: bool):
+        """Run the prompts through `cache`; returns (last logits [B, V], hidden [B, P, D] or None)."""
+        t0 = time.perf_counter()
+        P = int(self.lens.max())
+        ids_BP = torch.zeros(len(self.prompts), P, dtype=torch.long, device=self.device)
+        for b, p in enumerate(self.prompts):
+            ids_BP[b, :len(p)] = torch.tensor(p, device=self.device)
+        chunk = chunk or P
+        hidden = []
+        for c0 in range(0, P, chunk):
+            out = self.model(ids_BP[:, c0:c0 + chunk], cache=cache, logits_to_keep=1, attn_impl=self.attn_impl)
+            hidden.append(out.hidden_states)
+        cache.truncate(self.lens)
+        h_BPD = torch.cat(hidden, dim=1)
+        rows = torch.arange(len(self.prompts), device=self.device)
+        logits_BV = self.model.lm_head(h_BPD[rows, self.lens - 1])
+        self.ids_BP = ids_BP
+        self.stats.prefill_seconds = time.perf_counter() - t0
+        return logits_BV, (h_BPD if keep_hidden else None)
+
+    def choose(self, logits_NV):
+        probs = distribution(logits_NV, self.sampling)
+        return draw(probs, self.sampling, self.generator), probs
+
+    def emit(self, new: list[list[int]]) -> torch.Tensor:
+        """Append each alive row's new tokens, cut at a stop token or max_new_tokens; stream them.
+        Returns bool [N]: which alive rows are finished."""
+        shown, done = [[] for _ in self.prompts], []
+        for i, toks in enumerate(new):
+            row = self.emitted[int(self.alive[i])]
+            for t in toks:
+                if len(row) >= self.max_new:
+                    break
+                row.append(t)
+                shown[int(self.alive[i])].append(t)
+                if t in self.stops:
+                    break
+            done.append(len(row) >= self.max_new or (bool(row) and row[-1] in self.stops))
+        self.stats.new_tokens += sum(map(len, shown))
+        if self.on_tokens is not None:
+            self.on_tokens(shown)
+        return torch.tensor(done, dtype=torch.bool, device=self.device)
+
+    def keep(self, keep_N: torch.Tensor, caches, tensors):
+        """Drop finished rows from the caches and from each per-row tensor; returns the tensors."""
+        rows = keep_N.nonzero()[:, 0]
+        self.alive = self.alive[rows]
+        for cache in caches:
+            cache.keep_rows(rows)
+        return [t[rows] for t in tensors]
+
+    # -- plain decoding ---------------------------------------------------------------------
+    def plain(self, chunk):
+        capacity = int(self.lens.max()) + self.max_new
+        cache = KVCache.for_model(self.model, len(self.prompts), capacity)
+        logits_BV, _ = self.prefill(cache, chunk, keep_hidden=False)
+        t0 = time.perf_counter()
+        while True:
+            tok_N, _ = self.choose(logits_BV)
+            done_N = self.emit([[t] for t in tok_N.tolist()])
+            if bool(done_N.all()):
+                break
+            if bool(done_N.any()):
+                (tok_N,) = self.keep(~done_N, [cache], [tok_N])
+            logits_BV = self.model(tok_N[:, None], cache=cache, attn_impl=self.attn_impl).logits[:, -1]
+        self.stats.decode_seconds = time.perf_counter() - t0
+
+    # -- speculative decoding ---------------------------------------------------------------
+    def speculative(self, k: int, chunk):
+        self.chunk = chunk
+        B, P = len(self.prompts), int(self.lens.max())
+        capacity = P + self.max_new + k + 1
+        cache = KVCache.for_model(self.model, B, capacity)
+        mtp_cache = KVCache.for_mtp(self.model, B, capacity)
+        logits_BV, h_BPD = self.prefill(cache, chunk, keep_hidden=True)
+        acceptance = AcceptanceStats(k)
+        t0 = time.perf_counter()
+        last_N, _ = self.choose(logits_BV)
+        # pending pairs (h_t, x_{t+1}) for t = 0..P_b-1: the prompt shifted by one, then x_P
+        pend_ids = torch.cat([self.ids_BP[:, 1:], torch.zeros_like(self.ids_BP[:, :1])], dim=1)
+        pend_ids[torch.arange(B, device=self.device), self.lens - 1] = last_N
+        pend_h, pend_n = h_BPD, self.lens.clone()
+        done_N = self.emit([[t] for t in last_N.tolist()])
+        while not bool(done_N.all()):
+            if bool(done_N.any()):
+                last_N, pend_h, pend_ids, pend_n = self.keep(~done_N, [cache, mtp_cache],
+                                                             [last_N, pend_h, pend_ids, pend_n])
+            drafts_Nk, q_NkV = self.draft(mtp_cache, pend_h, pend_ids, pend_n, k)
+            base_N = cache.lengths.clone()
+            out = self.model(torch.cat([last_N[:, None], drafts_Nk], dim=1), cache=cache, attn_impl=self.attn_impl)
+            p_NkV = distribution(out.logits, self.sampling)
+            n_acc_N, next_N = accept_drafts(p_NkV, q_NkV, drafts_Nk, self.sampling, self.generator)
+            acceptance.add(n_acc_N)
+            cache.truncate(base_N + n_acc_N + 1)
+            new_Nk1 = torch.cat([drafts_Nk, torch.zeros_like(next_N[:, None])], dim=1)
+            new_Nk1[torch.arange(len(next_N), device=self.device), n_acc_N] = next_N
+            pend_h, pend_ids, pend_n, last_N = out.hidden_states, new_Nk1, n_acc_N + 1, next_N
+            done_N = self.emit([row[:n + 1] for row, n in zip(new_Nk1.tolist(), n_acc_N.tolist())])
+        self.stats.decode_seconds = time.perf_counter() - t0
+        if acceptance.steps:
+            self.stats.acceptance_length = acceptance.acceptance_length
+            self.stats.acceptance_rate = acceptance.acceptance_rate
+        self.stats.verify_steps = acceptance.steps
+
+    def draft(self, mtp_cache: KVCache, pend_h, pend_ids, pend_n, k: int):
+        """k drafts per row and their distributions: (int64 [N, k], fp32 [N, k, V]). The pending
+        pairs stay in the MTP cache; the chained draft entries are rolled back."""
+        rows = torch.arange(len(pend_n), device=self.device)
+        true_len = mtp_cache.lengths + pend_n
+        chunk = self.chunk or pend_h.shape[1]
+        z_N1D, logits_NV = torch.empty_like(pend_h[:, :1]), None
+        for c0 in range(0, pend_h.shape[1], chunk):  # the first round's pairs span the whole prompt
+            z, _ = self.model.mtp_step(pend_h[:, c0:c0 + chunk], pend_ids[:, c0:c0 + chunk], cache=mtp_cache,
+                                       attn_impl=self.attn_impl, with_logits=False)
+            ends_here = (pend_n - 1 >= c0) & (pend_n - 1 < c0 + z.shape[1])
+            z_N1D[ends_here] = z[rows[ends_here], (pend_n - 1 - c0)[ends_here]][:, None]
+        mtp_cache.truncate(true_len)
+        logits_NV = self.model.lm_head(self.model.model.mtp_layers[0].shared_head.norm(z_N1D))[:, 0]
+        drafts, qs = [], []
+        for j in range(k):
+            d_N, q_NV = self.choose(logits_NV)
+            drafts.append(d_N)
+            qs.append(q_NV)
+            if j + 1 < k:
+                z_N1D, logits = self.model.mtp_step(z_N1D, d_N[:, None], cache=mtp_cache, attn_impl=self.attn_impl)
+                logits_NV = logits[:, -1]
+        mtp_cache.truncate(true_len)
+        return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
+
+
+def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
+    """input_ids as a list of non-empty rows of ints. Raises ValueError/TypeError (see generate)."""
+    if isinstance(input_ids, (str, bytes)):
+        raise TypeError("input_ids must be token ids, not text: tokenize the prompt first "
+                        "(e.g. tokenizers.Tokenizer.from_file('tokenizer.json').encode(text).ids)")
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.dim() not in (1, 2):
+            raise ValueError(f"input_ids must be an integer tensor [T] or [B, T], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no tokens: a prompt is empty; every prompt needs at least one token")
+        rows = input_ids.reshape(-1, input_ids.shape[-1]).tolist()
+    elif isinstance(input_ids, Sequence) and input_ids and all(_is_id(t) for t in input_ids):
+        rows = [[int(t) for t in input_ids]]
+    elif isinstance(input_ids, Sequence) and input_ids and all(isinstance(r, Sequence) for r in input_ids):
+        rows = [[int(t) if _is_id(t) else t for t in r] for r in input_ids]
+    else:
+        raise TypeError("input_ids must be a LongTensor [T] or [B, T], a list of token ids, or a list of such "
+                        f"lists; got {type(input_ids).__name__}")
+    for b, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
+        bad = [t for t in row if not _is_id(t) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {b} has token ids outside [0, vocab_size={vocab_size}): {bad[:5]}")
+    return rows
+
+
+def _check_args(model, prompts, max_new, speculative, draft_steps, prefill_chunk) -> None:
+    cfg = model.config
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
+    if speculative not in SPECULATIVE:
+        raise ValueError(f"speculative={speculative!r} is not allowed: None or 'mtp'")
+    if isinstance(draft_steps, bool) or not isinstance(draft_steps, int) or draft_steps < 1:
+        raise ValueError(f"draft_steps must be an int >= 1, got {draft_steps!r}")
+    if speculative == "mtp" and not cfg.num_nextn_predict_layers:
+        raise ValueError("speculative='mtp' needs an MTP layer; this model has num_nextn_predict_layers=0")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    need = max(map(len, prompts)) + max_new + (draft_steps + 1 if speculative else 0)
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) + max_new_tokens={max_new}"
+                         + (f" + draft_steps+1={draft_steps + 1}" if speculative else "")
+                         + f" = {need} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+
+
+def _stop_set(stop_tokens, vocab_size: int) -> frozenset[int]:
+    if stop_tokens is None:
+        return frozenset()
+    if _is_id(stop_tokens) or not isinstance(stop_tokens, Iterable) or isinstance(stop_tokens, (str, bytes)):
+        raise TypeError(f"stop_tokens must be a collection of token ids, e.g. [{stop_tokens!r}], got {stop_tokens!r}")
+    stops = frozenset(int(t) if _is_id(t) else t for t in stop_tokens)
+    bad = [t for t in stops if not _is_id(t) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens must be token ids in [0, vocab_size={vocab_size}), got {sorted(bad, key=str)}")
+    return stops
+
+
+def _is_id(t) -> bool:
+    """An integer (Python, numpy or 0-d tensor), not a bool."""
+    if isinstance(t, bool) or (isinstance(t, torch.Tensor) and (t.dim() or t.is_floating_point())):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
