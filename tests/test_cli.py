@@ -102,3 +102,11 @@ def test_ledger_note_and_per_layer_entries_follow_the_config():
     assert "GLM-5 and GLM-4.5 reports state" in " ".join(r.stdout.split())
     assert "gqa" not in d["state"]["per_layer_values"]
     assert {"total_params", "activated_params", *CONVENTIONS} <= set(d)
+
+
+def test_long_error_messages_are_cut_to_one_readable_line():
+    from glm5lab.cli import _one_line
+
+    assert _one_line(ValueError("a\n  b")) == "a b"
+    long = _one_line(ValueError("k" * 5000), limit=100)
+    assert long.startswith("k" * 100) and long.endswith("(4900 more characters)")

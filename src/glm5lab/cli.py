@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from glm5lab.cli_generate import add_generate_parser
@@ -140,10 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # stdout closed early (`glm5lab generate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except USER_ERRORS as e:
-        message = " ".join(str(e).split())
-        print(f"glm5lab {args.command}: error: {message}", file=sys.stderr)
+        print(f"glm5lab {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a run that diverged, or a checkpoint that cannot be resumed
-        print(f"glm5lab {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"glm5lab {args.command}: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def _one_line(e: Exception, limit: int = 1500) -> str:
+    """The message on one line, cut after `limit` characters (a checkpoint of another model lists
+    every mismatching key; the API's exception keeps the whole list)."""
+    message = " ".join(str(e).split())
+    return message if len(message) <= limit else f"{message[:limit]} ... ({len(message) - limit} more characters)"

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 from glm5lab.config import ModelConfig
+from glm5lab.infer.generate import DEFAULT_PREFILL_CHUNK
 
 REPLACEMENT_CHAR = "\ufffd"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -64,9 +65,10 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--dtype", choices=list(DTYPES),
                    help="weight and cache dtype (default: fp32 on cpu, bf16 on cuda)")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
-                   help="prefill the prompt in pieces of N tokens (default: all at once)")
+                   help=f"prefill the prompt in pieces of N tokens (default {DEFAULT_PREFILL_CHUNK}; the result "
+                   "does not depend on it)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON line (prompt_ids, tokens, text, stats) to stdout at the end instead of "
+                   help="print one JSON line (model, prompt_ids, tokens, text, stats) to stdout at the end instead of "
                    "streaming")
     p.set_defaults(func=cmd_generate)
 
@@ -100,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            speculative=bool(args.speculative))
         out = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, speculative=args.speculative, draft_steps=draft_steps,
-                       stop_tokens=stops, prefill_chunk=args.prefill_chunk,
+                       stop_tokens=stops, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
                        on_tokens=None if stream is None else (lambda rows: stream.add(rows[0])))
     except KeyboardInterrupt:
         if stream is not None and stream.ids:

@@ -203,7 +203,10 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     with torch.device("meta"):
         model = cls(cfg)
-    load_state_exact(model, state)
+    try:
+        load_state_exact(model, state)
+    except CheckpointError as e:
+        raise CheckpointError(f"{folder}: {e}") from None
     if dtype is not None:
         model.to(dtype)
     if device is not None:

@@ -176,7 +176,7 @@ def test_on_tokens_streams_exactly_the_output(tiny4, speculative):
     (([[1, 2], [3, -1]], 2), {}, ValueError, r"prompt 1 has token ids outside"),
     ((torch.tensor([[1, 600]]), 2), {}, ValueError, "vocab_size=512"),
     (([[1, 2], []], 2), {}, ValueError, "prompt 1 is empty"),
-    (([], 2), {}, TypeError, "input_ids"),
+    (([], 2), {}, ValueError, "input_ids is empty"),
     ((None, 2), {}, TypeError, "input_ids"),
     ((3.5, 2), {}, TypeError, "input_ids"),
     ((torch.zeros(2, 3), 2), {}, ValueError, "input_ids must be an integer tensor"),
@@ -230,3 +230,20 @@ def test_stop_tokens_as_a_bare_int_is_refused_by_name(tiny):
     model, _, _ = tiny
     with pytest.raises((ValueError, TypeError), match="stop_tokens"):
         generate(model, [1, 2], 2, stop_tokens=5)
+
+
+def test_review_fixes_refuse_or_handle_by_name(tiny):
+    """From the new-user attack: a tiny temperature samples (max-subtracted logits do not
+    overflow); the rest are refusals naming the argument."""
+    model, _, _ = tiny
+    assert generate(model, [1, 2], 3, temperature=1e-40, seed=0).tokens == generate(model, [1, 2], 3).tokens
+    cases = [({"top_k": 5}, ValueError, "temperature=0 is greedy"), ({"top_p": 0.5}, ValueError, "greedy"),
+             ({"temperature": 1.0, "seed": 10**30}, ValueError, "seed"),
+             ({"on_tokens": 5}, TypeError, "on_tokens")]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            generate(model, [1, 2], 3, **kwargs)
+    with pytest.raises(TypeError, match="model must be a GLM5ForCausalLM"):
+        generate(None, [1, 2], 3)
+    with pytest.raises(TypeError, match="non-integer token ids"):
+        generate(model, [[1], [2.5]], 3)

@@ -32,6 +32,9 @@ from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
 from glm5lab.model.cache import KVCache
 
 SPECULATIVE = (None, "mtp")
+DEFAULT_PREFILL_CHUNK = 256
+"""Prefill chunk (tokens): on a 2-core CPU, 256 was fastest and smallest among 256..2048 and the
+whole prompt for the benchmark model at T = 2K..8K (BENCHMARKS.md, prefill)."""
 
 
 @dataclass
@@ -48,9 +51,14 @@ class GenerateStats:
     acceptance_rate: list[float] | None = None
     verify_steps: int = 0
 
+    rows: int = 1
+
     @property
     def decode_tokens_per_second(self) -> float:
-        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Tokens from decode forwards per second: each row's first token comes from the prefill's
+        logits, so it is not counted (as benchmarks/decode.py times N-1 tokens after the first)."""
+        decoded = self.new_tokens - self.rows
+        return decoded / self.decode_seconds if self.decode_seconds > 0 and decoded > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "decode_tokens_per_second": self.decode_tokens_per_second}
@@ -71,7 +79,7 @@ class GenerateOutput:
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
-             draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | None = None,
+             draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
              on_tokens: Callable[[list[list[int]]], None] | None = None, attn_impl: str = "auto") -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
@@ -81,18 +89,20 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     speculative: None, or "mtp" to draft `draft_steps` tokens per round with the shared MTP
     layer and verify them in one forward (the output distribution is the target's; greedy
     output equals plain greedy). stop_tokens: a row ends after emitting one of these.
-    prefill_chunk: prefill in pieces of this many tokens (None = whole prompt). on_tokens:
+    prefill_chunk: prefill in pieces of this many tokens (default 256; None = the whole prompt
+    in one forward: same result, more memory, slower on CPU as it computes the full causal square). on_tokens:
     called after each step with the tokens each row just emitted (streaming).
     Returns GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for
     speculative runs. Raises ValueError (naming the argument) on bad input, and when a prompt
     plus max_new_tokens (+ draft_steps + 1) exceeds max_position_embeddings."""
+    _check_model(model, on_tokens)
     cfg = model.config
     prompts = _prompts(input_ids, cfg.vocab_size)
     sampling = Sampling(temperature, top_k, top_p).check(cfg.vocab_size)
     _check_args(model, prompts, max_new_tokens, speculative, draft_steps, prefill_chunk)
     stops = _stop_set(stop_tokens, cfg.vocab_size)
-    if seed is not None and not _is_id(seed):
-        raise ValueError(f"seed must be None or an int, got {seed!r}")
+    if seed is not None and (not _is_id(seed) or not -2**63 <= int(seed) < 2**64):
+        raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     if seed is not None:
@@ -117,7 +127,7 @@ class _Run:
         self.on_tokens, self.attn_impl, self.device = on_tokens, attn_impl, device
         self.emitted: list[list[int]] = [[] for _ in prompts]
         self.alive = torch.arange(len(prompts), device=device)
-        self.stats = GenerateStats(prompt_tokens=sum(map(len, prompts)))
+        self.stats = GenerateStats(prompt_tokens=sum(map(len, prompts)), rows=len(prompts))
         self.lens = torch.tensor([len(p) for p in prompts], device=device)
 
     # -- pieces shared by both modes -------------------------------------------------------
@@ -251,6 +261,19 @@ class _Run:
         return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
 
 
+def _check_model(model, on_tokens) -> None:
+    from glm5lab.model.model import GLM5ForCausalLM
+
+    if not isinstance(model, GLM5ForCausalLM):
+        raise TypeError(f"model must be a GLM5ForCausalLM (e.g. GLM5ForCausalLM.from_pretrained(folder)), got "
+                        f"{type(model).__name__}")
+    if next(model.parameters()).device.type == "meta":
+        raise ValueError("model is on the meta device (no weights): load it with from_pretrained or build it "
+                         "on a real device")
+    if on_tokens is not None and not callable(on_tokens):
+        raise TypeError(f"on_tokens must be None or a callable taking the new tokens per row, got {on_tokens!r}")
+
+
 def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
     """input_ids as a list of non-empty rows of ints. Raises ValueError/TypeError (see generate)."""
     if isinstance(input_ids, (str, bytes)):
@@ -263,17 +286,23 @@ def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
         if input_ids.numel() == 0:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no tokens: a prompt is empty; every prompt needs at least one token")
         rows = input_ids.reshape(-1, input_ids.shape[-1]).tolist()
-    elif isinstance(input_ids, Sequence) and input_ids and all(_is_id(t) for t in input_ids):
+    elif isinstance(input_ids, Sequence) and not input_ids:
+        raise ValueError("input_ids is empty: a prompt needs at least one token")
+    elif isinstance(input_ids, Sequence) and all(_is_id(t) for t in input_ids):
         rows = [[int(t) for t in input_ids]]
-    elif isinstance(input_ids, Sequence) and input_ids and all(isinstance(r, Sequence) for r in input_ids):
+    elif isinstance(input_ids, Sequence) and all(isinstance(r, Sequence) and not isinstance(r, str) for r in input_ids):
         rows = [[int(t) if _is_id(t) else t for t in r] for r in input_ids]
     else:
-        raise TypeError("input_ids must be a LongTensor [T] or [B, T], a list of token ids, or a list of such "
-                        f"lists; got {type(input_ids).__name__}")
+        bad = next((t for t in input_ids if not _is_id(t)), input_ids) if isinstance(input_ids, Sequence) else input_ids
+        raise TypeError("input_ids must be a LongTensor [T] or [B, T], a list of int token ids, or a list of such "
+                        f"lists; got {type(input_ids).__name__} holding {bad!r}")
     for b, row in enumerate(rows):
         if not row:
             raise ValueError(f"prompt {b} is empty: every prompt needs at least one token")
-        bad = [t for t in row if not _is_id(t) or not 0 <= t < vocab_size]
+        wrong_type = [t for t in row if not _is_id(t)]
+        if wrong_type:
+            raise TypeError(f"prompt {b} holds non-integer token ids: {wrong_type[:5]}")
+        bad = [t for t in row if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {b} has token ids outside [0, vocab_size={vocab_size}): {bad[:5]}")
     return rows

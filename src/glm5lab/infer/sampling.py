@@ -38,6 +38,9 @@ class Sampling:
             raise ValueError(f"top_k must be None or an int in 1..vocab_size={vocab_size}, got {k!r}")
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
             raise ValueError(f"top_p must be None or a number in (0, 1], got {p!r}")
+        if t == 0 and (k is not None or p is not None):
+            raise ValueError(f"top_k={k!r} / top_p={p!r} restrict sampling, but temperature=0 is greedy: set "
+                             "temperature > 0, or drop top_k/top_p")
         return self
 
 
@@ -46,7 +49,7 @@ def distribution(logits_NV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     logits = logits_NV.float()
     if sampling.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / sampling.temperature
+    logits = (logits - logits.max(-1, keepdim=True).values) / sampling.temperature  # <= 0: no overflow
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
