@@ -119,7 +119,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
 
 class _Run:
     """State of one generate call: rows still running (`alive`, global row ids), their emitted
-    tokens, statistics. Finished rows leave the batch (`_drop_finished`)."""
+    tokens, statistics. Finished rows leave the batch (`keep`)."""
 
     def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device):
         self.model, self.prompts, self.max_new = model, prompts, max_new
@@ -139,17 +139,20 @@ class _Run:
         for b, p in enumerate(self.prompts):
             ids_BP[b, :len(p)] = torch.tensor(p, device=self.device)
         chunk = chunk or P
-        hidden = []
+        rows, last = torch.arange(len(self.prompts), device=self.device), self.lens - 1
+        hidden, last_h_BD = [], None
         for c0 in range(0, P, chunk):
-            out = self.model(ids_BP[:, c0:c0 + chunk], cache=cache, logits_to_keep=1, attn_impl=self.attn_impl)
-            hidden.append(out.hidden_states)
+            h_BCD = self.model(ids_BP[:, c0:c0 + chunk], cache=cache, logits_to_keep=1,
+                               attn_impl=self.attn_impl).hidden_states
+            if keep_hidden:
+                hidden.append(h_BCD)
+            last_h_BD = h_BCD[:, 0] if last_h_BD is None else last_h_BD
+            here = (last >= c0) & (last < c0 + h_BCD.shape[1])  # rows whose prompt ends in this chunk
+            last_h_BD = torch.where(here[:, None], h_BCD[rows, (last - c0).clamp(0, h_BCD.shape[1] - 1)], last_h_BD)
         cache.truncate(self.lens)
-        h_BPD = torch.cat(hidden, dim=1)
-        rows = torch.arange(len(self.prompts), device=self.device)
-        logits_BV = self.model.lm_head(h_BPD[rows, self.lens - 1])
         self.ids_BP = ids_BP
         self.stats.prefill_seconds = time.perf_counter() - t0
-        return logits_BV, (h_BPD if keep_hidden else None)
+        return self.model.lm_head(last_h_BD), (torch.cat(hidden, dim=1) if keep_hidden else None)
 
     def choose(self, logits_NV):
         probs = distribution(logits_NV, self.sampling)
@@ -159,13 +162,13 @@ class _Run:
         """Append each alive row's new tokens, cut at a stop token or max_new_tokens; stream them.
         Returns bool [N]: which alive rows are finished."""
         shown, done = [[] for _ in self.prompts], []
-        for i, toks in enumerate(new):
-            row = self.emitted[int(self.alive[i])]
+        for b, toks in zip(self.alive.tolist(), new, strict=True):
+            row = self.emitted[b]
             for t in toks:
                 if len(row) >= self.max_new:
                     break
                 row.append(t)
-                shown[int(self.alive[i])].append(t)
+                shown[b].append(t)
                 if t in self.stops:
                     break
             done.append(len(row) >= self.max_new or (bool(row) and row[-1] in self.stops))
