@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 ATTENTION_TYPES = ("mla", "gqa")
+MIXER_TYPES = ("full", "swa")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu",)
@@ -37,7 +38,7 @@ def _fail(name: str, value, allowed: str):
 class ModelConfig:
     """Architecture of a GLM-5-family causal LM (defaults: the published GLM-5, 744B).
 
-    Per-layer lists (`attention_types`, `indexer_types`, `mlp_layer_types`) have one entry per
+    Per-layer lists (`attention_types`, `indexer_types`, `mlp_layer_types`, `mixer_types`) have one entry per
     main layer (`num_hidden_layers`); `None` means "derive the default" and is resolved in
     `__post_init__`, so after construction they are always lists. The MTP layer (layer index
     `num_hidden_layers` in the checkpoint) copies the last main layer's attention and MLP kind
@@ -103,6 +104,14 @@ class ModelConfig:
     """RoPE pairing in the indexer: True for GLM-5, False for DeepSeek-V3.2's indexer."""
     use_qk_norm: bool = False
     """GQA layers only: RMSNorm on each q/k head (GLM-4.5)."""
+    mixer_types: list[str] | None = None
+    """Per main layer, how its attention mixes tokens: "full" (causal, with DSA on MLA layers) or
+    "swa" (sliding-window attention: each query sees exactly its last min(position + 1,
+    `sliding_window`) keys, dense, no DSA selection; a later "shared" DSA layer reuses the top-k
+    of the last full layer that selected). Default: all "full". (transformers' glm_moe_dsa
+    ignores this field: a checkpoint with "swa" layers loads there as full attention.)"""
+    sliding_window: int | None = None
+    """Keys per query on "swa" layers; an integer >= 1, required when any layer is "swa"."""
     hf_extra: dict = field(default_factory=dict)
     """config.json keys glm5lab does not interpret, kept so a save writes them back unchanged."""
 
@@ -118,14 +127,17 @@ class ModelConfig:
             self.mlp_layer_types = ["dense"] * k + ["sparse"] * (n - k)
         if self.indexer_types is None:
             self.indexer_types = ["full"] * n
+        if self.mixer_types is None:
+            self.mixer_types = ["full"] * n
         for name, allowed in (("attention_types", ATTENTION_TYPES), ("indexer_types", INDEXER_TYPES),
-                              ("mlp_layer_types", MLP_LAYER_TYPES)):
+                              ("mlp_layer_types", MLP_LAYER_TYPES), ("mixer_types", MIXER_TYPES)):
             _check_layer_list(self, name, allowed)
         # mlp_layer_types wins: first_k_dense_replace follows it (serving stacks read only the latter)
         self.first_k_dense_replace = next((i for i, t in enumerate(self.mlp_layer_types) if t != "dense"), n)
         self._check_shapes()
         self._check_moe()
         self._check_dsa()
+        self._check_window()
 
     def _check_types(self):
         _integers(self, 1, "num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads",
@@ -185,14 +197,22 @@ class ModelConfig:
         elif self.use_dsa:
             _fail("use_dsa", True, "False when index_n_heads is 0 (no indexer to select keys)")
         last_full = None
-        for i, (kind, attn) in enumerate(zip(self.indexer_types, self.attention_types, strict=False)):
+        layers = zip(self.indexer_types, self.attention_types, self.mixer_types, strict=False)
+        for i, (kind, attn, mixer) in enumerate(layers):
             if attn != "mla" or not self.has_indexer:
                 continue
-            if kind == "shared" and last_full is None:
-                _fail(f"indexer_types[{i}]", kind, "'full' for the first MLA layer (a shared layer reuses "
-                      "the top-k of an earlier full layer)")
-            if kind == "full":
+            if kind == "shared" and last_full is None and mixer == "full":
+                _fail(f"indexer_types[{i}]", kind, "'full' for the first MLA layer that selects keys (a shared "
+                      "layer reuses the top-k of an earlier full layer; 'swa' layers select none)")
+            if kind == "full" and mixer == "full":
                 last_full = i
+
+    def _check_window(self):
+        w = self.sliding_window
+        if w is not None and (not _is_int(w) or w < 1):
+            _fail("sliding_window", w, "None or an integer >= 1")
+        if "swa" in self.mixer_types and w is None:
+            _fail("sliding_window", w, "an integer >= 1 when any of mixer_types is 'swa'")
 
     @property
     def has_indexer(self) -> bool:
@@ -263,7 +283,7 @@ class ModelConfig:
 
 
 _DERIVED_FROM = {
-    "num_hidden_layers": ("attention_types", "indexer_types", "mlp_layer_types"),
+    "num_hidden_layers": ("attention_types", "indexer_types", "mlp_layer_types", "mixer_types"),
     "first_k_dense_replace": ("mlp_layer_types",),
 }
 

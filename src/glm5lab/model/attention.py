@@ -42,12 +42,23 @@ def causal_mask(T: int, S: int, q_offset: int, device) -> torch.Tensor:
     return torch.arange(S, device=device)[None, :] <= q_pos
 
 
-def causal_mask_rows(offsets_B: torch.Tensor, T: int, S: int) -> torch.Tensor:
+def causal_mask_rows(offsets_B: torch.Tensor, T: int, S: int, *, window: int | None = None) -> torch.Tensor:
     """Bool [B, T, S] for sequences that each start at their own offset (cached decoding):
     query t of row b sits at position offsets_B[b] + t and sees keys 0..that position. Slots past
-    it (other rows' tokens, stale entries of a rolled-back cache) are masked."""
-    q_pos_BT = offsets_B[:, None] + torch.arange(T, device=offsets_B.device)
-    return torch.arange(S, device=offsets_B.device) <= q_pos_BT[..., None]
+    it (other rows' tokens, stale entries of a rolled-back cache) are masked. `window`: also mask
+    keys more than window-1 positions back (sliding-window attention)."""
+    q_pos_BT1 = (offsets_B[:, None] + torch.arange(T, device=offsets_B.device))[..., None]
+    keys_S = torch.arange(S, device=offsets_B.device)
+    mask_BTS = keys_S <= q_pos_BT1
+    return mask_BTS if window is None else mask_BTS & (keys_S > q_pos_BT1 - window)
+
+
+def window_mask(T: int, S: int, q_offset: int, window: int, device) -> torch.Tensor:
+    """Bool [T, S]: causal and at most `window` keys back, so query position p sees exactly the
+    min(p + 1, window) keys p-window+1..p (sliding-window attention, Beltagy et al. 2020)."""
+    q_pos = torch.arange(T, device=device)[:, None] + q_offset
+    keys = torch.arange(S, device=device)[None, :]
+    return (keys <= q_pos) & (keys > q_pos - window)
 
 
 def topk_mask(topk: TopK, S: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """One pre-norm decoder block: x + Attn(norm(x)), then + MLP/MoE(norm(.)).
 
-The attention kind ("mla" / "gqa"), whether the layer runs its own DSA indexer, and the MLP kind
-("dense" / "sparse") are chosen per layer from the config by the caller.
+The attention kind ("mla" / "gqa"), whether the layer runs its own DSA indexer, the MLP kind
+("dense" / "sparse") and a sliding window ("swa" mixer) are chosen per layer from the config by
+the caller.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from glm5lab.model.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, attention_type: str, has_indexer: bool, mlp_type: str):
+    def __init__(self, cfg: ModelConfig, *, attention_type: str, has_indexer: bool, mlp_type: str,
+                 window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         if attention_type == "mla":
-            self.self_attn = MLAttention(cfg, has_indexer=has_indexer)
+            self.self_attn = MLAttention(cfg, has_indexer=has_indexer, window=window)
         else:
-            self.self_attn = GQAttention(cfg)
+            self.self_attn = GQAttention(cfg, window=window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if mlp_type == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
 

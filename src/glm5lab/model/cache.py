@@ -137,8 +137,11 @@ class CacheStep:
         """int64 [B, T]: the absolute position of every new token."""
         return self.positions_BT
 
-    def causal_mask(self) -> torch.Tensor:
-        """Bool [B, T, extent]: `causal_mask_rows` of this step, built once for all layers."""
+    def causal_mask(self, window: int | None = None) -> torch.Tensor:
+        """Bool [B, T, extent]: `causal_mask_rows` of this step (built once for all layers), or
+        with `window` its sliding-window band."""
+        if window is not None:
+            return causal_mask_rows(self.offsets_B, self.T, self.extent, window=window)
         if self._mask_BTS is None:
             self._mask_BTS = causal_mask_rows(self.offsets_B, self.T, self.extent)
         return self._mask_BTS
@@ -158,8 +161,8 @@ class LayerStep:
     def offsets_B(self) -> torch.Tensor:
         return self.step.offsets_B
 
-    def causal_mask(self) -> torch.Tensor:
-        return self.step.causal_mask()
+    def causal_mask(self, window: int | None = None) -> torch.Tensor:
+        return self.step.causal_mask(window)
 
     def has(self, name: str) -> bool:
         return name in self.buffers

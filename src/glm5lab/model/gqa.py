@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from glm5lab.config import ModelConfig
-from glm5lab.model.attention import attention_causal, attention_masked, attention_reference, causal_mask
+from glm5lab.model.attention import attention_causal, attention_masked, attention_reference, causal_mask, window_mask
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 
@@ -20,9 +20,9 @@ GQA_IMPLS = ("auto", "naive", "absorbed")
 
 
 class GQAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, window: int | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.window = cfg, window
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.x_dim, self.v_dim, self.rope_dim = cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
         self.scale = cfg.qk_head_dim**-0.5
@@ -41,7 +41,8 @@ class GQAttention(nn.Module):
     def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, impl: str = "auto", use_dsa=None,
                 indexer_loss: bool = False, cache=None):
         """Causal GQA over x. Returns (out_BTD, None, None): GQA layers never select keys.
-        impl "naive" = explicit masked softmax (reference); otherwise SDPA. With `cache` (a
+        impl "naive" = explicit masked softmax (reference); otherwise SDPA. `window` (set at
+        construction): sliding-window attention over the last `window` keys. With `cache` (a
         `LayerStep`): x holds each row's new tokens, their K/V are appended to the cache and
         attention runs over everything cached (cos/sin [B, T, R/2])."""
         if impl not in GQA_IMPLS:
@@ -53,9 +54,12 @@ class GQAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, cos_TR2, sin_TR2), self._rope(k, cos_TR2, sin_TR2)
-        if cache is not None:
-            k, v = cache.write("k", k), cache.write("v", v)
-            mask_BTS = cache.causal_mask()
+        if cache is not None or self.window is not None:
+            if cache is not None:
+                k, v = cache.write("k", k), cache.write("v", v)
+                mask_BTS = cache.causal_mask(self.window)
+            else:
+                mask_BTS = window_mask(T, T, 0, self.window, x_BTD.device)[None]
             attend = attention_reference if impl == "naive" else attention_masked
             o = attend(q, k, v, scale=self.scale, mask_BTS=mask_BTS)
         elif impl == "naive":

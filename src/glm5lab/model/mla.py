@@ -26,7 +26,7 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.attention import (
     TopK, attention_causal, attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference,
-    causal_mask, topk_mask,
+    causal_mask, topk_mask, window_mask,
 )
 from glm5lab.model.dsa import LightningIndexer, select_topk
 from glm5lab.model.norm import RMSNorm
@@ -47,11 +47,13 @@ SDPA over all keys is faster on CPU (measured: S=256/K=64 masked 5x faster; S=20
 
 
 class MLAttention(nn.Module):
-    """MLA self-attention of one layer; with an indexer when `has_indexer` ("full" DSA layer)."""
+    """MLA self-attention of one layer; with an indexer when `has_indexer` ("full" DSA layer).
+    `window`: sliding-window attention ("swa" mixer): each query sees its last `window` keys,
+    densely (no DSA selection, the indexer, if any, is not run)."""
 
-    def __init__(self, cfg: ModelConfig, *, has_indexer: bool):
+    def __init__(self, cfg: ModelConfig, *, has_indexer: bool, window: int | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.window = cfg, window
         H, N, R, V, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                          cfg.v_head_dim, cfg.kv_lora_rank)
         self.n_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = H, N, R, V, C
@@ -113,6 +115,17 @@ class MLAttention(nn.Module):
         return self.attend_latent(q_nope, q_pe, torch.cat([c_BSC, k_pe_BSR], dim=-1), mask_BTS=mask_BTS,
                                   topk=topk if gather else None, q_offset=q_offset)
 
+    def attend_dense(self, q_nope, q_pe, c_BSC, k_pe_BSR, mask_BTS, impl: str):
+        """Attention under an explicit mask [B|1, T, S] (sliding window): "naive" = expanded K/V
+        and the reference softmax; "absorbed" = latent space; "auto" = absorbed for at most
+        ABSORBED_MAX_QUERIES queries (decoding), else expanded K/V through SDPA. o_BTHV."""
+        T = q_nope.shape[1]
+        if impl == "absorbed" or (impl == "auto" and T <= ABSORBED_MAX_QUERIES):
+            return self.attend_latent(q_nope, q_pe, torch.cat([c_BSC, k_pe_BSR], dim=-1), mask_BTS=mask_BTS, topk=None)
+        k_BSHX, v_BSHV = self.expand_kv(c_BSC, k_pe_BSR)
+        attend = attention_reference if impl == "naive" else attention_masked
+        return attend(torch.cat([q_nope, q_pe], dim=-1), k_BSHX, v_BSHV, scale=self.scale, mask_BTS=mask_BTS)
+
     def attend_latent(self, q_nope, q_pe, latent_BSX, *, mask_BTS, topk: TopK | None, q_offset: int = 0):
         """Absorbed attention over latents [c | k_pe] (X = C+R): q_c = q_nope W_uk, scores over
         the shared 576-wide keys, values c, output o_c W_uv^T. `topk`: gather the selected keys
@@ -155,7 +168,7 @@ class MLAttention(nn.Module):
         if impl not in ATTN_IMPLS:
             raise ValueError(f"attention impl {impl!r} is not allowed: one of {ATTN_IMPLS}")
         B, T, _ = x_BTD.shape
-        use_dsa = self.cfg.use_dsa if use_dsa is None else use_dsa
+        use_dsa = (self.cfg.use_dsa if use_dsa is None else use_dsa) and self.window is None
         if cache is not None:
             if indexer_loss:
                 raise ValueError("indexer_loss is a training loss: it is not computed in cached decoding")
@@ -163,6 +176,9 @@ class MLAttention(nn.Module):
                                                 use_dsa=use_dsa)
             return out_BTD, topk, None
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, cos_TR2, sin_TR2)
+        if self.window is not None:
+            mask_BTS = window_mask(T, T, 0, self.window, x_BTD.device)[None]
+            return self.o_proj(self.attend_dense(q_nope, q_pe, c_BTC, k_pe_BTR, mask_BTS, impl).reshape(B, T, -1)), None, None
         topk = None
         if use_dsa and T > self.cfg.index_topk:
             topk = self.select(x_BTD, q_lat, cos_TR2, sin_TR2, prev_topk=prev_topk)
@@ -206,7 +222,9 @@ class MLAttention(nn.Module):
             else:
                 scores_BTS = self.indexer.scores(x_BTD, q_lat, index_keys_BSJ, cos_BTR2, sin_BTR2, q_offset=offsets_B)
                 topk = select_topk(scores_BTS, self.cfg.index_topk, q_offset=offsets_B)
-        mask_BTS = cache.causal_mask()
+        mask_BTS = cache.causal_mask(self.window)
+        if self.window is not None:
+            return self.o_proj(self.attend_dense(q_nope, q_pe, c_BSC, k_pe_BSR, mask_BTS, impl).reshape(B, T, -1)), None
         if impl == "naive" or (impl == "auto" and T > ABSORBED_MAX_QUERIES and topk is None):
             k_BSHX, v_BSHV = self.expand_kv(c_BSC, k_pe_BSR)
             q_BTHX = torch.cat([q_nope, q_pe], dim=-1)
