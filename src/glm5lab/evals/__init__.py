@@ -22,10 +22,18 @@ from glm5lab.evals.niah import (
     training_pair,
 )
 from glm5lab.evals.perplexity import PerplexityResult, perplexity
+from glm5lab.evals.search_indexcache import IndexCacheRow, search_indexcache, uniform_pattern
+from glm5lab.evals.search_swa import SWASearchResult, interleave_pattern, search_swa
 from glm5lab.evals.tasks import Scores, TaskVocab, derive_seed
 
 __all__ = [
     "IGNORE_INDEX",
+    "IndexCacheRow",
+    "SWASearchResult",
+    "interleave_pattern",
+    "search_indexcache",
+    "search_swa",
+    "uniform_pattern",
     "VARIANTS",
     "MQARExample",
     "NIAHExample",
