@@ -110,3 +110,20 @@ def test_long_error_messages_are_cut_to_one_readable_line():
     assert _one_line(ValueError("a\n  b")) == "a b"
     long = _one_line(ValueError("k" * 5000), limit=100)
     assert long.startswith("k" * 100) and long.endswith("(4900 more characters)")
+
+
+def test_cli_starts_without_torch_and_interrupts_cleanly(monkeypatch, capsys):
+    """`glm5lab --help` and ledger do not load torch (the package imports the model lazily), so a
+    Ctrl-C at start-up is caught by `main` (exit 130, one line) rather than torch's import."""
+    import glm5lab.cli as cli
+
+    code = "import sys, glm5lab.cli, glm5lab; assert 'torch' not in sys.modules; glm5lab.GLM5ForCausalLM; " \
+           "assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "ledger", interrupted)
+    assert cli.main(["ledger", "--preset", "tiny"]) == 130
+    assert capsys.readouterr().err.strip() == "glm5lab ledger: interrupted"

@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # commands that keep partial work say so themselves first
+        print(f"glm5lab {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # stdout closed early (`glm5lab generate ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 from glm5lab.config import ModelConfig
-from glm5lab.infer.generate import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK
 
 REPLACEMENT_CHAR = "\ufffd"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

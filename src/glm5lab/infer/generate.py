@@ -27,14 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK
 from glm5lab.infer.sampling import Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
 from glm5lab.model.cache import KVCache
 
 SPECULATIVE = (None, "mtp")
-DEFAULT_PREFILL_CHUNK = 256
-"""Prefill chunk (tokens): on a 2-core CPU, 256 was fastest and smallest among 256..2048 and the
-whole prompt for the benchmark model at T = 2K..8K (BENCHMARKS.md, prefill)."""
 
 
 @dataclass
