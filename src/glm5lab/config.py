@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 ATTENTION_TYPES = ("mla", "gqa")
-MIXER_TYPES = ("full", "swa")
+MIXER_TYPES = ("full", "swa", "gdn", "simple_gdn")
+SIMPLE_GDN_DECAYS = ("learned", "constant")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
 HIDDEN_ACTS = ("silu",)
@@ -108,10 +109,27 @@ class ModelConfig:
     """Per main layer, how its attention mixes tokens: "full" (causal, with DSA on MLA layers) or
     "swa" (sliding-window attention: each query sees exactly its last min(position + 1,
     `sliding_window`) keys, dense, no DSA selection; a later "shared" DSA layer reuses the top-k
-    of the last full layer that selected). Default: all "full". (transformers' glm_moe_dsa
-    ignores this field: a checkpoint with "swa" layers loads there as full attention.)"""
+    of the last full layer that selected), "gdn" (a Gated DeltaNet layer in place of attention,
+    `linear_*` fields) or "simple_gdn" (GQA layers only: the gated delta rule fed by the layer's
+    own q/k/v/o projections). Default: all "full". (transformers' glm_moe_dsa ignores this field:
+    export only "full"/"swa" models there; "swa" layers load there as full attention.)"""
     sliding_window: int | None = None
     """Keys per query on "swa" layers; an integer >= 1, required when any layer is "swa"."""
+    linear_num_value_heads: int | None = None
+    """"gdn" layers (Gated DeltaNet, `glm5lab.model.gdn_layer`): value heads, one recurrent state
+    each (default num_attention_heads). Names as transformers' Qwen3-Next config."""
+    linear_num_key_heads: int | None = None
+    """"gdn" layers: q/k heads, a divisor of the value heads (default: the value heads)."""
+    linear_key_head_dim: int | None = None
+    """"gdn" layers: q/k head width (default qk_head_dim)."""
+    linear_value_head_dim: int | None = None
+    """"gdn" layers: value head width (default v_head_dim)."""
+    linear_conv_kernel_dim: int = 4
+    """"gdn" layers: width of the causal depthwise conv on q/k/v."""
+    simple_gdn_decay: str = "learned"
+    """"simple_gdn" layers (the GQA layer's q/k/v/o feeding the gated delta rule): "learned" =
+    decay and write strength computed from the token (small per-head projections), "constant" =
+    learned per-head scalars. The report does not publish its choice."""
     hf_extra: dict = field(default_factory=dict)
     """config.json keys glm5lab does not interpret, kept so a save writes them back unchanged."""
 
@@ -138,6 +156,7 @@ class ModelConfig:
         self._check_moe()
         self._check_dsa()
         self._check_window()
+        self._check_linear()
 
     def _check_types(self):
         _integers(self, 1, "num_hidden_layers", "vocab_size", "hidden_size", "num_attention_heads",
@@ -203,9 +222,32 @@ class ModelConfig:
                 continue
             if kind == "shared" and last_full is None and mixer == "full":
                 _fail(f"indexer_types[{i}]", kind, "'full' for the first MLA layer that selects keys (a shared "
-                      "layer reuses the top-k of an earlier full layer; 'swa' layers select none)")
+                      "layer reuses the top-k of an earlier full layer; 'swa', 'gdn' and 'simple_gdn' layers select none)")
             if kind == "full" and mixer == "full":
                 last_full = i
+
+    def _check_linear(self):
+        for name in ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                _fail(name, value, "None (derive) or an integer >= 1")
+        _integers(self, 1, "linear_conv_kernel_dim")
+        hv, hk, _, _ = self.gdn_dims
+        if hv % hk:
+            _fail("linear_num_key_heads", hk, f"a divisor of linear_num_value_heads={hv}")
+        if self.simple_gdn_decay not in SIMPLE_GDN_DECAYS:
+            _fail("simple_gdn_decay", self.simple_gdn_decay, f"one of {SIMPLE_GDN_DECAYS}")
+        for i, (mixer, attn) in enumerate(zip(self.mixer_types, self.attention_types, strict=False)):
+            if mixer == "simple_gdn" and attn != "gqa":
+                _fail(f"mixer_types[{i}]", mixer, f"'simple_gdn' only on GQA layers (it reuses their q/k/v/o "
+                      f"projections); attention_types[{i}] is {attn!r}")
+
+    @property
+    def gdn_dims(self) -> tuple[int, int, int, int]:
+        """(value heads, key heads, key width, value width) of "gdn" layers, defaults resolved."""
+        hv = self.linear_num_value_heads or self.num_attention_heads
+        return (hv, self.linear_num_key_heads or hv, self.linear_key_head_dim or self.qk_head_dim,
+                self.linear_value_head_dim or self.v_head_dim)
 
     def _check_window(self):
         w = self.sliding_window

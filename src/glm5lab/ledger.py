@@ -53,6 +53,13 @@ def attention_weights(cfg: ModelConfig, attention_type: str) -> dict[str, int]:
     """Elements of each weight matrix of one attention layer ("mla" or "gqa"); names as in
     `glm5lab.model.mla` / `gqa`. Norms and biases are in `attention_params`."""
     D, H, X, V = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+    if attention_type == "gdn":
+        hv, hk, k, v = cfg.gdn_dims
+        return {"q_proj": D * hk * k, "k_proj": D * hk * k, "v_proj": D * hv * v, "z_proj": D * hv * v,
+                "a_proj": D * hv, "b_proj": D * hv, "o_proj": hv * v * D}
+    if attention_type == "simple_gdn":
+        gates = {"a_proj": D * H, "b_proj": D * H} if cfg.simple_gdn_decay == "learned" else {}
+        return {**attention_weights(cfg, "gqa"), **gates}
     if attention_type == "mla":
         Q, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         return {"q_a_proj": D * Q, "q_b_proj": Q * H * X, "kv_a_proj_with_mqa": D * (C + R),
@@ -68,6 +75,13 @@ def attention_params(cfg: ModelConfig, attention_type: str) -> int:
     kv_a_proj_with_mqa and o_proj. GQA: biases on q/k/v only (o_proj has none, as GLM-4.5);
     q_norm and k_norm (qk_head_dim each) when `use_qk_norm`."""
     weights = sum(attention_weights(cfg, attention_type).values())
+    if attention_type == "gdn":  # + depthwise conv over [q|k|v], A_log, dt_bias, gated-norm weight
+        hv, hk, k, v = cfg.gdn_dims
+        return weights + (2 * hk * k + hv * v) * cfg.linear_conv_kernel_dim + 2 * hv + v
+    if attention_type == "simple_gdn":  # + A_log, dt_bias, b_bias per head; q/k/v biases as GQA
+        G, X = cfg.num_key_value_heads, cfg.qk_head_dim
+        biases = cfg.num_attention_heads * X + G * X + G * cfg.v_head_dim if cfg.attention_bias else 0
+        return weights + 3 * cfg.num_attention_heads + biases
     if attention_type == "mla":
         C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         norms = cfg.q_lora_rank + C
@@ -91,10 +105,12 @@ def indexer_params(cfg: ModelConfig) -> int:
 
 
 def layer_kinds(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
-    """(attention_type, mlp_type, has_indexer) of each main layer. An indexer sits on MLA layers
+    """(attention_type, mlp_type, has_indexer) of each main layer; attention_type is "gdn" or
+    "simple_gdn" where `mixer_types` puts a Gated DeltaNet mixer. An indexer sits on MLA layers
     whose `indexer_types` entry is "full" when the config has one (`has_indexer`)."""
-    return [(a, m, cfg.has_indexer and a == "mla" and ix == "full")
-            for a, m, ix in zip(cfg.attention_types, cfg.mlp_layer_types, cfg.indexer_types, strict=False)]
+    layers = zip(cfg.attention_types, cfg.mlp_layer_types, cfg.indexer_types, cfg.mixer_types, strict=False)
+    return [(mx if mx in ("gdn", "simple_gdn") else a, m, cfg.has_indexer and a == "mla" and ix == "full"
+             and mx not in ("gdn", "simple_gdn")) for a, m, ix, mx in layers]
 
 
 def mtp_kind(cfg: ModelConfig) -> tuple[str, str, bool]:
@@ -172,7 +188,8 @@ def router_bias_elements(cfg: ModelConfig) -> dict[str, int]:
 
 
 def _state_of(cfg: ModelConfig, kinds) -> dict[str, int]:
-    attn = sum(cfg.mla_cache_width if a == "mla" else cfg.gqa_cache_width for a, _, _ in kinds)
+    widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}  # gdn: a fixed-size state, 0 per token
+    attn = sum(widths.get(a, 0) for a, _, _ in kinds)
     index = sum(cfg.index_head_dim for _, _, ix in kinds if ix and cfg.use_dsa)
     return {"attention_values": attn, "indexer_values": index, "values": attn + index}
 
@@ -233,12 +250,17 @@ def block_flops(cfg: ModelConfig, kind, L: int, *, prefill: bool) -> dict[str, f
                               + (indexer_weights(cfg) if runs_indexer else 0))
     if runs_indexer:
         f["indexer_scoring"] = 2.0 * cfg.index_n_heads * (cfg.index_head_dim + 1) * mean_keys(L, prefill=prefill)
-    if attention_type == "mla" and not prefill:
+    if attention_type in ("gdn", "simple_gdn"):  # per token, independent of L: decay, read, write, query
+        heads, _, k, v = cfg.gdn_dims if attention_type == "gdn" else (H, 0, cfg.qk_head_dim, cfg.v_head_dim)
+        f["core_attention"] = 2.0 * 4 * heads * k * v
+        per_key = None
+    elif attention_type == "mla" and not prefill:
         per_key = 2 * H * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     else:
         per_key = 2 * H * (cfg.qk_head_dim + cfg.v_head_dim)
     topk = cfg.index_topk if attention_type == "mla" and cfg.use_dsa else None
-    f["core_attention"] = per_key * mean_keys(L, topk, prefill=prefill)
+    if per_key is not None:
+        f["core_attention"] = per_key * mean_keys(L, topk, prefill=prefill)
     if mlp_type == "dense":
         f["dense_ffn"] = 2.0 * 3 * D * cfg.intermediate_size
     else:

@@ -78,8 +78,8 @@ def test_swa_config_is_validated():
     with pytest.raises(ConfigError, match="sliding_window"):
         tiny.replace(sliding_window=0)
     with pytest.raises(ConfigError, match=r"mixer_types\[1\]"):
-        tiny.replace(mixer_types=["full", "gdn", "full", "full"], sliding_window=2)
-    with pytest.raises(ConfigError, match=r"indexer_types\[1\].*'swa' layers select none"):
+        tiny.replace(mixer_types=["full", "attention", "full", "full"], sliding_window=2)
+    with pytest.raises(ConfigError, match=r"indexer_types\[1\].*'simple_gdn' layers select none"):
         tiny.replace(mixer_types=["swa", "full", "full", "full"], sliding_window=2)
     cfg = tiny.replace(mixer_types=["full", "full", "swa", "full"], sliding_window=3)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg

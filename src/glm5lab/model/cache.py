@@ -62,6 +62,10 @@ class KVCache:
     def for_model(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """Cache of the main decoder layers of a `GLM5ForCausalLM` (dtype/device: the model's)."""
         cfg = model.config
+        recurrent = [i for i, m in enumerate(cfg.mixer_types) if m in ("gdn", "simple_gdn")]
+        if recurrent:
+            raise ValueError(f"cached decoding of Gated DeltaNet layers (mixer_types 'gdn'/'simple_gdn', layers "
+                             f"{recurrent}) is not supported yet: their state is not per token (no rollback)")
         kinds = [(cfg.attention_types[i], cfg.has_indexer and cfg.indexer_types[i] == "full")
                  for i in range(cfg.num_hidden_layers)]
         return cls(cfg, kinds, batch, capacity, **_where(model, dtype))

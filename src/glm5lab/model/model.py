@@ -45,7 +45,8 @@ class GLM5Model(nn.Module):
         self.layers = nn.ModuleList([
             DecoderLayer(cfg, attention_type=cfg.attention_types[i], mlp_type=cfg.mlp_layer_types[i],
                          has_indexer=cfg.has_indexer and cfg.indexer_types[i] == "full",
-                         window=cfg.sliding_window if cfg.mixer_types[i] == "swa" else None)
+                         window=cfg.sliding_window if cfg.mixer_types[i] == "swa" else None,
+                         mixer=cfg.mixer_types[i])
             for i in range(cfg.num_hidden_layers)
         ])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)

@@ -53,6 +53,11 @@ RULES: tuple[Rule, ...] = (
     Rule(rf"{_LAYER}mlp\.gate\.weight", "muon", decay=True),
     Rule(rf"{_LAYER}mlp\.experts\.(?:gate_proj|up_proj|down_proj)", "muon", decay=True),
     Rule(rf"{_LAYER}eh_proj\.weight", "muon", decay=True),
+    # Gated DeltaNet / SimpleGDN mixers: z gate matrix by Muon; per-head gates, decay and conv by AdamW
+    Rule(rf"{_LAYER}self_attn\.z_proj\.weight", "muon", decay=True),
+    Rule(rf"{_LAYER}self_attn\.(?:a_proj|b_proj)\.weight", "adamw", decay=True),
+    Rule(rf"{_LAYER}self_attn\.conv1d\.weight", "adamw", decay=True),
+    Rule(rf"{_LAYER}self_attn\.(?:A_log|dt_bias|b_bias|norm\.weight)", "adamw", decay=False),
 )
 
 
