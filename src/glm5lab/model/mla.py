@@ -115,15 +115,14 @@ class MLAttention(nn.Module):
         return self.attend_latent(q_nope, q_pe, torch.cat([c_BSC, k_pe_BSR], dim=-1), mask_BTS=mask_BTS,
                                   topk=topk if gather else None, q_offset=q_offset)
 
-    def attend_dense(self, q_nope, q_pe, c_BSC, k_pe_BSR, mask_BTS, impl: str):
-        """Attention under an explicit mask [B|1, T, S] (sliding window): "naive" = expanded K/V
-        and the reference softmax; "absorbed" = latent space; "auto" = absorbed for at most
-        ABSORBED_MAX_QUERIES queries (decoding), else expanded K/V through SDPA. o_BTHV."""
-        T = q_nope.shape[1]
-        if impl == "absorbed" or (impl == "auto" and T <= ABSORBED_MAX_QUERIES):
-            return self.attend_latent(q_nope, q_pe, torch.cat([c_BSC, k_pe_BSR], dim=-1), mask_BTS=mask_BTS, topk=None)
-        k_BSHX, v_BSHV = self.expand_kv(c_BSC, k_pe_BSR)
-        attend = attention_reference if impl == "naive" else attention_masked
+    def attend_dense(self, q_nope, q_pe, latent_BSX, mask_BTS, *, expand: bool, reference: bool = False):
+        """Attention over all S keys under an explicit mask [B|1, T, S] (causal, sliding-window
+        or top-k): `expand` = per-head K/V expanded from the latent [c | k_pe] (`reference`: the
+        written-out softmax, else SDPA), otherwise in the latent space. Returns o_BTHV."""
+        if not expand:
+            return self.attend_latent(q_nope, q_pe, latent_BSX, mask_BTS=mask_BTS, topk=None)
+        k_BSHX, v_BSHV = self.expand_kv(*latent_BSX.split([self.kv_rank, self.rope_dim], dim=-1))
+        attend = attention_reference if reference else attention_masked
         return attend(torch.cat([q_nope, q_pe], dim=-1), k_BSHX, v_BSHV, scale=self.scale, mask_BTS=mask_BTS)
 
     def attend_latent(self, q_nope, q_pe, latent_BSX, *, mask_BTS, topk: TopK | None, q_offset: int = 0):
@@ -178,7 +177,10 @@ class MLAttention(nn.Module):
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, cos_TR2, sin_TR2)
         if self.window is not None:
             mask_BTS = window_mask(T, T, 0, self.window, x_BTD.device)[None]
-            return self.o_proj(self.attend_dense(q_nope, q_pe, c_BTC, k_pe_BTR, mask_BTS, impl).reshape(B, T, -1)), None, None
+            expand = impl == "naive" or (impl == "auto" and T > ABSORBED_MAX_QUERIES)
+            o_BTHV = self.attend_dense(q_nope, q_pe, torch.cat([c_BTC, k_pe_BTR], dim=-1), mask_BTS, expand=expand,
+                                       reference=impl == "naive")
+            return self.o_proj(o_BTHV.reshape(B, T, -1)), None, None
         topk = None
         if use_dsa and T > self.cfg.index_topk:
             topk = self.select(x_BTD, q_lat, cos_TR2, sin_TR2, prev_topk=prev_topk)
@@ -208,7 +210,6 @@ class MLAttention(nn.Module):
         B, T, _ = x_BTD.shape
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, cos_BTR2, sin_BTR2)
         latent_BSX = cache.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
-        c_BSC, k_pe_BSR = latent_BSX.split([self.kv_rank, self.rope_dim], dim=-1)
         S, offsets_B = latent_BSX.shape[1], cache.offsets_B
         index_keys_BSJ = None
         if self.indexer is not None and cache.has("index_keys"):
@@ -223,21 +224,15 @@ class MLAttention(nn.Module):
                 scores_BTS = self.indexer.scores(x_BTD, q_lat, index_keys_BSJ, cos_BTR2, sin_BTR2, q_offset=offsets_B)
                 topk = select_topk(scores_BTS, self.cfg.index_topk, q_offset=offsets_B)
         mask_BTS = cache.causal_mask(self.window)
-        if self.window is not None:
-            return self.o_proj(self.attend_dense(q_nope, q_pe, c_BSC, k_pe_BSR, mask_BTS, impl).reshape(B, T, -1)), None
-        if impl == "naive" or (impl == "auto" and T > ABSORBED_MAX_QUERIES and topk is None):
-            k_BSHX, v_BSHV = self.expand_kv(c_BSC, k_pe_BSR)
-            q_BTHX = torch.cat([q_nope, q_pe], dim=-1)
-            attend = attention_reference if impl == "naive" else attention_masked
+        gather = topk is not None and impl != "naive" and (
+            impl == "absorbed" or T <= ABSORBED_MAX_QUERIES or S > GATHER_MIN_KEYS_PER_TOPK * self.cfg.index_topk)
+        if gather:
+            o_BTHV = self.attend_latent(q_nope, q_pe, latent_BSX, mask_BTS=None, topk=topk)
+        else:
             if topk is not None:
                 mask_BTS = mask_BTS & topk_mask(topk, S)
-            o_BTHV = attend(q_BTHX, k_BSHX, v_BSHV, scale=self.scale, mask_BTS=mask_BTS)
-        else:
-            gather = topk is not None and (impl == "absorbed" or T <= ABSORBED_MAX_QUERIES
-                                           or S > GATHER_MIN_KEYS_PER_TOPK * self.cfg.index_topk)
-            if topk is not None and not gather:
-                mask_BTS = mask_BTS & topk_mask(topk, S)
-            o_BTHV = self.attend_latent(q_nope, q_pe, latent_BSX, mask_BTS=mask_BTS, topk=topk if gather else None)
+            expand = impl == "naive" or (impl == "auto" and T > ABSORBED_MAX_QUERIES and topk is None)
+            o_BTHV = self.attend_dense(q_nope, q_pe, latent_BSX, mask_BTS, expand=expand, reference=impl == "naive")
         return self.o_proj(o_BTHV.reshape(B, T, -1)), topk
 
     def indexer_kl(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, *, topk: TopK | None) -> torch.Tensor:
