@@ -7,6 +7,7 @@
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
                    [--dtype fp32|bf16] [--prefill-chunk N] [--json]
+    glm5lab ablate STUDY [--quick] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient, mtp, indexcache)
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a
 bad --context or other number, a missing model folder, a prompt too long for the model) print one
@@ -22,6 +23,7 @@ import json
 import os
 import sys
 
+from glm5lab.cli_ablate import add_ablate_parser
 from glm5lab.cli_generate import add_generate_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.ledger import DTYPE_BYTES, ledger, render
@@ -133,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the whole ledger as one JSON line, last")
     p.set_defaults(func=cmd_ledger)
     add_generate_parser(sub)
+    add_ablate_parser(sub)
     return parser
 
 

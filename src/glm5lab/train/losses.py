@@ -35,15 +35,25 @@ def cross_entropy(logits_BLV: torch.Tensor, labels_BL: torch.Tensor) -> torch.Te
 
 
 def stage_losses(model, window_BT1: torch.Tensor, stage: Stage) -> StepLosses:
-    """Forward `model` on the window and combine the losses the stage asks for."""
-    x_BT, T = window_BT1[:, :-1], window_BT1.shape[1] - 1
-    out = model(x_BT, mtp_depth=min(stage.mtp_depth, T - 1), use_dsa=stage.use_dsa,
+    """Forward `model` on the packed window [B, T+1] and combine the losses the stage asks for."""
+    return task_losses(model, window_BT1[:, :-1], window_BT1[:, 1:], stage)
+
+
+def task_losses(model, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, stage: Stage) -> StepLosses:
+    """The stage's losses on inputs [B, T] with already-shifted labels [B, T] (int64; -100 =
+    ignored, as the synthetic tasks of `glm5lab.evals` write them). The main head at t predicts
+    labels[t]; MTP depth j at t predicts labels[t + j] (for a packed window exactly w[t + j + 1]).
+    Raises ValueError if the shapes differ. A batch whose labels are all -100 gives a NaN loss."""
+    if input_ids_BT.shape != labels_BT.shape:
+        raise ValueError(f"input_ids {tuple(input_ids_BT.shape)} and labels {tuple(labels_BT.shape)} must have one shape")
+    T = input_ids_BT.shape[1]
+    out = model(input_ids_BT, mtp_depth=min(stage.mtp_depth, T - 1), use_dsa=stage.use_dsa,
                 indexer_loss=stage.indexer_weight > 0)
-    total = window_BT1.new_zeros((), dtype=torch.float32)
-    lm = cross_entropy(out.logits, window_BT1[:, 1:])
+    total = input_ids_BT.new_zeros((), dtype=torch.float32)
+    lm = cross_entropy(out.logits, labels_BT)
     if stage.lm_weight:
         total = total + stage.lm_weight * lm
-    mtp = [cross_entropy(logits, window_BT1[:, j + 1:]) for j, logits in enumerate(out.mtp_logits, start=1)]
+    mtp = [cross_entropy(logits, labels_BT[:, j:]) for j, logits in enumerate(out.mtp_logits, start=1)]
     for weight, loss in zip(stage.mtp_weights, mtp, strict=False):
         total = total + weight * loss
     if stage.indexer_weight and out.indexer_loss is not None:

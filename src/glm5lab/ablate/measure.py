@@ -1,0 +1,67 @@
+"""What studies score: held-out loss, MQAR accuracy, NIAH exact match, by teacher forcing.
+
+NIAH is scored without generation: the prompt plus its canonical completion goes through one
+forward, and an example counts as retrieved when the argmax at every completion position is
+the expected id. That is exactly "greedy decoding reproduces the completion", so it equals
+`score_niah(..., rule="all")` on greedy `generate` output cut at the completion length, and it
+also works for mixers without a decode cache (Gated DeltaNet).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from glm5lab.ablate.workbench import Workbench
+from glm5lab.evals.mqar import IGNORE_INDEX
+from glm5lab.evals.niah import make_niah_batch, training_pair
+
+
+@torch.no_grad()
+def labelled_loss(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_dsa: bool | None = None,
+                  batch: int = 8) -> float:
+    """Mean CE in nats over the labels != -100 of (ids [N, T], labels [N, T]), fp32, in batches."""
+    total, count = 0.0, 0
+    for i in range(0, len(ids_BT), batch):
+        logits = model(ids_BT[i:i + batch], use_dsa=use_dsa).logits.float()
+        labels = labels_BT[i:i + batch]
+        total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+        count += int((labels != IGNORE_INDEX).sum())
+    return total / count
+
+
+@torch.no_grad()
+def answer_accuracy(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_dsa: bool | None = None,
+                    batch: int = 8, per_row: bool = False) -> float:
+    """Fraction of labelled positions (labels != -100) whose argmax is the label; with per_row,
+    the fraction of rows whose every labelled position is right (exact match)."""
+    hits = []
+    for i in range(0, len(ids_BT), batch):
+        pred = model(ids_BT[i:i + batch], use_dsa=use_dsa).logits.argmax(-1)
+        labels = labels_BT[i:i + batch]
+        mask = labels != IGNORE_INDEX
+        right = (pred == labels) | ~mask
+        hits.append(right.all(1).float() if per_row else (pred == labels)[mask].float())
+    return float(torch.cat(hits).mean())
+
+
+def mqar_accuracy(model, bench: Workbench, n: int, seq_len: int, num_kv_pairs: int, *, seed: int,
+                  use_dsa: bool | None = None, batch: int = 8) -> float:
+    """MQAR per-query accuracy on n fresh rows (seeded) of length seq_len."""
+    ids, labels = bench.mqar(n, seq_len, num_kv_pairs, seed=seed)
+    return answer_accuracy(model, ids, labels, use_dsa=use_dsa, batch=batch)
+
+
+def niah_accuracy(model, bench: Workbench, n: int, context_length: int, variant: str = "single", *, seed: int,
+                  use_dsa: bool | None = None, haystack: str = "noise", batch: int = 4, **kwargs) -> float:
+    """NIAH exact match (every expected value, teacher forced; see the module docstring) on n
+    examples of `context_length` prompt tokens. haystack: "noise" (filler ids) or "corpus"
+    (validation text). kwargs go to `make_niah` (key_len, value_len, num_keys...)."""
+    if haystack not in ("noise", "corpus"):
+        raise ValueError(f"haystack = {haystack!r} is not allowed: 'noise' or 'corpus'")
+    hay = bench.val_tokens if haystack == "corpus" else None
+    examples = make_niah_batch(bench.tasks, n, context_length, variant, seed=seed, haystack=hay, **kwargs)
+    pairs = [training_pair(e) for e in examples]
+    ids = torch.stack([p[0] for p in pairs])
+    labels = torch.stack([p[1] for p in pairs])
+    return answer_accuracy(model, ids, labels, use_dsa=use_dsa, batch=batch, per_row=True)

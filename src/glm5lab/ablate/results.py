@@ -1,0 +1,108 @@
+"""What a study leaves behind, and the helpers that format it.
+
+A study returns a `StudyResult`; `write_result` puts it in its folder:
+  table.md      the markdown table(s), the report's figures beside ours, and the notes
+  results.json  study, quick, seeds, settings (model configs, sizes), raw numbers, notes,
+                elapsed seconds, git commit, torch version
+  <study>.png   the study's plot
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class StudyResult:
+    """study: its name. table: markdown (may hold several tables). raw: JSON-able numbers, per
+    variant and seed. settings: JSON-able sizes and model configs. seeds: the seeds run.
+    plot: writes the PNG to the path it is given. notes: one line each, in particular every place
+    where our direction differs from the report's."""
+
+    study: str
+    table: str
+    raw: dict
+    settings: dict
+    seeds: list[int]
+    plot: Callable[[Path], None]
+    notes: list[str] = field(default_factory=list)
+
+
+def write_result(result: StudyResult, out: Path, *, quick: bool, elapsed_s: float) -> Path:
+    """Write table.md, results.json and <study>.png into `out` (created); returns out/table.md.
+    Each file is written to a temporary name and renamed, so a reader never sees half a file."""
+    import torch
+
+    from glm5lab.train.loop import git_commit
+
+    out.mkdir(parents=True, exist_ok=True)
+    header = f"# Ablation `{result.study}`{' (--quick)' if quick else ''}\n\n"
+    notes = "".join(f"- {n}\n" for n in result.notes)
+    _atomic_text(out / "table.md", header + result.table.rstrip() + "\n" + (f"\nNotes:\n{notes}" if notes else ""))
+    info = {"study": result.study, "quick": quick, "seeds": result.seeds, "settings": result.settings,
+            "raw": result.raw, "notes": result.notes, "elapsed_s": round(elapsed_s, 1),
+            "git_commit": git_commit(), "torch": torch.__version__}
+    _atomic_text(out / "results.json", json.dumps(info, indent=2, default=_jsonable) + "\n")
+    png = out / f"{result.study}.png"
+    tmp = png.with_name(png.stem + ".tmp.png")
+    result.plot(tmp)
+    tmp.replace(png)
+    return out / "table.md"
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _jsonable(x):
+    if hasattr(x, "to_hf"):
+        return x.to_hf()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A GitHub markdown table; floats printed with 3 significant decimals, None as '-'."""
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if math.isfinite(v) else str(v)
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def mean_sd(values: Sequence[float], digits: int = 3) -> str:
+    """'m ± s' (sample standard deviation; 'm' alone for one value)."""
+    values = list(values)
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{m:.{digits}f}"
+    return f"{m:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def direction(ours: float, theirs: float, *, tol: float = 0.0) -> str:
+    """'same' when the signs of two changes agree (|x| <= tol counts as zero), else 'DIFFERS'."""
+    sign = lambda x: 0 if abs(x) <= tol else (1 if x > 0 else -1)  # noqa: E731
+    return "same" if sign(ours) == sign(theirs) else "DIFFERS"
+
+
+def figure():
+    """A matplotlib (Agg backend) Figure and pyplot, for plot callbacks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
