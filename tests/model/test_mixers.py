@@ -1,13 +1,12 @@
 """Gated DeltaNet ("gdn") and SimpleGDN ("simple_gdn") as per-layer mixers of GLM5ForCausalLM:
 causal, chunked == recurrent through the whole model (fp32 tolerance, conftest), counted exactly
 by the ledger, covered by the optimizer table, saved and loaded, built from a GQA model's weights;
-cached decoding refused with a clear message (their state is not per token)."""
+bad configs refused by name. Cached decoding: tests/model/test_gdn_cache.py."""
 
 import pytest
 import torch
 
-import glm5lab
-from glm5lab import ConfigError, GLM5ForCausalLM, KVCache, ModelConfig, ledger
+from glm5lab import ConfigError, GLM5ForCausalLM, ModelConfig, ledger
 from glm5lab.optim.groups import build_optimizer
 from tests.conftest import assert_close
 
@@ -61,12 +60,7 @@ def test_simple_gdn_starts_from_a_gqa_models_weights(tmp_path):
         assert torch.equal(again(ids).logits, sgdn(ids).logits)
 
 
-def test_cached_decoding_and_bad_configs_are_refused_by_name():
-    m = _model()
-    with pytest.raises(ValueError, match=r"Gated DeltaNet layers .*\[1, 3\].* not supported yet"):
-        KVCache.for_model(m, 1, 8)
-    with pytest.raises(ValueError, match="not supported yet"):
-        glm5lab.generate(m, [1, 2, 3], 2)
+def test_bad_configs_are_refused_by_name():
     tiny = ModelConfig.from_preset("tiny")
     with pytest.raises(ConfigError, match=r"mixer_types\[2\].*only on GQA layers"):
         tiny.replace(mixer_types=["full", "full", "simple_gdn", "full"])

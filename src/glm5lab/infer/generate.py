@@ -4,8 +4,9 @@ Legend: B rows, P prompt length (longest row), k draft steps, D hidden, V vocab.
 
 Plain: prefill every prompt into a preallocated `KVCache` (whole, or in `prefill_chunk` pieces),
 then one cached forward per new token. Rows may have prompts of different lengths: they are
-right-padded and each row's cache length is set to its own prompt length, so every row decodes
-from its own position; a row leaves the batch when it hits a stop token or `max_new_tokens`.
+right-padded and, after each prefill chunk, each row's cache length is cut back to at most its
+own prompt length (Gated DeltaNet layers roll back only within the last forward), so every row
+decodes from its own position; a row leaves the batch when it hits a stop token or `max_new_tokens`.
 
 Speculative (`speculative="mtp"`), the draft head being the model's shared MTP layer with its
 own cache. Invariant between rounds, per row, with accepted tokens x_0..x_{m-1}: the main cache
@@ -147,7 +148,8 @@ class _Run:
             last_h_BD = h_BCD[:, 0] if last_h_BD is None else last_h_BD
             here = (last >= c0) & (last < c0 + h_BCD.shape[1])  # rows whose prompt ends in this chunk
             last_h_BD = torch.where(here[:, None], h_BCD[rows, (last - c0).clamp(0, h_BCD.shape[1] - 1)], last_h_BD)
-        cache.truncate(self.lens)
+            # rows past their prompt drop the padding now: a recurrent layer rolls back only within a forward
+            cache.truncate(torch.minimum(cache.lengths, self.lens))
         self.ids_BP = ids_BP
         self.stats.prefill_seconds = time.perf_counter() - t0
         return self.model.lm_head(last_h_BD), (torch.cat(hidden, dim=1) if keep_hidden else None)

@@ -6,6 +6,8 @@ Legend: B rows (sequences), S_max capacity (tokens per row), C `kv_lora_rank`, R
 Per MLA layer: `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe]
 (576 values per token in GLM-5), and on "full" DSA layers `index_keys` [B, S_max, J] (the
 lightning indexer's keys). Per GQA layer: `k` [B, S_max, G, X] and `v` [B, S_max, G, V].
+Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState`
+(`glm5lab.model.recurrent_state`), which rolls back only within the last forward.
 `bytes_per_token` equals the ledger's `state(...)["main"]["bytes_per_token"]` in the same dtype.
 
 Each row has its own length (`lengths`, int64 [B]): a forward of T new tokens writes them at
@@ -23,6 +25,7 @@ import torch
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.attention import causal_mask_rows
+from glm5lab.model.recurrent_state import RecurrentState
 
 
 class CacheOverflowError(ValueError):
@@ -54,21 +57,26 @@ class KVCache:
             raise ValueError(f"cache capacity {capacity} is not allowed: at most max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         self.capacity, self.dtype = capacity, dtype
-        self.layers = [{name: torch.zeros(batch, capacity, *shape, dtype=dtype, device=device)
-                        for name, shape in layer_buffers(cfg, a, ix).items()} for a, ix in kinds]
+        self.layers = [{} if kind is None else
+                       {name: torch.zeros(batch, capacity, *shape, dtype=dtype, device=device)
+                        for name, shape in layer_buffers(cfg, *kind).items()} for kind in kinds]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.forward_start = self.lengths  # row lengths before the last forward (recurrent rollback limit)
+        self.recurrent: list[RecurrentState | None] = [None] * len(kinds)
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
-        """Cache of the main decoder layers of a `GLM5ForCausalLM` (dtype/device: the model's)."""
+        """Cache of the main decoder layers of a `GLM5ForCausalLM` (dtype/device: the model's).
+        "gdn" / "simple_gdn" layers get a `RecurrentState` (fixed size, rollback by replay)."""
         cfg = model.config
-        recurrent = [i for i, m in enumerate(cfg.mixer_types) if m in ("gdn", "simple_gdn")]
-        if recurrent:
-            raise ValueError(f"cached decoding of Gated DeltaNet layers (mixer_types 'gdn'/'simple_gdn', layers "
-                             f"{recurrent}) is not supported yet: their state is not per token (no rollback)")
-        kinds = [(cfg.attention_types[i], cfg.has_indexer and cfg.indexer_types[i] == "full")
+        recurrent = [m in ("gdn", "simple_gdn") for m in cfg.mixer_types]
+        kinds = [None if recurrent[i] else (cfg.attention_types[i], cfg.has_indexer and cfg.indexer_types[i] == "full")
                  for i in range(cfg.num_hidden_layers)]
-        return cls(cfg, kinds, batch, capacity, **_where(model, dtype))
+        cache = cls(cfg, kinds, batch, capacity, **_where(model, dtype))
+        for i, layer in enumerate(model.model.layers):
+            if recurrent[i]:
+                cache.recurrent[i] = layer.self_attn.decode_state(batch, **_where(model, dtype))
+        return cache
 
     @classmethod
     def for_mtp(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
@@ -87,9 +95,13 @@ class KVCache:
         """Bytes held per token per row, over all layers."""
         return sum(buf[0, 0].numel() * buf.element_size() for layer in self.layers for buf in layer.values())
 
+    def state_bytes_per_row(self) -> int:
+        """Bytes of the fixed-size recurrent state (Gated DeltaNet layers) per row."""
+        return sum(r.nbytes_per_row() for r in self.recurrent if r is not None)
+
     def nbytes(self) -> int:
-        """Bytes of all buffers (batch x capacity x bytes_per_token)."""
-        return self.bytes_per_token() * self.batch * self.capacity
+        """Bytes of all buffers: batch x (capacity x bytes_per_token + state_bytes_per_row)."""
+        return self.batch * (self.bytes_per_token() * self.capacity + self.state_bytes_per_row())
 
     def begin(self, T: int) -> CacheStep:
         """Reserve T new slots per row for one forward. Raises CacheOverflowError when a row would
@@ -105,6 +117,7 @@ class KVCache:
     def commit(self, step: CacheStep) -> None:
         """Count the step's T tokens as cached in every row."""
         self.lengths = step.offsets_B + step.T
+        self.forward_start = step.offsets_B
 
     def truncate(self, lengths) -> None:
         """Roll rows back to `lengths` (int, or int64 [B]) tokens: later slots are dropped.
@@ -117,12 +130,24 @@ class KVCache:
         if bool((new < 0).any()) or bool((new > self.lengths).any()):
             raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {new.tolist()}: "
                              "each new length must lie in 0..the current length")
+        if any(r is not None for r in self.recurrent) and bool((new < self.lengths).any()):
+            if bool((new < self.forward_start).any()):
+                raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {new.tolist()}: this "
+                                 "model has Gated DeltaNet layers, whose state rolls back only within the last "
+                                 f"forward (to lengths >= {self.forward_start.tolist()})")
+            for r in self.recurrent:
+                if r is not None:
+                    r.rollback(new - self.forward_start)
         self.lengths = new
 
     def keep_rows(self, rows_N: torch.Tensor) -> None:
         """Keep only rows `rows_N` (int64 [N], in this order): finished sequences leave the batch."""
         self.layers = [{name: buf.index_select(0, rows_N) for name, buf in layer.items()} for layer in self.layers]
         self.lengths = self.lengths.index_select(0, rows_N)
+        self.forward_start = self.forward_start.index_select(0, rows_N)
+        for r in self.recurrent:
+            if r is not None:
+                r.keep_rows(rows_N)
 
 
 @dataclass
@@ -151,15 +176,17 @@ class CacheStep:
         return self._mask_BTS
 
     def layer(self, i: int) -> LayerStep:
-        return LayerStep(self, self.cache.layers[i])
+        return LayerStep(self, self.cache.layers[i], self.cache.recurrent[i])
 
 
 @dataclass
 class LayerStep:
-    """What one layer's attention sees: `write` its new entries, get back all of them."""
+    """What one layer's attention sees: `write` its new entries, get back all of them. A Gated
+    DeltaNet layer gets its `recurrent` state instead (no per-token buffers)."""
 
     step: CacheStep
     buffers: dict[str, torch.Tensor]
+    recurrent: RecurrentState | None = None
 
     @property
     def offsets_B(self) -> torch.Tensor:

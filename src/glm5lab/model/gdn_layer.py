@@ -7,8 +7,10 @@ Two modules, both `forward(x_BTD, cos, sin, *, prev_topk=None, impl="auto", use_
 indexer_loss=False, cache=None, state=None)` like `GQAttention` / `MLAttention`, so a decoder
 block can hold one in place of attention. cos/sin, prev_topk, use_dsa and indexer_loss are
 accepted and ignored (no RoPE: the recurrence is causal and position-aware through its decay;
-no key selection, so the 2nd and 3rd outputs are always None). `cache` (the attention layers'
-`LayerStep`) is not supported: decoding state is explicit, a `GDNState` passed as `state=`.
+no key selection, so the 2nd and 3rd outputs are always None). Decoding state comes either
+explicitly, a `GDNState` passed as `state=`, or from a `KVCache` (`cache`, the layer's
+`LayerStep`, whose `recurrent` is a `RecurrentState` from `decode_state`: updated in place and
+rolled back by the cache's `truncate`, see `glm5lab.model.recurrent_state`).
 
 Returns (out_BTD, None, None) without a state and (out_BTD, None, None, new_state) with one.
 The new state is a fresh object (the given one is not modified), so prefill then token-by-token
@@ -19,7 +21,7 @@ impl: "auto" = chunked rule when T > 1 (training, prefill), recurrent rule when 
 "naive" is for attention); "absorbed" (an attention-only choice a model may pass to every
 layer) = "auto". See `glm5lab.model.gdn` for the two forms of the rule (same map).
 Errors: ValueError for a bad constructor argument (non-positive size, head counts that do not
-divide, unknown decay), an unknown impl, a `cache`, x not [B, T, hidden_size], or a state whose
+divide, unknown decay), an unknown impl, a `cache` without a recurrent state, x not [B, T, hidden_size], or a state whose
 shapes disagree; TypeError for a state that is not a GDNState.
 
 1. `GatedDeltaNet`: the Gated DeltaNet layer of Qwen3-Next (transformers'
@@ -89,6 +91,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5lab.config import ModelConfig
+from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.gdn import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -132,9 +135,9 @@ def _positive_int(name, value):
 def _check_forward_args(module, x_BTD, impl, cache):
     if impl not in GDN_IMPLS:
         raise ValueError(f"GDN impl {impl!r} is not allowed: one of {GDN_IMPLS}")
-    if cache is not None:
-        raise ValueError("GDN layers do not use the attention KV cache (`cache`); pass their "
-                         "explicit decode state as `state=` (see `init_state`)")
+    if cache is not None and getattr(cache, "recurrent", None) is None:
+        raise ValueError("this `cache` has no recurrent state for a Gated DeltaNet layer: build it with "
+                         "KVCache.for_model(model, ...)")
     if x_BTD.dim() != 3 or x_BTD.shape[-1] != module.hidden_size:
         raise ValueError(f"x_BTD must be [B, T, {module.hidden_size}], got {tuple(x_BTD.shape)}")
 
@@ -200,12 +203,19 @@ class GatedDeltaNet(nn.Module):
             torch.zeros(batch_size, self.conv_dim, self.conv_kernel - 1, device=device, dtype=dtype),
             torch.zeros(batch_size, self.n_heads, self.k_dim, self.v_dim, device=device, dtype=torch.float32))
 
+    def decode_state(self, batch_size: int, *, dtype: torch.dtype, device) -> RecurrentState:
+        """This layer's zero state for a `KVCache` (conv window in `dtype`, recurrent fp32)."""
+        return RecurrentState(batch_size, self.n_heads, self.k_dim, self.v_dim, (self.conv_dim, self.conv_kernel - 1),
+                              dtype=dtype, device=device)
+
     def forward(self, x_BTD, cos_TR2=None, sin_TR2=None, *, prev_topk=None, impl: str = "auto", use_dsa=None,
                 indexer_loss: bool = False, cache=None, state: GDNState | None = None):
         """out_BTD (and the updated state when `state` is given); see the module docstring."""
         _check_forward_args(self, x_BTD, impl, cache)
         B, T, _ = x_BTD.shape
         H, Hk, K, V, W = self.n_heads, self.n_k_heads, self.k_dim, self.v_dim, self.conv_kernel - 1
+        if cache is not None:
+            state = GDNState(cache.recurrent.conv_BCW, cache.recurrent.recurrent_BHKV)
         if state is not None:
             _check_state(state, B, H, K, V, (B, self.conv_dim, W))
         mixed_BCT = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1).transpose(1, 2)
@@ -223,6 +233,10 @@ class GatedDeltaNet(nn.Module):
                                    None if state is None else state.recurrent_BHKV, self.chunk_size)
         o_BTHV = self.norm(o_BTHV, self.z_proj(x_BTD).view(B, T, H, V))
         out_BTD = self.o_proj(o_BTHV.reshape(B, T, H * V))
+        if cache is not None:
+            cache.recurrent.advance(S_BHKV, conv_BCX=padded_BCX, k_BTHK=k_BTHK, v_BTHV=v_BTHV, g_BTH=g_BTH,
+                                    beta_BTH=beta_BTH)
+            return out_BTD, None, None
         if state is None:
             return out_BTD, None, None
         return out_BTD, None, None, GDNState(padded_BCX[:, :, padded_BCX.shape[-1] - W:], S_BHKV)
@@ -304,6 +318,10 @@ class SimpleGDN(nn.Module):
             beta = self.b_bias.float().sigmoid().expand(B, T, self.n_heads)
         return g, beta
 
+    def decode_state(self, batch_size: int, *, dtype: torch.dtype, device) -> RecurrentState:
+        """This layer's zero state for a `KVCache` (recurrent fp32 [B, Hq, K, V], no conv)."""
+        return RecurrentState(batch_size, self.n_heads, self.k_dim, self.v_dim, None, dtype=dtype, device=device)
+
     def init_state(self, batch_size: int, *, device=None, dtype=torch.float32) -> GDNState:
         """Zero recurrent state [B, Hq, K, V] fp32, no conv window. Passing it equals no state."""
         del dtype
@@ -316,6 +334,8 @@ class SimpleGDN(nn.Module):
         _check_forward_args(self, x_BTD, impl, cache)
         B, T, _ = x_BTD.shape
         H, r = self.n_heads, self.n_heads // self.n_kv
+        if cache is not None:
+            state = GDNState(None, cache.recurrent.recurrent_BHKV)
         if state is not None:
             _check_state(state, B, H, self.k_dim, self.v_dim, None)
         q, k, v = self.project(x_BTD)
@@ -325,6 +345,9 @@ class SimpleGDN(nn.Module):
         o_BTHV, S_BHKV = _run_rule(q, k, v, g, beta.to(q.dtype), impl,
                                    None if state is None else state.recurrent_BHKV, self.chunk_size)
         out_BTD = self.o_proj(o_BTHV.reshape(B, T, H * self.v_dim))
+        if cache is not None:
+            cache.recurrent.advance(S_BHKV, conv_BCX=None, k_BTHK=k, v_BTHV=v, g_BTH=g, beta_BTH=beta)
+            return out_BTD, None, None
         if state is None:
             return out_BTD, None, None
         return out_BTD, None, None, GDNState(None, S_BHKV)
