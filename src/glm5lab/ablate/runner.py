@@ -26,13 +26,15 @@ STUDIES = {
 class StudyArgs:
     """study: one of STUDIES. quick: the under-two-minute size. out: results folder (default
     runs/ablate/<study>, with a -quick suffix for --quick). seeds: how many seeds (0..n-1;
-    None = the study's default). progress: print one line per trained variant."""
+    None = the study's default). progress: print one line per trained variant. data: the text
+    corpus (`Workbench.load`; default: Shakespeare)."""
 
     study: str
     quick: bool = False
     out: str | None = None
     seeds: int | None = None
     progress: bool = True
+    data: str | None = None
 
     def __post_init__(self):
         if self.study not in STUDIES:
@@ -63,6 +65,6 @@ def run_study(args: StudyArgs) -> tuple[Path, str]:
         raise ValueError(f"--out {out} is a file, not a folder")
     t0 = time.perf_counter()
     module = importlib.import_module(f"glm5lab.ablate.study_{args.study}")
-    result = module.run(args, Workbench.load())
+    result = module.run(args, Workbench.load(data=args.data))
     path = write_result(result, out, quick=args.quick, elapsed_s=time.perf_counter() - t0)
     return path, path.read_text()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,9 +40,12 @@ class Workbench:
     tasks: TaskVocab
 
     @classmethod
-    def load(cls, vocab_size: int = 512, num_keys: int = 32, num_values: int = 32) -> "Workbench":
-        """Fetch (first use) and tokenize the default corpus. Raises ValueError when the reserved
-        ids leave fewer than 256 ids for text (the byte alphabet)."""
+    def load(cls, vocab_size: int = 512, num_keys: int = 32, num_values: int = 32, *,
+             data: str | None = None) -> "Workbench":
+        """Tokenize `data` (a text file, a folder of .txt/.md/.jsonl files, or JSONL with a `text`
+        field, as `glm5lab train --data`; default: the Shakespeare corpus, fetched on first use),
+        split by document. Raises ValueError when the reserved ids leave fewer than 300 ids for
+        text (a byte-level BPE), FileNotFoundError for a missing `data`."""
         from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
         from glm5lab.train.tokenizer import cached_tokenizer, encode_documents
 
@@ -50,7 +54,8 @@ class Workbench:
         if text_vocab < 300:
             raise ValueError(f"vocab_size = {vocab_size} leaves {text_vocab} text ids after {reserved} task ids: "
                              "at least 300 needed (a byte-level BPE)")
-        train_docs, val_docs = split_documents(load_documents(fetch_default_corpus()), seed=0)
+        source = Path(data) if data else fetch_default_corpus()
+        train_docs, val_docs = split_documents(load_documents(source), seed=0)
         tok = cached_tokenizer((d.text for d in train_docs), text_vocab, cache_root() / "tokenizers")
         tasks = TaskVocab.from_range(vocab_size, text_vocab, num_keys, num_values, filler=range(text_vocab))
         return cls(vocab_size, tok, encode_documents(tok, train_docs).astype(np.int64),

@@ -1,0 +1,131 @@
+"""The study framework: workbench data (text and task ids disjoint, batches seeded), the in-memory
+trainer (loss falls, same seed same weights), the teacher-forced scorers (hand-checked), the
+result files and formatting, and the CLI's argument errors."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from glm5lab import GLM5ForCausalLM
+from glm5lab.ablate.fit import fit
+from glm5lab.ablate.measure import answer_accuracy, labelled_loss, mqar_accuracy, niah_accuracy
+from glm5lab.ablate.models import study_config, variant_config
+from glm5lab.ablate.results import StudyResult, direction, markdown_table, mean_sd, write_result
+from glm5lab.ablate.runner import StudyArgs
+from glm5lab.cli import main
+from glm5lab.train.stages import Stage
+
+
+def _small():
+    torch.manual_seed(0)
+    return GLM5ForCausalLM(study_config(hidden_size=32, num_hidden_layers=1, num_nextn_predict_layers=0, index_topk=4))
+
+
+def test_text_and_task_ids_are_disjoint_and_batches_are_seeded(bench):
+    assert bench.train_tokens.max() < bench.tasks.needle == min(bench.tasks.reserved)
+    assert max(bench.tasks.reserved) == bench.vocab_size - 1
+    assert set(bench.tasks.filler) == set(range(bench.tasks.needle))
+    fn = bench.mixed(16, 4, task_rows=1, num_kv_pairs=2, seed=3)
+    stage = Stage("s", 5, 1e-3, 16, 4)
+    ids, labels = fn(0, stage, 2)
+    assert ids.shape == labels.shape == (4, 16)
+    assert torch.equal(ids[:3, 1:], labels[:3, :-1])                 # text rows: next-token targets
+    assert (labels[3] != -100).sum() == 2                            # MQAR row: one label per query
+    again = bench.mixed(16, 4, task_rows=1, num_kv_pairs=2, seed=3)(0, stage, 2)
+    assert torch.equal(again[0], ids) and torch.equal(again[1], labels)
+    assert not torch.equal(fn(0, stage, 3)[0], ids)
+    with pytest.raises(ValueError, match="task_rows = 5"):
+        bench.mixed(16, 4, task_rows=5, num_kv_pairs=2, seed=0)
+
+
+def test_fit_lowers_the_loss_and_is_reproducible(bench):
+    stages = [Stage("a", 12, 1e-2, 16, 4, mtp_weights=())]
+    batches = bench.mixed(16, 4, task_rows=0, num_kv_pairs=1, seed=0)
+    m1, m2 = _small(), _small()
+    r1 = fit(m1, stages, batches, seed=1)
+    fit(m2, stages, batches, seed=1)
+    assert len(r1) == 12 and r1[-1]["lm_loss"] < r1[0]["lm_loss"] - 0.5
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values(), strict=True))
+    assert not m1.training and all(p.requires_grad for p in m1.parameters())
+
+
+@torch.no_grad()
+def test_scorers_agree_with_hand_computation(bench):
+    m = _small()
+    ids = torch.randint(0, 200, (3, 10), generator=torch.Generator().manual_seed(0))
+    pred = m(ids).logits.argmax(-1)
+    labels = torch.full_like(ids, -100)
+    labels[:, 4], labels[:, 7] = pred[:, 4], pred[:, 7]
+    labels[0, 7] = (pred[0, 7] + 1) % 512                            # one wrong answer in row 0
+    assert answer_accuracy(m, ids, labels, batch=2) == pytest.approx(5 / 6)
+    assert answer_accuracy(m, ids, labels, batch=2, per_row=True) == pytest.approx(2 / 3)
+    logp = torch.log_softmax(m(ids).logits, -1)
+    mask = labels != -100
+    ref = -logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0][mask].mean()
+    assert labelled_loss(m, ids, labels, batch=2) == pytest.approx(float(ref), rel=1e-5)
+    assert 0.0 <= mqar_accuracy(m, bench, 6, 32, 4, seed=0) <= 1.0
+    assert niah_accuracy(m, bench, 3, 40, seed=0) == 0.0             # an untrained model retrieves nothing
+
+
+def test_niah_teacher_forcing_equals_greedy_generation(bench):
+    from glm5lab import generate
+    from glm5lab.evals import make_niah_batch, score_niah
+
+    m = _small()
+    examples = make_niah_batch(bench.tasks, 3, 30, seed=1)
+    for e in examples:  # make the greedy continuation the canonical completion for rows 0 and 2
+        greedy = generate(m, e.prompt, len(e.completion)).tokens[0]
+        if e is not examples[1]:
+            e.completion[:] = greedy
+            e.answers[:] = [greedy[:len(e.answers[0])]]
+    from glm5lab.evals.niah import training_pair
+
+    pairs = [training_pair(e) for e in examples]
+    acc = answer_accuracy(m, torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]), per_row=True)
+    gen = [generate(m, e.prompt, len(e.completion)).tokens[0] for e in examples]
+    assert acc == pytest.approx(score_niah([[e.completion] for e in examples], gen).mean) == pytest.approx(2 / 3)
+
+
+def test_variant_configs_follow_the_report_shapes():
+    base = study_config()
+    gqa, mla, mla256 = (variant_config(base, v) for v in ("gqa-8", "mla", "mla-256"))
+    assert gqa.attention_types == ["gqa"] * 4 and gqa.num_key_value_heads == 2 and not gqa.use_dsa
+    assert mla.attention_types == ["mla"] * 4 and mla.num_attention_heads == 8
+    assert mla256.num_attention_heads == 5 and mla256.v_head_dim == 32 and mla256.qk_nope_head_dim == 24
+    with pytest.raises(ValueError, match="variant = 'mqa'"):
+        variant_config(base, "mqa")
+
+
+def test_result_files_and_formatting(tmp_path):
+    assert markdown_table(["a", "b"], [[1, 0.12345], ["x", None]]) == "| a | b |\n|---|---|\n| 1 | 0.123 |\n| x | - |\n"
+    assert mean_sd([1.0, 2.0, 3.0]) == "2.000 ± 1.000" and mean_sd([2.0]) == "2.000"
+    assert direction(-1.0, -30.0) == "same" and direction(0.5, -3.0) == "DIFFERS" and direction(0.01, 0, tol=0.1) == "same"
+
+    def plot(path):
+        path.write_bytes(b"png")
+
+    res = StudyResult("mla", "| t |\n", {"x": [1.0, math.pi]}, {"steps": 3}, [0, 1], plot, notes=["n1"])
+    path = write_result(res, tmp_path / "out", quick=True, elapsed_s=1.234)
+    assert path.read_text().startswith("# Ablation `mla` (--quick)") and "- n1" in path.read_text()
+    info = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert info["seeds"] == [0, 1] and info["raw"]["x"][1] == math.pi and info["elapsed_s"] == 1.2
+    assert (tmp_path / "out" / "mla.png").read_bytes() == b"png"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mla.png", "results.json", "table.md"]
+
+
+def test_study_args_and_cli_errors_are_clear(tmp_path, capsys):
+    assert StudyArgs("dsa", quick=True).out_dir.as_posix() == "runs/ablate/dsa-quick"
+    assert StudyArgs("mla", seeds=2).seed_list(3) == [0, 1] and StudyArgs("mla").seed_list(3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="study 'gqa' is not known"):
+        StudyArgs("gqa")
+    with pytest.raises(ValueError, match="--seeds 0"):
+        StudyArgs("mla", seeds=0)
+    assert main(["ablate", "mla", "--seeds", "0"]) == 2
+    assert "--seeds 0 is not allowed" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert main(["ablate", "swa", "--quick", "--out", str(tmp_path / "f")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ablate", "nope"])
