@@ -8,6 +8,7 @@
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
                    [--dtype fp32|bf16] [--prefill-chunk N] [--json]
     glm5lab ablate STUDY [--quick] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient, mtp, indexcache)
+    glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick]
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a
 bad --context or other number, a missing model folder, a prompt too long for the model) print one
@@ -25,6 +26,7 @@ import sys
 
 from glm5lab.cli_ablate import add_ablate_parser
 from glm5lab.cli_generate import add_generate_parser
+from glm5lab.cli_report import add_report_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.ledger import DTYPE_BYTES, ledger, render
 from glm5lab.presets import PRESETS
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ledger)
     add_generate_parser(sub)
     add_ablate_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

@@ -70,12 +70,14 @@ def _jsonable(x):
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """A GitHub markdown table; floats printed with 3 significant decimals, None as '-'."""
+    """A GitHub markdown table; floats with 3 decimals (3 significant digits below 0.01), None as '-'."""
     def cell(v):
         if v is None:
             return "-"
         if isinstance(v, float):
-            return f"{v:.3f}" if math.isfinite(v) else str(v)
+            if not math.isfinite(v):
+                return str(v)
+            return f"{v:.3f}" if v == 0 or abs(v) >= 0.01 else f"{v:.3g}"
         return str(v)
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

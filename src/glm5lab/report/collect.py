@@ -1,0 +1,103 @@
+"""What a run folder holds, read and checked: run.json, config.json, summary.json, metrics.jsonl,
+the latest checkpoint, and evaluation / ablation results beside it.
+
+Ablation results are the `results.json` (+ `table.md`) folders of `glm5lab ablate`, looked for
+in RUN_DIR/ablate/* and in the sibling runs/ablate/* (the default layout: runs/small next to
+runs/ablate). Evaluation results are any RUN_DIR/evals/*.json a user wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class NotARunError(ValueError):
+    """The folder is not a finished `glm5lab train` run; the message says what is missing."""
+
+
+@dataclass
+class RunRecord:
+    """run_dir: the folder. run: run.json (args, stages, git commit, torch, world size, device).
+    config: the HF config.json dict. summary: summary.json. metrics: one dict per step.
+    checkpoint: the latest checkpoint folder. ablations: {study: results.json dict + "table"}.
+    evals: {file stem: its JSON}."""
+
+    run_dir: Path
+    run: dict
+    config: dict
+    summary: dict
+    metrics: list[dict]
+    checkpoint: Path
+    ablations: dict[str, dict] = field(default_factory=dict)
+    evals: dict[str, dict] = field(default_factory=dict)
+
+
+def load_run(run_dir: Path) -> RunRecord:
+    """Read the run folder. Raises NotARunError naming the missing or unreadable file (an
+    unfinished or interrupted run has no summary.json: finish it with `glm5lab train --resume`)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NotARunError(f"{run_dir} is not a folder: give the run folder of `glm5lab train --out` (e.g. runs/small)")
+    need = {"run.json": "is it a `glm5lab train` run folder?", "config.json": "is it a `glm5lab train` run folder?",
+            "metrics.jsonl": "the run logged no step",
+            "summary.json": "the run has not finished (interrupted?): continue it with `glm5lab train --resume "
+                            "--out RUN_DIR` and the arguments it started with"}
+    for name, why in need.items():
+        if not (run_dir / name).is_file():
+            raise NotARunError(f"{run_dir} has no {name}: {why}")
+    run, config, summary = (_json(run_dir / n) for n in ("run.json", "config.json", "summary.json"))
+    metrics = [_json_line(run_dir / "metrics.jsonl", i, line)
+               for i, line in enumerate((run_dir / "metrics.jsonl").read_text().splitlines(), 1) if line.strip()]
+    return RunRecord(run_dir, run, config, summary, metrics, _checkpoint(run_dir), _ablations(run_dir), _evals(run_dir))
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise NotARunError(f"{path} is not valid JSON ({e})") from None
+
+
+def _json_line(path: Path, number: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        raise NotARunError(f"{path} line {number} is not valid JSON") from None
+
+
+def _checkpoint(run_dir: Path) -> Path:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        raise NotARunError(f"{run_dir} has no checkpoints/latest: the run saved no checkpoint")
+    folder = run_dir / "checkpoints" / pointer.read_text().strip()
+    if not (folder / "config.json").is_file():
+        raise NotARunError(f"checkpoints/latest names {folder.name}, which is missing or incomplete")
+    return folder
+
+
+def _ablations(run_dir: Path) -> dict[str, dict]:
+    found = {}
+    for root in (run_dir / "ablate", run_dir.parent / "ablate"):
+        for results in sorted(root.glob("*/results.json")) if root.is_dir() else []:
+            try:
+                info = json.loads(results.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            key = info.get("study", results.parent.name) + (" (--quick)" if info.get("quick") else "")
+            table = results.parent / "table.md"
+            found.setdefault(key, {**info, "folder": str(results.parent),
+                                   "table": table.read_text() if table.is_file() else ""})
+    return found
+
+
+def _evals(run_dir: Path) -> dict[str, dict]:
+    folder = run_dir / "evals"
+    out = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            out[path.stem] = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+    return out

@@ -1,0 +1,148 @@
+"""The report's markdown: the seed's closing checklist (quality, training tokens, parameter
+counting convention, KV and index state bytes, prefill/decode batch and length, kernel and
+library versions, hardware), in that order, then expert load, ablations, evaluations, seeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from glm5lab.ablate.results import markdown_table
+
+
+def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
+           generated: dict, moe_names: list[str]) -> str:
+    """Assemble report.md (`rec`: a RunRecord; `pngs`: name -> file name or None; moe_names: the
+    names of metrics.jsonl's `expert_load` entries)."""
+    parts = [_header(rec, generated), _quality(rec, pngs), _tokens(rec), _params(ledger_text),
+             _state(state_rows), _probes(probed, pngs), _load(rec, pngs, moe_names), _ablations(rec), _evals(rec),
+             _environment(env, rec), _seeds(rec, probed)]
+    return "\n".join(p for p in parts if p)
+
+
+def _img(pngs: dict, key: str, alt: str) -> str:
+    return f"\n![{alt}]({pngs[key]})\n" if pngs.get(key) else ""
+
+
+def _header(rec, generated: dict) -> str:
+    args = rec.run.get("args", {})
+    return (f"# glm5lab report: `{rec.run_dir}`\n\nGenerated {generated['date']} by glm5lab {generated['version']} "
+            f"(git {generated['git_commit'][:12]}). The run: preset/config `{args.get('config') or args.get('preset')}`, "
+            f"trained at git {str(rec.run.get('git_commit', 'unknown'))[:12]} on {rec.run.get('device', '?')} "
+            f"x {rec.run.get('world_size', 1)} process(es); latest checkpoint `{rec.checkpoint.name}`.\n")
+
+
+def _quality(rec, pngs) -> str:
+    s = rec.summary
+    rows = [[st["stage"], st["steps"], f"{st['tokens']:,}", st["use_dsa"], st["trainable"], st["reported"],
+             st["first"], st["last"]] for st in s.get("stages", [])]
+    return ("## Quality\n\n"
+            f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}) on the whole "
+            f"held-out split; the add-one unigram baseline is {s['unigram_val_loss']:.3f}.\n\n"
+            + markdown_table(["stage", "steps", "tokens", "DSA", "trains", "loss shown", "first", "last"], rows)
+            + _img(pngs, "loss", "loss by stage") + _img(pngs, "perplexity", "validation perplexity"))
+
+
+def _tokens(rec) -> str:
+    stages = rec.run.get("stages", [])
+    total = sum(st.get("tokens", 0) for st in rec.summary.get("stages", []))
+    rows = [[st["name"], st["steps"], st["batch_size"], st["seq_len"], st["lr"], st.get("lr_end")] for st in stages]
+    return (f"## Training tokens\n\n**{total:,}** tokens in {rec.summary.get('steps')} steps "
+            f"(world size {rec.run.get('world_size', 1)}; batch is per process).\n\n"
+            + markdown_table(["stage", "steps", "batch", "seq_len", "lr", "lr_end"], rows))
+
+
+def _params(ledger_text: str) -> str:
+    return ("## Parameters under every counting convention, FLOPs\n\nFrom the config alone (`glm5lab ledger`, "
+            "equal to what the instantiated model holds). The GLM-5 report counts incl. MTP, excl. embedding and "
+            f"output; transformers counts incl. embedding and output, excl. MTP.\n\n```\n{ledger_text.rstrip()}\n```\n")
+
+
+def _state(rows) -> str:
+    return ("## KV and index state bytes per token\n\n"
+            + markdown_table(["dtype", "main: attention values", "main: indexer values", "main bytes/token",
+                              "MTP bytes/token", "main bytes at max context"], rows))
+
+
+def _probes(probed, pngs) -> str:
+    if probed is None:
+        return "## Throughput, retrieval, speculative decoding\n\nNot measured (`--no-measure`).\n"
+    out = ["## Prefill and decode throughput\n\nGreedy `glm5lab.generate` on held-out text, one warm-up call first; "
+           f"{probed['device']} in {probed['dtype']}, {probed['threads']} torch threads. Prefill includes cache "
+           "writes; decode tokens/s excludes each row's first token (it comes from the prefill).\n\n"]
+    rows = [[r["batch"], r["prompt_length"], r["new_tokens"], r.get("prefill_tokens_per_second"),
+             r.get("decode_tokens_per_second"), r.get("skipped")] for r in probed["throughput"]]
+    out.append(markdown_table(["batch", "prompt length", "new tokens", "prefill tokens/s", "decode tokens/s",
+                               "skipped"], rows))
+    out.append("\n## Retrieval accuracy by context length\n\nSingle-needle NIAH in held-out text, teacher-forced "
+               "exact match (= greedy generation reproduces the value). A model trained on text alone was never "
+               "asked to retrieve: expect ~0 (`glm5lab ablate` trains with retrieval rows).\n\n")
+    rows = [[r["context_length"], r["rows"], None if "accuracy" not in r else 100 * r["accuracy"], r.get("skipped")]
+            for r in probed["retrieval"]]
+    out.append(markdown_table(["context length", "examples", "exact match %", "skipped"], rows))
+    out.append(_img(pngs, "retrieval", "retrieval by context length"))
+    acc = probed.get("acceptance")
+    out.append("\n## Speculative decoding: MTP acceptance by draft position\n\n")
+    if acc is None:
+        out.append("The model has no MTP layer.\n")
+    elif "skipped" in acc:
+        out.append(f"Skipped: {acc['skipped']}.\n")
+    else:
+        out.append(f"Greedy, {acc['draft_steps']} drafts per verification, {acc['rows']} held-out prompts of "
+                   f"{acc['prompt_length']} tokens, {acc['new_tokens']} new tokens each ({acc['verify_steps']} "
+                   f"verifications): mean acceptance length **{acc['acceptance_length']:.2f}** tokens per "
+                   "verification (the report: 2.76 for GLM-5 at 4 steps, on its own prompts).\n\n")
+        out.append(markdown_table(["draft position", "accepted (with all earlier)"],
+                                  [[i + 1, r] for i, r in enumerate(acc["acceptance_rate"])]))
+        out.append(_img(pngs, "acceptance", "acceptance by draft position"))
+    return "".join(out)
+
+
+def _load(rec, pngs, names: list[str]) -> str:
+    last = next((r["expert_load"] for r in reversed(rec.metrics) if r.get("expert_load")), None)
+    if not last:
+        return ""
+    rows = [[names[i] if i < len(names) else i, sum(layer), max(layer), min(layer), max(layer) / (sum(layer) / len(layer))]
+            for i, layer in enumerate(last)]
+    return ("## Expert load\n\nExpert assignments (tokens x top-k; the MTP layer's over its depths) at the last "
+            "step, per MoE layer; the aux-loss-free bias balances them.\n\n"
+            + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean"], rows)
+            + _img(pngs, "load", "expert load imbalance over time"))
+
+
+def _ablations(rec) -> str:
+    if not rec.ablations:
+        return ("## Ablations\n\nNone found beside the run (RUN_DIR/ablate/* or ../ablate/*); run "
+                "`glm5lab ablate STUDY`.\n")
+    out = ["## Ablations\n"]
+    for key, info in rec.ablations.items():
+        table = info["table"].split("\n", 1)[1] if info["table"].startswith("# ") else info["table"]
+        out.append(f"\n### `{key}` ({info['folder']}, seeds {info.get('seeds')}, {info.get('elapsed_s')} s)\n"
+                   f"{table.strip()}\n\n![{key}]({Path(info['folder']).resolve() / (info['study'] + '.png')})\n")
+    return "".join(out)
+
+
+def _evals(rec) -> str:
+    if not rec.evals:
+        return ""
+    out = ["## Evaluations (RUN_DIR/evals)\n"]
+    for name, data in rec.evals.items():
+        flat = [[k, v] for k, v in data.items() if isinstance(v, (int, float, str))]
+        out.append(f"\n### {name}\n\n" + markdown_table(["field", "value"], flat))
+    return "".join(out)
+
+
+def _environment(env: dict, rec) -> str:
+    rows = [["python", env["python"]], ["platform", env["platform"]], ["CPU", f"{env['cpu']} ({env['cpu_count']} cores)"],
+            ["GPU", env["gpu"] or "none"], ["CUDA", env["cuda"] or "-"], ["torch at training", rec.run.get("torch")]]
+    rows += [[name, version or "not installed"] for name, version in env["libraries"].items()]
+    kernels = ("Kernels: plain PyTorch ops (no custom kernels): MLA absorbed decode and gathered top-k attention in "
+               "`glm5lab.model.mla`, MoE grouped matmul in `glm5lab.model.moe`; SDPA where masks allow.\n")
+    return "## Hardware, libraries and kernels\n\n" + markdown_table(["", "version / model"], rows) + "\n" + kernels
+
+
+def _seeds(rec, probed) -> str:
+    seed = rec.run.get("args", {}).get("seed")
+    text = (f"## Seeds\n\nTraining seed {seed} (initialisation, document split, batch order). "
+            "Measurements: greedy decoding (no sampling); NIAH examples with seed 0.")
+    return text + ("" if probed is None else f" Probe sizes: {probed['sizes']}.") + "\n"
+

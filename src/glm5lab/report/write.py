@@ -1,0 +1,81 @@
+"""Collect, measure, plot, render: `write_report(run_dir)` -> RUN_DIR/report/report.md."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from types import SimpleNamespace
+
+from glm5lab.report import plots
+from glm5lab.report.collect import load_run
+from glm5lab.report.environment import environment
+from glm5lab.report.probe import ProbeSizes, probe
+from glm5lab.report.render import render
+
+
+def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False) -> Path:
+    """Write the report of the run in `run_dir` into `out` (default RUN_DIR/report/): report.md
+    and its PNGs (written to temporary names, then renamed). measure: load the latest checkpoint
+    and time prefill/decode, score retrieval and MTP acceptance (about a minute for `small` on 2
+    CPU cores); quick: tiny measurement sizes (tests). Returns the path of report.md.
+    Raises NotARunError (a ValueError) naming what the folder lacks."""
+    from glm5lab import ModelConfig, __version__
+    from glm5lab.ledger import ledger, render as render_ledger
+    from glm5lab.train.loop import git_commit
+
+    rec = load_run(Path(run_dir))
+    out = Path(out) if out else rec.run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_hf(rec.checkpoint)
+    probed = _measure(rec, cfg, quick) if measure else None
+    pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png")),
+            "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png")),
+            "load": plots.expert_load(rec.metrics, _tmp(out, "expert_load.png"), _moe_names(cfg)),
+            "retrieval": plots.retrieval(probed["retrieval"], _tmp(out, "retrieval.png")) if probed else None,
+            "acceptance": plots.acceptance(probed["acceptance"], _tmp(out, "acceptance.png")) if probed else None}
+    pngs = {k: _publish(p) for k, p in pngs.items()}
+    state_rows = [_state_row(ledger(cfg, dtype=d), d) for d in ("bf16", "fp32")]
+    generated = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "version": __version__,
+                 "git_commit": git_commit()}
+    text = render(rec, render_ledger(ledger(cfg, dtype="bf16", name=str(rec.run_dir))), state_rows, probed,
+                  environment(), pngs, generated, _moe_names(cfg))
+    final = out / "report.md"
+    tmp = out / "report.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(final)
+    return final
+
+
+def _tmp(out: Path, name: str) -> Path:
+    return out / f".tmp-{name}"
+
+
+def _publish(tmp: Path | None) -> str | None:
+    if tmp is None:
+        return None
+    final = tmp.with_name(tmp.name.removeprefix(".tmp-"))
+    tmp.replace(final)
+    return final.name
+
+
+def _moe_names(cfg) -> list[str]:
+    """Names of the `expert_load` entries of metrics.jsonl: main MoE layers, then the MTP layer's."""
+    names = [f"layer {i}" for i, t in enumerate(cfg.mlp_layer_types) if t == "sparse"]
+    return names + (["MTP layer"] if cfg.num_nextn_predict_layers else [])
+
+
+def _state_row(d: dict, dtype: str) -> list:
+    s = d["state"]
+    return [dtype, s["main"]["attention_values"], s["main"]["indexer_values"], s["main"]["bytes_per_token"],
+            s["mtp"]["bytes_per_token"] if s.get("mtp") else 0, f"{s['main']['bytes_for_context']:,}"]
+
+
+def _measure(rec, cfg, quick: bool) -> dict:
+    import torch
+
+    from glm5lab.train.data import prepare_data
+
+    args = SimpleNamespace(**{"data": None, "seed": 0, "tokenizer": None, **rec.run.get("args", {})})
+    data = prepare_data(args, cfg, checkpoint=rec.checkpoint)
+    result = probe(rec.checkpoint, data.val_tokens, ProbeSizes.quick() if quick else ProbeSizes())
+    return {**result, "device": "cpu", "dtype": "fp32", "threads": torch.get_num_threads()}
