@@ -99,7 +99,7 @@ def _last(records: list[dict]) -> dict:
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     s = SIZES["quick" if args.quick else "default"]
-    seeds = args.seed_list(DEFAULT_SEEDS)
+    seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
     lengths = [s["T"] * k for k in s["scales"]]
     raw = {row: {str(n): [] for n in lengths} for row in EVAL_DSA}
     losses = {}
