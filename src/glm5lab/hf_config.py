@@ -17,6 +17,10 @@ from glm5lab.config import ConfigError, ModelConfig
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
+GLM5LAB_ARCHITECTURE = "Glm5LabForCausalLM"
+"""Written instead when the config uses a switch GLM-5 lacks (GQA layers, sliding-window or Gated
+DeltaNet mixers): serving stacks pick the model class from `architectures`, so they refuse such a
+folder instead of silently serving it as plain GLM-5 (transformers reads `model_type` only)."""
 _ABSENT = object()
 
 # Keys that HF derives from others or that only concern HF's runtime: read and dropped.
@@ -145,8 +149,11 @@ def config_from_hf(path_or_dict) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """The config.json dict transformers' `GlmMoeDsaConfig` reads (plus glm5lab's switches)."""
-    d = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+    """The config.json dict transformers' `GlmMoeDsaConfig` reads (plus glm5lab's switches), with
+    the IndexCache schedule also as `index_topk_pattern` ("F"/"S" per layer, what vLLM and SGLang
+    read) and `architectures` naming glm5lab's own class when GLM-5 cannot run the config."""
+    plain = all(a == "mla" for a in cfg.attention_types) and all(m == "full" for m in cfg.mixer_types)
+    d = {"architectures": [ARCHITECTURE if plain else GLM5LAB_ARCHITECTURE], "model_type": MODEL_TYPE}
     d.update(cfg.hf_extra)
     for f in dataclasses.fields(cfg):
         if f.name in ("hf_extra", "rope_theta"):
@@ -157,6 +164,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     d["head_dim"] = cfg.qk_rope_head_dim  # HF's convention: its rotary embedding reads head_dim
     d["qk_head_dim"] = cfg.qk_head_dim
     d["layer_types"] = ["indexed_attention"] * cfg.num_hidden_layers
+    # the IndexCache schedule in the key vLLM / SGLang read (transformers reads indexer_types)
+    d["index_topk_pattern"] = "".join("F" if t == "full" else "S" for t in cfg.indexer_types)
     return d
 
 

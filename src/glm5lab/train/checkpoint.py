@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from glm5lab.io_utils import atomic_write, atomic_write_text
+from glm5lab.train.tokenizer import save_for_transformers
 
 STATE_FILE = "trainer_state.pt"
 
@@ -39,7 +40,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:
-            tokenizer.save(str(tmp / "tokenizer.json"))
+            save_for_transformers(tokenizer, tmp)
         atomic_write(tmp / STATE_FILE, lambda path: torch.save(state, path))
         if final.exists():
             shutil.rmtree(final)

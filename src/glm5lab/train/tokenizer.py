@@ -9,6 +9,7 @@ real GLM-5 checkpoint folder's `tokenizer.json` unchanged; its `<|endoftext|>` i
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -117,3 +118,19 @@ def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarr
         for enc in tokenizer.encode_batch_fast(chunk, add_special_tokens=False):
             parts += [sep, np.asarray(enc.ids, dtype=np.int32)]
     return np.concatenate(parts[1:])
+
+
+def save_for_transformers(tokenizer: Tokenizer, folder: Path) -> None:
+    """Write `tokenizer.json` plus what transformers' `AutoTokenizer` and serving stacks (vLLM,
+    SGLang) read to know the end of text: `tokenizer_config.json` (PreTrainedTokenizerFast, eos
+    `<|endoftext|>`) and `generation_config.json` (its id as `eos_token_id`). Atomic per file.
+    Raises ValueError when the tokenizer has no `<|endoftext|>`."""
+    from glm5lab.io_utils import atomic_write_text
+
+    folder = Path(folder)
+    eos = eot_id(tokenizer)
+    atomic_write_text(folder / TOKENIZER_FILE, tokenizer.to_str())
+    atomic_write_text(folder / "tokenizer_config.json", json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT, "pad_token": EOT,
+         "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    atomic_write_text(folder / "generation_config.json", json.dumps({"eos_token_id": eos}, indent=2) + "\n")
