@@ -232,6 +232,8 @@ def test_hf_config_type_refusals_name_the_field(changes, match):
     d = {**ModelConfig.from_preset("tiny").to_hf(), **changes}
     if any(k.startswith("index_") for k in changes):
         del d["indexer_types"]
+        if "index_topk_pattern" not in changes:
+            del d["index_topk_pattern"]
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_hf(d)
 

@@ -187,7 +187,9 @@ def plot(raw: dict, lengths: list[int], path) -> None:
         a.errorbar(lengths, [sum(v) / len(v) for v in vals], yerr=sd, marker="o", capsize=3,
                    label=f"{row} ({'DSA' if EVAL_DSA[row] else 'dense'})", linestyle="--" if row == "base (before)" else "-")
     a.axvline(lengths[0], color="grey", lw=0.8)
-    a.set(xscale="log", xlabel="context length (tokens; grey: training length)", ylabel="MQAR accuracy (%)",
+    a.set_xscale("log", base=2)
+    a.minorticks_off()
+    a.set(xlabel="context length (tokens; grey: training length)", ylabel="MQAR accuracy (%)",
           title="ours", xticks=lengths, xticklabels=[str(n) for n in lengths])
     for row, vals in DSA.items():
         b.plot(range(len(CONTEXTS)), vals, marker="o", label=row)
