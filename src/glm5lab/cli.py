@@ -33,8 +33,9 @@ from glm5lab.presets import PRESETS
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
 DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attention, MoE, multi-token "
-               "prediction): count their parameters, cache bytes and FLOPs, train one, or generate "
-               "text with one (plain or MTP-speculative decoding). Run "
+               "prediction): count their parameters, cache bytes and FLOPs, train one, generate "
+               "text with one (plain or MTP-speculative decoding), re-run the report's ablations at "
+               "CPU scale, or write a run's reproduction report. Run "
                "`glm5lab COMMAND -h` for a command's options.")
 
 
@@ -67,8 +68,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = train(TrainArgs(**fields))
     except KeyboardInterrupt:
-        print(f"glm5lab train: interrupted; the latest checkpoint in {fields['out']} is kept: continue with "
-              "the same arguments plus --resume", file=sys.stderr)
+        from pathlib import Path
+
+        if (Path(fields["out"]) / "checkpoints" / "latest").is_file():
+            print(f"glm5lab train: interrupted; the latest checkpoint in {fields['out']} is kept: continue with "
+                  "the same arguments plus --resume", file=sys.stderr)
+        else:
+            print(f"glm5lab train: interrupted before the first checkpoint; nothing to resume in {fields['out']}: "
+                  "delete it and start again", file=sys.stderr)
         return 130
     print(format_summary(summary))
     return 0
@@ -110,9 +117,11 @@ def add_train_parser(sub) -> None:
     p.add_argument("--seed", type=int, help="seed for init, data split and batch order (default 0)")
     p.add_argument("--seq-len", dest="seq_len", type=int, metavar="T", help="training sequence length (default 256)")
     p.add_argument("--batch-size", dest="batch_size", type=int, metavar="B", help="sequences per step and process (default 8)")
-    p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N", help="validation every N steps (default 50)")
+    p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N",
+                   help="validation every N steps and at each stage end (default 50; 0 = none during training, the final evaluation still runs)")
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, metavar="N",
-                   help="checkpoint every N steps and at each stage end (default 100)")
+                   help="checkpoint every N steps and at each stage end (default 100; 0 = at stage ends only); "
+                   "the newest two are kept")
     p.add_argument("--bias-update-rate", dest="bias_update_rate", type=float, metavar="R",
                    help="aux-loss-free router bias step per update (default 1e-3; 0 disables)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

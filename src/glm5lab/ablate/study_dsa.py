@@ -181,10 +181,11 @@ def plot(raw: dict, lengths: list[int], path) -> None:
 
     plt = figure()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    colour = {"base (before)": "grey", "dense": "tab:blue", "warm-up only": "tab:orange", "full adaptation": "tab:green"}
     for row in EVAL_DSA:
         vals = [raw[row][str(n)] for n in lengths]
         sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
-        a.errorbar(lengths, [sum(v) / len(v) for v in vals], yerr=sd, marker="o", capsize=3,
+        a.errorbar(lengths, [sum(v) / len(v) for v in vals], yerr=sd, marker="o", capsize=3, color=colour.get(row),
                    label=f"{row} ({'DSA' if EVAL_DSA[row] else 'dense'})", linestyle="--" if row == "base (before)" else "-")
     a.axvline(lengths[0], color="grey", lw=0.8)
     a.set_xscale("log", base=2)
@@ -192,7 +193,7 @@ def plot(raw: dict, lengths: list[int], path) -> None:
     a.set(xlabel="context length (tokens; grey: training length)", ylabel="MQAR accuracy (%)",
           title="ours", xticks=lengths, xticklabels=[str(n) for n in lengths])
     for row, vals in DSA.items():
-        b.plot(range(len(CONTEXTS)), vals, marker="o", label=row)
+        b.plot(range(len(CONTEXTS)), vals, marker="o", label=row, color=colour.get(row))
     b.set(xticks=range(len(CONTEXTS)), xticklabels=CONTEXTS, xlabel="context length", ylabel="retrieval score",
           title="report (GLM-4.7-Flash)")
     a.legend(fontsize=8)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from matplotlib.ticker import MaxNLocator, NullLocator
+
 
 def _plt():
     import matplotlib
@@ -37,13 +39,19 @@ def loss_by_stage(metrics: list[dict], path: Path) -> Path:
             for j in range(max(len(r.get("mtp_losses") or []) for r in rows)):
                 ax.plot(steps, [(r["mtp_losses"] or [math.nan] * (j + 1))[j] for r in rows], "--", linewidth=0.8,
                         label=f"MTP depth {j + 1}")
-        if any(r.get("indexer_kl") is not None for r in rows):
-            ax.plot(steps, [r.get("indexer_kl") for r in rows], color="tab:red", label="indexer KL")
         val = [r for r in rows if r.get("val_loss") is not None]
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "ko", markersize=4, label="validation")
-        ax.set(title=stage, xlabel="step", ylabel="nats/token")
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "ko", markersize=4, label="validation LM loss")
+        ax.set(title=stage, xlabel="step", ylabel="cross-entropy (nats/token)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        handles, labels = ax.get_legend_handles_labels()
+        if any(r.get("indexer_kl") is not None for r in rows):  # its own axis: KL is far below the CE
+            kl_ax = ax.twinx()
+            kl_ax.plot(steps, [r.get("indexer_kl") for r in rows], color="tab:red", label="indexer KL (right axis)")
+            kl_ax.set_ylabel("indexer KL (nats)", color="tab:red")
+            h2, l2 = kl_ax.get_legend_handles_labels()
+            handles, labels = handles + h2, labels + l2
+        ax.legend(handles, labels, fontsize=7)
     return _save(fig, plt, path)
 
 
@@ -85,9 +93,12 @@ def retrieval(rows: list[dict], path: Path) -> Path | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot([r["context_length"] for r in done], [100 * r["accuracy"] for r in done], "o-")
+    lengths = [r["context_length"] for r in done]
+    ax.plot(lengths, [100 * r["accuracy"] for r in done], "o-")
     ax.set(xlabel="context length (tokens)", ylabel="NIAH exact match (%)", xscale="log", ylim=(-2, 102),
            title="retrieval accuracy by context length")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.grid(alpha=0.3)
     return _save(fig, plt, path)
 

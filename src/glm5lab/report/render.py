@@ -4,8 +4,6 @@ library versions, hardware), in that order, then expert load, ablations, evaluat
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from glm5lab.ablate.results import markdown_table
 
 
@@ -116,8 +114,9 @@ def _ablations(rec) -> str:
     out = ["## Ablations\n"]
     for key, info in rec.ablations.items():
         table = info["table"].split("\n", 1)[1] if info["table"].startswith("# ") else info["table"]
+        png = f"\n![{key}]({info['png']})\n" if info.get("png") else ""
         out.append(f"\n### `{key}` ({info['folder']}, seeds {info.get('seeds')}, {info.get('elapsed_s')} s)\n"
-                   f"{table.strip()}\n\n![{key}]({Path(info['folder']).resolve() / (info['study'] + '.png')})\n")
+                   f"{table.strip()}\n{png}")
     return "".join(out)
 
 

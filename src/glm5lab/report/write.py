@@ -25,7 +25,10 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
 
     rec = load_run(Path(run_dir))
     out = Path(out) if out else rec.run_dir / "report"
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
+    _copy_ablation_plots(rec, out)
     cfg = ModelConfig.from_hf(rec.checkpoint)
     probed = _measure(rec, cfg, quick) if measure else None
     pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png")),
@@ -56,6 +59,20 @@ def _publish(tmp: Path | None) -> str | None:
     final = tmp.with_name(tmp.name.removeprefix(".tmp-"))
     tmp.replace(final)
     return final.name
+
+
+def _copy_ablation_plots(rec, out: Path) -> None:
+    """Copy each ablation's PNG into the report folder (ablate-<study>.png), so the report moves
+    as one folder; sets info["png"] to the copied name (None when the study wrote no PNG)."""
+    import shutil
+
+    for key, info in rec.ablations.items():
+        src = Path(info["folder"]) / f"{info.get('study', key)}.png"
+        name = f"ablate-{key.replace(' (--quick)', '-quick')}.png"
+        info["png"] = name if src.is_file() else None
+        if src.is_file():
+            shutil.copyfile(src, out / f".tmp-{name}")
+            (out / f".tmp-{name}").replace(out / name)
 
 
 def _moe_names(cfg) -> list[str]:

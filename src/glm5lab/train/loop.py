@@ -211,8 +211,9 @@ def train(args: TrainArgs) -> dict:
 
 def _check_args(args: TrainArgs) -> None:
     for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} is not allowed: it must be >= 0")
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {value} is not allowed: it must be a finite number >= 0")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
 
@@ -225,7 +226,8 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage]) -> Non
                                  **{k: getattr(args, k) for k in ("data", "seed", "optimizer", "init")}}))
     differ = [k for k in old if old[k] != new[k]]
     if differ:
-        raise ValueError(f"--resume: {', '.join(differ)} differ from the run in {run_dir} (see its run.json); "
+        verb = "differs" if len(differ) == 1 else "differ"
+        raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
                          "resume with the arguments the run started with")
 
 

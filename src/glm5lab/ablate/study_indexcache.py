@@ -1,0 +1,221 @@
+"""`glm5lab ablate indexcache`: IndexCache retention 1, 1/2, 1/4, searched and uniform: quality
+and attention time.
+
+Model: study_config with L layers, DSA on and a "full" indexer on every layer, no MTP layer,
+trained through the report's three stages (`glm5lab.train.stages.default_stages` at study
+scale: dense pre-training, indexer warm-up, sparse adaptation) on mixed text + MQAR rows of
+length T, so the indexers decide what every layer attends to.
+
+Then, training-free (`glm5lab.evals.search_indexcache`): the greedy search switches "full"
+indexers to "shared" (reuse the previous full layer's top-k) by their effect on the calibration
+loss (held-out text, [rows, T + 1], the last T - index_topk targets of each row: earlier queries
+see <= index_topk keys, where DSA changes nothing), and `uniform_pattern` keeps evenly spaced
+layers. Per retention level and method:
+  calib loss:    the search's calibration NLL (nats/token);
+  held-out loss: the same NLL on other held-out text rows (the search never saw them);
+  MQAR:          per-query accuracy (%) on fresh rows at T and 4T (teacher forced);
+  attention ms:  summed wall time of the MLA modules (indexer included) in one forward, median
+                 of `repeats` rounds (the search's hooks, `attention_time`; 1 CPU thread, the
+                 patterns timed round-robin), on the calibration rows (T)
+                 and on `time_rows` rows of 8T tokens (default size; 4T at --quick), where the indexer's T^2 scoring dominates;
+  speedup:       attention ms at 8T of retention 1 / this row's.
+The report gives no IndexCache figures (`report_figures.INDEXCACHE` is None); its only nearby
+figure is DSA's 1.5-2x cut of long-sequence attention compute vs dense attention
+(`DSA_ATTENTION_SPEEDUP`), printed beside our DSA-vs-dense attention time at 8T.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from glm5lab.ablate.fit import fit
+from glm5lab.ablate.measure import mqar_accuracy
+from glm5lab.ablate.models import study_config
+from glm5lab.ablate.report_figures import DSA_ATTENTION_SPEEDUP, INDEXCACHE
+from glm5lab.ablate.results import StudyResult, direction, figure, markdown_table, mean_sd
+from glm5lab.ablate.runner import StudyArgs
+from glm5lab.ablate.workbench import Workbench
+from glm5lab.evals.search_indexcache import attention_time, calibration_loss, search_indexcache, with_indexer_pattern
+from glm5lab.evals.variants import model_variant
+from glm5lab.train.stages import Stage
+
+DEFAULT_SEEDS = 2
+RETENTIONS = (1.0, 0.5, 0.25)
+METHODS = ("searched", "uniform")
+SIZES = {  # T: training length; topk: index_topk; long: timing length (T * long)
+    "quick": dict(layers=4, hidden=64, T=32, topk=8, pairs=2, batch=8, task_rows=6, base_steps=16, W=4, A=8,
+                  lr=3e-3, adapt_lr=1e-3, calib_rows=4, eval_rows=16, long=4, time_rows=2, repeats=2),
+    "default": dict(layers=6, hidden=128, T=64, topk=16, pairs=4, batch=16, task_rows=12, base_steps=800, W=60,
+                    A=200, lr=3e-3, adapt_lr=1e-3, calib_rows=16, eval_rows=128, long=8, time_rows=4, repeats=5),
+}
+
+
+def config(s: dict):
+    """study_config at size `s`: DSA on, a "full" indexer on every layer, no MTP layer,
+    positions up to the timing length."""
+    return study_config(num_hidden_layers=s["layers"], hidden_size=s["hidden"], index_topk=s["topk"],
+                        num_nextn_predict_layers=0, use_dsa=True, max_position_embeddings=s["T"] * s["long"])
+
+
+def stages(s: dict) -> list[Stage]:
+    """Dense pre-training, indexer warm-up (lr 5e-3 -> 2e-4, indexers only, LM weight 0, dense),
+    sparse adaptation (DSA on, everything trains, indexer KL on the selected keys)."""
+    T, B = s["T"], s["batch"]
+    return [Stage("dense", s["base_steps"], s["lr"], T, B, lr_end=s["lr"] / 10, warmup_steps=s["base_steps"] // 20,
+                  mtp_weights=()),
+            Stage("indexer_warmup", s["W"], 5e-3, T, B, lr_end=2e-4, trainable="indexer", lm_weight=0.0,
+                  mtp_weights=(), indexer_weight=1.0),
+            Stage("sparse_adaptation", s["A"], s["adapt_lr"], T, B, use_dsa=True, mtp_weights=(), indexer_weight=1.0)]
+
+
+def train(bench: Workbench, s: dict, seed: int):
+    """The DSA model of one seed and its last step's losses."""
+    from glm5lab import GLM5ForCausalLM
+
+    torch.manual_seed(seed)
+    model = GLM5ForCausalLM(config(s))
+    batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=seed)
+    last = fit(model, stages(s), batches, seed=seed)[-1]
+    return model, {"lm_loss": round(last["lm_loss"], 4), "indexer_kl": round(last["indexer_kl"], 6)}
+
+
+def measure_seed(model, bench: Workbench, s: dict) -> dict:
+    """Search, then score every (retention, method) row; returns {"rows": [...], "dense_attn_ms_long",
+    "dsa_attn_ms_long"} (see the module doc for each number)."""
+    T, w = s["T"], bench.text_windows("val", s["T"])
+    calib, held = w[:s["calib_rows"]], w[s["calib_rows"]:2 * s["calib_rows"]]
+    window = T - s["topk"]
+    long_ids = bench.text_windows("val", s["T"] * s["long"])[:s["time_rows"], :-1]
+    rows, twins = [], []
+    for r in search_indexcache(model, calib, retentions=RETENTIONS, window=window, time_repeats=0):
+        twin = with_indexer_pattern(model, r.pattern)
+        twins.append(twin)
+        rows.append({
+            "method": r.method, "retention": r.retention, "full_layers": r.full_layers,
+            "pattern": "".join("F" if t == "full" else "s" for t in r.pattern), "switched": r.switched,
+            "calib_loss": r.loss, "heldout_loss": calibration_loss(twin, held, window),
+            "mqar_T": 100 * mqar_accuracy(twin, bench, s["eval_rows"], T, s["pairs"], seed=20_000),
+            "mqar_4T": 100 * mqar_accuracy(twin, bench, s["eval_rows"], 4 * T, s["pairs"], seed=20_001)})
+    dense = model_variant(model, use_dsa=False)
+    ms_T = attention_ms([*twins, dense], calib[:, :-1], s["repeats"])
+    ms_long = attention_ms([*twins, dense], long_ids, s["repeats"])
+    for x, a, b in zip(rows, ms_T, ms_long, strict=False):
+        x["attn_ms_T"], x["attn_ms_long"] = a, b
+    base = rows[0]["attn_ms_long"]  # retention 1, searched: the model's own pattern
+    for x in rows:
+        x["speedup_long"] = base / x["attn_ms_long"]
+    return {"rows": rows, "dense_attn_ms_long": ms_long[-1], "dsa_attn_ms_long": base}
+
+
+def attention_ms(models: list, ids_BT: torch.Tensor, repeats: int) -> list[float]:
+    """Median attention ms (`search_indexcache.attention_time`: hooks on the MLA modules) of each
+    model on ids_BT, measured round-robin (one forward of each model per round, `repeats` rounds)
+    on one CPU thread, so load from other processes hits every model alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = [[] for _ in models]
+        for _ in range(repeats):
+            for t, m in zip(times, models, strict=True):
+                t.append(attention_time(m, ids_BT, 1)[0])
+    finally:
+        torch.set_num_threads(threads)
+    return [statistics.median(t) for t in times]
+
+
+def run(args: StudyArgs, bench: Workbench) -> StudyResult:
+    s = SIZES["quick" if args.quick else "default"]
+    seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
+    raw, losses = {}, {}
+    for seed in seeds:
+        model, losses[str(seed)] = train(bench, s, seed)
+        args.say(f"seed {seed}: DSA model trained ({_steps(s)} steps), last {losses[str(seed)]}; searching")
+        raw[str(seed)] = measure_seed(model, bench, s)
+        args.say(f"seed {seed}: searched patterns "
+                 + ", ".join(x["pattern"] for x in raw[str(seed)]["rows"] if x["method"] == "searched"))
+    settings = {"size": s, "steps": _steps(s), "tokens": _steps(s) * s["T"] * s["batch"],
+                "stages": [st.to_dict() for st in stages(s)], "retentions": RETENTIONS,
+                "calibration": {"data": "held-out text windows", "rows": s["calib_rows"], "length": s["T"] + 1,
+                                "window": s["T"] - s["topk"], "heldout_rows": s["calib_rows"]},
+                "mqar": {"rows": s["eval_rows"], "num_kv_pairs": s["pairs"], "lengths": [s["T"], 4 * s["T"]]},
+                "timing": {"device": "cpu", "threads": 1, "rounds": s["repeats"], "calib_length": s["T"],
+                           "long_length": s["T"] * s["long"], "long_rows": s["time_rows"]},
+                "model": config(s).to_hf()}
+    return StudyResult("indexcache", table(raw, s["long"]), {"per_seed": raw, "last_losses": losses}, settings, seeds,
+                       lambda path: plot(raw, s["long"], path), notes(raw, s))
+
+
+def _steps(s: dict) -> int:
+    return s["base_steps"] + s["W"] + s["A"]
+
+
+def _collect(raw: dict, retention: float, method: str, key: str) -> list[float]:
+    return [x[key] for per in raw.values() for x in per["rows"] if x["retention"] == retention and x["method"] == method]
+
+
+def table(raw: dict, long: int) -> str:
+    """Rows: retention x method; mean ± sd over seeds; the report has no IndexCache figures."""
+    keys = ("calib_loss", "heldout_loss", "mqar_T", "mqar_4T", "attn_ms_T", "attn_ms_long", "speedup_long")
+    head = ["retention", "method", "full layers", "patterns", "calib loss", "held-out loss", "MQAR % @T",
+            "MQAR % @4T", "attn ms @T", f"attn ms @{long}T", f"speedup @{long}T", "report"]
+    rows = []
+    for r in RETENTIONS:
+        for m in METHODS:
+            pats = sorted(set(_collect(raw, r, m, "pattern")))
+            rows.append([f"{r:g}", m, _collect(raw, r, m, "full_layers")[0], " ".join(f"`{p}`" for p in pats),
+                         *[mean_sd(_collect(raw, r, m, k), 3 if "loss" in k else 1) for k in keys],
+                         "none (INDEXCACHE is None)"])
+    dense = [per["dense_attn_ms_long"] for per in raw.values()]
+    dsa = [per["dsa_attn_ms_long"] for per in raw.values()]
+    ratio = [d / x for d, x in zip(dense, dsa, strict=True)]
+    lo, hi = DSA_ATTENTION_SPEEDUP
+    ref = [["dense attention (use_dsa off)", mean_sd(dense, 1), "1.00", "-"],
+           ["DSA, retention 1", mean_sd(dsa, 1), mean_sd(ratio, 2), f"{lo:g}-{hi:g}x"]]
+    return ("IndexCache: quality and attention time by retention (report: no IndexCache figures, "
+            "report_figures.INDEXCACHE is None)\n\n" + markdown_table(head, rows)
+            + f"\nThe only reference figure: DSA vs dense attention time at {long}T (report: DSA cuts long-sequence "
+            f"attention compute {lo:g}-{hi:g}x; direction {direction(statistics.fmean(ratio) - 1, 1.0)})\n\n"
+            + markdown_table(["attention", f"attn ms @{long}T", "speedup vs dense (ours)", "report"], ref))
+
+
+def notes(raw: dict, s: dict) -> list[str]:
+    """What the table can and cannot say."""
+    lo, hi = DSA_ATTENTION_SPEEDUP
+    ratio = statistics.fmean(per["dense_attn_ms_long"] / per["dsa_attn_ms_long"] for per in raw.values())
+    quarter = {m: statistics.fmean(_collect(raw, 0.25, m, "heldout_loss")) for m in METHODS}
+    return [f"The report gives no IndexCache figures (report_figures.INDEXCACHE = {INDEXCACHE}): the rows have no "
+            f"report column to compare with; the only reference is DSA's {lo:g}-{hi:g}x cut of long-sequence "
+            f"attention compute vs dense, ours {ratio:.2f}x at {s['T'] * s['long']} tokens with index_topk "
+            f"{s['topk']}" + ("" if ratio > 1 else " (direction DIFFERS: DSA is not faster here)") + ".",
+            f"Retention 1/4 held-out loss: searched {quarter['searched']:.4f} vs uniform {quarter['uniform']:.4f} "
+            "nats/token (the search minimises the calibration loss, which is a different set of rows).",
+            "Attention time is CPU wall time (1 thread, round-robin over the patterns, median) of the MLA modules "
+            "(indexer, top-k selection and attention); the machine is shared with other processes: read the "
+            "speedup column, not the milliseconds; at T the attention is small and overheads dominate. Retention 1 "
+            "searched and uniform are the same pattern: their difference is the timing noise.",
+            f"Lengths above the training length T = {s['T']} (4T MQAR, {s['long']}T timing) use untrained positions."]
+
+
+def plot(raw: dict, long: int, path) -> None:
+    """Left: held-out loss vs retention; right: attention speedup at `long` x T vs retention; per method."""
+    plt = figure()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for m, style in zip(METHODS, ("o-", "s--"), strict=True):
+        for ax, key in ((a, "heldout_loss"), (b, "speedup_long")):
+            vals = [_collect(raw, r, m, key) for r in RETENTIONS]
+            sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+            ax.errorbar(RETENTIONS, [statistics.fmean(v) for v in vals], yerr=sd, fmt=style, capsize=3, label=m)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+    a.set(xticks=RETENTIONS, xticklabels=["1", "1/2", "1/4"], xlabel="indexer retention",
+          ylabel="held-out loss (nats/token)", title="quality")
+    b.set(xticks=RETENTIONS, xticklabels=["1", "1/2", "1/4"], xlabel="indexer retention",
+          ylabel=f"attention speedup at {long}T (x)", title="attention time (report: no figures)")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
