@@ -80,3 +80,9 @@ def test_folders_that_are_not_finished_runs_are_refused_clearly(run, tmp_path, c
     assert main(["report", str(tmp_path), "--no-measure"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("glm5lab report: error: ") and "summary.json is not valid JSON" in err and err.count("\n") == 1
+
+
+def test_report_out_on_a_file_is_refused(run, tmp_path):
+    (tmp_path / "f.md").write_text("x")
+    with pytest.raises(ValueError, match=r"--out .*f.md is a file, not a folder"):
+        write_report(run, out=tmp_path / "f.md", measure=False)

@@ -35,6 +35,7 @@ def test_short_run_on_user_data(corpus, tmp_path):  # noqa: F811
     (["--resume"], "no checkpoint"),
     (["--steps", "1"], "at least one per stage"),
     (["--bias-update-rate", "-1"], "--bias-update-rate -1.0 is not allowed"),
+    (["--bias-update-rate", "nan"], "--bias-update-rate nan is not allowed: it must be a finite number"),
     (["--checkpoint-every", "-1"], "--checkpoint-every -1 is not allowed"),
     (["--stages", "dense,dense"], "each stage at most once"),
     (["--preset", "glm5"], "GiB to train in fp32"),
