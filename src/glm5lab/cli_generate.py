@@ -165,7 +165,7 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
         return ckpt, True
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder, False
-    if (folder / "checkpoints").is_dir():
+    if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():
         raise FileNotFoundError(f"--model {path}: this run folder has no checkpoints/latest yet (no checkpoint "
                                 "was completed); give a checkpoint folder instead")
     if (folder / "config.json").is_file():

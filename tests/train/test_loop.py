@@ -159,6 +159,12 @@ def test_resume_with_another_model_config_is_refused(corpus):
     resume = {**_args(corpus, run, resume=True).__dict__, "stage_plan": plan}
     with pytest.raises(ValueError, match=r"another model config \(fields \['hidden_size'\] differ\)"):
         train(TrainArgs(**{**resume, "config": str(corpus / "other.json")}))
+    bigger = ModelConfig.from_preset("tiny", vocab_size=640)  # checked before the data: not a tokenizer message
+    (corpus / "bigger.json").write_text(json.dumps(bigger.to_hf()))
+    with pytest.raises(ValueError, match=r"another model config \(fields \['vocab_size'\] differ\)"):
+        train(TrainArgs(**{**resume, "config": str(corpus / "bigger.json")}))
+    with pytest.raises(ValueError, match=r"--resume: seed differs"):
+        train(TrainArgs(**{**resume, "seed": 5}))
     with pytest.raises(ValueError, match=r"--resume: stages, seed differ"):
         train(TrainArgs(**{**resume, "seed": 5, "stage_plan": _plan(steps=(5, 1, 1))[:1]}))
     train(TrainArgs(**resume))

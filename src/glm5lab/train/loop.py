@@ -188,7 +188,7 @@ def train(args: TrainArgs) -> dict:
     stages = resolve_stages(args, model.config)
     checkpoint = latest_checkpoint(run_dir) if args.resume else (Path(args.init) if args.init else None)
     if args.resume:
-        _check_same_plan(run_dir, args, stages)
+        _check_same_plan(run_dir, args, stages, model.config)
     data = prepare_data(args, model.config, checkpoint=checkpoint)
     resumed = _resume_weights(run_dir, model) if args.resume else None
     shard = dist.shard_model(model, ctx)  # before the optimizer: FSDP2 replaces the parameters
@@ -218,8 +218,17 @@ def _check_args(args: TrainArgs) -> None:
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
 
 
-def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage]) -> None:
-    """A resumed run must continue the plan it started with: same stages, data, seed, optimizer."""
+def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig) -> None:
+    """A resumed run must continue the plan it started with: same model config (checked first, before
+    any data is read), stages, data, seed, optimizer."""
+    saved_cfg = run_dir / "config.json"
+    if saved_cfg.is_file():
+        ours = model_config.to_dict()
+        theirs = ModelConfig.from_hf(saved_cfg).to_dict()
+        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+        if diff:
+            raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
+                             f"{diff[:8]} differ); resume with the run's own --preset/--config")
     saved = json.loads((run_dir / "run.json").read_text())
     old = {"stages": saved["stages"], **{k: saved["args"].get(k) for k in ("data", "seed", "optimizer", "init")}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages],
