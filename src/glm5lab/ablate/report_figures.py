@@ -44,4 +44,5 @@ INDEXCACHE = None  # the source study gives no IndexCache figures; see docs/long
 
 
 def mean(values) -> float:
+    """Arithmetic mean of a sequence of figures."""
     return sum(values) / len(values)

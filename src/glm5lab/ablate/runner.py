@@ -44,12 +44,15 @@ class StudyArgs:
 
     @property
     def out_dir(self) -> Path:
+        """The results folder: --out, else runs/ablate/<study>[-quick]."""
         return Path(self.out) if self.out else Path("runs/ablate") / (self.study + ("-quick" if self.quick else ""))
 
     def seed_list(self, default: int) -> list[int]:
+        """Seeds 0..n-1: n = --seeds, else the study's `default`."""
         return list(range(self.seeds if self.seeds is not None else default))
 
     def say(self, message: str) -> None:
+        """Print one progress line, prefixed with the study, unless progress is off."""
         if self.progress:
             print(f"[{self.study}] {message}", flush=True)
 

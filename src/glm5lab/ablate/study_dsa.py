@@ -98,6 +98,7 @@ def _last(records: list[dict]) -> dict:
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
+    """Train the base and the three arms per seed, score MQAR by length (module docstring); the StudyResult."""
     s = SIZES["quick" if args.quick else "default"]
     seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
     lengths = [s["T"] * k for k in s["scales"]]

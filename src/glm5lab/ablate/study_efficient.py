@@ -101,6 +101,7 @@ def _loaded(cfg, state: dict, *, strict: bool, new_in: list[int] = ()) -> GLM5Fo
 
 
 def further_stage(sz: Sizes, fz: Further) -> Stage:
+    """The further-training Stage every variant gets (10% warm-up, decay to lr / 10)."""
     return Stage("further", fz.steps, fz.lr, fz.seq_len, sz.batch, lr_end=fz.lr / 10,
                  warmup_steps=max(1, fz.steps // 10), mtp_weights=())
 
@@ -115,10 +116,12 @@ def score(model, bench: Workbench, sz: Sizes, fz: Further, *, seed: int) -> dict
 
 
 def eval_lengths(fz: Further) -> tuple[int, int]:
+    """Evaluation lengths in tokens: 2T and 4T (both above the window)."""
     return fz.seq_len, 2 * fz.seq_len
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
+    """Base, search, five variants, equal further training, scores (module docstring); the StudyResult."""
     sz, fz = (SWA_QUICK, QUICK) if args.quick else (SWA_DEFAULT, DEFAULT)
     seeds = args.seed_list(DEFAULT_SEEDS)
     raw: dict = {v: {} for v in VARIANTS}

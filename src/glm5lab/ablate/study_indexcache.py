@@ -126,6 +126,7 @@ def attention_ms(models: list, ids_BT: torch.Tensor, repeats: int) -> list[float
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
+    """Train the DSA model per seed, search and time the patterns (module docstring); the StudyResult."""
     s = SIZES["quick" if args.quick else "default"]
     seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
     raw, losses = {}, {}

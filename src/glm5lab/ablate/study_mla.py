@@ -102,6 +102,7 @@ def train_and_score(bench: Workbench, cfg, optimizer: str, s: dict, seed: int) -
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
+    """Train every variant for every seed at matched tokens, score them (module docstring); the StudyResult."""
     s = SIZES["quick" if args.quick else "default"]
     seeds = args.seed_list(s["seeds"])
     cfgs = configs(s)

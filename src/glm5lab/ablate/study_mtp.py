@@ -110,6 +110,7 @@ def run_seed(bench: Workbench, s: dict, seed: int, say) -> dict:
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
+    """Train depth 1 and depth 3 per seed, measure acceptance for k = 1..4 (module docstring); the StudyResult."""
     s = SIZES["quick" if args.quick else "default"]
     seeds = args.seed_list(s["seeds"])
     raw = {str(seed): run_seed(bench, s, seed, args.say) for seed in seeds}

@@ -98,6 +98,7 @@ def task_batches(bench: Workbench, sz: Sizes, seq_len: int, *, seed: int) -> Bat
 
 
 def base_stage(sz: Sizes) -> Stage:
+    """The base training Stage at size `sz` (warm-up 5%, linear decay to lr / 10)."""
     return Stage("base", sz.steps, sz.lr, sz.seq_len, sz.batch, lr_end=sz.lr / 10,
                  warmup_steps=max(1, sz.steps // 20), mtp_weights=())
 
@@ -131,6 +132,7 @@ def search_pattern(model, bench: Workbench, sz: Sizes, *, seed: int):
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
+    """Train the base per seed, search, score full / 1:1 / searched (module docstring); the StudyResult."""
     sz = QUICK if args.quick else DEFAULT
     seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
     raw: dict = {v: {} for v in VARIANTS}

@@ -76,6 +76,7 @@ def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None)
 
 
 def val_perplexity(metrics: list[dict], path: Path) -> Path | None:
+    """exp(validation loss) against the step, log scale (None without validation records)."""
     val = [r for r in metrics if r.get("val_loss") is not None]
     if not val:
         return None
@@ -88,6 +89,7 @@ def val_perplexity(metrics: list[dict], path: Path) -> Path | None:
 
 
 def retrieval(rows: list[dict], path: Path) -> Path | None:
+    """NIAH exact match (%) against context length (None when every length was skipped)."""
     done = [r for r in rows if "accuracy" in r]
     if not done:
         return None
@@ -104,6 +106,7 @@ def retrieval(rows: list[dict], path: Path) -> Path | None:
 
 
 def acceptance(result: dict | None, path: Path) -> Path | None:
+    """Accepted fraction per draft position (None without an MTP measurement)."""
     if not result or "acceptance_rate" not in result:
         return None
     plt = _plt()

@@ -35,6 +35,7 @@ class ProbeSizes:
 
     @classmethod
     def quick(cls) -> "ProbeSizes":
+        """Tiny sizes for tests (seconds; the numbers mean nothing)."""
         return cls(throughput=((1, 32), (2, 32)), decode_tokens=4, retrieval_lengths=(32, 64), retrieval_rows=2,
                    acceptance_rows=2, acceptance_prompt=16, acceptance_tokens=8)
 
