@@ -100,7 +100,8 @@ def add_train_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", metavar="NAME", help=f"model preset: one of {', '.join(PRESETS)} (default small)")
     src.add_argument("--config", metavar="FILE", help="a model config.json (HF glm_moe_dsa layout)")
-    src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's weights and config "
+    src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's (or run folder's latest "
+                     "checkpoint's) weights and config "
                      "(e.g. a dense run, then --stages indexer_warmup,sparse_adaptation)")
     p.add_argument("--data", metavar="PATH", help="a text file, a folder of .txt/.md/.jsonl files, or JSONL with a "
                    "`text` field (default: the Shakespeare corpus, fetched and cached)")

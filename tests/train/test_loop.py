@@ -138,6 +138,10 @@ def test_init_keeps_the_checkpoint_tokenizer_on_other_data(corpus):
                        "init": str(run / "checkpoints" / "step-000002")}))
     saved = (run / "checkpoints" / "step-000002" / "tokenizer.json").read_bytes()
     assert (run2 / "checkpoints" / "step-000001" / "tokenizer.json").read_bytes() == saved
+    run3 = corpus / "run3"  # a run folder as --init: its latest checkpoint
+    train(TrainArgs(**{**_args(corpus, run3).__dict__, "config": None, "stage_plan": plan[1:2], "init": str(run)}))
+    info = json.loads((run3 / "run.json").read_text())
+    assert info["args"]["init"] == str(run / "checkpoints" / "step-000002")
 
 
 def test_resume_with_another_model_config_is_refused(corpus):

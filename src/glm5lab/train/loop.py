@@ -181,6 +181,8 @@ class MetricsLog:
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns the summary dict also written to `summary.json`."""
     _check_args(args)
+    if args.init:
+        args.init = _init_folder(Path(args.init))
     ctx = dist.setup()
     run_dir = Path(args.out)
     _check_run_dir(run_dir, args.resume)
@@ -216,6 +218,14 @@ def _check_args(args: TrainArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value} is not allowed: it must be a finite number >= 0")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
+
+
+def _init_folder(path: Path) -> str:
+    """--init accepts a checkpoint folder or a run folder (its checkpoints/latest is used)."""
+    pointer = path / "checkpoints" / "latest"
+    if pointer.is_file() and not any(path.glob("*.safetensors")):
+        return str(path / "checkpoints" / pointer.read_text().strip())
+    return str(path)
 
 
 def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig) -> None:
