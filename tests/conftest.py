@@ -21,6 +21,20 @@ TOL = {
 HF_LOGITS_ATOL = 1e-4
 
 
+WORDS = "the king and queen of denmark speak of love war and the sea while the fool sings".split()
+
+
+def write_word_corpus(folder, *, docs: int = 6, words_per_doc: int = 1500, words=WORDS, seed: int = 0):
+    """`docs` text files doc0.txt.. of `words_per_doc` seeded random words in `folder` (created);
+    returns the folder. A corpus for tests that needs no download."""
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for d in range(docs):
+        picked = [words[int(i)] for i in torch.randint(0, len(words), (words_per_doc,), generator=g)]
+        (folder / f"doc{d}.txt").write_text(" ".join(picked))
+    return folder
+
+
 def assert_close(actual, expected, dtype=torch.float32, **kw):
     torch.testing.assert_close(actual, expected, **{**TOL[dtype], **kw})
 

@@ -7,14 +7,14 @@ import json
 import re
 
 import pytest
-import torch
 
 from glm5lab import ModelConfig
 from glm5lab.cli import main
 from glm5lab.ledger import ledger
 from glm5lab.report import NotARunError, write_report
 from glm5lab.train.loop import train
-from tests.train.test_loop import WORDS, _args
+from tests.conftest import write_word_corpus
+from tests.train.test_loop import _args
 
 SECTIONS = ("## Quality", "## Training tokens", "## Parameters under every counting convention",
             "## KV and index state bytes per token", "## Prefill and decode throughput",
@@ -28,11 +28,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
     mp = pytest.MonkeyPatch()
     mp.setenv("GLM5LAB_CACHE", str(root / "cache"))
-    g = torch.Generator().manual_seed(0)
-    (root / "texts").mkdir()
-    for d in range(6):
-        words = [WORDS[int(i)] for i in torch.randint(0, len(WORDS), (1500,), generator=g)]
-        (root / "texts" / f"doc{d}.txt").write_text(" ".join(words))
+    write_word_corpus(root / "texts")
     (root / "config.json").write_text(json.dumps(ModelConfig.from_preset("tiny", vocab_size=320).to_hf()))
     train(_args(root, root / "runs" / "tiny"))
     study = root / "runs" / "ablate" / "mla"

@@ -4,7 +4,8 @@ own tokenizer cache (GLM5LAB_CACHE). Pass `data=str(study_corpus)` to StudyArgs 
 import os
 
 import pytest
-import torch
+
+from tests.conftest import write_word_corpus
 
 WORDS = ("the king and queen of denmark speak of love war and the sea while the fool sings "
          "my lord a horse is come to court with letters from france good night sweet prince").split()
@@ -15,12 +16,7 @@ def study_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("study_corpus")
     old = os.environ.get("GLM5LAB_CACHE")
     os.environ["GLM5LAB_CACHE"] = str(root / "cache")
-    g = torch.Generator().manual_seed(0)
-    folder = root / "texts"
-    folder.mkdir()
-    for d in range(6):
-        words = [WORDS[int(i)] for i in torch.randint(0, len(WORDS), (6000,), generator=g)]
-        (folder / f"doc{d}.txt").write_text(" ".join(words))
+    folder = write_word_corpus(root / "texts", words_per_doc=6000, words=WORDS)
     yield folder
     if old is None:
         os.environ.pop("GLM5LAB_CACHE", None)
@@ -33,3 +29,12 @@ def bench(study_corpus):
     from glm5lab.ablate.workbench import Workbench
 
     return Workbench.load(data=str(study_corpus))
+
+
+def run_quick(tmp_path_factory, study: str, corpus) -> tuple:
+    """(results folder, table text) of `glm5lab ablate STUDY --quick` on the word corpus."""
+    from glm5lab.ablate.runner import StudyArgs, run_study
+
+    out = tmp_path_factory.mktemp(study)
+    _, text = run_study(StudyArgs(study, quick=True, out=str(out), progress=False, data=str(corpus)))
+    return out, text

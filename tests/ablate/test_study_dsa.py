@@ -7,14 +7,12 @@ import pytest
 
 from glm5lab.ablate import study_dsa
 from glm5lab.ablate.report_figures import DSA, DSA_128K
-from glm5lab.ablate.runner import StudyArgs, run_study
+from tests.ablate.conftest import run_quick
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dsa")
-    path, text = run_study(StudyArgs("dsa", quick=True, out=str(out), progress=False))
-    return out, text
+def quick(tmp_path_factory, study_corpus):
+    return run_quick(tmp_path_factory, "dsa", study_corpus)
 
 
 def test_quick_writes_table_results_and_plot(quick):

@@ -7,14 +7,12 @@ import pytest
 import torch
 
 from glm5lab.ablate import study_indexcache
-from glm5lab.ablate.runner import StudyArgs, run_study
+from tests.ablate.conftest import run_quick
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("indexcache")
-    path, text = run_study(StudyArgs("indexcache", quick=True, out=str(out), progress=False))
-    return out, text
+def quick(tmp_path_factory, study_corpus):
+    return run_quick(tmp_path_factory, "indexcache", study_corpus)
 
 
 def test_quick_writes_table_results_and_plot(quick):

@@ -14,19 +14,12 @@ from glm5lab.train.checkpoint import ResumeError
 from glm5lab.train.loop import TrainArgs, TrainingDiverged, _Loop, resolve_stages, train
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
-
-WORDS = "the king and queen of denmark speak of love war and the sea while the fool sings".split()
-
+from tests.conftest import write_word_corpus
 
 @pytest.fixture
 def corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
-    g = torch.Generator().manual_seed(0)
-    folder = tmp_path / "texts"
-    folder.mkdir()
-    for d in range(6):
-        words = [WORDS[int(i)] for i in torch.randint(0, len(WORDS), (1500,), generator=g)]
-        (folder / f"doc{d}.txt").write_text(" ".join(words))
+    write_word_corpus(tmp_path / "texts")
     cfg = ModelConfig.from_preset("tiny", vocab_size=320)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     return tmp_path
