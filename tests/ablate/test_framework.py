@@ -10,7 +10,7 @@ import torch
 
 from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate.fit import fit
-from glm5lab.ablate.measure import answer_accuracy, labelled_loss, mqar_accuracy, niah_accuracy
+from glm5lab.ablate.measure import answer_accuracy, labelled_loss, mqar_accuracy, niah_accuracy, niah_exact_match
 from glm5lab.ablate.models import study_config, variant_config
 from glm5lab.ablate.results import StudyResult, direction, markdown_table, mean_sd, write_result
 from glm5lab.ablate.runner import StudyArgs
@@ -80,10 +80,7 @@ def test_niah_teacher_forcing_equals_greedy_generation(bench):
         if e is not examples[1]:
             e.completion[:] = greedy
             e.answers[:] = [greedy[:len(e.answers[0])]]
-    from glm5lab.evals.niah import training_pair
-
-    pairs = [training_pair(e) for e in examples]
-    acc = answer_accuracy(m, torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]), per_row=True)
+    acc = niah_exact_match(m, examples)
     gen = [generate(m, e.prompt, len(e.completion)).tokens[0] for e in examples]
     assert acc == pytest.approx(score_niah([[e.completion] for e in examples], gen).mean) == pytest.approx(2 / 3)
 

@@ -61,7 +61,16 @@ def niah_accuracy(model, bench: Workbench, n: int, context_length: int, variant:
         raise ValueError(f"haystack = {haystack!r} is not allowed: 'noise' or 'corpus'")
     hay = bench.val_tokens if haystack == "corpus" else None
     examples = make_niah_batch(bench.tasks, n, context_length, variant, seed=seed, haystack=hay, **kwargs)
+    return niah_exact_match(model, examples, use_dsa=use_dsa, batch=batch)
+
+
+def niah_exact_match(model, examples, *, use_dsa: bool | None = None, batch: int = 4) -> float:
+    """Fraction of `NIAHExample`s (one prompt length) whose canonical completion is the argmax at
+    every completion position given prompt + true earlier tokens (= greedy generation reproduces
+    it; see the module docstring). Raises ValueError if the examples' lengths differ."""
     pairs = [training_pair(e) for e in examples]
+    if len({len(p[0]) for p in pairs}) != 1:
+        raise ValueError("examples must share one prompt + completion length to be batched")
     ids = torch.stack([p[0] for p in pairs])
     labels = torch.stack([p[1] for p in pairs])
     return answer_accuracy(model, ids, labels, use_dsa=use_dsa, batch=batch, per_row=True)

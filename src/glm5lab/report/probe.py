@@ -83,8 +83,8 @@ def _throughput(model, val, batch: int, length: int, new: int) -> dict:
 
 
 def _retrieval(model, val, length: int, rows: int) -> dict:
-    from glm5lab.ablate.measure import answer_accuracy
-    from glm5lab.evals.niah import make_niah_batch, training_pair
+    from glm5lab.ablate.measure import niah_exact_match
+    from glm5lab.evals.niah import make_niah_batch
     from glm5lab.evals.tasks import TaskVocab
 
     row = {"context_length": length, "rows": rows}
@@ -97,10 +97,7 @@ def _retrieval(model, val, length: int, rows: int) -> dict:
         examples = make_niah_batch(vocab, rows, length, seed=0, haystack=val.numpy())
     except ValueError as e:
         return {**row, "skipped": str(e)}
-    pairs = [training_pair(e) for e in examples]
-    acc = answer_accuracy(model, torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]),
-                          per_row=True, batch=4)
-    return {**row, "accuracy": acc}
+    return {**row, "accuracy": niah_exact_match(model, examples)}
 
 
 def _acceptance(model, val, sizes: ProbeSizes) -> dict | None:
