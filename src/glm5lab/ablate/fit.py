@@ -14,8 +14,7 @@ import torch
 
 from glm5lab.ablate.workbench import BatchFn
 from glm5lab.optim import build_optimizer
-from glm5lab.train.balance import update_router_bias
-from glm5lab.train.loop import clip_and_check, set_trainable
+from glm5lab.train.loop import optimizer_step, set_trainable
 from glm5lab.train.losses import task_losses
 from glm5lab.train.stages import Stage
 
@@ -39,12 +38,8 @@ def fit(model, stages: list[Stage], batches: BatchFn, *, optimizer: str = "muon-
                 group["lr"] = lr
             ids_BT, labels_BT = batches(si, stage, i)
             losses = task_losses(model, ids_BT, labels_BT, stage)
-            losses.total.backward()
             step += 1
-            clip_and_check(model, losses, step, grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            update_router_bias(model, bias_update_rate if stage.trainable == "all" else 0.0)
+            optimizer_step(model, opt, losses, stage, step, grad_clip, bias_update_rate)
             records.append({"stage": stage.name, "step": step, **losses.to_log(), "lr": lr,
                             "seconds": time.perf_counter() - t0})
     for p in model.parameters():

@@ -136,6 +136,20 @@ def clip_and_check(model, losses, step: int, max_norm: float) -> float:
     return norm
 
 
+def optimizer_step(model, optimizer, losses, stage: Stage, step: int, grad_clip: float,
+                   bias_update_rate: float) -> tuple[float, list[list[int]]]:
+    """Backward of losses.total, the non-finite check and clipping (`clip_and_check`), the
+    optimizer step, then the aux-loss-free router bias update (not while only the indexer trains).
+    Returns (gradient norm before clipping, expert loads). Shared by `glm5lab train` and
+    `glm5lab.ablate.fit`."""
+    losses.total.backward()
+    grad_norm = clip_and_check(model, losses, step, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    frozen_router = stage.trainable != "all"  # indexer warm-up: everything but the indexer stays put
+    return grad_norm, update_router_bias(model, 0.0 if frozen_router else bias_update_rate)
+
+
 @torch.no_grad()
 def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1) -> float:
     """Mean next-token CE (nats) over the first n_batches global batches of validation windows
@@ -323,12 +337,8 @@ class _Loop:
         window = stream.batch(i).to(self.ctx.device)
         with self.ctx.autocast():
             losses = stage_losses(self.shard, window, stage)
-        losses.total.backward()
-        grad_norm = clip_and_check(self.model, losses, self.step + 1, self.args.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        frozen_router = stage.trainable != "all"  # indexer warm-up: everything but the indexer stays put
-        loads = update_router_bias(self.model, 0.0 if frozen_router else self.args.bias_update_rate)
+        grad_norm, loads = optimizer_step(self.model, self.opt, losses, stage, self.step + 1, self.args.grad_clip,
+                                          self.args.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = window.shape[0] * (window.shape[1] - 1) * self.ctx.world_size
         return {**dist.mean_over_ranks(losses.to_log(), self.ctx), "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
