@@ -156,9 +156,10 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
     if not folder.is_dir():
         raise FileNotFoundError(f"--model {path} is a file: give the folder that holds config.json and the "
                                 "*.safetensors weights, or a `glm5lab train` run folder")
-    pointer = folder / "checkpoints" / "latest"
-    if pointer.is_file():
-        ckpt = folder / "checkpoints" / pointer.read_text(encoding="utf-8").strip()
+    from glm5lab.train.checkpoint import latest_pointer  # here: the CLI starts without torch
+
+    ckpt = latest_pointer(folder)
+    if ckpt is not None:
         if not (ckpt / "config.json").is_file():
             raise FileNotFoundError(f"--model {path}: checkpoints/latest points to {ckpt}, which has no "
                                     "config.json (deleted or incomplete checkpoint)")

@@ -68,10 +68,11 @@ def _json_line(path: Path, number: int, line: str) -> dict:
 
 
 def _checkpoint(run_dir: Path) -> Path:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
+    from glm5lab.train.checkpoint import latest_pointer
+
+    folder = latest_pointer(run_dir)
+    if folder is None:
         raise NotARunError(f"{run_dir} has no checkpoints/latest: the run saved no checkpoint")
-    folder = run_dir / "checkpoints" / pointer.read_text().strip()
     if not (folder / "config.json").is_file():
         raise NotARunError(f"checkpoints/latest names {folder.name}, which is missing or incomplete")
     return folder

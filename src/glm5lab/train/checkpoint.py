@@ -54,13 +54,19 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
     return final
 
 
+def latest_pointer(run_dir: Path) -> Path | None:
+    """The folder RUN/checkpoints/latest names (it may be missing or incomplete), or None when the
+    run has no `latest` file. No checks: callers word their own errors."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    return pointer.parent / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+
+
 def latest_checkpoint(run_dir: Path) -> Path:
     """The folder `latest` points to. Raises ResumeError when there is none or it is incomplete."""
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / "latest"
-    if not pointer.is_file():
-        raise ResumeError(f"--resume: no checkpoint in {root} (no `latest` file); start without --resume")
-    folder = root / pointer.read_text().strip()
+    folder = latest_pointer(run_dir)
+    if folder is None:
+        raise ResumeError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} (no `latest` file); "
+                          "start without --resume")
     missing = [f for f in ("config.json", STATE_FILE) if not (folder / f).is_file()]
     if missing:
         raise ResumeError(f"--resume: checkpoint {folder} is incomplete (missing {', '.join(missing)})")

@@ -26,7 +26,7 @@ from glm5lab.train import dist
 from glm5lab.train.balance import moe_layers, update_router_bias
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.checkpoint import (
-    latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state,
+    latest_checkpoint, latest_pointer, load_trainer_state, rng_state, save_checkpoint, set_rng_state,
 )
 from glm5lab.train.data import TrainingData, prepare_data
 from glm5lab.train.losses import cross_entropy, stage_losses
@@ -236,10 +236,8 @@ def _check_args(args: TrainArgs) -> None:
 
 def _init_folder(path: Path) -> str:
     """--init accepts a checkpoint folder or a run folder (its checkpoints/latest is used)."""
-    pointer = path / "checkpoints" / "latest"
-    if pointer.is_file() and not any(path.glob("*.safetensors")):
-        return str(path / "checkpoints" / pointer.read_text().strip())
-    return str(path)
+    latest = latest_pointer(path)
+    return str(latest if latest is not None and not any(path.glob("*.safetensors")) else path)
 
 
 def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig) -> None:
