@@ -124,7 +124,7 @@ def add_train_parser(sub) -> None:
                    help="checkpoint every N steps and at each stage end (default 100; 0 = at stage ends only); "
                    "the newest two are kept")
     p.add_argument("--bias-update-rate", dest="bias_update_rate", type=float, metavar="R",
-                   help="aux-loss-free router bias step per update (default 1e-3; 0 disables)")
+                   help="aux-loss-free router bias step per update (default 1.5e-2, chosen for the default 420-step run: BENCHMARKS.md; 0 disables)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

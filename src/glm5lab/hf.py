@@ -179,7 +179,10 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
     mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but
     the weights lack it, e.g. a folder written by transformers, the model is built without it
     and a warning says so); True = require it; False = ignore it.
-    dtype: cast floating weights (router weight and bias stay fp32); default = as stored.
+    dtype: cast floating weights; default = as stored. Whatever the dtype, the router weight and
+    `e_score_correction_bias` and the indexer's `weights_proj` and `k_norm` stay fp32 with the
+    checkpoint's exact values (`glm5lab.model.precision`; transformers keeps the router's two in
+    fp32 too).
     Raises FileNotFoundError, ConfigError (config.json), CheckpointError (missing/unexpected
     keys or shape mismatches, listed)."""
     folder = Path(path)
@@ -216,8 +219,8 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
 
 def load_state_exact(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Assign `state` to a (meta) model; refuse (CheckpointError) any missing/unexpected key,
-    shape mismatch or non-floating tensor for a float weight, listing them all. Router weight
-    and bias are kept fp32."""
+    shape mismatch or non-floating tensor for a float weight, listing them all. The router weight
+    and bias, the indexer's weights_proj and k_norm load as fp32 (`glm5lab.model.precision`)."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -232,8 +235,7 @@ def load_state_exact(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
         parts += [f"{len(shapes)} shape mismatches: {shapes}"] if shapes else []
         parts += [f"{len(dtypes)} non-floating tensors where a float weight is expected: {dtypes}"] if dtypes else []
         raise CheckpointError("checkpoint does not match the model config; " + "; ".join(parts))
-    model.load_state_dict(state, strict=True, assign=True)
-    model._apply(lambda t: t)  # identity; lets Router._apply restore its fp32 weight and bias
+    model.load_state_dict(state, strict=True, assign=True)  # KeepFP32 modules upcast bf16 entries (exact)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 

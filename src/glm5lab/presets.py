@@ -63,12 +63,15 @@ def tiny() -> ModelConfig:
 
 def small() -> ModelConfig:
     """The default training model: about 5M activated parameters, every lever on (MoE with a
-    shared expert, MLA, DSA with top-64 below the 256-token training length, index sharing, MTP)."""
+    shared expert, MLA, DSA with top-64 below the 256-token training length, index sharing, MTP).
+    16 indexer heads (as `tiny`): with 4, a trained model's index scores tie exactly (all ReLUs
+    0) at the top-k boundary on a large share of query rows, where the selection rule, not the
+    model, decides (measured in BENCHMARKS.md, "Index-score ties")."""
     return ModelConfig(
         vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=2,
-        first_k_dense_replace=1, index_topk=64, index_n_heads=4, index_head_dim=32,
+        first_k_dense_replace=1, index_topk=64, index_n_heads=16, index_head_dim=32,
         indexer_types=["full", "full", "shared", "full", "shared", "full"], rope_theta=10000.0,
         max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
     )

@@ -416,16 +416,16 @@ def test_mtp_step_cached_equals_uncached(tiny, impl):
     next_ids = ids[:, 1:]
     layer, cfg = tiny.model.mtp_layers[0], tiny.config
     cos, sin = rope_angles(torch.arange(12), cfg.qk_rope_head_dim, cfg.rope_theta)
-    z_ref, h_ref, _ = layer(hidden, tiny.model.embed_tokens(next_ids), cos, sin, attn_impl="naive")
+    h_ref, _ = layer(hidden, tiny.model.embed_tokens(next_ids), cos, sin, attn_impl="naive")
     cache = KVCache.for_mtp(tiny, 2, 12)
-    zs, logits, pos = [], [], 0
+    hs, logits, pos = [], [], 0
     for T in (5, 1, 3, 1, 2):
-        z, lg = tiny.mtp_step(hidden[:, pos:pos + T], next_ids[:, pos:pos + T], cache=cache, attn_impl=impl)
-        zs.append(z)
+        h, lg = tiny.mtp_step(hidden[:, pos:pos + T], next_ids[:, pos:pos + T], cache=cache, attn_impl=impl)
+        hs.append(h)
         logits.append(lg)
         pos += T
     assert cache.lengths.tolist() == [12, 12]
-    assert_close(torch.cat(zs, dim=1), z_ref)
+    assert_close(torch.cat(hs, dim=1), h_ref)
     assert_close(torch.cat(logits, dim=1), tiny.lm_head(h_ref))
 
 
@@ -436,12 +436,12 @@ def test_mtp_step_on_gqa_layer(mixed):
     hidden = model(ids).hidden_states[:, :10]
     layer, cfg = model.model.mtp_layers[0], model.config
     cos, sin = rope_angles(torch.arange(10), cfg.qk_rope_head_dim, cfg.rope_theta)
-    z_ref, h_ref, _ = layer(hidden, model.model.embed_tokens(ids[:, 1:]), cos, sin, attn_impl="naive")
+    h_ref, _ = layer(hidden, model.model.embed_tokens(ids[:, 1:]), cos, sin, attn_impl="naive")
     cache = KVCache.for_mtp(model, 2, 10)
     assert set(cache.layers[0]) == {"k", "v"}
-    z1, l1 = model.mtp_step(hidden[:, :7], ids[:, 1:8], cache=cache)
-    z2, l2 = model.mtp_step(hidden[:, 7:], ids[:, 8:], cache=cache)
-    assert_close(torch.cat([z1, z2], dim=1), z_ref)
+    h1, l1 = model.mtp_step(hidden[:, :7], ids[:, 1:8], cache=cache)
+    h2, l2 = model.mtp_step(hidden[:, 7:], ids[:, 8:], cache=cache)
+    assert_close(torch.cat([h1, h2], dim=1), h_ref)
     assert_close(torch.cat([l1, l2], dim=1), model.lm_head(h_ref))
 
 

@@ -52,12 +52,13 @@ def test_recursion_matches_hand_written_unroll(tiny_model):
     out = m(ids, mtp_depth=3, attn_impl="naive", moe_impl="loop")
     layer = m.model.mtp_layers[0]
     cos, sin = rope_angles(torch.arange(10), m.config.qk_rope_head_dim, m.config.rope_theta)
-    z = out.hidden_states
+    h = out.hidden_states  # after the main model's final norm
     for j in (1, 2, 3):
         L = 10 - j
-        h = layer.eh_proj(torch.cat([layer.enorm(m.model.embed_tokens(ids[:, j:])), layer.hnorm(z[:, :L])], -1))
-        z, _, _ = DecoderLayer.forward(layer, h, cos[:L], sin[:L], attn_impl="naive", moe_impl="loop")
-        assert_close(out.mtp_logits[j - 1], m.lm_head(layer.shared_head.norm(z)))
+        x = layer.eh_proj(torch.cat([layer.enorm(m.model.embed_tokens(ids[:, j:])), layer.hnorm(h[:, :L])], -1))
+        z, _, _ = DecoderLayer.forward(layer, x, cos[:L], sin[:L], attn_impl="naive", moe_impl="loop")
+        h = layer.shared_head.norm(z)  # what the head reads is what the next depth receives
+        assert_close(out.mtp_logits[j - 1], m.lm_head(h))
 
 
 def test_depth_j_at_t_sees_tokens_up_to_t_plus_j_only(tiny_model):

@@ -200,13 +200,15 @@ def test_nonfinite_gradient_is_named():
 
 
 def test_tiny_overfit_drives_every_mtp_depth_near_zero():
-    """Labels are shifted exactly once: on one memorised batch every depth can reach ~0 loss."""
+    """Labels are shifted exactly once: on one memorised batch every depth can reach ~0 loss.
+    (lr 5e-3: at 1e-2 the LM loss of some seeds still spikes at step 200; 5e-3 reaches ~0.002 on
+    every depth for seeds 0-3.)"""
     torch.manual_seed(0)
     cfg = ModelConfig.from_preset("tiny", index_topk=64)
     model = GLM5ForCausalLM(cfg)
     window = torch.randint(0, 256, (2, 17))
-    stage = Stage("dense", 200, 1e-2, 16, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stage = Stage("dense", 200, 5e-3, 16, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     for _ in range(200):
         losses = stage_losses(model, window, stage)
         losses.total.backward()

@@ -33,7 +33,7 @@ Contracts, as lm-eval's HFLM (`lm_eval/models/huggingface.py`) for a causal mode
 - Batching: requests are sorted longest first and run `batch_size` at a time, right-padded
   (causal attention, DSA top-k over earlier keys only and per-token MoE routing keep padding
   from touching real positions; the test checks batched == one-at-a-time).
-- dtype "auto": float32 on CPU, bfloat16 on CUDA (router weight and bias stay fp32).
+- dtype "auto": float32 on CPU, bfloat16 on CUDA (the router and indexer precision values stay fp32, `glm5lab.model.precision`).
 """
 
 from __future__ import annotations

@@ -244,21 +244,21 @@ class _Run:
         rows = torch.arange(len(pend_n), device=self.device)
         true_len = mtp_cache.lengths + pend_n
         chunk = self.chunk or pend_h.shape[1]
-        z_N1D, logits_NV = torch.empty_like(pend_h[:, :1]), None
+        h_N1D = torch.empty_like(pend_h[:, :1])  # each row's last pending pair's MTP state (post-norm)
         for c0 in range(0, pend_h.shape[1], chunk):  # the first round's pairs span the whole prompt
-            z, _ = self.model.mtp_step(pend_h[:, c0:c0 + chunk], pend_ids[:, c0:c0 + chunk], cache=mtp_cache,
+            h, _ = self.model.mtp_step(pend_h[:, c0:c0 + chunk], pend_ids[:, c0:c0 + chunk], cache=mtp_cache,
                                        attn_impl=self.attn_impl, with_logits=False)
-            ends_here = (pend_n - 1 >= c0) & (pend_n - 1 < c0 + z.shape[1])
-            z_N1D[ends_here] = z[rows[ends_here], (pend_n - 1 - c0)[ends_here]][:, None]
+            ends_here = (pend_n - 1 >= c0) & (pend_n - 1 < c0 + h.shape[1])
+            h_N1D[ends_here] = h[rows[ends_here], (pend_n - 1 - c0)[ends_here]][:, None]
         mtp_cache.truncate(true_len)
-        logits_NV = self.model.lm_head(self.model.model.mtp_layers[0].shared_head.norm(z_N1D))[:, 0]
+        logits_NV = self.model.lm_head(h_N1D)[:, 0]
         drafts, qs = [], []
         for j in range(k):
             d_N, q_NV = self.choose(logits_NV)
             drafts.append(d_N)
             qs.append(q_NV)
-            if j + 1 < k:
-                z_N1D, logits = self.model.mtp_step(z_N1D, d_N[:, None], cache=mtp_cache, attn_impl=self.attn_impl)
+            if j + 1 < k:  # the next draft reads this one's post-norm state, as training's depth j+1 does
+                h_N1D, logits = self.model.mtp_step(h_N1D, d_N[:, None], cache=mtp_cache, attn_impl=self.attn_impl)
                 logits_NV = logits[:, -1]
         mtp_cache.truncate(true_len)
         return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)

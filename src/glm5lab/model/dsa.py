@@ -10,6 +10,11 @@ q_i comes from the MLA query latent (`wq_b`), k from the hidden state (`wk` then
 k (GLM-5: interleaved pairing; DeepSeek-V3.2: half). Keys after the query are excluded (-inf),
 and each query keeps its top min(K, S) keys; ties go to the earlier position.
 
+Precision: `weights_proj` and `k_norm` are fp32 parameters that no model cast rounds
+(`glm5lab.model.precision`; DeepSeek-V3.2's inference code keeps both fp32); w, the dot products,
+the ReLU and the head sum run in fp32 with autocast off, so the top-k is chosen from fp32 scores
+in every model dtype. `wq_b` and `wk` follow the model dtype (q and k are then upcast).
+
 Source: DeepSeek-V3.2 (DSA) and transformers' `GlmMoeDsaIndexer` (the reference for names,
 scaling and the interleaved RoPE).
 """
@@ -17,11 +22,11 @@ scaling and the interleaved RoPE).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.attention import TopK
+from glm5lab.model.precision import FP32LayerNorm, FP32Linear, fp32_compute
 from glm5lab.model.rope import apply_rope
 
 
@@ -32,8 +37,8 @@ class LightningIndexer(nn.Module):
         self.rope_dim, self.interleaved = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.k_norm = FP32LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = FP32Linear(cfg.hidden_size, self.n_heads, bias=False)
 
     def _rope(self, x, cos, sin):
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -52,9 +57,10 @@ class LightningIndexer(nn.Module):
         LongTensor [B] with one offset per row (cached decoding of rows of different lengths)."""
         B, T, _ = x_BTD.shape
         q_BTIJ = self._rope(self.wq_b(q_lat_BTQ).view(B, T, self.n_heads, self.head_dim), cos_TR2, sin_TR2)
-        dots_BTIS = torch.einsum("btij,bsj->btis", q_BTIJ.float(), k_BSJ.float()) * self.head_dim**-0.5
-        w_BTI = F.linear(x_BTD.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5
-        scores_BTS = torch.einsum("bti,btis->bts", w_BTI, dots_BTIS.relu())
+        w_BTI = self.weights_proj(x_BTD).float() * self.n_heads**-0.5
+        with fp32_compute(x_BTD.device):
+            dots_BTIS = torch.einsum("btij,bsj->btis", q_BTIJ.float(), k_BSJ.float()) * self.head_dim**-0.5
+            scores_BTS = torch.einsum("bti,btis->bts", w_BTI, dots_BTIS.relu())
         return scores_BTS.masked_fill(~_visible(q_offset, B, T, k_BSJ.shape[1], x_BTD.device), float("-inf"))
 
 

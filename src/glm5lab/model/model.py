@@ -28,7 +28,7 @@ from glm5lab.model.rope import rope_angles
 @dataclass
 class CausalLMOutput:
     """logits [B, T, V]; mtp_logits[j-1] [B, T-j, V] predicts token t+j+1 (empty unless asked);
-    hidden_states [B, T, D] after the final norm (the MTP module's z^(0))."""
+    hidden_states [B, T, D] after the final norm (the MTP module's h^(0))."""
 
     logits: torch.Tensor
     hidden_states: torch.Tensor
@@ -142,12 +142,15 @@ class GLM5ForCausalLM(nn.Module):
                  attn_impl: str = "auto", moe_impl: str = "auto",
                  with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached application of the MTP layer (the speculative draft head): for each row's T
-        new pairs (h_t, x_{t+1}), returns (z [B, T, D], logits [B, T, V]) predicting x_{t+2}.
+        new pairs (h_t, x_{t+1}), returns (h' [B, T, D], logits [B, T, V]) predicting x_{t+2};
+        h' is the MTP block's output after `shared_head.norm`, what the logits are computed from.
 
         hidden_BTD: the main model's `hidden_states` (post final norm) or, for the next draft
-        step, the z this method returned; next_ids: int64 [B, T]; cache: `KVCache.for_mtp(self,
-        ...)`, whose entry at slot t is pair t (positions follow the cache, as in vLLM/SGLang's
-        MTP drafting). with_logits=False skips the output head (logits None). Raises ValueError without an MTP layer, CacheOverflowError past capacity."""
+        step, the h' this method returned (post-norm at every depth, as in training: see
+        `glm5lab.model.mtp`); next_ids: int64 [B, T]; cache: `KVCache.for_mtp(self, ...)`, whose
+        entry at slot t is pair t (positions follow the cache, as in vLLM/SGLang's MTP drafting).
+        with_logits=False skips the output head (logits None). Raises ValueError without an MTP
+        layer, CacheOverflowError past capacity."""
         if not self.config.num_nextn_predict_layers:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0): nothing to draft with")
         self._check_input(next_ids, 0)
@@ -157,10 +160,10 @@ class GLM5ForCausalLM(nn.Module):
         cfg = self.config
         step = cache.begin(next_ids.shape[1])
         cos, sin = rope_angles(step.positions(), cfg.qk_rope_head_dim, cfg.rope_theta)
-        z_BTD, h_BTD, _ = self.model.mtp_layers[0](hidden_BTD, self.model.embed_tokens(next_ids), cos, sin,
-                                                   attn_impl=attn_impl, moe_impl=moe_impl, cache=step.layer(0))
+        h_BTD, _ = self.model.mtp_layers[0](hidden_BTD, self.model.embed_tokens(next_ids), cos, sin,
+                                            attn_impl=attn_impl, moe_impl=moe_impl, cache=step.layer(0))
         cache.commit(step)
-        return z_BTD, (self.lm_head(h_BTD) if with_logits else None)
+        return h_BTD, (self.lm_head(h_BTD) if with_logits else None)
 
     def _check_input(self, input_ids: torch.Tensor, mtp_depth: int) -> None:
         """TypeError: `input_ids` not a tensor, `mtp_depth` not an int. ValueError: not an integer
@@ -190,7 +193,14 @@ class GLM5ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, mtp: bool | None = None):
-        """Load an HF-layout folder (config.json + safetensors, sharded or not). See `glm5lab.hf.load_pretrained`."""
+        """Load an HF-layout folder (config.json + safetensors, sharded or not). See `glm5lab.hf.load_pretrained`.
+
+        The loaded model computes transformers' `GlmMoeDsaForCausalLM` logits (fp32: within
+        1e-4) except at exact ties of index scores at a DSA query's top-k boundary: glm5lab keeps
+        the earlier key, transformers' `torch.topk` picks among equal scores arbitrarily, so from
+        such a query on the two can differ (README, "Parity at index-score ties"). dtype: the
+        router's weight and bias and the indexer's `weights_proj`/`k_norm` stay fp32 with the
+        checkpoint's exact values (`glm5lab.model.precision`)."""
         from glm5lab.hf import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, device=device, mtp=mtp)

@@ -3,7 +3,8 @@
 Legend: N tokens, D hidden, E routed experts, K experts per token (`num_experts_per_tok`),
 I expert width (`moe_intermediate_size`), A = N*K assignments, T tiles of M rows.
 
-Router (DeepSeek-V3 "noaux_tc", as transformers' `GlmMoeDsaTopkRouter`), all in fp32:
+Router (DeepSeek-V3 "noaux_tc", as transformers' `GlmMoeDsaTopkRouter`), all in fp32 (weight and
+bias are fp32 tensors that no model cast rounds, see `glm5lab.model.precision`):
     s = sigmoid(x W_r^T);  choice = s + e_score_correction_bias   (bias: selection only)
     group-limited: keep the `topk_group` groups with the largest sum of their top-2 choices
     idx = top-K of choice;  w = s[idx] / (sum s[idx] + 1e-20) if norm_topk_prob;  w *= routed_scaling_factor
@@ -25,6 +26,7 @@ from torch import nn
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.mlp import MLP
+from glm5lab.model.precision import KeepFP32, fp32_compute
 
 EXPERT_IMPLS = ("auto", "grouped", "loop")
 LOOP_MAX_ASSIGNMENTS_PER_EXPERT = 1
@@ -38,7 +40,12 @@ def _topk_by_position(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-class Router(nn.Module):
+class Router(KeepFP32):
+    """The sigmoid router. Its weight [E, D] (a parameter) and `e_score_correction_bias` [E] (a
+    buffer) are fp32 and keep their exact values through `.to(bf16)`, `.half()`, `from_pretrained(
+    dtype=...)` and `load_state_dict` (`KeepFP32`): the bias decides the top-K, and GLM-5.2's
+    biases differ by less than bf16's step at their magnitude."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E = cfg.n_routed_experts
@@ -47,15 +54,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
-    def _apply(self, fn, recurse=True):
-        # Router weight and bias stay fp32 whatever dtype the model is cast to (as in transformers).
-        super()._apply(fn, recurse)
-        self.weight.data = self.weight.data.float()
-        self.e_score_correction_bias = self.e_score_correction_bias.float()
-        return self
-
     def forward(self, x_ND: torch.Tensor):
-        """Returns (w_NK fp32 combine weights, idx_NK int64 expert ids, scores_NE fp32 sigmoid)."""
+        """x_ND: hidden states [N, D], any floating dtype. Returns (w_NK fp32 combine weights,
+        idx_NK int64 expert ids, scores_NE fp32 sigmoid); every step in fp32, autocast off."""
+        with fp32_compute(x_ND.device):
+            return self._route(x_ND)
+
+    def _route(self, x_ND: torch.Tensor):
         N, E = x_ND.shape[0], self.weight.shape[0]
         scores_NE = F.linear(x_ND.float(), self.weight.float()).sigmoid()
         choice_NE = scores_NE.detach() + self.e_score_correction_bias

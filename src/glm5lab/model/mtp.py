@@ -4,15 +4,25 @@ Legend: B batch, T positions, D hidden, V vocab, j depth (1..D_mtp).
 
 One module phi (DeepSeek-V3 layout: `enorm`, `hnorm`, `eh_proj`, one decoder block,
 `shared_head.norm`; embedding and output head shared with the main model) is applied
-recursively:
-    z^(0) = main model's final hidden state (after its final norm, as vLLM/SGLang feed it)
-    z^(j)_t = Block(eh_proj([enorm(emb(x_{t+j})) ; hnorm(z^(j-1)_t)]))
-    logits^(j)_t = lm_head(shared_head.norm(z^(j)_t))  predicts x_{t+j+1}
-Depth j is computed on positions t = 0..T-1-j only (where x_{t+j} exists), so its logits are
-[B, T-j, V]; the last one predicts the token after the sequence. The same parameters serve
-every depth: the report's "unrolled 3 times in training", and the draft head of speculative
-decoding. Source: DeepSeek-V3 section 2.2; the seed's `SharedMTP` example (semantics kept as a
-test); GLM-5 report (shared-parameter MTP).
+recursively, and every depth hands on the state after its final norm:
+    h^(0) = the main model's final hidden state, after its final norm
+    h^(j)_t = shared_head.norm(Block(eh_proj([enorm(emb(x_{t+j})) ; hnorm(h^(j-1)_t)])))
+    logits^(j)_t = lm_head(h^(j)_t)  predicts x_{t+j+1}
+So what the output head reads at depth j is also what depth j+1 receives: one kind of input
+(post-norm) for the one shared parameter set at every depth. Depth j is computed on positions
+t = 0..T-1-j only (where x_{t+j} exists), so its logits are [B, T-j, V]; the last one predicts
+the token after the sequence. The same parameters serve every depth: the report's "unrolled 3
+times in training", and the draft head of speculative decoding (`GLM5ForCausalLM.mtp_step`
+returns h^(j) for the next draft step).
+
+Sources: DeepSeek-V3 section 2.2; GLM-5 report (shared-parameter MTP); the seed's `SharedMTP`
+example (the state the head reads is the state that chains; kept as a test). The post-norm chain
+is Megatron-LM's, which trained GLM-5: `megatron/core/transformer/multi_token_prediction.py`,
+`MultiTokenPredictionLayer._proj_and_transformer_layer` ends with `_postprocess` (its
+`final_layernorm`, our `shared_head.norm`) and `MultiTokenPredictionBlock.forward` feeds that
+output to the next depth (`mtp_use_repeated_layer` = one shared layer). Serving engines chain the
+same state when drafting GLM-5: vLLM (PRs #45895, #47448: "recycle the post-final-norm hidden";
+GLM-5.2's acceptance length 3.04 -> 3.46 in ROCm/ATOM PR #1742) and SGLang's `deepseek_nextn`.
 """
 
 from __future__ import annotations
@@ -44,29 +54,33 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
-    def forward(self, z_BLD, emb_BLD, cos_LR2, sin_LR2, **opts):
-        """One depth: (next z [B, L, D], shared_head.norm(next z) for the output head, this
-        layer's indexer KL or None), from the previous z and the next tokens' embeddings.
-        Everything runs inside this call, so wrappers that act on `__call__` (FSDP2 unsharding,
-        activation checkpointing) cover it. opts: as `DecoderLayer.forward` (with `cache`, the MTP
-        layer's own `LayerStep`: speculative drafting, see `glm5lab.infer.speculative`)."""
-        joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(z_BLD)], dim=-1)
+    def forward(self, h_BLD, emb_BLD, cos_LR2, sin_LR2, **opts):
+        """One depth: (h^(j) [B, L, D], this layer's indexer KL or None) from h^(j-1) [B, L, D]
+        (the main model's post-norm hidden state at depth 1, the previous depth's output after)
+        and the next tokens' embeddings [B, L, D]. h^(j) is the block output after
+        `shared_head.norm`: the output head's input and the next depth's. Everything runs inside
+        this call, so wrappers that act on `__call__` (FSDP2 unsharding, activation
+        checkpointing) cover it. opts: as `DecoderLayer.forward` (with `cache`, the MTP layer's own
+        `LayerStep`: speculative drafting, see `glm5lab.infer.speculative`)."""
+        joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1)
         z_BLD, _, kl = super().forward(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **opts)
-        return z_BLD, self.shared_head.norm(z_BLD), kl
+        return self.shared_head.norm(z_BLD), kl
 
 
-def mtp_unroll(mtp_layer, embed, lm_head, z0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **opts):
-    """(logits of depths 1..depth, indexer KLs): logits[j-1] is [B, T-j, V]; the KL list has one
-    entry per depth when opts ask for `indexer_loss` and the layer has an indexer, else is empty.
-    One shared parameter set. Raises ValueError unless 1 <= depth <= T-1 (depth j reads token t+j)."""
+def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **opts):
+    """(logits of depths 1..depth, indexer KLs) from h0_BTD, the main model's hidden state after
+    its final norm: logits[j-1] is [B, T-j, V]; depth j+1 receives depth j's post-norm state. The
+    KL list has one entry per depth when opts ask for `indexer_loss` and the layer has an indexer,
+    else is empty. One shared parameter set. Raises ValueError unless 1 <= depth <= T-1 (depth j
+    reads token t+j)."""
     T = input_ids_BT.shape[1]
     if not 1 <= depth <= T - 1:
         raise ValueError(f"mtp_depth={depth} is not allowed for a sequence of {T} tokens: 1..{T - 1} "
                          "(depth j reads token t+j)")
-    z_BLD, logits, kls = z0_BTD, [], []
+    h_BLD, logits, kls = h0_BTD, [], []
     for j in range(1, depth + 1):
         L = T - j
-        z_BLD, h_BLD, kl = mtp_layer(z_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **opts)
+        h_BLD, kl = mtp_layer(h_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **opts)
         logits.append(lm_head(h_BLD))
         if kl is not None:
             kls.append(kl)

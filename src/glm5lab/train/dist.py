@@ -48,17 +48,30 @@ def setup() -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size(), device)
 
 
-def shard_model(model, ctx: DistContext):
+def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = None):
     """Move to the device; with several ranks, shard parameters with FSDP2. Returns the module
-    to call (the same object: fully_shard works in place)."""
+    to call (the same object: fully_shard works in place).
+
+    param_dtype: FSDP2 mixed precision (e.g. torch.bfloat16): parameters are all-gathered and
+    computed in this dtype, gradients reduced in fp32, master weights stay fp32. The `KeepFP32`
+    modules of each block (router, indexer weights_proj and k_norm; `glm5lab.model.precision`)
+    form their own FSDP group with an fp32 policy, so their values reach the forward unrounded.
+    None (default) = no FSDP casting (the training loop uses bf16 autocast on CUDA instead)."""
     model.to(ctx.device)
     if ctx.world_size == 1:
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from glm5lab.model.precision import KeepFP32
+
+    low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in list(model.model.layers) + list(model.model.mtp_layers):
-        fully_shard(layer)
-    fully_shard(model)
+        keep = [m for m in layer.modules() if isinstance(m, KeepFP32) and any(True for _ in m.parameters())]
+        if param_dtype is not None and keep:
+            fully_shard(keep, mp_policy=fp32)
+        fully_shard(layer, mp_policy=low)
+    fully_shard(model, mp_policy=low)
     return model
 
 

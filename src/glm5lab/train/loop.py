@@ -57,7 +57,7 @@ class TrainArgs:
     batch_size: int = 8
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float = 1.5e-2
     eval_every: int = 50
     eval_batches: int = 8
     checkpoint_every: int = 100
