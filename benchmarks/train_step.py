@@ -70,8 +70,9 @@ PARITY_RTOL = 1e-5
 (where both attend densely), must give the same loss to this relative error. Observed: equal to
 7 digits. Garbage checks (small preset, random init, 64 tokens): one layer's routed experts
 reversed 2.1e-3, one layer's kv_b_proj rows reversed 1.6e-4: both fail it. (At full length with
---dsa the two differ by ~7e-5 because of top-k ties: the small preset's 4 indexer heads give
-exactly equal ReLU scores at the boundary in ~6% of rows; ours keeps the earlier key.)"""
+--dsa the two differed by ~7e-5 because of top-k ties: the small preset's then 4 indexer heads
+gave exactly equal ReLU scores at the boundary in ~6% of rows; ours keeps the earlier key. It has
+16 since issue 11, and such ties are rare: BENCHMARKS.md, "Index-score ties".)"""
 
 
 def parse_args(argv=None) -> argparse.Namespace:

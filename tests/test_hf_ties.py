@@ -4,7 +4,8 @@ With few indexer heads an index score is often exactly 0 (every head's ReLU is 0
 keys can tie at the top-k boundary. glm5lab breaks such ties by position (the earlier key wins,
 deterministic, cached == uncached); transformers calls `torch.topk`, whose choice among equal
 values is unspecified. This file pins, on a 2-indexer-head model written by transformers:
-- the two selections are the same set on every query row without a boundary tie;
+- on the same scores, the two selections are the same set on every query row without a
+  boundary tie (after a tied row the two models' states differ, so their scores do too);
 - the logits agree to the fp32 bar at every position before the first tie row (ties are the
   only source of difference), and with `torch.topk` swapped in for our selection they agree
   everywhere;

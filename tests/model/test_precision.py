@@ -90,6 +90,21 @@ def test_wider_casts_apply_and_narrow_ones_stop_at_fp32():
     model(ids)
 
 
+def test_narrow_weights_handed_in_from_outside_still_compute_in_fp32():
+    """torch.func.functional_call with bf16 tensors bypasses the module's own (fp32) weights: the
+    kept modules still compute in fp32 (from the bf16 values) and return fp32."""
+    model = _model()
+    indexer, gate = model.model.layers[0].self_attn.indexer, model.model.layers[1].mlp.gate
+    x = torch.randn(3, model.config.hidden_size)
+    w16 = {k: v.bfloat16() for k, v in indexer.weights_proj.state_dict().items()}
+    out = torch.func.functional_call(indexer.weights_proj, w16, (x.bfloat16(),))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.nn.functional.linear(x.bfloat16().float(), w16["weight"].float()))
+    g16 = {k: v.bfloat16() for k, v in gate.state_dict().items()}
+    w, idx, scores = torch.func.functional_call(gate, g16, (x,))
+    assert w.dtype == scores.dtype == torch.float32
+
+
 def test_cast_with_gradients_keeps_them_fp32():
     model = _model()
     model(torch.randint(0, 512, (1, 12)), mtp_depth=1).logits.sum().backward()

@@ -87,7 +87,8 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     top_p restrict sampling (see `glm5lab.infer.sampling`); seed makes sampling reproducible.
     speculative: None, or "mtp" to draft `draft_steps` tokens per round with the shared MTP
     layer and verify them in one forward (the output distribution is the target's; greedy
-    output equals plain greedy). stop_tokens: a row ends after emitting one of these.
+    output equals plain greedy in fp32, and may differ at near-ties in bf16, where a k+1-token
+    verification and a 1-token step round differently). stop_tokens: a row ends after emitting one of these.
     prefill_chunk: prefill in pieces of this many tokens (default 256; None = the whole prompt
     in one forward: same result, more memory, slower on CPU as it computes the full causal square). on_tokens:
     called after each step with the tokens each row just emitted (streaming).

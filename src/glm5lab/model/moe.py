@@ -26,7 +26,7 @@ from torch import nn
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.mlp import MLP
-from glm5lab.model.precision import KeepFP32, fp32_compute
+from glm5lab.model.precision import KeepFP32, compute_dtype, fp32_compute
 
 EXPERT_IMPLS = ("auto", "grouped", "loop")
 LOOP_MAX_ASSIGNMENTS_PER_EXPERT = 1
@@ -56,13 +56,15 @@ class Router(KeepFP32):
 
     def forward(self, x_ND: torch.Tensor):
         """x_ND: hidden states [N, D], any floating dtype. Returns (w_NK fp32 combine weights,
-        idx_NK int64 expert ids, scores_NE fp32 sigmoid); every step in fp32, autocast off."""
+        idx_NK int64 expert ids, scores_NE fp32 sigmoid); every step in fp32 (fp64 in an fp64
+        model), autocast off."""
         with fp32_compute(x_ND.device):
             return self._route(x_ND)
 
     def _route(self, x_ND: torch.Tensor):
         N, E = x_ND.shape[0], self.weight.shape[0]
-        scores_NE = F.linear(x_ND.float(), self.weight.float()).sigmoid()
+        dtype = compute_dtype(self.weight)  # fp32 (fp64 in an fp64 model)
+        scores_NE = F.linear(x_ND.to(dtype), self.weight.to(dtype)).sigmoid()
         choice_NE = scores_NE.detach() + self.e_score_correction_bias
         if self.n_group > 1:
             choice_NGe = choice_NE.view(N, self.n_group, E // self.n_group)

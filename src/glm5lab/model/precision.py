@@ -50,6 +50,12 @@ def _at_least_fp32(fn):
     return apply
 
 
+def compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """fp32, or the weight's dtype when it is wider (fp64): what the kept modules compute in, even
+    when handed narrower weights (e.g. through `torch.func.functional_call`)."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
 def fp32_compute(device: torch.device):
     """A context that turns autocast off on `device` (a no-op where autocast does not exist, e.g.
     on the meta device), so explicit fp32 operations stay fp32."""
@@ -79,15 +85,17 @@ class KeepFP32(nn.Module):
 
 class FP32Linear(KeepFP32, nn.Linear):
     """nn.Linear whose weight is created and kept fp32 (fp64 in an fp64 model); forward: [..., out]
-    in the weight's dtype from x [..., in] of any floating dtype (autocast off). The indexer's `weights_proj` (DeepSeek-V3.2 keeps it
+    in `compute_dtype` (fp32, or fp64) from x [..., in] of any floating dtype (autocast off). The indexer's `weights_proj` (DeepSeek-V3.2 keeps it
     fp32)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(self.weight)
         with fp32_compute(x.device):
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return F.linear(x.to(dtype), self.weight.to(dtype), bias)
 
 
 class FP32LayerNorm(KeepFP32, nn.LayerNorm):
@@ -98,6 +106,7 @@ class FP32LayerNorm(KeepFP32, nn.LayerNorm):
         super().__init__(dim, eps=eps, device=device, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(self.weight)
         with fp32_compute(x.device):
-            return F.layer_norm(x.to(self.weight.dtype), self.normalized_shape, self.weight, self.bias,
+            return F.layer_norm(x.to(dtype), self.normalized_shape, self.weight.to(dtype), self.bias.to(dtype),
                                 self.eps).to(x.dtype)

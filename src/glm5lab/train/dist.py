@@ -56,7 +56,8 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     computed in this dtype, gradients reduced in fp32, master weights stay fp32. The `KeepFP32`
     modules of each block (router, indexer weights_proj and k_norm; `glm5lab.model.precision`)
     form their own FSDP group with an fp32 policy, so their values reach the forward unrounded.
-    None (default) = no FSDP casting (the training loop uses bf16 autocast on CUDA instead)."""
+    None (default) = no FSDP casting (the training loop uses bf16 autocast on CUDA instead).
+    Only with several ranks: a single process is not sharded, and its model keeps its dtype."""
     model.to(ctx.device)
     if ctx.world_size == 1:
         return model
