@@ -32,6 +32,7 @@ from speculative import held_out_prompts
 
 import glm5lab.model.mla as mla
 from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.model.dsa import boundary_ties
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,12 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def boundary_ties(scores_BTS: torch.Tensor, k: int) -> tuple[int, int, int]:
+def count_ties(scores_BTS: torch.Tensor, k: int) -> tuple[int, int, int]:
     """(rows with more than k causal keys, of which tied at the k-th place, of which at score 0)."""
-    best = scores_BTS.sort(-1, descending=True).values
     rows = scores_BTS.isfinite().sum(-1) > k
-    tie = rows & (best[..., k - 1] == best[..., k])
-    return int(rows.sum()), int(tie.sum()), int((tie & (best[..., k - 1] == 0)).sum())
+    tie = boundary_ties(scores_BTS, k)
+    kth = scores_BTS.topk(min(k, scores_BTS.shape[-1]), dim=-1).values[..., -1]
+    return int(rows.sum()), int(tie.sum()), int((tie & (kth == 0)).sum())
 
 
 def measure(model, prompts: list[list[int]]) -> list[dict]:
@@ -64,7 +65,7 @@ def measure(model, prompts: list[list[int]]) -> list[dict]:
     seen, original = [], mla.select_topk
 
     def record(scores, k, **kw):
-        seen.append(boundary_ties(scores, k))
+        seen.append(count_ties(scores, k))
         return original(scores, k, **kw)
 
     mla.select_topk = record

@@ -19,6 +19,7 @@ import torch
 import glm5lab.model.mla as mla
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.model.attention import TopK
+from glm5lab.model.dsa import boundary_ties
 from tests.conftest import HF_LOGITS_ATOL
 
 T = 40
@@ -67,12 +68,6 @@ def _torch_topk(scores_BTS, k, *, q_offset=0):
 _ORIGINAL = mla.select_topk
 
 
-def _boundary_ties(scores_BTS, k) -> torch.Tensor:
-    """Bool [B, T]: rows with more than k causal keys whose k-th and (k+1)-th best scores are equal."""
-    best = scores_BTS.sort(-1, descending=True).values
-    return (scores_BTS.isfinite().sum(-1) > k) & (best[..., k - 1] == best[..., k])
-
-
 def test_selection_is_torch_topk_outside_tie_rows(two_head_folder, monkeypatch):
     seen = []
     monkeypatch.setattr(mla, "select_topk", lambda s, k, **kw: seen.append((s, k)) or _ORIGINAL(s, k, **kw))
@@ -80,7 +75,7 @@ def test_selection_is_torch_topk_outside_tie_rows(two_head_folder, monkeypatch):
     assert seen
     tie_rows = rows = 0
     for scores, k in seen:
-        ties = _boundary_ties(scores, k)
+        ties = boundary_ties(scores, k)
         ours = _ORIGINAL(scores, k).idx_BTK.sort(-1).values
         theirs = scores.topk(k, dim=-1).indices.sort(-1).values
         clean = ~ties & (scores.isfinite().sum(-1) > k)
@@ -94,7 +89,7 @@ def test_logits_agree_before_the_first_tie_and_everywhere_with_torch_topk(two_he
     seen = []
     monkeypatch.setattr(mla, "select_topk", lambda s, k, **kw: seen.append((s, k)) or _ORIGINAL(s, k, **kw))
     ours = _ours(two_head_folder, ids)
-    first_tie = torch.stack([_boundary_ties(s, k).float().argmax(-1) + (~_boundary_ties(s, k).any(-1)) * T
+    first_tie = torch.stack([boundary_ties(s, k).float().argmax(-1) + (~boundary_ties(s, k).any(-1)) * T
                              for s, k in seen]).amin(0)  # per row: the earliest position tied in any layer
     assert (first_tie < T).all()
     for b in range(ids.shape[0]):
@@ -102,3 +97,13 @@ def test_logits_agree_before_the_first_tie_and_everywhere_with_torch_topk(two_he
         assert (ours[b, :n] - theirs[b, :n]).abs().max() < HF_LOGITS_ATOL
     monkeypatch.setattr(mla, "select_topk", _torch_topk)
     assert (_ours(two_head_folder, ids) - theirs).abs().max() < HF_LOGITS_ATOL
+
+
+def test_boundary_ties_by_hand():
+    inf = float("inf")
+    scores = torch.tensor([[[3.0, 1.0, 1.0, 0.0],      # 2nd and 3rd best equal: tie at k=2
+                            [3.0, 2.0, 1.0, 1.0],      # tie only below the boundary
+                            [0.0, 0.0, -inf, -inf],    # 2 causal keys, k=2: everything selected
+                            [5.0, 0.0, 0.0, 0.0]]])    # zero-score tie
+    assert boundary_ties(scores, 2).tolist() == [[True, False, False, True]]
+    assert boundary_ties(scores, 4).tolist() == [[False, False, False, False]]

@@ -90,6 +90,17 @@ def select_topk(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     return TopK(idx_BTK, valid_BTK.expand(B, T, K))
 
 
+def boundary_ties(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool [B, T]: query rows whose k-th and (k+1)-th best scores are exactly equal, among rows
+    with more than k causal (finite) keys: the rows where the tie rule, not the scores, decides
+    the last selected key (ours: the earlier key; torch.topk: unspecified). scores_BTS as
+    `LightningIndexer.scores` returns them. A diagnostic (tests/test_hf_ties.py,
+    benchmarks/index_ties.py), not on the forward path."""
+    best = scores_BTS.sort(-1, descending=True).values
+    many = scores_BTS.isfinite().sum(-1) > k
+    return many & (best[..., k - 1] == best[..., k]) if scores_BTS.shape[-1] > k else many
+
+
 def _ranking_keys(scores_BTS: torch.Tensor) -> torch.Tensor:
     """int64 [B, T, S], all distinct per row, ordered as (score, -position): fp32 bits made
     order-preserving (negative floats get their magnitude bits flipped; -0.0 counts as +0.0),
