@@ -8,7 +8,8 @@ counts its three depths). Read over the steps after the first 10% of the run (th
 (step, layer) pairs, the share of pairs under 2, the worst layer's median, and the last step's
 worst layer; over the whole run, the step from which every layer stays under 2 to the end
 ("under 2 from step"; "never" when the last step is not). Validation loss: the run's summary.json
-(the whole held-out split).
+(the whole held-out split). Run folders are read with `glm5lab.report.collect.load_run`, as
+`glm5lab report` reads them.
 
     .venv/bin/python benchmarks/balance.py runs/sweep/bias-*            # one row per run folder
 
@@ -18,13 +19,14 @@ Prints a markdown table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, print_json_line
+
+from glm5lab.report.collect import NotARunError, load_run
 
 THRESHOLD = 2.0
 SKIP_FRACTION = 0.1
@@ -44,12 +46,12 @@ def _under_from(over: list[int], n_steps: int) -> int | None:
 
 def run_summary(run: Path) -> dict:
     """Imbalance and loss figures of one finished run folder. Raises SystemExit if it is not one."""
-    metrics, summary = run / "metrics.jsonl", run / "summary.json"
-    if not metrics.is_file() or not summary.is_file():
-        raise SystemExit(f"{run}: not a finished run (needs metrics.jsonl and summary.json)")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    rows = [r for r in rows if r.get("expert_load")]
-    args = json.loads((run / "run.json").read_text())["args"]
+    try:
+        rec = load_run(run)
+    except NotARunError as e:
+        raise SystemExit(str(e)) from None
+    rows = [r for r in rec.metrics if r.get("expert_load")]
+    args = rec.run["args"]
     skip = int(len(rows) * SKIP_FRACTION)
     later = rows[skip:]
     n_layers = len(rows[0]["expert_load"])
@@ -57,9 +59,8 @@ def run_summary(run: Path) -> dict:
     pairs = [x for layer in per_layer for x in layer]
     worst_per_step = [max(ratios(load) for load in r["expert_load"]) for r in rows]
     over = [i for i, x in enumerate(worst_per_step) if x >= THRESHOLD]
-    val = json.loads(summary.read_text())
     return {"run": str(run), "bias_update_rate": args.get("bias_update_rate"), "steps": len(rows),
-            "skipped_steps": skip, "val_loss": val["val_loss"], "worst": max(pairs),
+            "skipped_steps": skip, "val_loss": rec.summary["val_loss"], "worst": max(pairs),
             "median": statistics.median(pairs), "share_under_2": sum(x < THRESHOLD for x in pairs) / len(pairs),
             "worst_layer_median": max(statistics.median(layer) for layer in per_layer),
             "last_step_worst": worst_per_step[-1],

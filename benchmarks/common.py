@@ -1,4 +1,4 @@
-"""Small helpers shared by the benchmarks: timing, matmul peak, environment facts, output.
+"""Small helpers shared by the benchmarks: timing, matmul peak, output (environment facts: `glm5lab.environment`).
 
 Timing contract: wall-clock seconds from `time.perf_counter`, with the device synchronised
 before and after (a no-op on CPU). Cases are timed interleaved (A, B, C, A, B, C, ...) after a
@@ -8,13 +8,8 @@ alike rather than one of them; figures are medians over the repeats.
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import json
-import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,65 +66,6 @@ def matmul_case(*, n: int, dtype: torch.dtype, device, calls: int = 4) -> tuple[
     return fn, 2.0 * n**3 * calls
 
 
-def cpu_model() -> str:
-    """The 'model name' line of /proc/cpuinfo (else platform.processor())."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def load_average() -> list[float] | None:
-    """1, 5 and 15 minute load averages (None where the OS has none): other users' load."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], check=False, capture_output=True, text=True, cwd=repo,
-                          timeout=10).stdout.strip()
-
-
-def git_commit(repo: Path) -> str:
-    """HEAD's hash; when tracked files differ from it, "+uncommitted:" and the first 12 hex of
-    the sha1 of `git diff HEAD`, so two runs on the same uncommitted tree can be matched."""
-    try:
-        commit, diff = _git(repo, "rev-parse", "HEAD"), _git(repo, "diff", "HEAD")
-        tag = f"+uncommitted:{hashlib.sha1(diff.encode()).hexdigest()[:12]}" if diff else ""
-        return (commit or "unknown") + tag
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def env_facts(device) -> dict:
-    """What a reader needs to compare a figure with theirs: versions, CPU/GPU, threads, load."""
-    facts = {
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average_start": load_average(),
-        "git_commit": git_commit(Path(__file__).resolve().parent),
-        "device": str(device),
-    }
-    try:
-        import transformers
-
-        facts["transformers"] = transformers.__version__
-    except ImportError:
-        facts["transformers"] = None
-    if torch.device(device).type == "cuda":
-        facts["gpu"] = torch.cuda.get_device_name(device)
-    return facts
-
-
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -141,52 +77,38 @@ def print_json_line(record: dict) -> None:
     print(json.dumps(record, separators=(",", ":")), flush=True)
 
 
-# --- inference benchmarks (decode.py, prefill.py, speculative.py) ---------------------------------
-
-def bench_config(**overrides):
-    """The "wide attention" benchmark model: GLM-5's attention shapes at reduced width, so that
-    attention weighs in decode and prefill as it does in the real model (the `small` preset's
-    32-wide heads make attention negligible next to the MoE).
-
-    GLM-5's per-head dims (q/k 192 no-RoPE + 64 RoPE, v 256; latent 512 + 64 = 576 cached values
-    per token; indexer heads of 128), 8 heads over a 1024 hidden, q latent 768; DSA top-256 with 4
-    indexer heads on alternating full/shared layers; 2 layers (dense, then MoE with 8 routed
-    experts of 256 top-2 plus a shared one); vocab 4096; one MTP layer; positions up to 16384.
-    32.9M parameters in the main model (fp32: 132 MB), 16.6M more in the MTP layer. Built on `ModelConfig.from_preset("small")`, so every
-    field not named here is the small preset's (rope_theta 1e4, no bos/eos)."""
-    from glm5lab import ModelConfig
-
-    fields = {
-        "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 768,
-        "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
-        "use_dsa": True, "index_n_heads": 4, "index_head_dim": 128, "index_topk": 256,
-        "num_hidden_layers": 2, "indexer_types": ["full", "shared"], "first_k_dense_replace": 1,
-        "mlp_layer_types": None, "attention_types": None, "intermediate_size": 1024, "moe_intermediate_size": 256,
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "vocab_size": 4096,
-        "max_position_embeddings": 16384, "num_nextn_predict_layers": 1,
-    }
-    fields.update(overrides)
-    return ModelConfig.from_preset("small").replace(**fields)
-
+# --- inference benchmarks (decode.py, prefill.py, speculative.py; their model: the "bench" preset) ---
 
 def resolve_checkpoint(path) -> Path:
-    """A model folder from `--model`: a folder with config.json and safetensors weights as is; else
-    a run folder (whose own config.json has no weights beside it) or its `checkpoints/` folder, resolved through the `latest` pointer `glm5lab train` writes
-    (`RUN/checkpoints/latest` holds the name of the newest complete checkpoint).
-    Raises SystemExit with what was looked for when there is no model there."""
+    """A model folder from `--model`, as `glm5lab generate --model` resolves it
+    (`glm5lab.cli.generate.resolve_model_dir`: a checkpoint folder as is, a run folder through its
+    `checkpoints/latest`); a run's `checkpoints/` folder is taken as its run folder. Raises
+    SystemExit with what was looked for when there is no model there."""
+    from glm5lab.checkpoint import latest_pointer
+    from glm5lab.cli.generate import resolve_model_dir
+
     p = Path(path)
-    if (p / "config.json").is_file() and any(p.glob("*.safetensors*")):
-        return p
-    for root in (p / "checkpoints", p):
-        pointer = root / "latest"
-        if pointer.is_file():
-            folder = root / pointer.read_text().strip()
-            if (folder / "config.json").is_file():
-                return folder
-            raise SystemExit(f"{pointer} points to {folder}, which holds no config.json (incomplete checkpoint?)")
-    raise SystemExit(f"no model at {p}: expected a checkpoint folder (config.json + safetensors) or a run "
-                     f"folder with checkpoints/latest. Train one first: `.venv/bin/glm5lab train --out {p}` "
-                     f"(or `--quick` for a one-minute model)")
+    if p.name == "checkpoints" and latest_pointer(p.parent) is not None:
+        p = p.parent
+    try:
+        return resolve_model_dir(str(p))[0]
+    except FileNotFoundError as e:
+        raise SystemExit(f"{e}. Train one first: `.venv/bin/glm5lab train --out {p}` (or `--quick` for a "
+                         "one-minute model)") from None
+
+
+def setup_device(args) -> torch.device:
+    """The device of `--device` after `--threads`: torch.set_num_threads(args.threads) when given,
+    then args.device checked as `glm5lab generate --device` checks it
+    (`glm5lab.cli.generate.choose_device`). Raises SystemExit when CUDA is asked for and absent."""
+    from glm5lab.cli.generate import choose_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return torch.device(choose_device(args.device, None)[0])
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def model_dtype(device) -> torch.dtype:
@@ -212,23 +134,6 @@ def load_ours(folder, device, *, dtype: torch.dtype | None = None):
 
     model = GLM5ForCausalLM.from_pretrained(folder, dtype=dtype or model_dtype(device), device=device)
     return model.eval()
-
-
-def load_hf_twin(folder, device, *, attn_implementation: str = "eager", dtype: torch.dtype | None = None,
-                 **config_overrides):
-    """transformers' `GlmMoeDsaForCausalLM.from_pretrained(folder)` (our `save_pretrained` layout:
-    the same weights; it drops our MTP layer), eval mode. In transformers 5.24 both "eager" and
-    "sdpa" apply the DSA top-k mask (`GlmMoeDsaAttention.forward`: `if _attn_implementation in
-    ("eager", "sdpa")`: keys outside the indexer's top-k are masked); other implementations pass
-    the indices to a FlashMLA kernel instead."""
-    from transformers import GlmMoeDsaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # it reports our MTP layer's weights as unused: expected
-    hf_logging.disable_progress_bar()
-    hf = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=dtype or model_dtype(device),
-                                              attn_implementation=attn_implementation, **config_overrides)
-    return hf.to(device).eval()
 
 
 def hf_cache_bytes(cache) -> dict:

@@ -1,11 +1,12 @@
 """Greedy decode tokens/s: `glm5lab.generate` vs transformers' `generate`, same weights, 512-4K context.
 
-In one process, on one set of weights (the "wide attention" `bench_config()` at random init,
+In one process, on one set of weights (the "wide attention" `bench` preset at random init,
 seed 0, or a trained checkpoint with --model), for each context length: a random prompt of that
 many tokens, then `--new-tokens` N greedy tokens, batch 1, timed interleaved (see common.py):
 - ours: `glm5lab.generate(model, ids, N, prefill_chunk=256)`: prefill into the preallocated latent
-  `KVCache` (in chunks: the whole prompt at once takes ~2x longer, see BENCHMARKS.md), then
-  one cached forward per token (absorbed MLA over the 576-wide latent, gathered DSA top-k);
+  `KVCache` (`glm5lab.infer.prefill`, in chunks: the whole prompt at once takes ~2x longer, see
+  BENCHMARKS.md), then one `glm5lab.infer.decode_step` per token (absorbed MLA over the 576-wide
+  latent, gathered DSA top-k);
 - transformers: `GlmMoeDsaForCausalLM.from_pretrained` of the same folder,
   `model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)` (its DynamicCache;
   attention implementation --hf-attn, default sdpa, which in transformers 5.24 applies the DSA
@@ -47,24 +48,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
-    bench_config,
-    env_facts,
-    hf_cache_bytes,
-    load_average,
-    load_hf_twin,
-    load_ours,
-    markdown_table,
-    median,
-    print_json_line,
-    resolve_checkpoint,
-    save_random_model,
-    sync,
-    time_interleaved,
-    verdict,
-)
+from common import (hf_cache_bytes, load_ours, markdown_table, median, model_dtype, print_json_line,
+                    resolve_checkpoint, save_random_model, setup_device, sync, time_interleaved, verdict)
 
 import glm5lab
+from glm5lab import ModelConfig
+from glm5lab.environment import env_facts, load_average
+from glm5lab.hf import load_transformers_twin
+from glm5lab.infer import decode_step, prefill
 from glm5lab.model.cache import KVCache
 
 GOAL_SPEEDUP, GOAL_CONTEXT = 3.0, 4096
@@ -82,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per case; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per case first")
     p.add_argument("--model", default=None, help="a checkpoint or run folder (latest checkpoint) instead of "
-                                                "the random-init bench_config() model")
+                                                "the random-init bench preset model")
     p.add_argument("--hf-attn", default="sdpa", choices=("sdpa", "eager"),
                    help="transformers' attention implementation (both apply the DSA mask)")
     p.add_argument("--timing", default=None, choices=("hooks", "diff"),
@@ -209,30 +200,30 @@ def token_match(ours_tokens: list[int], hf_tokens: list[int]) -> dict:
 
 
 def profile(args, device) -> None:
-    """Ours' decode at one context: torch.profiler over one generate of N tokens after a warm-up;
-    the table is the whole call (the prefill shows up as few large calls; see the JSON line's
-    decode-only total)."""
+    """Ours' decode at one context: a `prefill` of the whole prompt and 3 warm-up `decode_step`s
+    (not profiled), then torch.profiler over N greedy `decode_step`s (each token the argmax of
+    the last logits)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = resolve_checkpoint(args.model) if args.model else save_random_model(bench_config(), tmp, seed=args.seed)
+        folder = resolve_checkpoint(args.model) if args.model else save_random_model(
+            ModelConfig.from_preset("bench"), tmp, seed=args.seed)
         model = load_ours(folder, device)
     T = args.profile
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(args.seed))
     ids = ids.to(device)
     cache = KVCache.for_model(model, 1, T + args.new_tokens + 4)  # + 3 warm-up steps
     with torch.no_grad():
-        model(ids, cache=cache, logits_to_keep=1)  # prefill (not profiled)
-        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        prefill(model, ids, cache, chunk=None)  # the whole prompt in one forward (not profiled)
+        tok = torch.zeros(1, dtype=torch.long, device=device)
         for _ in range(3):  # warm-up steps
-            model(tok, cache=cache)
+            decode_step(model, tok, cache)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         t0 = time.perf_counter()
         with torch_profile(activities=activities) as prof:
             for _ in range(args.new_tokens):
-                logits = model(tok, cache=cache).logits
-                tok = logits[:, -1].argmax(-1, keepdim=True)
+                tok = decode_step(model, tok, cache).argmax(-1)
         wall = time.perf_counter() - t0
     events = prof.key_averages()
     print(f"ours: {args.new_tokens} cached decode forwards at context {T} (bench model), profiled wall {wall:.3f} s\n")
@@ -250,18 +241,15 @@ def main(argv=None) -> dict | None:
     global PREFILL_CHUNK
     args = parse_args(argv)
     PREFILL_CHUNK = args.prefill_chunk
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device visible")
+    device = setup_device(args)
     if args.profile:
         return profile(args, device)
     env = env_facts(device)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = resolve_checkpoint(args.model) if args.model else save_random_model(bench_config(), tmp, seed=args.seed)
+        folder = resolve_checkpoint(args.model) if args.model else save_random_model(
+            ModelConfig.from_preset("bench"), tmp, seed=args.seed)
         ours = load_ours(folder, device)
-        hf = load_hf_twin(folder, device, attn_implementation=args.hf_attn)
+        hf = load_transformers_twin(folder, dtype=model_dtype(device), device=device, attn_implementation=args.hf_attn)
     cfg = ours.config
     fit = cfg.max_position_embeddings - args.new_tokens
     if any(T > fit for T in args.context_list):  # e.g. the small preset's 4096 positions
@@ -317,7 +305,7 @@ def report(results, args, cfg, check, match, ours_bpt, hf_cache, env, folder) ->
     rows = [[T, f"{r['ours']['tokens_per_s']:.1f}", f"{r['hf']['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
              f"{median(r['ours']['prefill_s_repeats']):.2f}", f"{median(r['hf']['prefill_s_repeats']):.2f}",
              ours_bpt, hf_bpt] for T, r in results.items()]
-    model = f"checkpoint {folder}" if args.model else "bench_config() random init (seed 0)"
+    model = f"checkpoint {folder}" if args.model else "bench preset random init (seed 0)"
     print(f"decode: {model}, batch 1, {args.new_tokens} greedy new tokens, {args.device} "
           f"{'bf16' if args.device == 'cuda' else 'fp32'}, {env['torch_threads']} threads, transformers "
           f"attn_implementation={args.hf_attn}, timing {args.timing}\n")
@@ -358,7 +346,7 @@ def report(results, args, cfg, check, match, ours_bpt, hf_cache, env, folder) ->
         "cache_bytes_per_token": {"ours": ours_bpt, "hf": hf_bpt, "hf_layers": hf_cache["per_layer"]},
         "same_weights": check,
         "greedy_token_match": match,
-        "config": {"model": str(folder) if args.model else "bench_config", "model_config": cfg.to_dict(),
+        "config": {"model": str(folder) if args.model else "bench", "model_config": cfg.to_dict(),
                    "contexts": args.context_list, "new_tokens": args.new_tokens, "batch": 1,
                    "repeats": args.repeats, "warmup": args.warmup, "device": args.device,
                    "dtype": "bf16" if args.device == "cuda" else "fp32", "hf_attn_implementation": args.hf_attn,

@@ -1,6 +1,6 @@
 """DSA vs dense attention in a long prefill, and IndexCache's shared top-k (issue 5), fp32 CPU.
 
-Model: `bench_config()`'s attention widths (GLM-5's per-head shapes at reduced width: 8 heads,
+Model: the `bench` preset's attention widths (GLM-5's per-head shapes at reduced width: 8 heads,
 q latent 768, kv latent 512 + RoPE 64, q/k no-RoPE 192, v 256; DSA indexer of 4 heads x 128,
 index_topk 256), random init (seed 0), with the rest made light so that attention dominates:
 dense MLPs of `--intermediate` (256) wide, no MoE, no MTP layer, vocab 4096, logits for the last
@@ -13,8 +13,8 @@ Part 1, DSA vs dense (a 1-layer model, `indexer_types=["full"]`), one prefill of
 - dense: `model(ids, use_dsa=False, logits_to_keep=1)` in one call: the uncached path, per-head
   K/V expanded from the latent, causal `F.scaled_dot_product_attention(is_causal=True)` (torch's
   CPU flash kernel: no [T, T] tensor);
-- DSA: `model(ids[:, c0:c0+chunk], cache=cache, logits_to_keep=1)` for each `--chunk` (256)
-  tokens into a fresh `KVCache.for_model(model, 1, T)`, as `benchmarks/prefill.py` and
+- DSA: `glm5lab.infer.prefill(model, ids, cache, chunk=--chunk)` (256 tokens per cached forward)
+  into a fresh `KVCache.for_model(model, 1, T)`, as `benchmarks/prefill.py` and
   `glm5lab.generate` prefill: per chunk the indexer scores the cache, top-256 per query, and
   absorbed (latent-space) attention over the gathered keys (masked SDPA while the cache holds
   <= 16 x 256 keys, `attn_impl="auto"`).
@@ -56,19 +56,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
-    PeakMemory,
-    bench_config,
-    env_facts,
-    load_average,
-    markdown_table,
-    median,
-    mem_available_bytes,
-    mib,
-    print_json_line,
-    time_interleaved,
-    verdict,
-)
+from common import (PeakMemory, markdown_table, median, mem_available_bytes, mib, print_json_line,
+                    time_interleaved, verdict)
+
+from glm5lab import ModelConfig
+from glm5lab.environment import env_facts, load_average
 
 GOALS = {"dsa_over_dense_max": 0.5, "dense_T": 32768, "indexcache_speedup_min": 1.5}
 SHORT_WARMUP_TOKENS = 2048
@@ -102,21 +94,18 @@ def repeats_for(args, T: int) -> int:
 def make_model(args, n_layers: int, indexer_types: list[str], max_T: int):
     from glm5lab import GLM5ForCausalLM
 
-    cfg = bench_config(num_hidden_layers=n_layers, indexer_types=indexer_types, mlp_layer_types=["dense"] * n_layers,
-                       intermediate_size=args.intermediate, num_nextn_predict_layers=0,
-                       max_position_embeddings=max(16384, max_T))
+    cfg = ModelConfig.from_preset("bench", num_hidden_layers=n_layers, indexer_types=indexer_types,
+                                  mlp_layer_types=["dense"] * n_layers, intermediate_size=args.intermediate,
+                                  num_nextn_predict_layers=0, max_position_embeddings=max(16384, max_T))
     torch.manual_seed(args.seed)
     return GLM5ForCausalLM(cfg).eval(), cfg
 
 
 def dsa_prefill(model, ids, chunk: int):
+    from glm5lab.infer import prefill
     from glm5lab.model.cache import KVCache
 
-    cache = KVCache.for_model(model, 1, ids.shape[1])
-    out = None
-    for c0 in range(0, ids.shape[1], chunk):
-        out = model(ids[:, c0:c0 + chunk], cache=cache, logits_to_keep=1)
-    return out.logits[0, -1]
+    return prefill(model, ids, KVCache.for_model(model, 1, ids.shape[1]), chunk=chunk).logits_BV[0]
 
 
 def dense_prefill(model, ids):

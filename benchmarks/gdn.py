@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import env_facts, load_average, markdown_table, median, print_json_line, time_interleaved
+from common import markdown_table, median, print_json_line, time_interleaved
 
+from glm5lab.environment import env_facts, load_average
 from glm5lab.model.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent, l2_normalize
 
 GOAL = {"T": 4096, "speedup": 5.0}

@@ -7,8 +7,8 @@ is exactly 0 when every indexer head's ReLU is 0, so models with few indexer hea
 
 For each model (trained run folders / checkpoints given with --model, and random inits of a
 preset with --random-preset at each --index-heads count), the forward runs over --prompts held-out
-windows of --prompt-len tokens (the run's validation split, as benchmarks/speculative.py builds
-them; random models read the first --model's windows, or seeded random ids without one), and
+windows of --prompt-len tokens (the run's validation split: `glm5lab.train.data.held_out_prompts`,
+as in benchmarks/speculative.py; random models read the first --model's windows, or seeded random ids without one), and
 every full indexer layer's scores are checked row by row (rows with more than index_topk causal
 keys only: below that every key is selected).
 
@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import env_facts, markdown_table, print_json_line, resolve_checkpoint
-from speculative import held_out_prompts
+from common import markdown_table, print_json_line, resolve_checkpoint
 
 import glm5lab.model.mla as mla
 from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.environment import env_facts
 from glm5lab.model.dsa import boundary_ties
+from glm5lab.train.data import held_out_prompts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,7 +93,8 @@ def main(argv=None) -> dict:
     for path in args.model:
         checkpoint = resolve_checkpoint(Path(path))
         model = GLM5ForCausalLM.from_pretrained(checkpoint).eval()
-        ps, info = held_out_prompts(checkpoint, args)
+        ps, info = held_out_prompts(checkpoint, args.prompts, args.prompt_len, data=args.data,
+                                    split_seed=args.split_seed)
         prompts, data_info = prompts or ps, data_info or info
         results.append(summary(str(path), model.config, measure(model, ps)))
     if args.random_preset:

@@ -1,10 +1,11 @@
 """Prefill of one long sequence: time and peak memory, glm5lab (chunked, latent cache) vs transformers.
 
 One sequence of T random tokens (T = 2K, 4K, 8K; batch 1) through the "wide attention"
-`bench_config()` model (random init, seed 0; or --model), same weights on both sides:
-- ours: `model(ids[:, c0:c0+chunk], cache=cache, logits_to_keep=1)` for each chunk of `--chunk`
-  tokens, into a fresh `KVCache.for_model(model, 1, T)` (what `glm5lab.generate` does with
-  `prefill_chunk`); chunks attend to the cache + themselves, DSA top-k per query;
+`bench` preset model (random init, seed 0; or --model), same weights on both sides:
+- ours: `glm5lab.infer.prefill(model, ids, cache, chunk=--chunk)` into a fresh
+  `KVCache.for_model(model, 1, T)` (the prefill `glm5lab.generate` runs with `prefill_chunk`):
+  one cached forward per chunk of `--chunk` tokens, which attends to the cache + itself, DSA
+  top-k per query;
 - transformers: `GlmMoeDsaForCausalLM(...)(input_ids=ids, use_cache=True, logits_to_keep=1)` in one
   call, attn_implementation eager (the reference: scores [1, heads, T, T] materialised, keys outside
   the indexer's top-k masked) and, with `--hf-attn eager,sdpa` (the default), also sdpa (transformers
@@ -47,23 +48,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
-    PeakMemory,
-    bench_config,
-    env_facts,
-    load_average,
-    load_hf_twin,
-    load_ours,
-    markdown_table,
-    median,
-    mem_available_bytes,
-    mib,
-    print_json_line,
-    resolve_checkpoint,
-    save_random_model,
-    timed,
-    verdict,
-)
+from common import (PeakMemory, load_ours, markdown_table, median, mem_available_bytes, mib, model_dtype,
+                    print_json_line, resolve_checkpoint, save_random_model, timed, verdict)
+
+from glm5lab import ModelConfig
+from glm5lab.environment import env_facts, load_average
 
 GOALS = {"speedup": 4.0, "memory_ratio": 8.0, "T": 8192}
 """Targets at T = 8K: ours >= 4x faster than transformers' masked DSA (eager), with >= 8x less
@@ -90,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="subprocess runs per case; medians are reported")
     p.add_argument("--model", default=None, help="a checkpoint or run folder instead of the random bench model")
     p.add_argument("--index-topk", type=int, default=None,
-                   help="override bench_config's index_topk (256): e.g. 64 reaches the gathered-top-k regime "
+                   help="override the bench preset's index_topk (256): e.g. 64 reaches the gathered-top-k regime "
                         "(above 16 x index_topk keys) at small T")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs bf16 weights")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in every child")
@@ -158,17 +147,19 @@ def child(args) -> None:
     device = torch.device(args.device)
     folder = Path(args.folder)
     if impl == "ours":
+        from glm5lab.infer import prefill
         from glm5lab.model.cache import KVCache
 
         model = load_ours(folder, device)
 
         def run(ids):
             cache = KVCache.for_model(model, 1, ids.shape[1])
-            for c0 in range(0, ids.shape[1], args.chunk):
-                out = model(ids[:, c0:c0 + args.chunk], cache=cache, logits_to_keep=1, attn_impl=args.attn_impl)
-            return out.logits[0, -1]
+            return prefill(model, ids, cache, chunk=args.chunk, attn_impl=args.attn_impl).logits_BV[0]
     else:
-        model = load_hf_twin(folder, device, attn_implementation=impl.removeprefix("hf-"))
+        from glm5lab.hf import load_transformers_twin
+
+        model = load_transformers_twin(folder, dtype=model_dtype(device), device=device,
+                                       attn_implementation=impl.removeprefix("hf-"))
 
         def run(ids):
             return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[0, -1]
@@ -257,7 +248,7 @@ def main(argv=None) -> dict | None:
         if args.model and overrides:
             raise SystemExit("--index-topk applies to the random bench model only, not to --model")
         folder = (resolve_checkpoint(args.model) if args.model
-                  else save_random_model(bench_config(**overrides), tmp, seed=args.seed))
+                  else save_random_model(ModelConfig.from_preset("bench", **overrides), tmp, seed=args.seed))
         from glm5lab.hf_config import config_from_hf
 
         cfg = config_from_hf(folder)
@@ -341,7 +332,7 @@ def report(summary, args, cfg, env) -> dict:
                      mib(fig.get("ours_peak")), mib(fig.get("hf_eager_peak")), _x(fig.get("memory_ratio_vs_eager")),
                      _s(fig.get("hf_sdpa_s")), _x(fig.get("speedup_vs_sdpa")), mib(fig.get("hf_sdpa_peak")),
                      _x(fig.get("memory_ratio_vs_sdpa"))])
-    model = f"checkpoint {args.model}" if args.model else "bench_config() random init (seed 0)"
+    model = f"checkpoint {args.model}" if args.model else "bench preset random init (seed 0)"
     print(f"prefill: {model}, batch 1, ours chunk {args.chunk} (attn_impl {args.attn_impl}), {args.device} "
           f"{'bf16' if args.device == 'cuda' else 'fp32'}, {env['torch_threads']} threads, one subprocess per case\n")
     print(markdown_table(["T", "ours s", "transformers eager s", "speedup", "ours peak MiB",
@@ -384,7 +375,7 @@ def report(summary, args, cfg, env) -> dict:
                                    "met": None if mr is None else mr >= GOALS["memory_ratio"]}},
         "lengths": {str(T): fig for T, fig in per_T.items()},
         "cases": [{k: v for k, v in e.items() if k != "logits"} for e in summary.values()],
-        "config": {"model": args.model or "bench_config", "model_config": cfg.to_dict(), "lengths": args.length_list,
+        "config": {"model": args.model or "bench", "model_config": cfg.to_dict(), "lengths": args.length_list,
                    "chunk": args.chunk, "chunk_sweep": args.sweep, "attn_impl": args.attn_impl,
                    "hf_attn": args.hf_list, "index_topk_override": args.index_topk, "repeats": args.repeats, "device": args.device,
                    "dtype": "bf16" if args.device == "cuda" else "fp32", "warmup_tokens": WARMUP_TOKENS,

@@ -2,9 +2,10 @@
 
 The model trained by `glm5lab train` (default `--model runs/small`: its `checkpoints/latest`),
 with its MTP layer as the draft head, on held-out text: `--prompts` prompts of `--prompt-len`
-tokens from the validation split of the training corpus (the run's `run.json` gives the corpus
-and split seed; the checkpoint's tokenizer.json encodes it, as `glm5lab.train.data` does; windows
-evenly spaced over the split), `--new-tokens` greedy tokens each, batch 1, timed interleaved:
+tokens from the validation split of the training corpus (`glm5lab.train.data.held_out_prompts`:
+the run's `run.json` gives the corpus and split seed; the checkpoint's tokenizer.json encodes it;
+windows evenly spaced over the split), `--new-tokens` greedy tokens each, batch 1, timed
+interleaved:
 - plain: `glm5lab.generate(model, prompt, N)`;
 - speculative: `glm5lab.generate(..., speculative="mtp", draft_steps=k)` for k in --draft-steps
   (headline k = 3): the MTP layer drafts k tokens, one main forward verifies them.
@@ -25,27 +26,19 @@ Prints a markdown table, then one JSON line with every figure.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
-    env_facts,
-    load_average,
-    markdown_table,
-    median,
-    model_dtype,
-    print_json_line,
-    resolve_checkpoint,
-    time_interleaved,
-    verdict,
-)
+from common import (markdown_table, median, model_dtype, print_json_line, resolve_checkpoint, setup_device,
+                    time_interleaved, verdict)
 
 import glm5lab
 from glm5lab import GLM5ForCausalLM
+from glm5lab.environment import env_facts, load_average
+from glm5lab.train.data import held_out_prompts
 
 GOALS = {"speedup": 1.6, "acceptance_length": 2.5, "draft_steps": 3}
 """Targets at 3 draft steps: speculative decode tokens/s >= 1.6x plain, acceptance length >= 2.5."""
@@ -82,47 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def find_run_json(checkpoint: Path) -> dict | None:
-    """run.json of the run a checkpoint belongs to (RUN/checkpoints/step-N -> RUN/run.json)."""
-    for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent):
-        path = folder / "run.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-    return None
-
-
-def held_out_prompts(checkpoint: Path, args) -> tuple[list[list[int]], dict]:
-    """`--prompts` windows of --prompt-len tokens, evenly spaced over the validation split (the
-    run's corpus and split seed, encoded with the checkpoint's tokenizer.json)."""
-    from glm5lab.train.batches import pack
-    from glm5lab.train.corpus import (
-        fetch_default_corpus,
-        load_documents,
-        split_documents,
-    )
-    from glm5lab.train.tokenizer import encode_documents, load_tokenizer
-
-    run = find_run_json(checkpoint) or {}
-    run_args = run.get("args", {})
-    data = args.data or run_args.get("data")
-    seed = args.split_seed if args.split_seed is not None else run_args.get("seed", 0)
-    tok_path = checkpoint / "tokenizer.json"
-    if not tok_path.is_file():
-        raise SystemExit(f"{checkpoint} has no tokenizer.json: cannot encode held-out text for it")
-    source = Path(data) if data else fetch_default_corpus()
-    _, val_docs = split_documents(load_documents(source), seed=seed)
-    val = encode_documents(load_tokenizer(tok_path), val_docs)
-    windows = pack(val, args.prompt_len - 1)
-    n = windows.shape[0]
-    if n < args.prompts:
-        raise SystemExit(f"the validation split holds {n} windows of {args.prompt_len} tokens; fewer than "
-                         f"--prompts {args.prompts}")
-    rows = torch.linspace(0, n - 1, args.prompts).round().long()
-    info = {"corpus": str(source), "split_seed": seed, "val_documents": len(val_docs), "val_tokens": len(val),
-            "windows": n, "rows": rows.tolist(), "run_json": bool(run)}
-    return [windows[r].tolist() for r in rows], info
-
-
 def load_model(checkpoint: Path, device):
     model = GLM5ForCausalLM.from_pretrained(checkpoint, dtype=model_dtype(device), device=device, mtp=True)
     return model.eval()
@@ -156,11 +108,7 @@ def combine(stats, k: int | None) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device visible")
+    device = setup_device(args)
     path = Path(args.model)
     if not path.exists():
         raise SystemExit(f"no trained model at {path}: run `.venv/bin/glm5lab train` first (it writes runs/small; "
@@ -168,7 +116,8 @@ def main(argv=None) -> dict:
     checkpoint = resolve_checkpoint(path)
     env = env_facts(device)
     model = load_model(checkpoint, device)
-    prompts, data_info = held_out_prompts(checkpoint, args)
+    prompts, data_info = held_out_prompts(checkpoint, args.prompts, args.prompt_len, data=args.data,
+                                          split_seed=args.split_seed)
     n = args.new_tokens
     cases = {"plain": make_case(model, prompts, n, None)}
     cases.update({f"k={k}": make_case(model, prompts, n, k) for k in args.k_list})

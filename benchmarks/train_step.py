@@ -1,13 +1,16 @@
 """Training-step throughput: glm5lab vs transformers' GlmMoeDsaForCausalLM, MFU, optimizer share.
 
 In one process, on one config and the same initial weights, timed interleaved (see common.py):
-- ours, full step: forward with MTP (depth 3, weights 0.3), the stage's losses (CE + MTP, + the
-  indexer KL with --dsa), backward, grad clip 1.0, `MuonAdamW` Muon Split step, router bias update
-  (as `glm5lab.train.loop`, without its non-finite check);
+- ours, full step: the step `glm5lab train` runs: forward with MTP (depth 3, weights 0.3), the
+  stage's losses (`glm5lab.train.losses.stage_losses`: CE + MTP, + the indexer KL with --dsa),
+  then `glm5lab.train.loop.optimizer_step` (backward, non-finite check, grad clip, the `MuonAdamW`
+  Muon Split step, router bias update) with `TrainArgs`' defaults (optimizer, weight decay, clip,
+  bias rate);
 - ours, like for like: forward without MTP, CE, backward, `torch.optim.AdamW` step;
-- transformers: `GlmMoeDsaForCausalLM.from_pretrained` of our saved weights (its default attention
-  implementation, sdpa), forward, CE, backward, `torch.optim.AdamW` step. transformers has no MTP,
-  so the headline speedup is like for like (ours without MTP, same AdamW, vs transformers).
+- transformers: `glm5lab.hf.load_transformers_twin` of our saved weights (its default attention
+  implementation, sdpa), forward, CE, backward, `torch.optim.AdamW` step (the like-for-like step,
+  `plain_step`, on both). transformers has no MTP, so the headline speedup is like for like (ours
+  without MTP, same AdamW, vs transformers).
 Without --dsa the dense stage (use_dsa=False); transformers has no dense switch (its indexer
 always runs and masks to index_topk keys), so there it is loaded with index_topk = seq_len: every
 key kept, attention exactly dense, its indexer still computed. With --dsa the sparse-adaptation
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import sys
 import tempfile
 from pathlib import Path
@@ -41,30 +45,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
-    env_facts,
-    load_average,
-    markdown_table,
-    matmul_case,
-    median,
-    print_json_line,
-    time_interleaved,
-    timed,
-)
+from common import markdown_table, matmul_case, median, print_json_line, setup_device, time_interleaved, timed
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.environment import env_facts, load_average
+from glm5lab.hf import load_transformers_twin
 from glm5lab.ledger import flops
 from glm5lab.optim import build_optimizer
-from glm5lab.train.balance import moe_layers, update_router_bias
+from glm5lab.train.balance import moe_layers
 from glm5lab.train.losses import cross_entropy, stage_losses
+from glm5lab.train.loop import TrainArgs, optimizer_step, set_trainable
 from glm5lab.train.stages import Stage, default_stages
 
 GOALS = {"speedup": 3.0, "mfu": 0.40, "muon_split_share": 0.15}
 """Targets: like-for-like tokens/s >= 3x transformers'; full step >= 40% of the matmul peak;
 the Muon Split optimizer step <= 15% of the full step."""
-GRAD_CLIP = 1.0
-BIAS_UPDATE_RATE = 1e-3
-ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+TRAIN = TrainArgs()
+"""`glm5lab train`'s defaults: the full step's optimizer, weight decay, grad clip and router bias rate."""
+ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": TRAIN.weight_decay}
 PARITY_RTOL = 1e-5
 """fp32 CPU: ours and transformers, same weights, on the first window cut to index_topk tokens
 (where both attend densely), must give the same loss to this relative error. Observed: equal to
@@ -97,11 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def stages_for(cfg: ModelConfig, args) -> tuple[Stage, Stage]:
     """(full stage, like-for-like stage): the loop's dense or sparse-adaptation stage, and the same
     without MTP and without the indexer loss."""
-    if args.dsa and not cfg.has_indexer:
+    if args.dsa and not cfg.has_indexer_weights:
         raise SystemExit(f"--dsa needs a preset with a DSA indexer; {args.preset!r} has none")
     stages = {s.name: s for s in default_stages(seq_len=args.seq_len, batch_size=args.batch_size,
                                                 mtp_depth=3 if cfg.num_nextn_predict_layers else 0,
-                                                use_indexer=cfg.has_indexer)}
+                                                use_indexer=cfg.has_indexer_weights)}
     full = stages["sparse_adaptation" if args.dsa else "dense"]
     plain = Stage.from_dict({**full.to_dict(), "mtp_weights": (), "indexer_weight": 0.0})
     return full, plain
@@ -132,59 +130,64 @@ class Case:
         return {"optimizer_s": opt_s, "loss": float(loss)}
 
 
+class TimedOptimizer:
+    """`optimizer` with its `step` timed on its own (the device synchronised around it):
+    `seconds` sums those times. Everything else is the wrapped optimizer's."""
+
+    def __init__(self, optimizer, device):
+        self.optimizer, self.device, self.seconds = optimizer, device, 0.0
+
+    def step(self) -> None:
+        s, _ = timed(self.optimizer.step, self.device)
+        self.seconds += s
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+
 def ours_full_step(model, opt, stage: Stage, autocast, device):
-    """One step as `glm5lab.train.loop._Loop.train_step` (minus its non-finite check); the
-    optimizer step is timed on its own."""
+    """One step of `glm5lab train` (`_Loop.train_step`): the stage's losses under autocast, then
+    the library's `optimizer_step` with TrainArgs' grad clip and bias rate; the optimizer's own
+    step is timed apart (`TimedOptimizer`)."""
+    set_trainable(model, stage)
+    timed_opt, steps = TimedOptimizer(opt, device), itertools.count(1)
+
     def step(window):
         with autocast():
             losses = stage_losses(model, window, stage)
-        losses.total.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
-        opt_s, _ = timed(opt.step, device)
-        opt.zero_grad(set_to_none=True)
-        update_router_bias(model, BIAS_UPDATE_RATE)
-        return losses.total.detach(), opt_s
+        before = timed_opt.seconds
+        optimizer_step(model, timed_opt, losses, stage, next(steps), TRAIN.grad_clip, TRAIN.bias_update_rate)
+        return losses.total.detach(), timed_opt.seconds - before
     return step
 
 
-def ours_plain_step(model, opt, stage: Stage, autocast, device):
-    """Like for like with transformers: forward (no MTP), CE, backward, AdamW step."""
+def plain_step(model, opt, loss_fn, autocast, device):
+    """The like-for-like step, ours (no MTP) and transformers alike: loss_fn(window) under
+    autocast, backward, AdamW step (timed on its own), zero_grad; no clipping, no router bias
+    (ours' expert-load counters are emptied, O(1); transformers has none)."""
+    moes = [moe for _, moe in moe_layers(model)]
+
     def step(window):
         with autocast():
-            loss = stage_losses(model, window, stage).total
+            loss = loss_fn(window)
         loss.backward()
         opt_s, _ = timed(opt.step, device)
         opt.zero_grad(set_to_none=True)
-        for _, moe in moe_layers(model):  # the load counter would otherwise grow; O(1)
+        for moe in moes:  # the load counter would otherwise grow
             moe.pop_load()
         return loss.detach(), opt_s
     return step
 
 
-def hf_step(model, opt, autocast, device):
-    def step(window):
-        with autocast():
-            logits = model(input_ids=window[:, :-1], use_cache=False).logits
-            loss = cross_entropy(logits, window[:, 1:])
-        loss.backward()
-        opt_s, _ = timed(opt.step, device)
-        opt.zero_grad(set_to_none=True)
-        return loss.detach(), opt_s
-    return step
-
-
-def load_hf(model: GLM5ForCausalLM, args, device):
-    """transformers' model from our saved checkpoint (same weights), fp32, train mode."""
-    from transformers import GlmMoeDsaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # it reports our MTP layer's weights as unused: expected
-    hf_logging.disable_progress_bar()
+def transformers_twin_of(model: GLM5ForCausalLM, args, device):
+    """transformers' twin of `model` (`load_transformers_twin` of its `save_pretrained` folder:
+    the same weights), fp32, train mode; without --dsa loaded with index_topk = seq_len (every
+    key kept: exactly dense attention)."""
     overrides = {} if args.dsa else {"index_topk": args.seq_len}
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        hf = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=torch.float32, **overrides)
-    return hf.to(device).train()
+        hf = load_transformers_twin(folder, dtype=torch.float32, device=device, **overrides)
+    return hf.train()
 
 
 def build_cases(args, device):
@@ -193,18 +196,20 @@ def build_cases(args, device):
     full_stage, plain_stage = stages_for(cfg, args)
     ours = GLM5ForCausalLM(cfg).train()
     ours_plain = copy.deepcopy(ours).to(device)
-    hf = load_hf(ours, args, device)  # saved from CPU, before `ours` moves
+    hf = transformers_twin_of(ours, args, device)  # saved from CPU, before `ours` moves
     ours = ours.to(device)
     windows = torch.randint(0, cfg.vocab_size, (args.steps, args.batch_size, args.seq_len + 1), device=device)
     autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
                 else contextlib.nullcontext)
-    muon = build_optimizer(ours, "muon-split", lr=full_stage.lr, weight_decay=ADAMW["weight_decay"])
+    muon = build_optimizer(ours, TRAIN.optimizer, lr=full_stage.lr, weight_decay=TRAIN.weight_decay)
     adamw_ours = torch.optim.AdamW(ours_plain.parameters(), lr=full_stage.lr, **ADAMW)
     adamw_hf = torch.optim.AdamW(hf.parameters(), lr=full_stage.lr, **ADAMW)
     cases = {
         "ours": Case(ours_full_step(ours, muon, full_stage, autocast, device), windows),
-        "ours-plain": Case(ours_plain_step(ours_plain, adamw_ours, plain_stage, autocast, device), windows),
-        "hf": Case(hf_step(hf, adamw_hf, autocast, device), windows),
+        "ours-plain": Case(plain_step(ours_plain, adamw_ours, lambda w: stage_losses(ours_plain, w, plain_stage).total,
+                                      autocast, device), windows),
+        "hf": Case(plain_step(hf, adamw_hf, lambda w: cross_entropy(hf(input_ids=w[:, :-1], use_cache=False).logits,
+                                                                     w[:, 1:]), autocast, device), windows),
     }
     info = {"cfg": cfg, "full_stage": full_stage, "attn_implementation": hf.config._attn_implementation,
             "parity": same_weights_check(ours_plain, hf, windows[0], cfg, autocast)}
@@ -349,11 +354,7 @@ def _verdict(ok: bool) -> str:
 
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device visible")
+    device = setup_device(args)
     if args.profile:
         return profile(args, device)
     env = env_facts(device)

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.model.rope import rope_angles
+from glm5lab.model.step import Step
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -44,6 +46,13 @@ def grads(out: torch.Tensor, *inputs: torch.Tensor):
     every call, so two implementations can be compared backward)."""
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(123)).to(out.dtype)
     return torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
+
+
+def uncached_step(cfg: ModelConfig, T: int, **options) -> Step:
+    """`Step.uncached` over positions 0..T-1 (RoPE angles of `cfg`) with the config's DSA
+    switch and `index_topk` unless `options` override them; `.layer(i)` runs one layer."""
+    cos, sin = rope_angles(torch.arange(T), cfg.qk_rope_head_dim, cfg.rope_theta)
+    return Step.uncached(T, cos, sin, **{"use_dsa": cfg.use_dsa, "index_topk": cfg.index_topk, **options})
 
 
 @pytest.fixture

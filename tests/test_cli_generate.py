@@ -17,8 +17,8 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig, generate
 from glm5lab.cli import main
-from glm5lab.cli_generate import Stream, parse_stops
-from glm5lab.train.tokenizer import load_tokenizer, train_tokenizer
+from glm5lab.cli.generate import Stream, parse_stops
+from glm5lab.tokenizer import load_tokenizer, train_tokenizer
 
 N = 5  # new tokens per CLI run
 PROMPT = "Hello world"
@@ -205,7 +205,7 @@ def test_run_folder_uses_the_latest_checkpoint(capsys, folders, reference):
 
 def test_parse_stops(folders):
     tok = load_tokenizer(folders["ckpt"])
-    assert parse_stops(["<|endoftext|>", "7", "H"], tok, 512) == [0, 7, tok.token_to_id("H")]
+    assert parse_stops(["<|endoftext|>", "7", "H"], tok) == [0, 7, tok.token_to_id("H")]
 
 
 def _mtp_declared_without_weights(folders) -> Path:
@@ -238,32 +238,33 @@ ERRORS = [
     (lambda f: f["root"], [], "has no config.json"),
     (_run_without_latest, [], "no checkpoints/latest"),
     (_foreign, [], "`model_type` = 'llama'"),
-    (lambda f: f["ckpt"], ["--temperature", "-1"], "--temperature -1.0 is not allowed"),
-    (lambda f: f["ckpt"], ["--temperature", "nan"], "--temperature nan is not allowed"),
-    (lambda f: f["ckpt"], ["--top-p", "0"], "--top-p 0.0 is not allowed: a number in (0, 1]"),
-    (lambda f: f["ckpt"], ["--top-k", "0"], "--top-k 0 is not allowed"),
-    (lambda f: f["ckpt"], ["--top-k", "513"], "at most the model's vocab_size (512)"),
-    (lambda f: f["ckpt"], ["--max-new-tokens", "0"], "--max-new-tokens 0 is not allowed"),
-    (lambda f: f["ckpt"], ["--prefill-chunk", "0"], "--prefill-chunk 0 is not allowed"),
-    (lambda f: f["ckpt"], ["--speculative", "mtp", "--draft-steps", "0"], "--draft-steps 0 is not allowed"),
+    # the values generate() takes are its own checks: the message names its argument and the value
+    (lambda f: f["ckpt"], ["--temperature", "-1"], "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (lambda f: f["ckpt"], ["--temperature", "nan"], "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (lambda f: f["ckpt"], ["--top-p", "0"], "top_p must be None or a number in (0, 1], got 0.0"),
+    (lambda f: f["ckpt"], ["--top-k", "0"], "top_k must be None or an int in 1..vocab_size=512, got 0"),
+    (lambda f: f["ckpt"], ["--top-k", "513"], "top_k must be None or an int in 1..vocab_size=512, got 513"),
+    (lambda f: f["ckpt"], ["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0"),
+    (lambda f: f["ckpt"], ["--prefill-chunk", "0"], "prefill_chunk must be None or an int >= 1, got 0"),
+    (lambda f: f["ckpt"], ["--speculative", "mtp", "--draft-steps", "0"], "draft_steps must be an int >= 1, got 0"),
     (lambda f: f["ckpt"], ["--draft-steps", "2"], "--draft-steps applies only with --speculative"),
-    # prompts that overflow with a single new token: should the CLI's check fail, the library's
-    # own stops the run (rather than decoding 2000 tokens)
+    # prompts that overflow with a single new token: the library stops the run before it starts
+    # (rather than decoding 2000 tokens)
     (lambda f: f["ckpt"], ["--prompt-ids", "1 " * 2048, "--max-new-tokens", "1"],
-     "the prompt is too long: 2048 tokens + --max-new-tokens 1 = 2049 exceeds the model's max_position_embeddings"),
+     "the longest prompt (2048 tokens) + max_new_tokens=1 = 2049 exceeds max_position_embeddings=2048"),
     (lambda f: f["ckpt"], ["--prompt-ids", "1 " * 2044, "--max-new-tokens", "1", "--speculative", "mtp"],
-     "2044 tokens + --max-new-tokens 1 + (--draft-steps 3) + 1 = 2049 exceeds"),
+     "(2044 tokens) + max_new_tokens=1 + draft_steps+1=4 = 2049 exceeds"),
     (lambda f: f["ckpt"], ["--stop", "quick brown fox"], "a stop must be a single token"),
-    (lambda f: f["ckpt"], ["--stop", "600"], "outside the model's vocabulary"),
+    (lambda f: f["ckpt"], ["--stop", "600"], "stop_tokens must be token ids in [0, vocab_size=512), got [600]"),
     (lambda f: f["ckpt"], ["--tokenizer", "/no/such/tok.json"], "no tokenizer at /no/such/tok.json"),
     (lambda f: f["bare"], [], "no tokenizer.json: pass --tokenizer FILE, or give the prompt as token ids with "
      "--prompt-ids"),
     (lambda f: f["ckpt"], ["--prompt", ""], "--prompt encodes to no tokens"),
     (lambda f: f["bare"], ["--prompt-ids", "1 x"], "integers separated by spaces"),
-    (lambda f: f["bare"], ["--prompt-ids", "1 600"], "outside the model's vocabulary"),
+    (lambda f: f["bare"], ["--prompt-ids", "1 600"], "token ids outside [0, vocab_size=512): [600]"),
     (lambda f: f["bare"], ["--prompt-ids", " "], "--prompt-ids is empty"),
     (lambda f: f["bare"], ["--stop", "<|endoftext|>", "--prompt-ids", "1"], "text needs a tokenizer"),
-    (lambda f: f["nomtp"], ["--speculative", "mtp", "--prompt-ids", "1"], "needs a model with an MTP layer"),
+    (lambda f: f["nomtp"], ["--speculative", "mtp", "--prompt-ids", "1"], "speculative='mtp' needs an MTP layer"),
     (_mtp_declared_without_weights, ["--speculative", "mtp", "--prompt-ids", "1"], "needs the MTP layer's weights"),
 ]
 
@@ -316,3 +317,17 @@ def test_subprocess_smoke(folders):
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 3 and all(t.isdigit() for t in r.stdout.split())
     assert "3 new tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_request_errors_come_before_the_weights_load(capsys, folders, monkeypatch):
+    import glm5lab.cli.generate as cli_generate
+
+    def no_loading(*args, **kw):
+        raise AssertionError("weights were loaded before the request was checked")
+
+    monkeypatch.setattr(cli_generate, "load_model", no_loading)
+    for args, message in ((["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0"),
+                          (["--top-k", "513"], "top_k must be None or an int in 1..vocab_size=512, got 513"),
+                          (["--stop", "600"], "stop_tokens must be token ids in [0, vocab_size=512), got [600]")):
+        rc, out, err = cli(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, *args)
+        assert rc == 2 and message in err, err

@@ -18,7 +18,10 @@ import math
 from dataclasses import dataclass, field
 
 ATTENTION_TYPES = ("mla", "gqa")
-MIXER_TYPES = ("full", "swa", "gdn", "simple_gdn")
+MIXER_TYPES = ("attention", "swa", "gdn", "simple_gdn")
+MIXER_ALIASES = {"full": "attention"}
+"""Accepted on input and stored under the new name ("full" was the name of "attention" until
+glm5lab 0.1; it clashed with the "full" of `indexer_types`)."""
 SIMPLE_GDN_DECAYS = ("learned", "constant")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
@@ -106,13 +109,14 @@ class ModelConfig:
     use_qk_norm: bool = False
     """GQA layers only: RMSNorm on each q/k head (GLM-4.5)."""
     mixer_types: list[str] | None = None
-    """Per main layer, how its attention mixes tokens: "full" (causal, with DSA on MLA layers) or
-    "swa" (sliding-window attention: each query sees exactly its last min(position + 1,
-    `sliding_window`) keys, dense, no DSA selection; a later "shared" DSA layer reuses the top-k
-    of the last full layer that selected), "gdn" (a Gated DeltaNet layer in place of attention,
-    `linear_*` fields) or "simple_gdn" (GQA layers only: the gated delta rule fed by the layer's
-    own q/k/v/o projections). Default: all "full". (transformers' glm_moe_dsa ignores this field:
-    export only "full"/"swa" models there; "swa" layers load there as full attention.)"""
+    """Per main layer, how it mixes tokens: "attention" (causal attention, with DSA on MLA layers;
+    "full" is accepted as an old alias), "swa" (sliding-window attention: each query sees exactly
+    its last min(position + 1, `sliding_window`) keys, dense, no DSA selection), "gdn" (a Gated
+    DeltaNet layer in place of attention, `linear_*` fields) or "simple_gdn" (GQA layers only: the
+    gated delta rule fed by the layer's own q/k/v/o projections). Default: all "attention". What
+    each layer then does with indexer weights and index state is resolved once in `layers`
+    (`LayerSpec`). (transformers' glm_moe_dsa ignores this field: export only "attention"/"swa"
+    models there; "swa" layers load there as full attention.)"""
     sliding_window: int | None = None
     """Keys per query on "swa" layers; an integer >= 1, required when any layer is "swa"."""
     linear_num_value_heads: int | None = None
@@ -146,7 +150,9 @@ class ModelConfig:
         if self.indexer_types is None:
             self.indexer_types = ["full"] * n
         if self.mixer_types is None:
-            self.mixer_types = ["full"] * n
+            self.mixer_types = ["attention"] * n
+        elif isinstance(self.mixer_types, (list, tuple)):
+            self.mixer_types = [MIXER_ALIASES.get(m, m) if isinstance(m, str) else m for m in self.mixer_types]
         for name, allowed in (("attention_types", ATTENTION_TYPES), ("indexer_types", INDEXER_TYPES),
                               ("mlp_layer_types", MLP_LAYER_TYPES), ("mixer_types", MIXER_TYPES)):
             _check_layer_list(self, name, allowed)
@@ -208,23 +214,18 @@ class ModelConfig:
                 _fail("n_group", self.n_group, "groups of at least 2 experts (group score = sum of top-2)")
 
     def _check_dsa(self):
-        if self.has_indexer:
+        if self.has_indexer_weights:
             if self.index_head_dim < self.qk_rope_head_dim:
                 _fail("index_head_dim", self.index_head_dim, f"at least qk_rope_head_dim={self.qk_rope_head_dim}")
             if "mla" not in self.attention_types:
                 _fail("index_n_heads", self.index_n_heads, "0 when no layer is MLA (DSA runs on MLA layers)")
         elif self.use_dsa:
             _fail("use_dsa", True, "False when index_n_heads is 0 (no indexer to select keys)")
-        last_full = None
-        layers = zip(self.indexer_types, self.attention_types, self.mixer_types, strict=False)
-        for i, (kind, attn, mixer) in enumerate(layers):
-            if attn != "mla" or not self.has_indexer:
-                continue
-            if kind == "shared" and last_full is None and mixer == "full":
-                _fail(f"indexer_types[{i}]", kind, "'full' for the first MLA layer that selects keys (a shared "
-                      "layer reuses the top-k of an earlier full layer; 'swa', 'gdn' and 'simple_gdn' layers select none)")
-            if kind == "full" and mixer == "full":
-                last_full = i
+        for spec in self.layers:
+            if spec.indexer == "shared" and spec.reuses_from is None:
+                _fail(f"indexer_types[{spec.index}]", "shared", "'full' for the first MLA layer that selects keys (a "
+                      "shared layer reuses the top-k of an earlier full layer; 'swa', 'gdn' and 'simple_gdn' layers "
+                      "select none)")
 
     def _check_linear(self):
         for name in ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim"):
@@ -257,8 +258,21 @@ class ModelConfig:
             _fail("sliding_window", w, "an integer >= 1 when any of mixer_types is 'swa'")
 
     @property
-    def has_indexer(self) -> bool:
+    def has_indexer_weights(self) -> bool:
+        """The config builds lightning indexers (index_n_heads > 0 and index_head_dim > 0). Which
+        layer holds one and which runs it: `layers`."""
         return self.index_n_heads > 0 and self.index_head_dim > 0
+
+    @property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        """What each main layer is, resolved once from the per-layer lists (`LayerSpec`). Every
+        consumer (model, cache, ledger, IndexCache search) reads this, not the lists."""
+        return resolve_layers(self)
+
+    @property
+    def mtp_layer(self) -> LayerSpec | None:
+        """The MTP layer's `LayerSpec` (checkpoint index `num_hidden_layers`), None without one."""
+        return mtp_spec(self) if self.num_nextn_predict_layers else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -273,14 +287,6 @@ class ModelConfig:
     def gqa_cache_width(self) -> int:
         """Values cached per token per GQA layer: K and V of every KV head."""
         return self.num_key_value_heads * (self.qk_head_dim + self.v_head_dim)
-
-    @property
-    def mtp_attention_type(self) -> str:
-        return self.attention_types[-1]
-
-    @property
-    def mtp_mlp_type(self) -> str:
-        return self.mlp_layer_types[-1]
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with `changes` applied and validated. A per-layer list that was not given is
@@ -322,6 +328,70 @@ class ModelConfig:
         from glm5lab.hf_config import config_to_hf
 
         return config_to_hf(self)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer, as every part of glm5lab sees it (`ModelConfig.layers`).
+
+    index: checkpoint layer index (`num_hidden_layers` for the MTP layer).
+    attention: "mla" | "gqa", the projection family whose weights the layer holds ("simple_gdn"
+      layers hold a GQA layer's q/k/v/o).
+    mixer: "attention" | "swa" | "gdn" | "simple_gdn" (`ModelConfig.mixer_types`).
+    window: keys per query on an "swa" layer, else None.
+    indexer: where the layer's DSA top-k comes from when DSA is on: "own" (its lightning
+      indexer: an MLA "attention" layer whose `indexer_types` entry is "full"), "shared" (the
+      top-k of the last earlier "own" layer, `reuses_from`: IndexCache), "none" (GQA, SWA and
+      Gated DeltaNet layers never select keys).
+    has_indexer_weights: the layer holds a `LightningIndexer`: "own" layers, and MLA "swa" layers
+      whose `indexer_types` entry is "full". Those keep the weights (a checkpoint written for
+      full attention, as transformers reads every glm_moe_dsa layer, loads unchanged, and an SWA
+      variant of a trained model keeps them) but never run them: no index state, no indexer
+      FLOPs, and a later "shared" layer reuses the last "own" layer's top-k, not theirs.
+    index_cache: the KV cache keeps this layer's indexer keys ("own" and the config's `use_dsa`).
+    reuses_from: for a "shared" layer, the index of the "own" layer whose top-k it reuses.
+    mlp: "dense" | "sparse" (MoE).
+    """
+
+    index: int
+    attention: str
+    mixer: str
+    window: int | None
+    indexer: str
+    has_indexer_weights: bool
+    index_cache: bool
+    reuses_from: int | None
+    mlp: str
+
+    @property
+    def recurrent(self) -> bool:
+        """A Gated DeltaNet mixer: a fixed-size state instead of per-token cache entries."""
+        return self.mixer in ("gdn", "simple_gdn")
+
+
+def resolve_layers(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    """`ModelConfig.layers` (see `LayerSpec`). A "shared" layer with no earlier "own" layer gets
+    reuses_from None (the config refuses it)."""
+    specs, last_own = [], None
+    rows = zip(cfg.attention_types, cfg.mixer_types, cfg.indexer_types, cfg.mlp_layer_types, strict=True)
+    for i, (attention, mixer, indexer_type, mlp) in enumerate(rows):
+        selects = attention == "mla" and mixer == "attention" and cfg.has_indexer_weights
+        role = ("own" if indexer_type == "full" else "shared") if selects else "none"
+        weights = cfg.has_indexer_weights and attention == "mla" and mixer in ("attention", "swa") \
+            and indexer_type == "full"
+        specs.append(LayerSpec(i, attention, mixer, cfg.sliding_window if mixer == "swa" else None, role, weights,
+                               role == "own" and cfg.use_dsa, last_own if role == "shared" else None, mlp))
+        last_own = i if role == "own" else last_own
+    return tuple(specs)
+
+
+def mtp_spec(cfg: ModelConfig) -> LayerSpec:
+    """The MTP layer: the last main layer's attention and MLP kind, plain causal attention, and
+    its own indexer when that attention is MLA and the config has indexer weights."""
+    attention, n = cfg.attention_types[-1], cfg.num_hidden_layers
+    own = attention == "mla" and cfg.has_indexer_weights
+    return LayerSpec(n, attention, "attention", None, "own" if own else "none", own, own and cfg.use_dsa, None,
+                     cfg.mlp_layer_types[-1])
 
 
 _DERIVED_FROM = {

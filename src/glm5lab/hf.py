@@ -42,6 +42,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint does not match the model: the message lists the offending keys."""
 
 
+class MissingMTPWeights(CheckpointError):
+    """`mtp=True`, and config.json declares an MTP layer that the checkpoint has no weights for
+    (e.g. a folder written by transformers, which does not save the MTP layer)."""
+
+
 def _mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
     return "model.mtp_layers.0.", f"model.layers.{cfg.num_hidden_layers}."
 
@@ -178,7 +183,8 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
 
     mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but
     the weights lack it, e.g. a folder written by transformers, the model is built without it
-    and a warning says so); True = require it; False = ignore it.
+    and a warning says so); True = require it (MissingMTPWeights, a CheckpointError, when the
+    weights lack it); False = ignore it.
     dtype: cast floating weights; default = as stored. Whatever the dtype, the router weight and
     `e_score_correction_bias` and the indexer's `weights_proj` and `k_norm` stay fp32 with the
     checkpoint's exact values (`glm5lab.model.precision`; transformers keeps the router's two in
@@ -194,7 +200,7 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
     tensors = read_checkpoint(folder)
     if cfg.num_nextn_predict_layers and not _has_mtp_weights(tensors, cfg):
         if mtp is True:
-            raise CheckpointError(f"mtp=True but {folder} has no MTP weights ({_mtp_prefixes(cfg)[1]}*)")
+            raise MissingMTPWeights(f"mtp=True but {folder} has no MTP weights ({_mtp_prefixes(cfg)[1]}*)")
         if mtp is None:
             warnings.warn(f"{folder}: config.json declares an MTP layer but the checkpoint has no "
                           "weights for it (transformers does not save it); loading without MTP", stacklevel=3)
@@ -267,6 +273,39 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     replace_folder(Path(path), lambda tmp: _write_checkpoint(tmp, tensors, model.config, max_shard_bytes),
                    replaces=_is_checkpoint_file)
     return Path(path)
+
+
+def load_transformers_twin(folder, *, dtype: torch.dtype = torch.float32, device=None,
+                           attn_implementation: str | None = None, **config_overrides):
+    """transformers' `GlmMoeDsaForCausalLM.from_pretrained(folder)`: the twin of a glm5lab model
+    folder (what `save_pretrained` and `glm5lab train`'s checkpoints write), holding the same
+    weights, for comparisons with transformers (the benchmarks, parity checks).
+
+    transformers builds no MTP layer: it drops those weights, and its report of them as unused
+    (expected) is silenced for this call; the logging verbosity and progress-bar setting are
+    restored afterwards. dtype: its floating weights (default fp32); device: where it is moved
+    (None: stays on the CPU); attn_implementation: transformers' attention ("eager", "sdpa", ...;
+    None = its default, sdpa). In transformers 5.24 "eager" and "sdpa" both apply the DSA top-k
+    mask (`GlmMoeDsaAttention.forward`: keys outside the indexer's top-k are masked); other
+    implementations pass the indices to a FlashMLA kernel instead. config_overrides: config
+    fields changed on load (e.g. `index_topk=T` to keep every key: transformers has no dense
+    switch). Returns the model in eval mode (call `.train()` to train it). Raises ImportError
+    without a transformers that has `GlmMoeDsaForCausalLM` (5.24 and later)."""
+    from transformers import GlmMoeDsaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        if attn_implementation is not None:
+            config_overrides["attn_implementation"] = attn_implementation
+        model = GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=dtype, **config_overrides)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress:
+            hf_logging.enable_progress_bar()
+    return (model if device is None else model.to(device)).eval()
 
 
 def _is_checkpoint_file(name: str) -> bool:

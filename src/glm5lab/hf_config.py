@@ -152,7 +152,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """The config.json dict transformers' `GlmMoeDsaConfig` reads (plus glm5lab's switches), with
     the IndexCache schedule also as `index_topk_pattern` ("F"/"S" per layer, what vLLM and SGLang
     read) and `architectures` naming glm5lab's own class when GLM-5 cannot run the config."""
-    plain = all(a == "mla" for a in cfg.attention_types) and all(m == "full" for m in cfg.mixer_types)
+    plain = all(a == "mla" for a in cfg.attention_types) and all(m == "attention" for m in cfg.mixer_types)
     d = {"architectures": [ARCHITECTURE if plain else GLM5LAB_ARCHITECTURE], "model_type": MODEL_TYPE}
     d.update(cfg.hf_extra)
     for f in dataclasses.fields(cfg):

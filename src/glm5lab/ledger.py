@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import textwrap
 
-from glm5lab.config import ModelConfig
+from glm5lab.config import LayerSpec, ModelConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 COMPONENTS = ("embedding", "attention", "indexer", "dense_ffn", "routed_experts", "shared_experts",
@@ -104,31 +104,30 @@ def indexer_params(cfg: ModelConfig) -> int:
     return indexer_weights(cfg) + 2 * cfg.index_head_dim
 
 
-def layer_kinds(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
-    """(attention_type, mlp_type, has_indexer) of each main layer; attention_type is "gdn" or
-    "simple_gdn" where `mixer_types` puts a Gated DeltaNet mixer. An indexer sits on MLA layers
-    whose `indexer_types` entry is "full" when the config has one (`has_indexer`)."""
-    layers = zip(cfg.attention_types, cfg.mlp_layer_types, cfg.indexer_types, cfg.mixer_types, strict=False)
-    return [(mx if mx in ("gdn", "simple_gdn") else a, m, cfg.has_indexer and a == "mla" and ix == "full"
-             and mx not in ("gdn", "simple_gdn")) for a, m, ix, mx in layers]
+def mixer_kind(spec: LayerSpec) -> str:
+    """The ledger's name for a layer's token mixer: "gdn" / "simple_gdn" for Gated DeltaNet
+    layers, else the attention kind ("mla" / "gqa"; an "swa" layer has its attention's weights)."""
+    return spec.mixer if spec.recurrent else spec.attention
 
 
-def mtp_kind(cfg: ModelConfig) -> tuple[str, str, bool]:
-    """The MTP block copies the last main layer's kinds and always has its own indexer (MLA)."""
-    a = cfg.mtp_attention_type
-    return a, cfg.mtp_mlp_type, cfg.has_indexer and a == "mla"
+def _blocks(cfg: ModelConfig, *, mtp: bool) -> tuple[LayerSpec, ...]:
+    """The main layers' specs, or the MTP layer's (empty without one)."""
+    if not mtp:
+        return cfg.layers
+    return (cfg.mtp_layer,) if cfg.num_nextn_predict_layers else ()
 
 
-def block_params(cfg: ModelConfig, kind: tuple[str, str, bool], *, active: bool = False) -> dict[str, int]:
-    """Parameters of one decoder block by component. active=True counts `num_experts_per_tok`
-    routed experts instead of all (router and shared expert are always active)."""
-    attention_type, mlp_type, has_indexer = kind
+def block_params(cfg: ModelConfig, spec: LayerSpec, *, active: bool = False) -> dict[str, int]:
+    """Parameters of one decoder block (`LayerSpec`) by component. active=True counts
+    `num_experts_per_tok` routed experts instead of all (router and shared expert are always
+    active). An indexer counts where the layer holds its weights (`has_indexer_weights`, SWA
+    layers included), whether or not it runs."""
     D = cfg.hidden_size
     c = dict.fromkeys(COMPONENTS, 0)
-    c["attention"] = attention_params(cfg, attention_type)
-    c["indexer"] = indexer_params(cfg) if has_indexer else 0
+    c["attention"] = attention_params(cfg, mixer_kind(spec))
+    c["indexer"] = indexer_params(cfg) if spec.has_indexer_weights else 0
     c["norms"] = 2 * D
-    if mlp_type == "dense":
+    if spec.mlp == "dense":
         c["dense_ffn"] = 3 * D * cfg.intermediate_size
     else:
         expert = 3 * D * cfg.moe_intermediate_size
@@ -141,8 +140,8 @@ def block_params(cfg: ModelConfig, kind: tuple[str, str, bool], *, active: bool 
 def main_params(cfg: ModelConfig, *, active: bool = False) -> dict[str, int]:
     """Main model (no MTP) by component: blocks + embedding + final norm + lm_head (0 if tied)."""
     c = dict.fromkeys(COMPONENTS, 0)
-    for kind in layer_kinds(cfg):
-        for k, v in block_params(cfg, kind, active=active).items():
+    for spec in cfg.layers:
+        for k, v in block_params(cfg, spec, active=active).items():
             c[k] += v
     V, D = cfg.vocab_size, cfg.hidden_size
     c["embedding"] = V * D
@@ -156,7 +155,7 @@ def mtp_params(cfg: ModelConfig, *, active: bool = False) -> dict[str, int]:
     (in "norms") + eh_proj [D, 2D]. Embedding and lm_head are shared with the main model: 0 here."""
     if cfg.num_nextn_predict_layers == 0:
         return dict.fromkeys(COMPONENTS, 0)
-    c = block_params(cfg, mtp_kind(cfg), active=active)
+    c = block_params(cfg, cfg.mtp_layer, active=active)
     c["norms"] += 3 * cfg.hidden_size
     c["eh_proj"] = 2 * cfg.hidden_size**2
     return c
@@ -182,15 +181,15 @@ def conventions(cfg: ModelConfig) -> dict[str, dict[str, int]]:
 def router_bias_elements(cfg: ModelConfig) -> dict[str, int]:
     """Elements of `e_score_correction_bias` (a buffer, E per MoE layer): main layers and MTP."""
     E = cfg.n_routed_experts
-    main = sum(E for _, m, _ in layer_kinds(cfg) if m == "sparse")
-    mtp = E if cfg.num_nextn_predict_layers and cfg.mtp_mlp_type == "sparse" else 0
+    main, mtp = (sum(E for spec in _blocks(cfg, mtp=m) if spec.mlp == "sparse") for m in (False, True))
     return {"main": main, "mtp": mtp}
 
 
-def _state_of(cfg: ModelConfig, kinds) -> dict[str, int]:
+def _state_of(cfg: ModelConfig, specs) -> dict[str, int]:
+    """Per-token values of the layers' caches, as `KVCache` allocates them (`index_cache`)."""
     widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}  # gdn: a fixed-size state, 0 per token
-    attn = sum(widths.get(a, 0) for a, _, _ in kinds)
-    index = sum(cfg.index_head_dim for _, _, ix in kinds if ix and cfg.use_dsa)
+    attn = sum(widths.get(mixer_kind(spec), 0) for spec in specs)
+    index = sum(cfg.index_head_dim for spec in specs if spec.index_cache)
     return {"attention_values": attn, "indexer_values": index, "values": attn + index}
 
 
@@ -205,14 +204,14 @@ def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) 
     reported apart (it holds a cache only when used as a draft head).
     Raises ValueError for an unknown dtype or a context outside 1..max_position_embeddings."""
     nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
-    mtp = [mtp_kind(cfg)] if cfg.num_nextn_predict_layers else []
-    kinds = {a for a, _, _ in layer_kinds(cfg) + mtp}
+    every = _blocks(cfg, mtp=False) + _blocks(cfg, mtp=True)
+    kinds = {mixer_kind(spec) for spec in every}
     widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}
     out = {"dtype": dtype, "bytes_per_value": nbytes, "context": L,
            "per_layer_values": {**{a: w for a, w in widths.items() if a in kinds},
-                                "indexer": cfg.index_head_dim if cfg.has_indexer and cfg.use_dsa else 0}}
-    for part, kinds in (("main", layer_kinds(cfg)), ("mtp", mtp)):
-        s = _state_of(cfg, kinds)
+                                "indexer": cfg.index_head_dim if any(spec.index_cache for spec in every) else 0}}
+    for part in ("main", "mtp"):
+        s = _state_of(cfg, _blocks(cfg, mtp=part == "mtp"))
         s["bytes_per_token"] = s["values"] * nbytes
         s["bytes_for_context"] = s["bytes_per_token"] * L
         out[part] = s
@@ -229,22 +228,24 @@ def mean_keys(L: int, topk: int | None = None, *, prefill: bool) -> float:
     return (topk * (topk + 1) / 2 + (L - topk) * topk) / L
 
 
-def block_flops(cfg: ModelConfig, kind, L: int, *, prefill: bool) -> dict[str, float]:
+def block_flops(cfg: ModelConfig, spec: LayerSpec, L: int, *, prefill: bool) -> dict[str, float]:
     """FLOPs per token of one decoder block at context L (2 per multiply-add).
 
     projections: 2 x attention matrices (kv_b counted once per token: the naive path expands each
       token's latent once; the absorbed path applies W_uk, W_uv to the query/output, same count)
-      + 2 x indexer matrices on a layer that runs its indexer (`use_dsa` and a full layer);
+      + 2 x indexer matrices on a layer that runs its indexer (`use_dsa` and an "own" layer; SWA
+      layers holding indexer weights never run them);
     indexer_scoring: per causal key 2*I*J (q_i . k) + 2*I (head weights), I = index_n_heads
       (counted at every L, though `MLAttention` skips selection when T <= index_topk: a decode
       cache still needs the indexer keys and later queries score all of them);
     core_attention: per attended key, MLA prefill (naive) 2*H*(qk_head_dim + v_head_dim), MLA
       decode (absorbed) 2*H*((C + R) + C), GQA 2*H*(qk_head_dim + v_head_dim); keys =
-      `mean_keys` with topk = index_topk on MLA layers when `use_dsa`;
+      `mean_keys` with topk = `sliding_window` on "swa" layers, index_topk on layers that select
+      keys ("own"/"shared") when `use_dsa`;
     moe: 2 x (router E*D + K routed + shared experts, 3*D*I each); dense_ffn: 2 x 3*D*I_dense."""
-    attention_type, mlp_type, has_indexer = kind
+    attention_type, mlp_type = mixer_kind(spec), spec.mlp
     D, H = cfg.hidden_size, cfg.num_attention_heads
-    runs_indexer = has_indexer and cfg.use_dsa
+    runs_indexer = spec.indexer == "own" and cfg.use_dsa
     f = dict.fromkeys(FLOP_TERMS, 0.0)
     f["projections"] = 2.0 * (sum(attention_weights(cfg, attention_type).values())
                               + (indexer_weights(cfg) if runs_indexer else 0))
@@ -258,7 +259,7 @@ def block_flops(cfg: ModelConfig, kind, L: int, *, prefill: bool) -> dict[str, f
         per_key = 2 * H * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     else:
         per_key = 2 * H * (cfg.qk_head_dim + cfg.v_head_dim)
-    topk = cfg.index_topk if attention_type == "mla" and cfg.use_dsa else None
+    topk = spec.window or (cfg.index_topk if spec.indexer != "none" and cfg.use_dsa else None)
     if per_key is not None:
         f["core_attention"] = per_key * mean_keys(L, topk, prefill=prefill)
     if mlp_type == "dense":
@@ -279,13 +280,13 @@ def flops(cfg: ModelConfig, *, context: int | None = None) -> dict:
     lm_head = 2.0 * cfg.vocab_size * cfg.hidden_size
     for mode, prefill in (("prefill", True), ("decode", False)):
         f = dict.fromkeys(FLOP_TERMS, 0.0)
-        for kind in layer_kinds(cfg):
-            for k, v in block_flops(cfg, kind, L, prefill=prefill).items():
+        for spec in cfg.layers:
+            for k, v in block_flops(cfg, spec, L, prefill=prefill).items():
                 f[k] += v
         f["lm_head"] = lm_head
         out[mode] = {**f, "total": sum(f.values())}
         if cfg.num_nextn_predict_layers:
-            m = block_flops(cfg, mtp_kind(cfg), L, prefill=prefill)
+            m = block_flops(cfg, cfg.mtp_layer, L, prefill=prefill)
             m["projections"] += 2.0 * 2 * cfg.hidden_size**2
             m["lm_head"] = lm_head
             out[f"mtp_{mode}"] = {**m, "total": sum(m.values())}

@@ -1,5 +1,6 @@
 """Named configurations. `tiny` and `small` run on a 2-core CPU; the others are full-size shapes
-for the ledger (build them on the meta device).
+for the ledger (build them on the meta device). `bench` is the inference benchmarks' model
+(`benchmarks/decode.py`, `prefill.py`, `dsa_attention.py`).
 
 Sources: GLM-5 = the public `zai-org/GLM-5` config.json and the report's appendix table;
 GLM-4.5 = its report/config (GQA 96 heads, 8 KV heads, head 128 with RoPE on half, QK-norm,
@@ -77,9 +78,31 @@ def small() -> ModelConfig:
     )
 
 
+def bench() -> ModelConfig:
+    """The inference benchmarks' "wide attention" model: GLM-5's attention shapes at reduced
+    width, so that attention weighs in decode and prefill as it does in the real model (the
+    `small` preset's 32-wide heads make attention negligible next to the MoE).
+
+    GLM-5's per-head dims (q/k 192 no-RoPE + 64 RoPE, v 256; latent 512 + 64 = 576 cached values
+    per token; indexer heads of 128), 8 heads over a 1024 hidden, q latent 768; DSA top-256 with 4
+    indexer heads on alternating full/shared layers; 2 layers (dense, then MoE with 8 routed
+    experts of 256 top-2 plus a shared one); vocab 4096; one MTP layer; positions up to 16384.
+    32.9M parameters in the main model (fp32: 132 MB), 16.6M more in the MTP layer. Every field
+    not named here is `small`'s (rope_theta 1e4, no bos/eos). 4 indexer heads, not `small`'s 16:
+    the figures in BENCHMARKS.md were measured with 4 (their top-k ties are discussed there)."""
+    return small().replace(
+        hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=768, kv_lora_rank=512,
+        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, use_dsa=True, index_n_heads=4,
+        index_head_dim=128, index_topk=256, num_hidden_layers=2, indexer_types=["full", "shared"],
+        first_k_dense_replace=1, mlp_layer_types=None, attention_types=None, intermediate_size=1024,
+        moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, vocab_size=4096,
+        max_position_embeddings=16384, num_nextn_predict_layers=1,
+    )
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "glm5": glm5, "glm4.5": glm4_5, "mla-256": mla_256, "mla-192": mla_192, "gqa-8": gqa_8,
-    "tiny": tiny, "small": small,
+    "tiny": tiny, "small": small, "bench": bench,
 }
 
 

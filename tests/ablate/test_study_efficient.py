@@ -45,8 +45,8 @@ def test_variants_load_the_base_as_documented():
         ref = base(ids).logits
         assert torch.allclose(models["SWA interleave"](ids).logits, ref, atol=1e-5)
         assert torch.allclose(models["searched SWA"](ids).logits, ref, atol=1e-5)
-    assert models["Gated DeltaNet"].config.mixer_types == ["gdn", "full", "gdn", "full"]
-    assert models["SimpleGDN"].config.mixer_types == ["simple_gdn", "full", "simple_gdn", "full"]
+    assert models["Gated DeltaNet"].config.mixer_types == ["gdn", "attention", "gdn", "attention"]
+    assert models["SimpleGDN"].config.mixer_types == ["simple_gdn", "attention", "simple_gdn", "attention"]
     b, s, g = (m.model.layers for m in (base, models["SimpleGDN"], models["Gated DeltaNet"]))
     for i in replaced:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -56,9 +56,9 @@ class Counting:
 
 
 def test_interleave_pattern():
-    assert interleave_pattern(4) == ["swa", "full", "swa", "full"]
-    assert interleave_pattern(5, every=3) == ["swa", "swa", "full", "swa", "swa"]
-    assert interleave_pattern(3, every=1) == ["full"] * 3
+    assert interleave_pattern(4) == ["swa", "attention", "swa", "attention"]
+    assert interleave_pattern(5, every=3) == ["swa", "swa", "attention", "swa", "swa"]
+    assert interleave_pattern(3, every=1) == ["attention"] * 3
     with pytest.raises(ValueError, match="every"):
         interleave_pattern(4, every=0)
     with pytest.raises(ValueError, match="num_layers"):
@@ -68,7 +68,7 @@ def test_interleave_pattern():
 def test_with_mixers_shares_weights_and_changes_long_logits():
     model = make_model(4)
     m = with_mixers(model, ["swa", "full", "swa", "full"], W)
-    assert m.config.mixer_types == ["swa", "full", "swa", "full"] and m.config.sliding_window == W
+    assert m.config.mixer_types == ["swa", "attention", "swa", "attention"] and m.config.sliding_window == W  # "full": old alias
     assert m.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr() and not m.training
     x = ids()
     with torch.no_grad():

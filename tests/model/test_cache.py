@@ -28,8 +28,7 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.ledger import state
 from glm5lab.model import mla as mla_module
 from glm5lab.model.cache import CacheOverflowError, KVCache
-from glm5lab.model.rope import rope_angles
-from tests.conftest import TOL, assert_close
+from tests.conftest import TOL, assert_close, uncached_step
 
 IMPLS = ("naive", "absorbed", "auto")
 V = 512  # tiny vocab
@@ -415,8 +414,7 @@ def test_mtp_step_cached_equals_uncached(tiny, impl):
     hidden = tiny(ids).hidden_states[:, :12]
     next_ids = ids[:, 1:]
     layer, cfg = tiny.model.mtp_layers[0], tiny.config
-    cos, sin = rope_angles(torch.arange(12), cfg.qk_rope_head_dim, cfg.rope_theta)
-    h_ref, _ = layer(hidden, tiny.model.embed_tokens(next_ids), cos, sin, attn_impl="naive")
+    h_ref, _ = layer(hidden, tiny.model.embed_tokens(next_ids), uncached_step(cfg, 12, reference=True).layer(0))
     cache = KVCache.for_mtp(tiny, 2, 12)
     hs, logits, pos = [], [], 0
     for T in (5, 1, 3, 1, 2):
@@ -435,8 +433,7 @@ def test_mtp_step_on_gqa_layer(mixed):
     ids = rand_ids(51, 2, 11)
     hidden = model(ids).hidden_states[:, :10]
     layer, cfg = model.model.mtp_layers[0], model.config
-    cos, sin = rope_angles(torch.arange(10), cfg.qk_rope_head_dim, cfg.rope_theta)
-    h_ref, _ = layer(hidden, model.model.embed_tokens(ids[:, 1:]), cos, sin, attn_impl="naive")
+    h_ref, _ = layer(hidden, model.model.embed_tokens(ids[:, 1:]), uncached_step(cfg, 10, reference=True).layer(0))
     cache = KVCache.for_mtp(model, 2, 10)
     assert set(cache.layers[0]) == {"k", "v"}
     h1, l1 = model.mtp_step(hidden[:, :7], ids[:, 1:8], cache=cache)

@@ -1,30 +1,40 @@
 """MLA: the absorbed latent-space path (with gathered top-k) against the naive path (materialised
-per-head K/V, dense mask), forward and backward, dense and sparse, odd shapes."""
+per-head K/V, dense mask), forward and backward, dense and sparse, odd shapes; the route table of
+`attention_route` row by row, and every route of `MLAttention.attend` against the reference one
+(uncached with and without DSA, sliding window, cached rows at different offsets)."""
+
+import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 
-from glm5lab import ModelConfig
-from glm5lab.model.mla import MLAttention
+from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.model import mla
+from glm5lab.model.cache import KVCache
+from glm5lab.model.mla import ROUTES, MLAttention, attention_route
 from glm5lab.model.rope import rope_angles
-from tests.conftest import assert_close, grads
+from tests.conftest import assert_close, grads, uncached_step
 
 K = 6
+IMPL_OPTIONS = {"naive": dict(reference=True), "absorbed": dict(absorbed=True), "auto": {}}
+"""The model's `attn_impl` values as `Step` options."""
 
 
-def _layer(has_indexer=True, **changes):
+def _layer(spec_changes=None, layer_index=0, **changes):
     cfg = ModelConfig.from_preset("tiny", index_topk=K, qk_nope_head_dim=5, v_head_dim=7, kv_lora_rank=11, **changes)
     torch.manual_seed(0)
-    layer = MLAttention(cfg, has_indexer=has_indexer)
+    spec = dataclasses.replace(cfg.layers[layer_index], **(spec_changes or {}))
+    layer = MLAttention(cfg, spec)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return cfg, layer
 
 
-def _run(layer, cfg, x, impl, prev_topk=None, **kw):
-    cos, sin = rope_angles(torch.arange(x.shape[1]), cfg.qk_rope_head_dim, cfg.rope_theta)
-    out, topk, _ = layer(x, cos, sin, impl=impl, prev_topk=prev_topk, **kw)
-    return out, topk
+def _run(layer, cfg, x, impl, topk=None, **options):
+    """(out, the step's top-k after the forward) of one uncached forward (DSA as in `cfg`)."""
+    step = uncached_step(cfg, x.shape[1], topk=topk, **IMPL_OPTIONS[impl], **options)
+    return layer(x, step.layer(0)), step.topk
 
 
 @pytest.mark.parametrize("T", [1, K - 1, K, K + 1, 17, 16 * K + 1])  # the last: `auto` gathers
@@ -59,16 +69,178 @@ def test_sparse_differs_from_dense_so_dsa_is_exercised():
 
 def test_shared_layer_reuses_given_topk_and_refuses_without():
     cfg, full = _layer()
-    _, shared = _layer(has_indexer=False)
+    _, shared = _layer(layer_index=1)  # tiny's layer 1: "shared", reusing layer 0's selection
+    assert shared.spec.indexer == "shared" and shared.indexer is None
     x = torch.randn(1, 2 * K, cfg.hidden_size)
-    _, topk = _run(full, cfg, x, "absorbed")
-    _, reused = _run(shared, cfg, x, "absorbed", prev_topk=topk)
+    step = uncached_step(cfg, x.shape[1], absorbed=True)
+    full(x, step.layer(0))
+    topk = step.topk
+    assert topk is not None
+    out = shared(x, step.layer(1))
+    assert step.topk is topk  # read, not replaced
+    given, reused = _run(shared, cfg, x, "absorbed", topk=topk)
     assert reused is topk
+    assert_close(given, out)
     with pytest.raises(ValueError, match="'shared' DSA layer needs the top-k"):
         _run(shared, cfg, x, "absorbed")
 
 
 def test_unknown_impl_is_refused():
-    cfg, layer = _layer()
+    """MLA layers take no impl any more: the model's `attn_impl` is checked once per forward."""
+    cfg, _ = _layer()
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(cfg)
+    ids = torch.zeros(1, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="impl 'flash'.*one of"):
-        _run(layer, cfg, torch.randn(1, 2, cfg.hidden_size), "flash")
+        model(ids, attn_impl="flash")
+    with pytest.raises(ValueError, match="impl 'flash'.*one of"):
+        model.step(ids, None, attn_impl="flash")
+
+
+# ---------------------------------------------------------------- the route table
+
+ROUTE_TABLE = [  # (reference, absorbed, sparse, T, S, route), index_topk = K: 16 x K = 96 keys
+    # reference: always the reference, whatever else holds
+    (True, False, False, 1, 1, "reference"),
+    (True, False, True, 17, 97, "reference"),
+    (True, True, True, 16, 96, "reference"),
+    (True, True, False, 17, 17, "reference"),
+    # absorbed + top-k: gathered, at any T and S
+    (False, True, True, 1, 7, "latent_gathered"),
+    (False, True, True, 16, 96, "latent_gathered"),
+    (False, True, True, 17, 96, "latent_gathered"),
+    (False, True, True, 17, 97, "latent_gathered"),
+    # absorbed, no top-k: masked latent, at any T and S
+    (False, True, False, 1, 1, "latent_masked"),
+    (False, True, False, 16, 16, "latent_masked"),
+    (False, True, False, 17, 17, "latent_masked"),
+    (False, True, False, 17, 97, "latent_masked"),
+    # auto, top-k, T <= 16: gathered at any S
+    (False, False, True, 1, 7, "latent_gathered"),
+    (False, False, True, 16, 16, "latent_gathered"),
+    (False, False, True, 16, 96, "latent_gathered"),
+    (False, False, True, 16, 97, "latent_gathered"),
+    # auto, top-k, T > 16, S > 16 x topk: gathered
+    (False, False, True, 17, 97, "latent_gathered"),
+    (False, False, True, 97, 97, "latent_gathered"),
+    # auto, top-k, T > 16, S <= 16 x topk: masked latent (visible & top-k)
+    (False, False, True, 17, 17, "latent_masked"),
+    (False, False, True, 17, 96, "latent_masked"),
+    (False, False, True, 96, 96, "latent_masked"),
+    # auto, no top-k, T <= 16: masked latent
+    (False, False, False, 1, 1, "latent_masked"),
+    (False, False, False, 16, 16, "latent_masked"),
+    (False, False, False, 16, 97, "latent_masked"),
+    # auto, no top-k, T > 16: expanded
+    (False, False, False, 17, 17, "expanded"),
+    (False, False, False, 17, 96, "expanded"),
+    (False, False, False, 97, 97, "expanded"),
+]
+
+
+@pytest.mark.parametrize("reference, absorbed, sparse, T, S, route", ROUTE_TABLE)
+def test_attention_route_follows_the_table(reference, absorbed, sparse, T, S, route):
+    assert mla.ABSORBED_MAX_QUERIES == 16 and mla.GATHER_MIN_KEYS_PER_TOPK == 16  # the table's 16s
+    assert attention_route(reference=reference, absorbed=absorbed, sparse=sparse, T=T, S=S, index_topk=K) == route
+
+
+def test_route_table_covers_every_route():
+    assert {row[-1] for row in ROUTE_TABLE} == set(ROUTES)
+
+
+W = 3  # sliding window of the "swa" scenario (< K - 1: the window matters at every T >= 4)
+SCENARIOS = {  # spec changes of tiny's layer 0 and the step's DSA switch
+    "dsa": ({}, True),
+    "dense": ({}, False),
+    "swa": (dict(mixer="swa", window=W, indexer="none", index_cache=False), True),
+}
+PREFIX, LENGTHS = 9, (3, 9)  # cached rows sit at offsets 3 and 9 (row 0's slots 3..8 hold stale keys)
+
+
+def _cached_step(cfg, layer, T, use_dsa, **options):
+    """A cache of 2 rows at lengths LENGTHS (prefilled under no_grad with a fixed prefix, then
+    truncated) and the step of the next T tokens. Fresh per call: a forward writes its cache."""
+    cache = KVCache(cfg, (layer.spec,), 2, PREFIX + 24, dtype=torch.float32, device="cpu")
+    x_pre = torch.randn(2, PREFIX, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        cos, sin = rope_angles(cache.positions(PREFIX), cfg.qk_rope_head_dim, cfg.rope_theta)
+        step = cache.begin(PREFIX, cos, sin, use_dsa=use_dsa, index_topk=K)
+        layer(x_pre, step.layer(0))
+        cache.commit(step)
+    cache.truncate(torch.tensor(LENGTHS))
+    cos, sin = rope_angles(cache.positions(T), cfg.qk_rope_head_dim, cfg.rope_theta)
+    step = cache.begin(T, cos, sin, use_dsa=use_dsa, index_topk=K, **options)
+    assert step.offsets.tolist() == list(LENGTHS) and step.extent == PREFIX + T
+    return step, x_pre
+
+
+def _forced(layer, x, step, route):
+    """out of `layer.forward` with `attention_route` forced to `route` (so `MLAttention.attend`
+    runs it); also returns the route the table would have chosen."""
+    natural, chosen = attention_route, []
+
+    def force(**kw):
+        chosen.append(natural(**kw))
+        return route
+
+    with mock.patch.object(mla, "attention_route", force):
+        out = layer(x, step.layer(0))
+    assert len(chosen) == 1
+    return out, chosen[0]
+
+
+@pytest.mark.parametrize("T", [1, K - 1, K, K + 1, 17])
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_route_equals_the_reference_forward_and_backward(scenario, cached, T):
+    spec_changes, use_dsa = SCENARIOS[scenario]
+    cfg, layer = _layer(spec_changes)
+    x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(T), requires_grad=True)
+    params = (x, layer.q_b_proj.weight, layer.kv_b_proj.weight)
+
+    def make_step():
+        if cached:
+            return _cached_step(cfg, layer, T, use_dsa)[0]
+        return uncached_step(cfg, T, use_dsa=use_dsa)
+
+    step = make_step()
+    ref, natural = _forced(layer, x, step, "reference")
+    topk = step.topk
+    S = step.extent
+    assert (topk is not None) == (scenario == "dsa" and S > K)
+    assert natural == attention_route(reference=False, absorbed=False, sparse=topk is not None, T=T, S=S,
+                                      index_topk=K)
+    ref_grads = grads(ref, *params)
+    routes = [r for r in ROUTES if r != "latent_gathered" or topk is not None]  # gathering needs a top-k
+    assert natural in routes
+    for route in routes:
+        step = make_step()
+        out, _ = _forced(layer, x, step, route)
+        if topk is not None:
+            assert torch.equal(step.topk.idx_BTK, topk.idx_BTK) and torch.equal(step.topk.valid_BTK, topk.valid_BTK)
+        assert_close(out, ref, msg=lambda m, route=route: f"route {route}: {m}")
+        for name, a, b in zip(("x", "q_b_proj", "kv_b_proj"), grads(out, *params), ref_grads, strict=True):
+            assert_close(a, b, msg=lambda m, route=route, name=name: f"route {route}, grad {name}: {m}")
+    if scenario == "swa":  # the window is in force: full attention differs beyond it
+        _, full_layer = _layer(dict(indexer="none", index_cache=False))  # the same layer without its window
+        full_layer.load_state_dict(layer.state_dict())
+        full_out, _ = _forced(full_layer, x, make_step(), "reference")
+        if cached or T > W:
+            assert (full_out - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("T", [1, K - 1, K, K + 1, 17])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_cached_rows_at_different_offsets_equal_their_uncached_forward(scenario, T):
+    """The reference route of a cached step whose rows sit at offsets 3 and 9 == each row's own
+    uncached forward over its prefix and the T new tokens (at those T positions)."""
+    spec_changes, use_dsa = SCENARIOS[scenario]
+    cfg, layer = _layer(spec_changes)
+    x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
+    with torch.no_grad():
+        step, x_pre = _cached_step(cfg, layer, T, use_dsa, reference=True)
+        cached = layer(x, step.layer(0))
+        for b, L in enumerate(LENGTHS):
+            seq = torch.cat([x_pre[b:b + 1, :L], x[b:b + 1]], dim=1)
+            alone = layer(seq, uncached_step(cfg, L + T, use_dsa=use_dsa, reference=True).layer(0))
+            assert_close(cached[b:b + 1], alone[:, L:])

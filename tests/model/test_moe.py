@@ -1,12 +1,13 @@
 """MoE: router against transformers' GlmMoeDsaTopkRouter (incl. group-limited routing), the
-grouped expert path against the per-expert loop (forward and backward), the whole block against
-transformers' GlmMoeDsaMoE, and the router's fp32 and selection-only bias rules."""
+grouped and gathered expert paths against the per-expert loop (forward and backward), the whole
+block against transformers' GlmMoeDsaMoE, the router's fp32 and selection-only bias rules, and
+load counting (training mode only, exactly the routed assignments)."""
 
 import pytest
 import torch
 
 from glm5lab import ModelConfig
-from glm5lab.model.moe import MoE, Router, experts_grouped, experts_loop
+from glm5lab.model.moe import MoE, Router, experts_gathered, experts_grouped, experts_loop
 from tests.conftest import assert_close, grads
 
 
@@ -80,13 +81,47 @@ def test_grouped_equals_loop_forward_and_backward(N, E, K, tile):
         assert_close(a, b)
 
 
-def test_grouped_loop_tie_catches_a_wrong_expert():
+def _expert_inputs(g, N, E, K, D=6, I=5):
+    x = torch.randn(N, D, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])  # K distinct experts per token
+    w = torch.rand(N, K, generator=g, requires_grad=True)
+    weights = [torch.randn(E, I, D, generator=g, requires_grad=True), torch.randn(E, I, D, generator=g, requires_grad=True),
+               torch.randn(E, D, I, generator=g, requires_grad=True)]
+    return x, idx, w, weights
+
+
+def _assert_gathered_equals_loop(x, idx, w, weights):
+    ref = experts_loop(x, idx, w, *weights)
+    out = experts_gathered(x, idx, w, *weights)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert_close(out, ref)
+    for a, b in zip(grads(out, x, w, *weights), grads(ref, x, w, *weights), strict=True):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("N", [1, 3, 7])
+@pytest.mark.parametrize("E,K", [(8, 2), (5, 3), (3, 3)])
+def test_gathered_equals_loop_forward_and_backward(N, E, K):
+    _assert_gathered_equals_loop(*_expert_inputs(torch.Generator().manual_seed(N * 10 + E), N, E, K))
+
+
+def test_gathered_equals_loop_when_tokens_share_experts():
+    """Typical routing (K distinct experts per token) where tokens overlap on some experts and
+    leave others idle: expert 1 serves three tokens, expert 3 none."""
+    g = torch.Generator().manual_seed(5)
+    x, _, w, weights = _expert_inputs(g, 3, 5, 2)
+    idx = torch.tensor([[1, 0], [2, 1], [1, 4]])
+    _assert_gathered_equals_loop(x, idx, w, weights)
+
+
+@pytest.mark.parametrize("fast", [experts_gathered, experts_grouped], ids=["gathered", "grouped"])
+def test_tie_to_the_loop_catches_a_wrong_expert(fast):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 6, generator=g), torch.rand(4, 2, generator=g)
     idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
     weights = [torch.randn(4, 5, 6, generator=g), torch.randn(4, 5, 6, generator=g), torch.randn(4, 6, 5, generator=g)]
     with pytest.raises(AssertionError):
-        assert_close(experts_grouped(x, (idx + 1) % 4, w, *weights), experts_loop(x, idx, w, *weights))
+        assert_close(fast(x, (idx + 1) % 4, w, *weights), experts_loop(x, idx, w, *weights))
 
 
 def test_moe_block_matches_transformers_and_records_load():
@@ -108,3 +143,36 @@ def test_moe_block_matches_transformers_and_records_load():
     load = ours.pop_load()  # two forwards above
     assert load.sum().item() == 2 * 2 * 9 * cfg.num_experts_per_tok and load.shape == (cfg.n_routed_experts,)
     assert ours.pop_load().sum().item() == 0
+
+
+def test_load_is_counted_in_training_mode_only_and_exactly():
+    cfg = _cfg()
+    torch.manual_seed(3)
+    moe = MoE(cfg)
+    torch.nn.init.normal_(moe.gate.weight)
+    x = torch.randn(1, 3, cfg.hidden_size)  # 3 tokens x 2 experts < 8 experts: some stay idle
+    E = cfg.n_routed_experts
+    _, idx, _ = moe.gate(x.reshape(-1, cfg.hidden_size))
+    expected = torch.zeros(E, dtype=torch.long)
+    for e in idx.reshape(-1).tolist():  # by hand: one count per (token, expert) assignment
+        expected[e] += 1
+    assert expected.sum().item() == 3 * cfg.num_experts_per_tok and (expected == 0).any()
+
+    moe.eval()
+    with torch.no_grad():
+        for impl in ("auto", "grouped", "gathered", "loop"):
+            moe(x, impl=impl)
+    assert moe.load is None  # nothing counted in eval mode
+    assert torch.equal(moe.pop_load(), torch.zeros(E, dtype=torch.long))
+
+    moe.train()
+    moe(x)
+    assert moe.load.dtype == torch.long and torch.equal(moe.load, expected)
+    moe.eval()
+    with torch.no_grad():
+        moe(x)
+    assert torch.equal(moe.load, expected)  # an eval forward leaves an existing count untouched
+    moe.train()
+    moe(x, impl="loop")
+    assert torch.equal(moe.pop_load(), 2 * expected)
+    assert moe.load is None and torch.equal(moe.pop_load(), torch.zeros(E, dtype=torch.long))

@@ -6,8 +6,7 @@ import torch
 import torch.nn as nn
 
 from glm5lab.model.block import DecoderLayer
-from glm5lab.model.rope import rope_angles
-from tests.conftest import assert_close
+from tests.conftest import assert_close, uncached_step
 
 
 class SharedMTP(nn.Module):
@@ -51,12 +50,11 @@ def test_recursion_matches_hand_written_unroll(tiny_model):
     m, ids = tiny_model, torch.randint(0, 256, (1, 10))
     out = m(ids, mtp_depth=3, attn_impl="naive", moe_impl="loop")
     layer = m.model.mtp_layers[0]
-    cos, sin = rope_angles(torch.arange(10), m.config.qk_rope_head_dim, m.config.rope_theta)
     h = out.hidden_states  # after the main model's final norm
     for j in (1, 2, 3):
         L = 10 - j
         x = layer.eh_proj(torch.cat([layer.enorm(m.model.embed_tokens(ids[:, j:])), layer.hnorm(h[:, :L])], -1))
-        z, _, _ = DecoderLayer.forward(layer, x, cos[:L], sin[:L], attn_impl="naive", moe_impl="loop")
+        z, _ = DecoderLayer.forward(layer, x, uncached_step(m.config, L, reference=True, moe_impl="loop").layer(0))
         h = layer.shared_head.norm(z)  # what the head reads is what the next depth receives
         assert_close(out.mtp_logits[j - 1], m.lm_head(h))
 

@@ -78,7 +78,10 @@ def test_swa_config_is_validated():
     with pytest.raises(ConfigError, match="sliding_window"):
         tiny.replace(sliding_window=0)
     with pytest.raises(ConfigError, match=r"mixer_types\[1\]"):
-        tiny.replace(mixer_types=["full", "attention", "full", "full"], sliding_window=2)
+        tiny.replace(mixer_types=["attention", "global", "attention", "attention"], sliding_window=2)
+    # "full" is the old name of "attention": accepted, stored under the new name
+    assert tiny.replace(mixer_types=["full", "attention", "swa", "full"], sliding_window=2).mixer_types == [
+        "attention", "attention", "swa", "attention"]
     with pytest.raises(ConfigError, match=r"indexer_types\[1\].*'simple_gdn' layers select none"):
         tiny.replace(mixer_types=["swa", "full", "full", "full"], sliding_window=2)
     cfg = tiny.replace(mixer_types=["full", "full", "swa", "full"], sliding_window=3)

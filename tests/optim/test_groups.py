@@ -7,7 +7,10 @@ import torch.nn.functional as F
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.optim import OPTIMIZERS, RULES, build_optimizer, param_group_table
+from glm5lab.model.dsa import LightningIndexer
 from glm5lab.optim.groups import Rule, _match_one
+from glm5lab.train.loop import set_trainable
+from glm5lab.train.stages import Stage
 
 GQA = {"attention_types": ["gqa"] * 4, "index_n_heads": 0, "index_head_dim": 0, "use_dsa": False,
        "q_lora_rank": 0, "kv_lora_rank": 0}
@@ -60,6 +63,24 @@ def test_tiny_kinds():
     assert split_names == {n for n in split if n.endswith(("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight"))}
     assert len(split_names) == 2 * 5  # 4 layers + MTP
     assert all(split[n] == ("muon_split", heads) and muon[n] == ("muon", None) for n in split_names)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_indexer_warmup_trains_exactly_the_indexer_parameters(variant):
+    """The warm-up's trainable set (`set_trainable`, from the rule table's indexer flag) is exactly
+    the parameters of the model's `LightningIndexer` modules, main layers and MTP layer."""
+    model = _model(**VARIANTS[variant])
+    by_module = {f"{m_name}.{p_name}" for m_name, m in model.named_modules() if isinstance(m, LightningIndexer)
+                 for p_name, _ in m.named_parameters()}
+    set_trainable(model, Stage("indexer_warmup", 1, 1e-3, 8, 1, trainable="indexer"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == by_module
+    if VARIANTS[variant].get("index_n_heads", 1):  # GQA variants have no indexer
+        assert any(n.startswith("model.layers.") for n in trainable)
+        assert any(n.startswith("model.mtp_layers.0.self_attn.indexer.") for n in trainable)
+        assert "model.layers.0.self_attn.indexer.k_norm.bias" in trainable  # not left to the generic bias rule
+    set_trainable(model, Stage("dense", 1, 1e-3, 8, 1))
+    assert all(p.requires_grad for p in model.parameters())
 
 
 def test_weight_decay_off_for_norms_and_biases():

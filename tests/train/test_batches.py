@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from glm5lab.tokenizer import cached_tokenizer, encode_documents, eot_id
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.corpus import load_documents, split_documents
-from glm5lab.train.tokenizer import cached_tokenizer, encode_documents, eot_id
 
 
 def _windows(n: int = 50, seq_len: int = 4) -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.checkpoint import ResumeError
 from glm5lab.train.balance import update_router_bias
-from glm5lab.train.checkpoint import ResumeError
 from glm5lab.train.loop import TrainArgs, TrainingDiverged, _Loop, resolve_stages, train
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages

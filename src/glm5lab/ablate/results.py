@@ -38,7 +38,7 @@ def write_result(result: StudyResult, out: Path, *, quick: bool, elapsed_s: floa
     Each file is written to a temporary name and renamed, so a reader never sees half a file."""
     import torch
 
-    from glm5lab.train.loop import git_commit
+    from glm5lab.environment import git_commit
 
     out.mkdir(parents=True, exist_ok=True)
     header = f"# Ablation `{result.study}`{' (--quick)' if quick else ''}\n\n"

@@ -78,7 +78,7 @@ def build_variants(base: GLM5ForCausalLM, sz: Sizes, searched: list[str], *, see
         out[name] = _loaded(cfg.replace(mixer_types=list(mixers), sliding_window=sz.window), state, strict=True)
     replaced = layer_plan(sz)
     for name, mixer in (("Gated DeltaNet", "gdn"), ("SimpleGDN", "simple_gdn")):
-        mixers = [mixer if i in replaced else "full" for i in range(sz.layers)]
+        mixers = [mixer if i in replaced else "attention" for i in range(sz.layers)]
         torch.manual_seed(seed)
         keep = state if mixer == "simple_gdn" else {k: v for k, v in state.items()
                                                      if not any(k.startswith(_mixer_prefix(i)) for i in replaced)}

@@ -18,7 +18,7 @@ reflects.
 `generate` drafts by chaining the one shared MTP layer k times (each step feeds its own z and
 drafted token back), so draft steps beyond the training depth (k > 1 for depth 1, k = 4 for
 depth 3) use the layer at unroll positions it never trained on: extrapolation, which is what the
-depth 1 vs 3 comparison shows. Cached generation needs "full" mixers (study_config has them).
+depth 1 vs 3 comparison shows. Cached generation needs "attention" mixers (study_config has them).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class Workbench:
         split by document. Raises ValueError when the reserved ids leave fewer than 300 ids for
         text (a byte-level BPE), FileNotFoundError for a missing `data`."""
         from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
-        from glm5lab.train.tokenizer import cached_tokenizer, encode_documents
+        from glm5lab.tokenizer import cached_tokenizer, encode_documents
 
         reserved = len(MARKERS) + num_keys + num_values
         text_vocab = vocab_size - reserved

@@ -28,8 +28,8 @@ Contracts, as lm-eval's HFLM (`lm_eval/models/huggingface.py`) for a causal mode
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length tokens, the first one
   conditioned on `<|endoftext|>`; every token is scored exactly once. An empty string scores 0.0.
 - generate_until: glm5lab.generate (cached decode); greedy unless do_sample with temperature > 0
-  (then seeded by `seed`). Stops at `<|endoftext|>`, at max_gen_toks, or once every row of the batch
-  holds one of the `until` strings; the text is cut before the first stop string.
+  (then seeded by `seed`). A row stops at `<|endoftext|>`, at max_gen_toks, or once its text holds
+  one of the `until` strings (`generate(stop_when=)`); the text is cut before the first stop string.
 - Batching: requests are sorted longest first and run `batch_size` at a time, right-padded
   (causal attention, DSA top-k over earlier keys only and per-token MoE routing keep padding
   from touching real positions; the test checks batched == one-at-a-time).
@@ -50,16 +50,12 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from glm5lab.infer.generate import generate
 from glm5lab.model.model import GLM5ForCausalLM
-from glm5lab.train.tokenizer import EOT, load_tokenizer
+from glm5lab.tokenizer import EOT, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks")
-
-
-class _AllStopped(Exception):
-    """Raised from generate's `on_tokens` callback to end a batch early (every row holds a stop)."""
 
 
 def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
@@ -251,30 +247,20 @@ class GLM5LabLM(TemplateLM):
                 "top_k": kw.get("top_k"), "top_p": kw.get("top_p")}
 
     def _generate_batch(self, prompts: list[list[int]], opts: dict) -> list[str]:
-        """New text per prompt, cut before the first `until` string; ends early once every row
-        holds a stop string or `<|endoftext|>`."""
-        rows: list[list[int]] = [[] for _ in prompts]
-        until = opts["until"]
+        """New text per prompt, cut before the first `until` string; a row ends (leaves the batch)
+        once its text holds a stop string or it emits `<|endoftext|>`."""
+        until = [s for s in opts["until"] if s]
 
-        def finished(row: list[int]) -> bool:
-            return self._eot in row or any(s and s in self.tok_decode(row) for s in until)
+        def holds_stop(_row: int, tokens: list[int]) -> bool:
+            return any(s in self.tok_decode(tokens) for s in until)
 
-        def on_tokens(new: list[list[int]]) -> None:
-            for row, toks in zip(rows, new, strict=True):
-                row.extend(toks)
-            if until and all(finished(row) for row in rows):
-                raise _AllStopped  # generate has no stop-string hook: leave its loop from the callback
-
-        try:
-            generate(self.model, prompts, opts["max_new_tokens"], temperature=opts["temperature"],
-                     top_k=opts["top_k"], top_p=opts["top_p"], seed=self.seed, stop_tokens=[self._eot],
-                     on_tokens=on_tokens, attn_impl=self.attn_impl)
-        except _AllStopped:
-            pass
+        rows = generate(self.model, prompts, opts["max_new_tokens"], temperature=opts["temperature"],
+                        top_k=opts["top_k"], top_p=opts["top_p"], seed=self.seed, stop_tokens=[self._eot],
+                        stop_when=holds_stop if until else None, attn_impl=self.attn_impl).tokens
         texts = []
         for row in rows:
             row = row[:row.index(self._eot)] if self._eot in row else row
-            texts.append(postprocess_generated_text(self.tok_decode(row), stop=until, think_end_token=None))
+            texts.append(postprocess_generated_text(self.tok_decode(row), stop=opts["until"], think_end_token=None))
         return texts
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -59,14 +59,14 @@ class IndexCacheRow:
 
 
 def selecting_layers(cfg: ModelConfig) -> list[int]:
-    """Main layers where DSA selects keys: MLA with a "full" mixer (not sliding-window)."""
-    return [i for i, (a, m) in enumerate(zip(cfg.attention_types, cfg.mixer_types, strict=True))
-            if a == "mla" and m == "full"]
+    """Main layers where DSA selects keys (`LayerSpec.indexer` "own" or "shared": MLA attention
+    layers, not sliding-window or Gated DeltaNet ones)."""
+    return [spec.index for spec in cfg.layers if spec.indexer != "none"]
 
 
 def full_layers(cfg: ModelConfig) -> list[int]:
-    """Selecting layers that run their own indexer ("full")."""
-    return [i for i in selecting_layers(cfg) if cfg.indexer_types[i] == "full"]
+    """Selecting layers that run their own indexer (`indexer_types` "full", role "own")."""
+    return [spec.index for spec in cfg.layers if spec.indexer == "own"]
 
 
 def _target_count(retention: float, n_full: int) -> int:
@@ -223,9 +223,9 @@ def _check_retention(r) -> float:
 
 
 def _check_dsa(cfg: ModelConfig) -> None:
-    if not (cfg.use_dsa and cfg.has_indexer and selecting_layers(cfg)):
+    if not (cfg.use_dsa and selecting_layers(cfg)):
         raise ValueError("model has no DSA to share indices of: it needs use_dsa=True, an indexer "
-                         "(index_n_heads > 0) and at least one MLA layer with a 'full' mixer")
+                         "(index_n_heads > 0) and at least one MLA attention layer (mixer 'attention')")
 
 
 def _check_calib(cfg: ModelConfig, calib_ids) -> torch.Tensor:

@@ -9,7 +9,7 @@ context (e.g. at 128K, without training: 1:1 SWA 6.51 vs searched SWA 53.95, ful
 The report does not give the scoring data or the exact round rule; ours is below.
 
 Algorithm (`search_swa`), L = num_hidden_layers, n* = ceil(target_fraction * L) SWA layers:
-  beam_0 = [all layers "full"]
+  beam_0 = [all layers "attention"]
   round r: for each pattern P in the beam, with F = its remaining full layers, each candidate
     switches k = min(per_round, n* - |SWA(P)|) more layers of F to "swa": all C(|F|, k)
     combinations, or `max_candidates` of them sampled deterministically (seeded by `seed` and
@@ -53,7 +53,7 @@ Pattern = tuple[int, ...]  # sorted indices of the "swa" layers
 
 @dataclass
 class SWASearchResult:
-    """mixer_types: the best pattern (one "full"/"swa" per main layer); swa_layers: its SWA layer
+    """mixer_types: the best pattern (one "attention"/"swa" per main layer); swa_layers: its SWA layer
     indices, increasing; score: its score_fn value. full_score: score of the all-full model.
     history[r]: the beam after round r, best first, as (mixer_types, score) pairs.
     evaluations: score_fn calls made (distinct valid patterns scored, the all-full one included).
@@ -70,12 +70,12 @@ class SWASearchResult:
 
 
 def interleave_pattern(num_layers: int, every: int = 2) -> list[str]:
-    """The fixed SWA interleave baseline: layer i is "full" when i % every == every - 1, else
+    """The fixed SWA interleave baseline: layer i is "attention" when i % every == every - 1, else
     "swa" (every=2: swa, full, swa, full, ... = the report's 1:1 interleave; the last layer of each
     group of `every` keeps full attention). Raises ValueError naming the argument if
     num_layers < 1 or every < 1 (every=1: all full)."""
     num_layers, every = check_int("num_layers", num_layers, 1), check_int("every", every, 1)
-    return ["full" if i % every == every - 1 else "swa" for i in range(num_layers)]
+    return ["attention" if i % every == every - 1 else "swa" for i in range(num_layers)]
 
 
 def with_mixers(model, mixer_types: Sequence[str], window: int | None):
@@ -155,7 +155,7 @@ def search_swa(model, score_fn: Callable[[object], float], *, window: int, targe
 
 def _mixers(L: int, p: Pattern) -> list[str]:
     s = set(p)
-    return ["swa" if i in s else "full" for i in range(L)]
+    return ["swa" if i in s else "attention" for i in range(L)]
 
 
 def _candidates(L: int, p: Pattern, k: int, max_candidates: int | None, seed: int) -> list[Pattern]:

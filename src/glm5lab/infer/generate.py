@@ -31,6 +31,7 @@ import torch
 from glm5lab.infer import DEFAULT_PREFILL_CHUNK
 from glm5lab.infer.sampling import Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
+from glm5lab.infer.steps import decode_step, draft, prefill, verify
 from glm5lab.model.cache import KVCache
 
 SPECULATIVE = (None, "mtp")
@@ -79,7 +80,8 @@ class GenerateOutput:
 def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
              draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
-             on_tokens: Callable[[list[list[int]]], None] | None = None, attn_impl: str = "auto") -> GenerateOutput:
+             on_tokens: Callable[[list[list[int]]], None] | None = None, attn_impl: str = "auto",
+             stop_when: Callable[[int, list[int]], bool] | None = None) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
     input_ids: int64 tensor [T] or [B, T], a list of ints, or a list of lists of ints (prompts
@@ -91,25 +93,26 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     verification and a 1-token step round differently). stop_tokens: a row ends after emitting one of these.
     prefill_chunk: prefill in pieces of this many tokens (default 256; None = the whole prompt
     in one forward: same result, more memory, slower on CPU as it computes the full causal square). on_tokens:
-    called after each step with the tokens each row just emitted (streaming).
+    called after each step with the tokens each row just emitted (streaming). stop_when: called
+    as stop_when(b, tokens of row b so far) after each new token; True ends row b there (stop
+    strings: the lm-eval adapter ends a row once its text holds one).
     Returns GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for
     speculative runs. Raises ValueError (naming the argument) on bad input, and when a prompt
     plus max_new_tokens (+ draft_steps + 1) exceeds max_position_embeddings."""
     _check_model(model, on_tokens)
-    cfg = model.config
-    prompts = _prompts(input_ids, cfg.vocab_size)
-    sampling = Sampling(temperature, top_k, top_p).check(cfg.vocab_size)
-    _check_args(model, prompts, max_new_tokens, speculative, draft_steps, prefill_chunk)
-    stops = _stop_set(stop_tokens, cfg.vocab_size)
-    if seed is not None and (not _is_id(seed) or not -2**63 <= int(seed) < 2**64):
-        raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
+    if stop_when is not None and not callable(stop_when):
+        raise TypeError(f"stop_when must be None or a callable (row index, tokens) -> bool, got {stop_when!r}")
+    prompts, sampling, stops = check_request(model.config, input_ids, max_new_tokens, temperature=temperature,
+                                             top_k=top_k, top_p=top_p, seed=seed, speculative=speculative,
+                                             draft_steps=draft_steps, stop_tokens=stop_tokens,
+                                             prefill_chunk=prefill_chunk)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(int(seed))
     else:
         generator.seed()
-    run = _Run(model, prompts, max_new_tokens, sampling, generator, stops, on_tokens, attn_impl, device)
+    run = _Run(model, prompts, max_new_tokens, sampling, generator, stops, on_tokens, attn_impl, device, stop_when)
     if speculative == "mtp":
         run.speculative(draft_steps, prefill_chunk)
     else:
@@ -117,14 +120,31 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     return GenerateOutput(run.emitted, run.stats)
 
 
+def check_request(config, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+                  top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
+                  draft_steps: int = 3, stop_tokens: Iterable[int] = (),
+                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> tuple[list[list[int]], Sampling, frozenset[int]]:
+    """Every check `generate` makes on its arguments, against a `ModelConfig` only (so a CLI can
+    refuse a request before loading weights). Returns (prompts as lists of ids, the `Sampling`,
+    the stop-token set). Raises ValueError/TypeError as `generate` documents."""
+    prompts = _prompts(input_ids, config.vocab_size)
+    sampling = Sampling(temperature, top_k, top_p).check(config.vocab_size)
+    _check_args(config, prompts, max_new_tokens, speculative, draft_steps, prefill_chunk)
+    stops = _stop_set(stop_tokens, config.vocab_size)
+    if seed is not None and (not _is_id(seed) or not -2**63 <= int(seed) < 2**64):
+        raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
+    return prompts, sampling, stops
+
+
 class _Run:
     """State of one generate call: rows still running (`alive`, global row ids), their emitted
     tokens, statistics. Finished rows leave the batch (`keep`)."""
 
-    def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device):
+    def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device, stop_when):
         self.model, self.prompts, self.max_new = model, prompts, max_new
         self.sampling, self.generator, self.stops = sampling, generator, stops
-        self.on_tokens, self.attn_impl, self.device = on_tokens, attn_impl, device
+        self.on_tokens, self.attn_impl, self.device, self.stop_when = on_tokens, attn_impl, device, stop_when
+        self.stopped: set[int] = set()
         self.emitted: list[list[int]] = [[] for _ in prompts]
         self.alive = torch.arange(len(prompts), device=device)
         self.stats = GenerateStats(prompt_tokens=sum(map(len, prompts)), rows=len(prompts))
@@ -132,36 +152,25 @@ class _Run:
 
     # -- pieces shared by both modes -------------------------------------------------------
     def prefill(self, cache: KVCache, chunk: int | None, *, keep_hidden: bool):
-        """Run the prompts through `cache`; returns (last logits [B, V], hidden [B, P, D] or None)."""
+        """Run the prompts through `cache` (`glm5lab.infer.steps.prefill`)."""
         t0 = time.perf_counter()
         P = int(self.lens.max())
         ids_BP = torch.zeros(len(self.prompts), P, dtype=torch.long, device=self.device)
         for b, p in enumerate(self.prompts):
             ids_BP[b, :len(p)] = torch.tensor(p, device=self.device)
-        chunk = chunk or P
-        rows, last = torch.arange(len(self.prompts), device=self.device), self.lens - 1
-        hidden, last_h_BD = [], None
-        for c0 in range(0, P, chunk):
-            h_BCD = self.model(ids_BP[:, c0:c0 + chunk], cache=cache, logits_to_keep=1,
-                               attn_impl=self.attn_impl).hidden_states
-            if keep_hidden:
-                hidden.append(h_BCD)
-            last_h_BD = h_BCD[:, 0] if last_h_BD is None else last_h_BD
-            here = (last >= c0) & (last < c0 + h_BCD.shape[1])  # rows whose prompt ends in this chunk
-            last_h_BD = torch.where(here[:, None], h_BCD[rows, (last - c0).clamp(0, h_BCD.shape[1] - 1)], last_h_BD)
-            # rows past their prompt drop the padding now: a recurrent layer rolls back only within a forward
-            cache.truncate(torch.minimum(cache.lengths, self.lens))
+        out = prefill(self.model, ids_BP, cache, chunk=chunk, lengths=self.lens, keep_hidden=keep_hidden,
+                      attn_impl=self.attn_impl)
         self.ids_BP = ids_BP
         self.stats.prefill_seconds = time.perf_counter() - t0
-        return self.model.lm_head(last_h_BD), (torch.cat(hidden, dim=1) if keep_hidden else None)
+        return out
 
     def choose(self, logits_NV):
         probs = distribution(logits_NV, self.sampling)
         return draw(probs, self.sampling, self.generator), probs
 
     def emit(self, new: list[list[int]]) -> torch.Tensor:
-        """Append each alive row's new tokens, cut at a stop token or max_new_tokens; stream them.
-        Returns bool [N]: which alive rows are finished."""
+        """Append each alive row's new tokens, cut at a stop token, `stop_when` or max_new_tokens;
+        stream them. Returns bool [N]: which alive rows are finished."""
         shown, done = [[] for _ in self.prompts], []
         for b, toks in zip(self.alive.tolist(), new, strict=True):
             row = self.emitted[b]
@@ -170,9 +179,10 @@ class _Run:
                     break
                 row.append(t)
                 shown[b].append(t)
-                if t in self.stops:
+                if t in self.stops or (self.stop_when is not None and self.stop_when(b, row)):
+                    self.stopped.add(b)
                     break
-            done.append(len(row) >= self.max_new or (bool(row) and row[-1] in self.stops))
+            done.append(len(row) >= self.max_new or b in self.stopped)
         self.stats.new_tokens += sum(map(len, shown))
         if self.on_tokens is not None:
             self.on_tokens(shown)
@@ -190,7 +200,7 @@ class _Run:
     def plain(self, chunk):
         capacity = int(self.lens.max()) + self.max_new
         cache = KVCache.for_model(self.model, len(self.prompts), capacity)
-        logits_BV, _ = self.prefill(cache, chunk, keep_hidden=False)
+        logits_BV = self.prefill(cache, chunk, keep_hidden=False).logits_BV
         t0 = time.perf_counter()
         while True:
             tok_N, _ = self.choose(logits_BV)
@@ -199,7 +209,7 @@ class _Run:
                 break
             if bool(done_N.any()):
                 (tok_N,) = self.keep(~done_N, [cache], [tok_N])
-            logits_BV = self.model(tok_N[:, None], cache=cache, attn_impl=self.attn_impl).logits[:, -1]
+            logits_BV = decode_step(self.model, tok_N, cache, attn_impl=self.attn_impl)
         self.stats.decode_seconds = time.perf_counter() - t0
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -209,7 +219,8 @@ class _Run:
         capacity = P + self.max_new + k + 1
         cache = KVCache.for_model(self.model, B, capacity)
         mtp_cache = KVCache.for_mtp(self.model, B, capacity)
-        logits_BV, h_BPD = self.prefill(cache, chunk, keep_hidden=True)
+        pre = self.prefill(cache, chunk, keep_hidden=True)
+        logits_BV, h_BPD = pre.logits_BV, pre.hidden_BPD
         acceptance = AcceptanceStats(k)
         t0 = time.perf_counter()
         last_N, _ = self.choose(logits_BV)
@@ -222,47 +233,25 @@ class _Run:
             if bool(done_N.any()):
                 last_N, pend_h, pend_ids, pend_n = self.keep(~done_N, [cache, mtp_cache],
                                                              [last_N, pend_h, pend_ids, pend_n])
-            drafts_Nk, q_NkV = self.draft(mtp_cache, pend_h, pend_ids, pend_n, k)
+            drafts_Nk, q_NkV = draft(self.model, pend_h, pend_ids, mtp_cache, k, lengths=pend_n,
+                                     sampling=self.sampling, generator=self.generator, chunk=self.chunk,
+                                     attn_impl=self.attn_impl)
             base_N = cache.lengths.clone()
-            out = self.model(torch.cat([last_N[:, None], drafts_Nk], dim=1), cache=cache, attn_impl=self.attn_impl)
-            p_NkV = distribution(out.logits, self.sampling)
+            logits_NkV, hidden_NkD = verify(self.model, torch.cat([last_N[:, None], drafts_Nk], dim=1), cache,
+                                            attn_impl=self.attn_impl)
+            p_NkV = distribution(logits_NkV, self.sampling)
             n_acc_N, next_N = accept_drafts(p_NkV, q_NkV, drafts_Nk, self.sampling, self.generator)
             acceptance.add(n_acc_N)
             cache.truncate(base_N + n_acc_N + 1)
             new_Nk1 = torch.cat([drafts_Nk, torch.zeros_like(next_N[:, None])], dim=1)
             new_Nk1[torch.arange(len(next_N), device=self.device), n_acc_N] = next_N
-            pend_h, pend_ids, pend_n, last_N = out.hidden_states, new_Nk1, n_acc_N + 1, next_N
+            pend_h, pend_ids, pend_n, last_N = hidden_NkD, new_Nk1, n_acc_N + 1, next_N
             done_N = self.emit([row[:n + 1] for row, n in zip(new_Nk1.tolist(), n_acc_N.tolist())])
         self.stats.decode_seconds = time.perf_counter() - t0
         if acceptance.steps:
             self.stats.acceptance_length = acceptance.acceptance_length
             self.stats.acceptance_rate = acceptance.acceptance_rate
         self.stats.verify_steps = acceptance.steps
-
-    def draft(self, mtp_cache: KVCache, pend_h, pend_ids, pend_n, k: int):
-        """k drafts per row and their distributions: (int64 [N, k], fp32 [N, k, V]). The pending
-        pairs stay in the MTP cache; the chained draft entries are rolled back."""
-        rows = torch.arange(len(pend_n), device=self.device)
-        true_len = mtp_cache.lengths + pend_n
-        chunk = self.chunk or pend_h.shape[1]
-        h_N1D = torch.empty_like(pend_h[:, :1])  # each row's last pending pair's MTP state (post-norm)
-        for c0 in range(0, pend_h.shape[1], chunk):  # the first round's pairs span the whole prompt
-            h, _ = self.model.mtp_step(pend_h[:, c0:c0 + chunk], pend_ids[:, c0:c0 + chunk], cache=mtp_cache,
-                                       attn_impl=self.attn_impl, with_logits=False)
-            ends_here = (pend_n - 1 >= c0) & (pend_n - 1 < c0 + h.shape[1])
-            h_N1D[ends_here] = h[rows[ends_here], (pend_n - 1 - c0)[ends_here]][:, None]
-        mtp_cache.truncate(true_len)
-        logits_NV = self.model.lm_head(h_N1D)[:, 0]
-        drafts, qs = [], []
-        for j in range(k):
-            d_N, q_NV = self.choose(logits_NV)
-            drafts.append(d_N)
-            qs.append(q_NV)
-            if j + 1 < k:  # the next draft reads this one's post-norm state, as training's depth j+1 does
-                h_N1D, logits = self.model.mtp_step(h_N1D, d_N[:, None], cache=mtp_cache, attn_impl=self.attn_impl)
-                logits_NV = logits[:, -1]
-        mtp_cache.truncate(true_len)
-        return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
 
 
 def _check_model(model, on_tokens) -> None:
@@ -312,8 +301,7 @@ def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
     return rows
 
 
-def _check_args(model, prompts, max_new, speculative, draft_steps, prefill_chunk) -> None:
-    cfg = model.config
+def _check_args(cfg, prompts, max_new, speculative, draft_steps, prefill_chunk) -> None:
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
     if speculative not in SPECULATIVE:

@@ -1,55 +1,59 @@
-"""One pre-norm decoder block: x + Attn(norm(x)), then + MLP/MoE(norm(.)).
+"""One pre-norm decoder block: x + Mixer(norm(x)), then + MLP/MoE(norm(.)).
 
-The attention kind ("mla" / "gqa"), whether the layer runs its own DSA indexer, the MLP kind
-("dense" / "sparse") and the token mixer (attention, sliding window, Gated DeltaNet, SimpleGDN)
-are chosen per layer from the config by the caller.
+What the block holds comes from its `LayerSpec` (`ModelConfig.layers`): the token mixer
+(MLA or GQA attention, sliding window, Gated DeltaNet, SimpleGDN) and the MLP kind ("dense" /
+"sparse"). Every mixer has the same interface, `mixer(x_BTD, step) -> out_BTD`
+(`glm5lab.model.step`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from glm5lab.config import ModelConfig
+from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.gdn_layer import GatedDeltaNet, SimpleGDN
 from glm5lab.model.gqa import GQAttention
 from glm5lab.model.mla import MLAttention
 from glm5lab.model.mlp import MLP
 from glm5lab.model.moe import MoE
 from glm5lab.model.norm import RMSNorm
+from glm5lab.model.step import LayerStep
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, attention_type: str, has_indexer: bool, mlp_type: str,
-                 window: int | None = None, mixer: str = "full"):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
+        self.spec = spec
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = _token_mixer(cfg, attention_type, has_indexer, window, mixer)
+        self.self_attn = token_mixer(cfg, spec)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if mlp_type == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg) if spec.mlp == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, attn_impl="auto", moe_impl="auto",
-                use_dsa=None, indexer_loss=False, cache=None):
-        """Returns (x_BTD, topk, indexer_kl): the block output, the DSA selection this layer used
-        (None when dense) and its indexer loss (None unless asked and the layer has an indexer).
-        cache: this layer's `LayerStep` in cached decoding (None: plain causal forward)."""
-        h_BTD, topk, kl = self.self_attn(self.input_layernorm(x_BTD), cos_TR2, sin_TR2, prev_topk=prev_topk,
-                                         impl=attn_impl, use_dsa=use_dsa, indexer_loss=indexer_loss, cache=cache)
-        x_BTD = x_BTD + h_BTD
+    def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(block output [B, T, D], the indexer KLs its mixer computed) for each row's T new
+        tokens (`step`: positions, cache slots, options and the running DSA selection, see
+        `glm5lab.model.step`). The KL list is empty unless `step.indexer_loss` and the layer runs
+        an indexer; it is returned (not only left in `step.indexer_kls`) so that wrappers acting
+        on a module's outputs see it: FSDP2 unshards a block's weights for the backward of its
+        outputs only, and in the indexer warm-up the KL is the only output with a gradient."""
+        n_kls = len(step.indexer_kls)
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), step)
         h_BTD = self.post_attention_layernorm(x_BTD)
-        h_BTD = self.mlp(h_BTD, impl=moe_impl) if isinstance(self.mlp, MoE) else self.mlp(h_BTD)
-        return x_BTD + h_BTD, topk, kl
+        h_BTD = self.mlp(h_BTD, impl=step.moe_impl) if isinstance(self.mlp, MoE) else self.mlp(h_BTD)
+        return x_BTD + h_BTD, step.indexer_kls[n_kls:]
 
 
-def _token_mixer(cfg: ModelConfig, attention_type: str, has_indexer: bool, window: int | None, mixer: str):
+def token_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
     """The layer's token mixer (kept under the name `self_attn`, so a "simple_gdn" layer loads the
     q/k/v/o weights of the GQA layer it replaces)."""
-    if mixer == "gdn":
+    if spec.mixer == "gdn":
         hv, hk, k, v = cfg.gdn_dims
         return GatedDeltaNet(cfg, num_heads=hv, head_k_dim=k, head_v_dim=v, num_k_heads=hk,
                              conv_kernel=cfg.linear_conv_kernel_dim)
-    if mixer == "simple_gdn":
+    if spec.mixer == "simple_gdn":
         return SimpleGDN(cfg, num_heads=cfg.num_attention_heads, head_k_dim=cfg.qk_head_dim, head_v_dim=cfg.v_head_dim,
                          num_kv_heads=cfg.num_key_value_heads, decay=cfg.simple_gdn_decay, bias=cfg.attention_bias)
-    if attention_type == "mla":
-        return MLAttention(cfg, has_indexer=has_indexer, window=window)
-    return GQAttention(cfg, window=window)
+    if spec.attention == "mla":
+        return MLAttention(cfg, spec)
+    return GQAttention(cfg, spec)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glm5lab.config import ModelConfig
-from glm5lab.model.attention import attention_causal, attention_masked, attention_reference, causal_mask, window_mask
+from glm5lab.config import LayerSpec, ModelConfig
+from glm5lab.model.attention import attention_causal, attention_masked, attention_reference
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
-
-GQA_IMPLS = ("auto", "naive", "absorbed")
+from glm5lab.model.step import LayerStep
 
 
 class GQAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
-        self.cfg, self.window = cfg, window
+        self.cfg, self.window = cfg, spec.window
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.x_dim, self.v_dim, self.rope_dim = cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
         self.scale = cfg.qk_head_dim**-0.5
@@ -38,32 +37,24 @@ class GQAttention(nn.Module):
         nope, pe = x.split([self.x_dim - self.rope_dim, self.rope_dim], dim=-1)
         return torch.cat([nope, apply_rope(pe, cos, sin, interleaved=self.cfg.rope_interleave)], dim=-1)
 
-    def forward(self, x_BTD, cos_TR2, sin_TR2, *, prev_topk=None, impl: str = "auto", use_dsa=None,
-                indexer_loss: bool = False, cache=None):
-        """Causal GQA over x. Returns (out_BTD, None, None): GQA layers never select keys.
-        impl "naive" = explicit masked softmax (reference); otherwise SDPA. `window` (set at
-        construction): sliding-window attention over the last `window` keys. With `cache` (a
-        `LayerStep`): x holds each row's new tokens, their K/V are appended to the cache and
-        attention runs over everything cached (cos/sin [B, T, R/2])."""
-        if impl not in GQA_IMPLS:
-            raise ValueError(f"attention impl {impl!r} is not allowed: one of {GQA_IMPLS}")
+    def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """Causal GQA of each row's T new tokens over its S visible keys (`step`, see
+        `glm5lab.model.step`; uncached = offset 0). Returns out_BTD. Their K/V are written to
+        the step's cache. `step.reference`: the written-out masked softmax, else SDPA (with
+        `is_causal` for an uncached full-attention call). The layer's `window` (an "swa"
+        layer) limits each query to its last `window` keys. GQA layers never select keys."""
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).view(B, T, self.n_heads, self.x_dim)
         k = self.k_proj(x_BTD).view(B, T, self.n_kv, self.x_dim)
         v = self.v_proj(x_BTD).view(B, T, self.n_kv, self.v_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rope(q, cos_TR2, sin_TR2), self._rope(k, cos_TR2, sin_TR2)
-        if cache is not None or self.window is not None:
-            if cache is not None:
-                k, v = cache.write("k", k), cache.write("v", v)
-                mask_BTS = cache.causal_mask(self.window)
-            else:
-                mask_BTS = window_mask(T, T, 0, self.window, x_BTD.device)[None]
-            attend = attention_reference if impl == "naive" else attention_masked
-            o = attend(q, k, v, scale=self.scale, mask_BTS=mask_BTS)
-        elif impl == "naive":
-            o = attention_reference(q, k, v, scale=self.scale, mask_BTS=causal_mask(T, T, 0, x_BTD.device)[None])
-        else:
+        q, k = self._rope(q, step.cos, step.sin), self._rope(k, step.cos, step.sin)
+        k, v = step.write("k", k), step.write("v", v)
+        if step.reference:
+            o = attention_reference(q, k, v, scale=self.scale, mask_BTS=step.mask(self.window))
+        elif not step.cached and self.window is None:
             o = attention_causal(q, k, v, scale=self.scale)
-        return self.o_proj(o.reshape(B, T, -1)), None, None
+        else:
+            o = attention_masked(q, k, v, scale=self.scale, mask_BTS=step.mask(self.window))
+        return self.o_proj(o.reshape(B, T, -1))

@@ -19,10 +19,12 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.block import DecoderLayer
 from glm5lab.model.cache import KVCache
-from glm5lab.model.moe import Experts, Router
+from glm5lab.model.mla import ATTN_IMPLS
+from glm5lab.model.moe import EXPERT_IMPLS, Experts, Router
 from glm5lab.model.mtp import MTPLayer, mtp_unroll
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import rope_angles
+from glm5lab.model.step import Step
 
 
 @dataclass
@@ -42,13 +44,7 @@ class GLM5Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([
-            DecoderLayer(cfg, attention_type=cfg.attention_types[i], mlp_type=cfg.mlp_layer_types[i],
-                         has_indexer=cfg.has_indexer and cfg.indexer_types[i] == "full",
-                         window=cfg.sliding_window if cfg.mixer_types[i] == "swa" else None,
-                         mixer=cfg.mixer_types[i])
-            for i in range(cfg.num_hidden_layers)
-        ])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, spec) for spec in cfg.layers])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mtp_layers = nn.ModuleList([MTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
 
@@ -89,7 +85,7 @@ class GLM5ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, mtp_depth: int = 0, attn_impl: str = "auto",
                 moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
                 cache: KVCache | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
-        """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings.
+        """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings, ids in the vocab.
 
         cache: a `KVCache.for_model(self, ...)`; input_ids are then each row's next T tokens, at
         positions cache.lengths[b] + 0..T-1; their latents are appended and every row's length
@@ -98,45 +94,63 @@ class GLM5ForCausalLM(nn.Module):
         transformers (prefill needs one row of logits, not T).
 
         mtp_depth: unroll the MTP module this many times (0 = none; needs
-        num_nextn_predict_layers = 1). attn_impl: "auto" | "naive" | "absorbed" (see
-        `MLAttention.forward`); moe_impl: "auto" (loop over the hit experts when decoding a few
-        tokens, grouped otherwise) | "grouped" | "loop". use_dsa: override the config's
-        switch for this call (training stages). indexer_loss: also compute the DSA indexer KL
-        (`MLAttention.indexer_kl`). Raises ValueError on bad ids/shapes."""
+        num_nextn_predict_layers = 1). attn_impl: "auto" (`glm5lab.model.mla.attention_route`) |
+        "naive" (every mixer's reference kernel) | "absorbed" (MLA: latent-space attention);
+        moe_impl: "auto" (gathered experts when a few tokens decode, grouped otherwise) |
+        "grouped" | "gathered" | "loop". use_dsa: override the config's switch for this call
+        (training stages). indexer_loss: also compute the DSA indexer KL (`MLAttention.indexer_kl`).
+        Checks everything, the ids' range included (one host synchronisation); the per-token
+        path of `glm5lab.infer` calls `step`, which checks shapes only. Raises ValueError on bad
+        ids/shapes/options, TypeError on wrong types."""
         self._check_input(input_ids, mtp_depth)
         if cache is not None and (mtp_depth or indexer_loss):
             raise ValueError("mtp_depth and indexer_loss are training options: not available with a cache "
                              "(speculative drafting runs the MTP layer through `mtp_step`)")
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all positions), got {logits_to_keep!r}")
         if cache is not None and cache.batch != input_ids.shape[0]:
             raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache was built for {cache.batch}")
+        return self.step(input_ids, cache, mtp_depth=mtp_depth, attn_impl=attn_impl, moe_impl=moe_impl,
+                         use_dsa=use_dsa, indexer_loss=indexer_loss, logits_to_keep=logits_to_keep)
+
+    def step(self, input_ids: torch.Tensor, cache: KVCache | None, *, mtp_depth: int = 0, attn_impl: str = "auto",
+             moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
+             logits_to_keep: int = 0) -> CausalLMOutput:
+        """`forward` without its checks of the ids' values and shapes (the caller made them once:
+        `glm5lab.infer.prefill` / `decode_step` / `verify`); no host synchronisation on the way.
+        Options as `forward`; raises ValueError for an unknown option value."""
         cfg, T = self.config, input_ids.shape[1]
-        step = cache.begin(T) if cache is not None else None
-        positions = step.positions() if step is not None else torch.arange(T, device=input_ids.device)
+        options = self._options(attn_impl, moe_impl, use_dsa, indexer_loss)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all positions), got {logits_to_keep!r}")
+        positions = cache.positions(T) if cache is not None else torch.arange(T, device=input_ids.device)
         cos_TR2, sin_TR2 = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-        opts = dict(attn_impl=attn_impl, moe_impl=moe_impl, use_dsa=use_dsa)
-        x_BTD = self.model.embed_tokens(input_ids)
-        topk, kls = None, []
+        step = (cache.begin(T, cos_TR2, sin_TR2, **options) if cache is not None
+                else Step.uncached(T, cos_TR2, sin_TR2, **options))
+        x_BTD, kls = self.model.embed_tokens(input_ids), []
         for i, layer in enumerate(self.model.layers):
-            x_BTD, layer_topk, kl = layer(x_BTD, cos_TR2, sin_TR2, prev_topk=topk, indexer_loss=indexer_loss,
-                                          cache=step.layer(i) if step is not None else None, **opts)
-            topk = layer_topk if layer_topk is not None else topk
-            if kl is not None:
-                kls.append(kl)
-        if step is not None:
+            x_BTD, layer_kls = layer(x_BTD, step.layer(i))
+            kls.extend(layer_kls)
+        if cache is not None:
             cache.commit(step)
         h_BTD = self.model.norm(x_BTD)
         out = CausalLMOutput(logits=self.lm_head(h_BTD[:, -logits_to_keep:]), hidden_states=h_BTD)
         if mtp_depth:
             out.mtp_logits, mtp_kls = mtp_unroll(self.model.mtp_layers[0], self.model.embed_tokens, self.lm_head,
-                                                 h_BTD, input_ids, mtp_depth, cos_TR2, sin_TR2,
-                                                 indexer_loss=indexer_loss, **opts)
+                                                 h_BTD, input_ids, mtp_depth, step)
             if mtp_kls:  # the MTP layer counts as one indexer layer, averaged over its depths
                 kls.append(torch.stack(mtp_kls).mean())
         if kls:
             out.indexer_loss = torch.stack(kls).mean()
         return out
+
+    def _options(self, attn_impl: str, moe_impl: str, use_dsa: bool | None, indexer_loss: bool) -> dict:
+        """The `Step` options of one forward. Raises ValueError for an unknown impl."""
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attention impl {attn_impl!r} is not allowed: one of {ATTN_IMPLS}")
+        if moe_impl not in EXPERT_IMPLS:
+            raise ValueError(f"experts impl {moe_impl!r} is not allowed: one of {EXPERT_IMPLS}")
+        return dict(reference=attn_impl == "naive", absorbed=attn_impl == "absorbed", moe_impl=moe_impl,
+                    use_dsa=self.config.use_dsa if use_dsa is None else bool(use_dsa),
+                    index_topk=self.config.index_topk, indexer_loss=indexer_loss)
 
     def mtp_step(self, hidden_BTD: torch.Tensor, next_ids: torch.Tensor, *, cache: KVCache,
                  attn_impl: str = "auto", moe_impl: str = "auto",
@@ -147,21 +161,21 @@ class GLM5ForCausalLM(nn.Module):
 
         hidden_BTD: the main model's `hidden_states` (post final norm) or, for the next draft
         step, the h' this method returned (post-norm at every depth, as in training: see
-        `glm5lab.model.mtp`); next_ids: int64 [B, T]; cache: `KVCache.for_mtp(self, ...)`, whose
-        entry at slot t is pair t (positions follow the cache, as in vLLM/SGLang's MTP drafting).
-        with_logits=False skips the output head (logits None). Raises ValueError without an MTP
-        layer, CacheOverflowError past capacity."""
+        `glm5lab.model.mtp`); next_ids: int64 [B, T] (ids not range-checked: they come from the
+        model or from checked prompts); cache: `KVCache.for_mtp(self, ...)`, whose entry at slot
+        t is pair t (positions follow the cache, as in vLLM/SGLang's MTP drafting).
+        with_logits=False skips the output head (logits None). No host synchronisation. Raises
+        ValueError without an MTP layer or for shapes that disagree, CacheOverflowError past
+        capacity."""
         if not self.config.num_nextn_predict_layers:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0): nothing to draft with")
-        self._check_input(next_ids, 0)
-        if cache.batch != next_ids.shape[0] or hidden_BTD.shape[:2] != next_ids.shape:
+        if next_ids.dim() != 2 or cache.batch != next_ids.shape[0] or hidden_BTD.shape[:2] != next_ids.shape:
             raise ValueError(f"mtp_step: hidden {tuple(hidden_BTD.shape)}, next_ids {tuple(next_ids.shape)} and "
                              f"a cache of {cache.batch} rows do not agree ([B, T, D], [B, T], B rows)")
-        cfg = self.config
-        step = cache.begin(next_ids.shape[1])
-        cos, sin = rope_angles(step.positions(), cfg.qk_rope_head_dim, cfg.rope_theta)
-        h_BTD, _ = self.model.mtp_layers[0](hidden_BTD, self.model.embed_tokens(next_ids), cos, sin,
-                                            attn_impl=attn_impl, moe_impl=moe_impl, cache=step.layer(0))
+        cfg, T = self.config, next_ids.shape[1]
+        cos, sin = rope_angles(cache.positions(T), cfg.qk_rope_head_dim, cfg.rope_theta)
+        step = cache.begin(T, cos, sin, **self._options(attn_impl, moe_impl, None, False))
+        h_BTD, _ = self.model.mtp_layers[0](hidden_BTD, self.model.embed_tokens(next_ids), step.layer(0))
         cache.commit(step)
         return h_BTD, (self.lm_head(h_BTD) if with_logits else None)
 

@@ -1,7 +1,7 @@
 """Mixture of experts: sigmoid router with selection-only bias, routed experts, shared expert.
 
 Legend: N tokens, D hidden, E routed experts, K experts per token (`num_experts_per_tok`),
-I expert width (`moe_intermediate_size`), A = N*K assignments, T tiles of M rows.
+I expert width (`moe_intermediate_size`), A = N*K assignments, P tiles ("pages") of M rows.
 
 Router (DeepSeek-V3 "noaux_tc", as transformers' `GlmMoeDsaTopkRouter`), all in fp32 (weight and
 bias are fp32 tensors that no model cast rounds, see `glm5lab.model.precision`):
@@ -11,10 +11,11 @@ bias are fp32 tensors that no model cast rounds, see `glm5lab.model.precision`):
 Ties go to the lower expert index. The bias is a buffer (not trained by backprop); aux-loss-free
 balancing nudges it from outside using `MoE.last_load`.
 
-Experts: two implementations with one signature, tied by `tests/model/test_moe.py`:
-`experts_loop` (reference: one matmul per expert over its tokens) and `experts_grouped` (sort
+Experts: three implementations with one signature, tied by `tests/model/test_moe.py`:
+`experts_loop` (reference: one matmul per expert over its tokens), `experts_grouped` (sort
 the N*K assignments by expert into fixed-size tiles, one expert per tile, three batched matmuls,
-no Python loop). Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse
+no Python loop: training and prefill) and `experts_gathered` (each assignment multiplies by its
+expert's gathered weights: static shapes, no host synchronisation: decoding a few tokens). Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse
 grouped matmul.
 """
 
@@ -28,11 +29,15 @@ from glm5lab.config import ModelConfig
 from glm5lab.model.mlp import MLP
 from glm5lab.model.precision import KeepFP32, compute_dtype, fp32_compute
 
-EXPERT_IMPLS = ("auto", "grouped", "loop")
-LOOP_MAX_ASSIGNMENTS_PER_EXPERT = 1
-"""`auto` runs `experts_loop` when there are at most this many (token, expert) assignments per
-expert (decoding: a few tokens, most experts idle, so padding every hit expert to a 64-row tile
-costs more than one small matmul each), else `experts_grouped`. Both compute the same function."""
+EXPERT_IMPLS = ("auto", "grouped", "gathered", "loop")
+GATHER_MAX_TOKENS = 16
+GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1
+"""`auto` runs `experts_gathered` for a forward of at most GATHER_MAX_TOKENS tokens (a decode
+step of up to 16 rows, a verification of k+1 tokens for a few rows: padding every hit expert
+to a 64-row tile would compute at least 4x the rows needed, and the gathered path makes no host
+synchronisation) or at most this many (token, expert) assignments per expert (no expert is
+read more often than the grouped path reads all of them); else `experts_grouped`. All compute
+the same function."""
 
 
 def _topk_by_position(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -94,6 +99,17 @@ def experts_loop(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor
     return y_ND
 
 
+def experts_gathered(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
+    """Same result as `experts_loop` with static shapes and no host synchronisation: every
+    (token, expert) assignment gathers its expert's three matrices ([N, K, I, D] each, so memory
+    grows with N*K: meant for a few tokens) and the K outputs of a token are summed with their
+    weights. The decode path (`auto` for few assignments); compiles without graph breaks."""
+    g_NKID, u_NKID, d_NKDI = gate_EID[idx_NK], up_EID[idx_NK], down_EDI[idx_NK]
+    h_NKI = F.silu(torch.einsum("nd,nkid->nki", x_ND, g_NKID)) * torch.einsum("nd,nkid->nki", x_ND, u_NKID)
+    y_NKD = torch.einsum("nki,nkdi->nkd", h_NKI, d_NKDI)
+    return (y_NKD * w_NK[..., None]).sum(1).to(x_ND.dtype)
+
+
 def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI, *, tile: int = 64) -> torch.Tensor:
     """Same result as `experts_loop` with no Python loop (block-sparse grouped matmul, as
     MegaBlocks): the N*K assignments are sorted by expert and laid into tiles of `tile` rows, each
@@ -111,10 +127,10 @@ def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI, *, tile: int
     rank_A = torch.arange(N * K, device=x_ND.device) - (counts_E.cumsum(0) - counts_E)[e_sorted_A]
     row_A = first_row_E[e_sorted_A] + rank_A
     n_tiles = int(tiles_E.sum())
-    expert_T = torch.repeat_interleave(torch.arange(E, device=x_ND.device), tiles_E, output_size=n_tiles)
-    x_TMD = x_ND.new_zeros(n_tiles * tile, D).index_put((row_A,), x_ND[tok_A]).view(n_tiles, tile, D)
-    h_TMI = F.silu(torch.bmm(x_TMD, gate_EID[expert_T].mT)) * torch.bmm(x_TMD, up_EID[expert_T].mT)
-    y_AD = torch.bmm(h_TMI, down_EDI[expert_T].mT).view(-1, D)[row_A] * w_NK.reshape(-1)[order_A, None]
+    expert_P = torch.repeat_interleave(torch.arange(E, device=x_ND.device), tiles_E, output_size=n_tiles)
+    x_PMD = x_ND.new_zeros(n_tiles * tile, D).index_put((row_A,), x_ND[tok_A]).view(n_tiles, tile, D)
+    h_PMI = F.silu(torch.bmm(x_PMD, gate_EID[expert_P].mT)) * torch.bmm(x_PMD, up_EID[expert_P].mT)
+    y_AD = torch.bmm(h_PMI, down_EDI[expert_P].mT).view(-1, D)[row_A] * w_NK.reshape(-1)[order_A, None]
     return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
 
 
@@ -133,16 +149,19 @@ class Experts(nn.Module):
         if impl not in EXPERT_IMPLS:
             raise ValueError(f"experts impl {impl!r} is not allowed: one of {EXPERT_IMPLS}")
         if impl == "auto":
-            few = idx_NK.numel() <= LOOP_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0]
-            impl = "loop" if few else "grouped"
-        fn = experts_grouped if impl == "grouped" else experts_loop
+            few = (idx_NK.shape[0] <= GATHER_MAX_TOKENS
+                   or idx_NK.numel() <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0])
+            impl = "gathered" if few else "grouped"
+        fn = {"grouped": experts_grouped, "gathered": experts_gathered, "loop": experts_loop}[impl]
         return fn(x_ND, idx_NK, w_NK, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
-    """Routed experts + always-on shared expert. Each forward adds the number of tokens routed to
-    each expert to `load` (int64 [E], no grad; the MTP layer runs once per depth, so it counts
-    every depth); `pop_load()` returns and resets it, for aux-loss-free balancing and logging."""
+    """Routed experts + always-on shared expert. Each forward in training mode (`module.training`)
+    adds the number of tokens routed to each expert to `load` (int64 [E], no grad; the MTP layer
+    runs once per depth, so it counts every depth); `pop_load()` returns and resets it, for
+    aux-loss-free balancing and logging. Forwards in eval mode (validation, inference) count
+    nothing, so they never steer the router bias."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -161,8 +180,11 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         w_NK, idx_NK, _ = self.gate(x_ND)
-        counts_E = torch.bincount(idx_NK.reshape(-1).detach(), minlength=self.experts.gate_proj.shape[0])
-        self.load = counts_E if self.load is None else self.load + counts_E
+        if self.training:
+            idx_A = idx_NK.reshape(-1).detach()
+            counts_E = torch.zeros(self.experts.gate_proj.shape[0], dtype=torch.long, device=idx_A.device)
+            counts_E.scatter_add_(0, idx_A, torch.ones_like(idx_A))
+            self.load = counts_E if self.load is None else self.load + counts_E
         y_ND = self.experts(x_ND, idx_NK, w_NK, impl=impl)
         if self.shared_experts is not None:
             y_ND = y_ND + self.shared_experts(x_ND)

@@ -33,6 +33,7 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.block import DecoderLayer
 from glm5lab.model.norm import RMSNorm
+from glm5lab.model.step import LayerStep, Step
 
 
 class SharedHead(nn.Module):
@@ -42,37 +43,37 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """The MTP module: a decoder block (checkpoint layer index `num_hidden_layers`) plus
-    `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`. It copies the last main layer's
-    attention and MLP kind and, when that is MLA with DSA weights, runs its own indexer."""
+    """The MTP module: a decoder block (checkpoint layer index `num_hidden_layers`, spec
+    `ModelConfig.mtp_layer`: the last main layer's attention and MLP kind, its own indexer on MLA
+    with DSA weights) plus `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, attention_type=cfg.mtp_attention_type, mlp_type=cfg.mtp_mlp_type,
-                         has_indexer=cfg.has_indexer and cfg.mtp_attention_type == "mla")
+        super().__init__(cfg, cfg.mtp_layer)
         self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
-    def forward(self, h_BLD, emb_BLD, cos_LR2, sin_LR2, **opts):
-        """One depth: (h^(j) [B, L, D], this layer's indexer KL or None) from h^(j-1) [B, L, D]
-        (the main model's post-norm hidden state at depth 1, the previous depth's output after)
-        and the next tokens' embeddings [B, L, D]. h^(j) is the block output after
-        `shared_head.norm`: the output head's input and the next depth's. Everything runs inside
-        this call, so wrappers that act on `__call__` (FSDP2 unsharding, activation
-        checkpointing) cover it. opts: as `DecoderLayer.forward` (with `cache`, the MTP layer's own
-        `LayerStep`: speculative drafting, see `glm5lab.infer.speculative`)."""
+    def forward(self, h_BLD, emb_BLD, step: LayerStep):
+        """One depth: (h^(j) [B, L, D], this depth's indexer KLs) from h^(j-1) [B, L, D] (the main model's post-norm hidden
+        state at depth 1, the previous depth's output after) and the next tokens' embeddings
+        [B, L, D]. h^(j) is the block output after `shared_head.norm`: the output head's input and
+        the next depth's. `step`: this depth's positions and options (uncached in training; the
+        MTP cache's step in speculative drafting); the KL list is empty unless the step asks for
+        `indexer_loss` (see `DecoderLayer.forward`). Everything runs inside this call, so wrappers that act on `__call__`
+        (FSDP2 unsharding, activation checkpointing) cover it."""
         joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1)
-        z_BLD, _, kl = super().forward(self.eh_proj(joined_BL2D), cos_LR2, sin_LR2, prev_topk=None, **opts)
-        return self.shared_head.norm(z_BLD), kl
+        z_BLD, kls = super().forward(self.eh_proj(joined_BL2D), step)
+        return self.shared_head.norm(z_BLD), kls
 
 
-def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, cos_TR2, sin_TR2, **opts):
+def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, step: Step):
     """(logits of depths 1..depth, indexer KLs) from h0_BTD, the main model's hidden state after
-    its final norm: logits[j-1] is [B, T-j, V]; depth j+1 receives depth j's post-norm state. The
-    KL list has one entry per depth when opts ask for `indexer_loss` and the layer has an indexer,
-    else is empty. One shared parameter set. Raises ValueError unless 1 <= depth <= T-1 (depth j
-    reads token t+j)."""
+    its final norm, and the main forward's uncached `step` (its RoPE angles and options; each
+    depth runs on its own step over L = T-j positions): logits[j-1] is [B, T-j, V]; depth j+1
+    receives depth j's post-norm state. The KL list has one entry per depth when the step asks
+    for `indexer_loss` and the layer runs an indexer, else is empty. One shared parameter set.
+    Raises ValueError unless 1 <= depth <= T-1 (depth j reads token t+j)."""
     T = input_ids_BT.shape[1]
     if not 1 <= depth <= T - 1:
         raise ValueError(f"mtp_depth={depth} is not allowed for a sequence of {T} tokens: 1..{T - 1} "
@@ -80,8 +81,7 @@ def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, cos_
     h_BLD, logits, kls = h0_BTD, [], []
     for j in range(1, depth + 1):
         L = T - j
-        h_BLD, kl = mtp_layer(h_BLD[:, :L], embed(input_ids_BT[:, j:]), cos_TR2[:L], sin_TR2[:L], **opts)
+        h_BLD, depth_kls = mtp_layer(h_BLD[:, :L], embed(input_ids_BT[:, j:]), step.narrowed(L).layer(0))
         logits.append(lm_head(h_BLD))
-        if kl is not None:
-            kls.append(kl)
+        kls.extend(depth_kls)
     return logits, kls

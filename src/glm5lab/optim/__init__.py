@@ -6,6 +6,7 @@ from glm5lab.optim.groups import (
     RULES,
     ParamRule,
     build_optimizer,
+    indexer_parameter_names,
     param_group_table,
 )
 from glm5lab.optim.muon import KINDS, MuonAdamW, adjust_lr
@@ -18,5 +19,6 @@ from glm5lab.optim.newton_schulz import (
 
 __all__ = [
     "KINDS", "NS_COEFFICIENTS", "OPTIMIZERS", "RULES", "MuonAdamW", "ParamRule", "adjust_lr",
-    "build_optimizer", "muon_split", "newton_schulz", "orthogonalize_exact", "param_group_table",
+    "build_optimizer", "indexer_parameter_names", "muon_split", "newton_schulz", "orthogonalize_exact",
+    "param_group_table",
 ]

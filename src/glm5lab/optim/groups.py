@@ -1,7 +1,9 @@
 """The parameter-group table: which optimizer kind, head split and weight decay every parameter gets.
 
 `RULES` is the one declarative list: a regex (full match on the `named_parameters()` name) ->
-kind under Muon, weight decay on/off, and for Muon Split the config field holding the head count.
+kind under Muon, weight decay on/off, for Muon Split the config field holding the head count, and
+whether the parameter belongs to the DSA indexer (what the indexer warm-up stage trains:
+`indexer_parameter_names`).
 Every parameter must match exactly one rule (`param_group_table` raises otherwise, listing the
 names), so a new module cannot silently fall into a default group. Buffers such as the router's
 `e_score_correction_bias` are not parameters and never reach the optimizer.
@@ -24,31 +26,36 @@ from glm5lab.optim.muon import MuonAdamW
 OPTIMIZERS = ("adamw", "muon", "muon-split")
 
 _LAYER = r"model\.(?:layers|mtp_layers)\.\d+\."
+_INDEXER = rf"{_LAYER}self_attn\.indexer\."  # the lightning indexer of a main or MTP layer
 _NORMS = "input_layernorm|post_attention_layernorm|self_attn\\.(?:q_a_layernorm|kv_a_layernorm|q_norm|k_norm)" \
-         "|self_attn\\.indexer\\.k_norm|enorm|hnorm|shared_head\\.norm"
+         "|enorm|hnorm|shared_head\\.norm"
 
 
 @dataclass(frozen=True)
 class Rule:
     """pattern (full match) -> kind with optimizer "muon" ("muon" or "adamw"); decay: weight decay on;
-    split_heads: config field with the head count when "muon-split" splits this matrix by rows."""
+    split_heads: config field with the head count when "muon-split" splits this matrix by rows;
+    indexer: the parameter is the DSA indexer's (trained alone by a stage with trainable="indexer")."""
 
     pattern: str
     kind: str
     decay: bool
     split_heads: str | None = None
+    indexer: bool = False
 
 
 RULES: tuple[Rule, ...] = (
     Rule(r"model\.embed_tokens\.weight", "adamw", decay=True),
     Rule(r"lm_head\.weight", "adamw", decay=True),
     Rule(rf"model\.norm\.weight|{_LAYER}(?:{_NORMS})\.weight", "adamw", decay=False),
-    Rule(r".+\.bias", "adamw", decay=False),
+    Rule(rf"(?!{_INDEXER}).+\.bias", "adamw", decay=False),
     # MLA up-projections, rows head-major: q_b H x (N + R), kv_b H x (N + V_h); split per head.
     Rule(rf"{_LAYER}self_attn\.(?:q_b_proj|kv_b_proj)\.weight", "muon", decay=True, split_heads="num_attention_heads"),
     Rule(rf"{_LAYER}self_attn\.(?:q_a_proj|kv_a_proj_with_mqa|q_proj|k_proj|v_proj|o_proj)\.weight", "muon",
          decay=True),
-    Rule(rf"{_LAYER}self_attn\.indexer\.(?:wq_b|wk|weights_proj)\.weight", "muon", decay=True),
+    # the DSA indexer: every parameter under self_attn.indexer, and only those, has indexer=True
+    Rule(rf"{_INDEXER}(?:wq_b|wk|weights_proj)\.weight", "muon", decay=True, indexer=True),
+    Rule(rf"{_INDEXER}k_norm\.(?:weight|bias)", "adamw", decay=False, indexer=True),
     Rule(rf"{_LAYER}mlp\.(?:|shared_experts\.)(?:gate_proj|up_proj|down_proj)\.weight", "muon", decay=True),
     Rule(rf"{_LAYER}mlp\.gate\.weight", "muon", decay=True),
     Rule(rf"{_LAYER}mlp\.experts\.(?:gate_proj|up_proj|down_proj)", "muon", decay=True),
@@ -106,6 +113,13 @@ def param_group_table(model: nn.Module, optimizer: str) -> list[ParamRule]:
     names = [n for n, _ in model.named_parameters()]
     matched = _match_one(names)
     return [_resolve(n, matched[n], optimizer, model.config) for n in names]
+
+
+def indexer_parameter_names(model: nn.Module) -> set[str]:
+    """Names (as `model.named_parameters()` gives them) of the DSA indexer's parameters, main layers
+    and MTP layer: those whose rule has indexer=True. Raises ValueError as `param_group_table`."""
+    matched = _match_one([n for n, _ in model.named_parameters()])
+    return {n for n, rule in matched.items() if rule.indexer}
 
 
 def build_optimizer(model: nn.Module, optimizer: str, *, lr: float, weight_decay: float = 0.1,

@@ -6,9 +6,9 @@ import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+from glm5lab.environment import environment, git_commit
 from glm5lab.report import plots
 from glm5lab.report.collect import load_run
-from glm5lab.report.environment import environment
 from glm5lab.report.probe import ProbeSizes, probe
 from glm5lab.report.render import render
 
@@ -21,7 +21,6 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     Raises NotARunError (a ValueError) naming what the folder lacks."""
     from glm5lab import ModelConfig, __version__
     from glm5lab.ledger import ledger, render as render_ledger
-    from glm5lab.train.loop import git_commit
 
     rec = load_run(Path(run_dir))
     out = Path(out) if out else rec.run_dir / "report"

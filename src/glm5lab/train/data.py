@@ -1,7 +1,9 @@
-"""From the run's arguments to token arrays: corpus, split, tokenizer, encoding."""
+"""From the run's arguments to token arrays: corpus, split, tokenizer, encoding; and back from a
+trained checkpoint to its run's held-out text (`held_out_prompts`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,8 +11,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from glm5lab.config import ModelConfig
+from glm5lab.tokenizer import cached_tokenizer, encode_documents, load_tokenizer
 from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
-from glm5lab.train.tokenizer import cached_tokenizer, encode_documents, load_tokenizer
 
 
 @dataclass
@@ -29,8 +31,7 @@ def prepare_data(args, cfg: ModelConfig, *, checkpoint: Path | None = None) -> T
     continues from a `checkpoint` folder (resume, `--init`) uses the tokenizer.json saved there,
     so its weights keep the vocabulary they were trained with.
     Raises ValueError when the tokenizer's vocabulary does not fit `cfg.vocab_size`."""
-    source = Path(args.data) if args.data else fetch_default_corpus()
-    train_docs, val_docs = split_documents(load_documents(source), seed=args.seed)
+    source, train_docs, val_docs = split_corpus(args.data, args.seed)
     saved = checkpoint / "tokenizer.json" if checkpoint is not None else None
     if args.tokenizer:
         tokenizer = load_tokenizer(Path(args.tokenizer))
@@ -43,3 +44,56 @@ def prepare_data(args, cfg: ModelConfig, *, checkpoint: Path | None = None) -> T
                          f"{cfg.vocab_size}: use a model config with vocab_size >= the tokenizer's")
     return TrainingData(tokenizer, encode_documents(tokenizer, train_docs), encode_documents(tokenizer, val_docs),
                         str(source))
+
+
+def split_corpus(data, seed: int) -> tuple[Path, list, list]:
+    """(source, train documents, validation documents): the corpus at `data` (None: the default
+    corpus, fetched and cached) split by document with `seed` (`split_documents`). The one
+    definition of a run's held-out split: training, its validation loss and `held_out_prompts`."""
+    source = Path(data) if data else fetch_default_corpus()
+    train_docs, val_docs = split_documents(load_documents(source), seed=seed)
+    return source, train_docs, val_docs
+
+
+def run_json_of(folder) -> dict | None:
+    """The run.json of the `glm5lab train` run a model folder belongs to: FOLDER/run.json (a run
+    folder), else two levels up (RUN/checkpoints/step-N -> RUN/run.json); None when there is none."""
+    folder = Path(folder)
+    for place in (folder, folder.parent, folder.parent.parent):
+        if (place / "run.json").is_file():
+            return json.loads((place / "run.json").read_text())
+    return None
+
+
+def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
+                     split_seed: int | None = None) -> tuple[list[list[int]], dict]:
+    """`count` prompts of `length` tokens of held-out text for a trained checkpoint: the validation
+    split of its run (`split_corpus` with the corpus and seed of the run's run.json, `run_json_of`;
+    `data` / `split_seed` override them; without a run.json, the default corpus and seed 0),
+    encoded with the checkpoint's tokenizer.json, cut into non-overlapping windows of `length`
+    tokens (`pack`), of which `count` are taken evenly spaced over the split (first and last
+    included). Returns (prompts, info: corpus, split_seed, val_documents, val_tokens, windows,
+    rows taken, run_json found). Raises ValueError when the checkpoint has no tokenizer.json or
+    the split holds fewer than `count` windows."""
+    import torch
+
+    from glm5lab.train.batches import pack
+
+    checkpoint = Path(checkpoint)
+    run = run_json_of(checkpoint) or {}
+    run_args = run.get("args", {})
+    seed = split_seed if split_seed is not None else run_args.get("seed", 0)
+    tok_path = checkpoint / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ValueError(f"{checkpoint} has no tokenizer.json: cannot encode held-out text for it")
+    source, _, val_docs = split_corpus(data or run_args.get("data"), seed)
+    val = encode_documents(load_tokenizer(tok_path), val_docs)
+    windows = pack(val, length - 1)
+    n = windows.shape[0]
+    if n < count:
+        raise ValueError(f"the validation split holds {n} windows of {length} tokens; fewer than the {count} "
+                         "prompts asked for")
+    rows = torch.linspace(0, n - 1, count).round().long()
+    info = {"corpus": str(source), "split_seed": seed, "val_documents": len(val_docs), "val_tokens": len(val),
+            "windows": n, "rows": rows.tolist(), "run_json": bool(run)}
+    return [windows[r].tolist() for r in rows], info

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,13 +20,14 @@ from pathlib import Path
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.optim import build_optimizer
-from glm5lab.train import dist
-from glm5lab.train.balance import moe_layers, update_router_bias
-from glm5lab.train.batches import BatchStream, pack, unigram_loss
-from glm5lab.train.checkpoint import (
+from glm5lab.checkpoint import (
     latest_checkpoint, latest_pointer, load_trainer_state, rng_state, save_checkpoint, set_rng_state,
 )
+from glm5lab.environment import git_commit
+from glm5lab.optim import build_optimizer, indexer_parameter_names
+from glm5lab.train import dist
+from glm5lab.train.balance import update_router_bias
+from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
 from glm5lab.train.losses import cross_entropy, stage_losses
 from glm5lab.train.stages import Stage, default_stages
@@ -72,7 +72,7 @@ def resolve_stages(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
         return [Stage.from_dict(d) for d in args.stage_plan]
     stages = default_stages(seq_len=args.seq_len, batch_size=args.batch_size, quick=args.quick,
                             mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers else 0,
-                            use_indexer=cfg.has_indexer)
+                            use_indexer=cfg.has_indexer_weights)
     if args.stages:
         known = {s.name: s for s in stages}
         unknown = [n for n in args.stages if n not in known]
@@ -114,8 +114,11 @@ def _check_fits(cfg: ModelConfig) -> None:
 
 
 def set_trainable(model, stage: Stage) -> None:
+    """Every parameter trains (trainable="all"), or only the DSA indexer's, main layers and MTP
+    layer (trainable="indexer"): the optimizer's rule table decides which those are."""
+    indexer = indexer_parameter_names(model) if stage.trainable == "indexer" else set()
     for name, p in model.named_parameters():
-        p.requires_grad_(stage.trainable == "all" or ".indexer." in name)
+        p.requires_grad_(stage.trainable == "all" or name in indexer)
 
 
 def clip_and_check(model, losses, step: int, max_norm: float) -> float:
@@ -159,21 +162,10 @@ def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int, world_s
     losses = [cross_entropy(model(rows[i:i + stage.batch_size, :-1], use_dsa=stage.use_dsa).logits,
                             rows[i:i + stage.batch_size, 1:])
               for i in range(0, len(rows), stage.batch_size)]
-    model.train()
-    for _, moe in moe_layers(model):  # validation tokens must not steer the router bias
-        moe.pop_load()
+    model.train()  # eval-mode forwards count no expert load: validation never steers the router bias
     if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
         model.reshard()
     return float(torch.stack(losses).mean())
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 class MetricsLog:

@@ -12,12 +12,15 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from glm5lab.io_utils import atomic_write
-from glm5lab.train.corpus import Document
+
+if TYPE_CHECKING:  # only a type here: the tokenizer needs no training code
+    from glm5lab.train.corpus import Document
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"

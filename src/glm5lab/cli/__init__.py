@@ -15,6 +15,9 @@ bad --context or other number, a missing model folder, a prompt too long for the
 line `glm5lab <command>: error: ...` to stderr and exit with status 2; argparse's own usage
 errors also exit with 2. A RuntimeError (a run that diverged, a checkpoint whose weights do not
 match its config) exits with 1; Ctrl-C during train or generate exits with 130.
+
+ledger and train are defined here; generate, ablate and report in `glm5lab.cli.generate`,
+`glm5lab.cli.ablate` and `glm5lab.cli.report`. Torch is imported by a command's body, not here.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import json
 import os
 import sys
 
-from glm5lab.cli_ablate import add_ablate_parser
-from glm5lab.cli_generate import add_generate_parser
-from glm5lab.cli_report import add_report_parser
+from glm5lab.cli.ablate import add_ablate_parser
+from glm5lab.cli.generate import add_generate_parser
+from glm5lab.cli.report import add_report_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.ledger import DTYPE_BYTES, ledger, render
 from glm5lab.presets import PRESETS

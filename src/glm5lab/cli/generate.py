@@ -4,17 +4,17 @@ The command body behind `glm5lab.cli`; the work is `glm5lab.generate` (see
 `glm5lab.infer.generate`). --model takes a `glm5lab train` run folder (its
 checkpoints/latest checkpoint is used), a checkpoint folder, or any HF GLM-5-layout folder
 (config.json + safetensors, model_type glm_moe_dsa). Text streams to stdout as it is generated;
-a statistics line goes to stderr at the end. Every check that needs no weights (numbers, folder,
-config, tokenizer, prompt length) runs before the model is loaded.
+a statistics line goes to stderr at the end. What only the command knows (the folder, config,
+tokenizer, the prompt and --stop texts, option combinations) is checked before the model is
+loaded; the values `glm5lab.generate` takes (sampling numbers, lengths, token ids, the MTP layer)
+are checked by it alone, and its ValueError is the command's one-line error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import warnings
 from pathlib import Path
 
 from glm5lab.config import ModelConfig
@@ -76,23 +76,21 @@ def add_generate_parser(sub) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from glm5lab.infer.generate import generate
+    from glm5lab.infer.generate import check_request, generate
 
-    check_numbers(args)
+    if args.draft_steps is not None and not args.speculative:
+        raise ValueError("--draft-steps applies only with --speculative mtp")
     device, dtype = choose_device(args.device, args.dtype)
     folder, from_run = resolve_model_dir(args.model)
-    cfg = ModelConfig.from_hf(folder)
-    if args.speculative and not cfg.num_nextn_predict_layers:
-        raise ValueError(f"--speculative mtp needs a model with an MTP layer; {folder} has none "
-                         "(num_nextn_predict_layers = 0 in its config.json)")
-    if args.top_k is not None and args.top_k > cfg.vocab_size:
-        raise ValueError(f"--top-k {args.top_k} is not allowed: at most the model's vocab_size ({cfg.vocab_size})")
+    config = ModelConfig.from_hf(folder)  # a foreign or malformed config.json is refused before loading weights
     tokenizer = find_tokenizer(args.tokenizer, folder, Path(args.model))
-    prompt_ids = encode_prompt(args, tokenizer, cfg)
-    stops = parse_stops(args.stop or [], tokenizer, cfg.vocab_size)
-    draft_steps = args.draft_steps or DEFAULT_DRAFT_STEPS
-    check_length(len(prompt_ids), args.max_new_tokens, draft_steps if args.speculative else None,
-                 cfg.max_position_embeddings)
+    prompt_ids = encode_prompt(args, tokenizer)
+    stops = parse_stops(args.stop or [], tokenizer)
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   speculative=args.speculative, stop_tokens=stops,
+                   draft_steps=DEFAULT_DRAFT_STEPS if args.draft_steps is None else args.draft_steps,
+                   prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
+    check_request(config, prompt_ids, args.max_new_tokens, **options)  # the library's checks, before the weights
 
     if from_run:
         print(f"glm5lab generate: using {folder}", file=sys.stderr)
@@ -100,9 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         model = load_model(folder, torch_dtype=getattr(torch, DTYPES[dtype]), device=device,
                            speculative=bool(args.speculative))
-        out = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, speculative=args.speculative, draft_steps=draft_steps,
-                       stop_tokens=stops, prefill_chunk=args.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+        out = generate(model, prompt_ids, args.max_new_tokens, **options,
                        on_tokens=None if stream is None else (lambda rows: stream.add(rows[0])))
     except KeyboardInterrupt:
         if stream is not None and stream.ids:
@@ -118,21 +114,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "stats": out.stats.as_dict()}))
     print(format_stats(out.stats, bool(args.speculative)), file=sys.stderr)
     return 0
-
-
-def check_numbers(args: argparse.Namespace) -> None:
-    """Range checks on the numeric options; ValueError naming the option and what is allowed."""
-    t = args.temperature
-    if not (math.isfinite(t) and t >= 0):
-        raise ValueError(f"--temperature {t} is not allowed: a finite number >= 0 (0 = greedy)")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p {args.top_p} is not allowed: a number in (0, 1]")
-    for option, value in (("--max-new-tokens", args.max_new_tokens), ("--top-k", args.top_k),
-                          ("--draft-steps", args.draft_steps), ("--prefill-chunk", args.prefill_chunk)):
-        if value is not None and value < 1:
-            raise ValueError(f"{option} {value} is not allowed: an integer >= 1")
-    if args.draft_steps is not None and not args.speculative:
-        raise ValueError("--draft-steps applies only with --speculative mtp")
 
 
 def choose_device(device: str | None, dtype: str | None) -> tuple[str, str]:
@@ -156,7 +137,7 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
     if not folder.is_dir():
         raise FileNotFoundError(f"--model {path} is a file: give the folder that holds config.json and the "
                                 "*.safetensors weights, or a `glm5lab train` run folder")
-    from glm5lab.train.checkpoint import latest_pointer  # here: the CLI starts without torch
+    from glm5lab.checkpoint import latest_pointer  # here: the CLI starts without torch
 
     ckpt = latest_pointer(folder)
     if ckpt is not None:
@@ -179,7 +160,7 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
 def find_tokenizer(option: str | None, folder: Path, model_arg: Path):
     """The tokenizer from --tokenizer, else the checkpoint folder's (or the --model folder's)
     tokenizer.json, else None."""
-    from glm5lab.train.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from glm5lab.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     if option is not None:
         return load_tokenizer(Path(option))
@@ -189,7 +170,9 @@ def find_tokenizer(option: str | None, folder: Path, model_arg: Path):
     return None
 
 
-def encode_prompt(args: argparse.Namespace, tokenizer, cfg: ModelConfig) -> list[int]:
+def encode_prompt(args: argparse.Namespace, tokenizer) -> list[int]:
+    """The prompt's token ids, from --prompt (encoded) or --prompt-ids (parsed); ValueError when
+    there is nothing to encode or parse. Whether the ids fit the model is `generate`'s check."""
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt needs a tokenizer and {args.model} has no tokenizer.json: pass "
@@ -205,15 +188,12 @@ def encode_prompt(args: argparse.Namespace, tokenizer, cfg: ModelConfig) -> list
                              "commas, e.g. \"1 2 3\"") from None
         if not ids:
             raise ValueError("--prompt-ids is empty: give at least one token id")
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-        source = "--prompt-ids" if args.prompt is None else "the tokenizer (--prompt)"
-        raise ValueError(f"{source} gives token ids outside the model's vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
     return ids
 
 
-def parse_stops(values: list[str], tokenizer, vocab_size: int) -> list[int]:
-    """--stop values as token ids: an integer is an id; other text must be one token."""
+def parse_stops(values: list[str], tokenizer) -> list[int]:
+    """--stop values as token ids: an integer is an id; other text must be one token. Whether the
+    ids fit the model is `generate`'s check."""
     stops = []
     for value in values:
         try:
@@ -228,38 +208,23 @@ def parse_stops(values: list[str], tokenizer, vocab_size: int) -> list[int]:
                     raise ValueError(f"--stop {value!r} is {len(ids)} tokens {ids}: a stop must be a single token "
                                      "(or its id)") from None
                 token = ids[0]
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"--stop {value}: token id outside the model's vocabulary [0, {vocab_size})")
         stops.append(token)
     return stops
 
 
-def check_length(prompt_len: int, max_new: int, draft_steps: int | None, max_positions: int) -> None:
-    need = prompt_len + max_new + (draft_steps + 1 if draft_steps is not None else 0)
-    if need > max_positions:
-        extra = f" + (--draft-steps {draft_steps}) + 1" if draft_steps is not None else ""
-        raise ValueError(f"the prompt is too long: {prompt_len} tokens + --max-new-tokens {max_new}{extra} = {need} "
-                         f"exceeds the model's max_position_embeddings ({max_positions})")
-
-
 def load_model(folder: Path, *, torch_dtype, device: str, speculative: bool):
-    """The model, with its MTP layer only when speculative decoding needs it."""
+    """The model, with its MTP layer only when speculative decoding needs it. A config without an
+    MTP layer loads as is (`generate` then refuses speculative="mtp"); one that declares an MTP
+    layer whose weights the checkpoint lacks is a ValueError (the user's folder, not a bug)."""
+    from glm5lab.hf import MissingMTPWeights
     from glm5lab.model.model import GLM5ForCausalLM
 
-    if not speculative:
-        return GLM5ForCausalLM.from_pretrained(folder, dtype=torch_dtype, device=device, mtp=False).eval()
-    # mtp=None loads the MTP layer when its weights exist and warns (dropping it) when the config
-    # declares one the checkpoint lacks (e.g. a folder saved by transformers)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = GLM5ForCausalLM.from_pretrained(folder, dtype=torch_dtype, device=device, mtp=None).eval()
-    for w in caught:
-        if model.config.num_nextn_predict_layers or "no weights for it" not in str(w.message):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if not model.config.num_nextn_predict_layers:
+    try:
+        model = GLM5ForCausalLM.from_pretrained(folder, dtype=torch_dtype, device=device, mtp=speculative)
+    except MissingMTPWeights:
         raise ValueError(f"--speculative mtp needs the MTP layer's weights: {folder}/config.json declares an MTP "
-                         "layer but the checkpoint has no weights for it (transformers does not save it)")
-    return model
+                         "layer but the checkpoint has no weights for it (transformers does not save it)") from None
+    return model.eval()
 
 
 class Stream:

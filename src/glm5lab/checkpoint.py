@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from glm5lab.io_utils import atomic_write, atomic_write_text
-from glm5lab.train.tokenizer import save_for_transformers
+from glm5lab.tokenizer import save_for_transformers
 
 STATE_FILE = "trainer_state.pt"
 

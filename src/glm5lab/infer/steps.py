@@ -1,0 +1,160 @@
+"""The inference steps everything calls: `prefill`, `decode_step`, `verify`, `draft`.
+
+Legend: B rows, P prompt length (longest row), T new tokens per row, k draft steps, L pending
+(h, x) pairs of the draft head, D hidden, V vocab.
+
+gpt-fast's shape: free functions over a model and its preallocated `KVCache`. `generate`, the
+lm-eval adapter, `glm5lab report`'s probe and the benchmarks call these and nothing below them.
+Checks are made once, at the boundary: `prefill` checks the prompts' ids (one host
+synchronisation, per prompt, not per token); `decode_step`, `verify` and `draft` check only
+shapes and types (host metadata) and run with no host synchronisation on attention models (a
+test counts them): their token ids come from the model or from checked prompts, so they are not
+range-checked (an out-of-vocab id still fails in the embedding). Rows of different lengths
+share a batch: each row decodes from its own position (`KVCache.lengths`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer.sampling import Sampling, distribution, draw
+from glm5lab.model.cache import KVCache
+
+GREEDY = Sampling(0.0, None, None)
+
+
+@dataclass
+class Prefill:
+    """What `prefill` returns. logits_BV: fp32-or-model-dtype logits after each row's last
+    prompt token [B, V]; last_hidden_BD: that token's final hidden state [B, D]; hidden_BPD:
+    every position's final hidden state [B, P, D] (with keep_hidden, else None: the draft head's
+    first pending pairs)."""
+
+    logits_BV: torch.Tensor
+    last_hidden_BD: torch.Tensor
+    hidden_BPD: torch.Tensor | None = None
+
+
+def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None = DEFAULT_PREFILL_CHUNK,
+            lengths: torch.Tensor | None = None, keep_hidden: bool = False, attn_impl: str = "auto") -> Prefill:
+    """Run each row's prompt through `cache` (empty or not: the prompt continues each row).
+
+    input_ids: int64 [B, P], right-padded when `lengths` (int64 [B], 1..P each) says rows are
+    shorter; chunk: tokens per forward (None = all P at once: same result, more memory). After
+    each chunk every row's cache length is cut back to its own prompt, so padding never enters
+    it (Gated DeltaNet layers roll back only within a forward). Raises ValueError/TypeError for
+    ids outside the vocab, bad shapes or lengths, CacheOverflowError past capacity."""
+    B, P = _check_ids(model, input_ids, cache, "input_ids")
+    _check_values(model, input_ids)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
+    lens_B = _lengths(lengths, B, P, input_ids.device)
+    start_B, chunk = cache.lengths.clone(), chunk or P
+    rows_B, last_B = torch.arange(B, device=input_ids.device), lens_B - 1
+    ragged = lengths is not None and bool((lens_B != P).any())
+    hidden, last_h_BD = [], None
+    for c0 in range(0, P, chunk):
+        h_BCD = model.step(input_ids[:, c0:c0 + chunk], cache, logits_to_keep=1, attn_impl=attn_impl).hidden_states
+        if keep_hidden:
+            hidden.append(h_BCD)
+        here_B = (last_B >= c0) & (last_B < c0 + h_BCD.shape[1])  # rows whose prompt ends in this chunk
+        pick_BD = h_BCD[rows_B, (last_B - c0).clamp(0, h_BCD.shape[1] - 1)]
+        last_h_BD = pick_BD if last_h_BD is None else torch.where(here_B[:, None], pick_BD, last_h_BD)
+        if ragged:  # rows past their prompt drop the padding now
+            cache.truncate(torch.minimum(cache.lengths, start_B + lens_B))
+    return Prefill(model.lm_head(last_h_BD), last_h_BD, torch.cat(hidden, dim=1) if keep_hidden else None)
+
+
+def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto") -> torch.Tensor:
+    """One new token per row: token_ids int64 [B] (or [B, 1]) at each row's next position.
+    Returns the logits after it, [B, V]. No host synchronisation (attention models)."""
+    ids_B1 = token_ids[:, None] if token_ids.dim() == 1 else token_ids
+    _check_ids(model, ids_B1, cache, "token_ids", T=1)
+    return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl).logits[:, -1]
+
+
+def verify(model, token_ids: torch.Tensor, cache: KVCache, *,
+           attn_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """A speculative verification: each row's T = k+1 tokens [last accepted, d_1..d_k] in one
+    cached forward. Returns (logits [B, T, V], final hidden states [B, T, D]). Roll the cache
+    back to the accepted tokens with `cache.truncate`. No host synchronisation."""
+    _check_ids(model, token_ids, cache, "token_ids")
+    out = model.step(token_ids, cache, attn_impl=attn_impl)
+    return out.logits, out.hidden_states
+
+
+def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCache, steps: int, *,
+          lengths: torch.Tensor | None = None, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
+          chunk: int | None = None, attn_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` draft tokens per row from the shared MTP layer, and their distributions.
+
+    hidden [B, L, D] and token_ids [B, L]: each row's pending pairs (h_t, x_{t+1}) (the main
+    model's post-norm hidden states and the tokens after them), the first `lengths[b]` of row b
+    valid (default all L; int64 [B] in 1..L, not checked: it comes from the accept rule). They are appended to `mtp_cache` and stay there; the last one's MTP
+    state gives d_1, then each draft feeds (its post-norm state, d_j) back for d_{j+1}, and those
+    chained entries are rolled back at the end (vLLM/SGLang's chaining). chunk: pairs per
+    forward (None: all L). Returns (drafts int64 [B, steps], q fp32 [B, steps, V]) drawn with
+    `sampling` / `generator`. No host synchronisation. Raises ValueError for bad shapes/steps."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    B, L = _check_ids(model, token_ids, mtp_cache, "token_ids")
+    pend_B = torch.full((B,), L, dtype=torch.long, device=token_ids.device) if lengths is None else lengths
+    rows_B, true_B = torch.arange(B, device=token_ids.device), mtp_cache.lengths + pend_B
+    chunk, h_BD = chunk or L, None
+    for c0 in range(0, L, chunk):
+        h_BCD, _ = model.mtp_step(hidden[:, c0:c0 + chunk], token_ids[:, c0:c0 + chunk], cache=mtp_cache,
+                                  attn_impl=attn_impl, with_logits=False)
+        here_B = (pend_B - 1 >= c0) & (pend_B - 1 < c0 + h_BCD.shape[1])
+        pick_BD = h_BCD[rows_B, (pend_B - 1 - c0).clamp(0, h_BCD.shape[1] - 1)]
+        h_BD = pick_BD if h_BD is None else torch.where(here_B[:, None], pick_BD, h_BD)
+    mtp_cache.rewind(true_B)
+    logits_BV, drafts, qs = model.lm_head(h_BD), [], []
+    for j in range(steps):
+        q_BV = distribution(logits_BV, sampling)
+        d_B = draw(q_BV, sampling, generator)
+        drafts.append(d_B)
+        qs.append(q_BV)
+        if j + 1 < steps:  # the next draft reads this one's post-norm state, as training's depth j+1 does
+            h_B1D, logits_B1V = model.mtp_step(h_BD[:, None], d_B[:, None], cache=mtp_cache, attn_impl=attn_impl)
+            h_BD, logits_BV = h_B1D[:, 0], logits_B1V[:, 0]
+    mtp_cache.rewind(true_B)
+    return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
+
+
+def _check_ids(model, ids: torch.Tensor, cache: KVCache, name: str, *, T: int | None = None) -> tuple[int, int]:
+    """Shape/type checks only (no values: no host synchronisation). Returns (B, T)."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.LongTensor, got {type(ids).__name__}")
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[1] < 1:
+        raise ValueError(f"{name} must be an integer tensor [batch, tokens >= 1], got {ids.dtype} {tuple(ids.shape)}")
+    if T is not None and ids.shape[1] != T:
+        raise ValueError(f"{name} must hold {T} token(s) per row, got {tuple(ids.shape)}")
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache (KVCache.for_model / for_mtp), got {type(cache).__name__}")
+    if ids.shape[0] != cache.batch:
+        raise ValueError(f"{name} has {ids.shape[0]} rows but the cache was built for {cache.batch}")
+    return ids.shape[0], ids.shape[1]
+
+
+def _check_values(model, ids: torch.Tensor) -> None:
+    """Ids in [0, vocab_size): one host synchronisation (prompts only)."""
+    V = model.config.vocab_size
+    lo, hi = torch.stack([ids.min(), ids.max()]).tolist()
+    if lo < 0 or hi >= V:
+        raise ValueError(f"token ids must lie in [0, vocab_size={V}), got min {lo} max {hi}")
+
+
+def _lengths(lengths, B: int, P: int, device) -> torch.Tensor:
+    """int64 [B] valid tokens per row (default: P each); checked when given (one host sync)."""
+    if lengths is None:
+        return torch.full((B,), P, dtype=torch.long, device=device)
+    lens = torch.as_tensor(lengths, device=device)
+    if lens.shape != (B,) or lens.is_floating_point() or lens.dtype == torch.bool:
+        raise ValueError(f"lengths must be {B} integers (one per row), got {lens.dtype} {tuple(lens.shape)}")
+    lo, hi = torch.stack([lens.min(), lens.max()]).tolist()
+    if lo < 1 or hi > P:
+        raise ValueError(f"lengths must lie in 1..{P} (the padded width), got min {lo} max {hi}")
+    return lens.to(torch.long)

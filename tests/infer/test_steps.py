@@ -1,0 +1,202 @@
+"""The inference steps of `glm5lab.infer` (`prefill`, `decode_step`, `verify`, `draft`): they equal
+the uncached forward (fp32 tolerance of conftest; token ids exactly), rows of different lengths
+included, and the per-token steps make no host synchronisation: a dispatch mode counts every
+operator that reads a device value back to the host (`aten._local_scalar_dense`: `.item()`,
+`int()`, `bool()`) or whose output shape depends on values (`nonzero`, `unique`, boolean-mask
+indexing, `bincount`, ...), and `Tensor.tolist` is patched to count too. DSA is active (contexts
+longer than `index_topk` = 8) and the MoE layers route, so the decode paths of both are covered.
+On CUDA, `torch.cuda.set_sync_debug_mode("error")` makes the same check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from glm5lab import GLM5ForCausalLM, KVCache, ModelConfig
+from glm5lab.infer import decode_step, draft, prefill, verify
+from tests.conftest import assert_close
+
+SYNCING = {"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
+           "masked_select", "bincount", "repeat_interleave", "argwhere", "_assert_async", "equal", "is_nonzero"}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records the name of every host-synchronising operator dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+        self.active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name in SYNCING:
+            self.syncs.append(name)
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):  # a bool mask index -> nonzero
+            indices = args[1] if len(args) > 1 else []
+            if any(t is not None and t.dtype == torch.bool for t in indices):
+                self.syncs.append(f"{name}(bool mask)")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def count_syncs(monkeypatch):
+    counter = SyncCounter()
+    original = torch.Tensor.tolist
+
+    def tolist(self):
+        if counter.active:
+            counter.syncs.append("tolist")
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return counter
+
+
+MIXED = dict(attention_types=["mla", "mla", "gqa", "mla"], mixer_types=["attention", "swa", "attention", "attention"],
+             indexer_types=["full", "full", "full", "shared"], sliding_window=3, num_key_value_heads=2)
+
+
+def _model(**overrides) -> GLM5ForCausalLM:
+    torch.manual_seed(0)
+    return GLM5ForCausalLM(ModelConfig.from_preset("tiny").replace(**overrides)).eval()
+
+
+@pytest.fixture(scope="module", params=["tiny", "mixed"])
+def model(request):
+    return _model() if request.param == "tiny" else _model(**MIXED)
+
+
+def _prompts(B=2, P=13, lengths=(13, 10), vocab=512):
+    ids = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(1))
+    for b, n in enumerate(lengths):
+        ids[b, n:] = 0
+    return ids, torch.tensor(lengths)
+
+
+@torch.no_grad()
+def test_steps_equal_the_uncached_forward_rows_of_different_lengths(model):
+    ids, lens = _prompts()
+    cache = KVCache.for_model(model, 2, 24)
+    pre = prefill(model, ids, cache, chunk=4, lengths=lens)
+    assert cache.lengths.tolist() == lens.tolist()
+    nxt = torch.tensor([5, 7])
+    step_logits = decode_step(model, nxt, cache)
+    ver_logits, ver_hidden = verify(model, torch.tensor([[9, 2, 3], [4, 4, 1]]), cache)
+    for b, n in enumerate(lens.tolist()):
+        seq = torch.cat([ids[b, :n], nxt[b:b + 1], torch.tensor([[9, 2, 3], [4, 4, 1]][b])])[None]
+        full = model(seq)
+        assert_close(pre.logits_BV[b], full.logits[0, n - 1])
+        assert_close(step_logits[b], full.logits[0, n])
+        assert_close(ver_logits[b], full.logits[0, n + 1:n + 4])
+        assert_close(ver_hidden[b], full.hidden_states[0, n + 1:n + 4])
+    assert cache.lengths.tolist() == [n + 4 for n in lens.tolist()]
+
+
+@torch.no_grad()
+def test_decode_verify_and_draft_make_no_host_synchronisation(model, count_syncs):
+    ids, lens = _prompts()
+    cache, mtp_cache = KVCache.for_model(model, 2, 40), KVCache.for_mtp(model, 2, 40)
+    pre = prefill(model, ids, cache, chunk=5, lengths=lens, keep_hidden=True)
+    tok = pre.logits_BV.argmax(-1)
+    pend_ids = torch.cat([ids[:, 1:], tok[:, None]], dim=1)
+    draft(model, pre.hidden_BPD, pend_ids, mtp_cache, 3, lengths=lens)  # the first round drafts over the prompt
+    with count_syncs:  # a steady-state round: decode, draft over k+1 pending pairs, verify k+1 tokens
+        logits = decode_step(model, tok, cache)
+        drafts, q = draft(model, pre.hidden_BPD[:, -4:], pend_ids[:, -4:], mtp_cache, 3, lengths=torch.tensor([4, 2]))
+        ver_logits, _ = verify(model, torch.cat([logits.argmax(-1)[:, None], drafts], dim=1), cache)
+        decode_step(model, ver_logits[:, -1].argmax(-1), cache)
+    assert count_syncs.syncs == []
+    assert drafts.shape == (2, 3) and q.shape == (2, 3, model.config.vocab_size)
+    assert int(cache.lengths.max()) > model.config.index_topk  # DSA was active
+    assert cache.extent_bound >= int(cache.lengths.max())
+
+
+def test_the_counter_sees_a_synchronisation(count_syncs):
+    x = torch.arange(4)
+    with count_syncs:
+        int(x.max())
+        x[x > 1]
+        x.tolist()
+    assert count_syncs.syncs[0] == "_local_scalar_dense" and len(count_syncs.syncs) >= 3
+
+
+@torch.no_grad()
+def test_draft_equals_chained_mtp_steps():
+    model = _model()
+    ids, lens = _prompts(lengths=(13, 13))
+    cache, mtp_cache = KVCache.for_model(model, 2, 40), KVCache.for_mtp(model, 2, 40)
+    pre = prefill(model, ids, cache, keep_hidden=True)
+    pend_ids = torch.cat([ids[:, 1:], pre.logits_BV.argmax(-1)[:, None]], dim=1)
+    drafts, _ = draft(model, pre.hidden_BPD, pend_ids, mtp_cache, 3)
+    assert mtp_cache.lengths.tolist() == [13, 13]  # the chained entries were rolled back
+    twin = KVCache.for_mtp(model, 2, 40)
+    h, logits = model.mtp_step(pre.hidden_BPD, pend_ids, cache=twin)
+    want = [logits[:, -1].argmax(-1)]
+    for _ in range(2):
+        h, logits = model.mtp_step(h[:, -1:], want[-1][:, None], cache=twin)
+        want.append(logits[:, -1].argmax(-1))
+    assert torch.equal(drafts, torch.stack(want, dim=1))
+
+
+def test_boundary_checks_are_made_once_and_name_the_argument():
+    model = _model()
+    cache = KVCache.for_model(model, 2, 16)
+    with pytest.raises(ValueError, match=r"vocab_size=512"):
+        prefill(model, torch.full((2, 3), 512), cache)
+    with pytest.raises(ValueError, match=r"lengths must lie in 1..3"):
+        prefill(model, torch.zeros(2, 3, dtype=torch.long), cache, lengths=torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=r"token_ids has 3 rows but the cache was built for 2"):
+        decode_step(model, torch.zeros(3, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=r"token_ids must hold 1 token"):
+        decode_step(model, torch.zeros(2, 2, dtype=torch.long), cache)
+    with pytest.raises(TypeError, match="cache must be a KVCache"):
+        verify(model, torch.zeros(2, 2, dtype=torch.long), None)
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        draft(model, torch.zeros(2, 1, 64), torch.zeros(2, 1, dtype=torch.long), KVCache.for_mtp(model, 2, 8), 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.set_sync_debug_mode)")
+@torch.no_grad()
+def test_decode_step_makes_no_cuda_synchronisation():
+    model = _model().cuda()
+    ids, lens = _prompts()
+    cache = KVCache.for_model(model, 2, 40)
+    tok = prefill(model, ids.cuda(), cache, chunk=5, lengths=lens.cuda()).logits_BV.argmax(-1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            tok = decode_step(model, tok, cache).argmax(-1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@torch.no_grad()
+def test_steps_trace_whole_under_dynamo_fullgraph():
+    """No graph break in decode_step, verify or draft (a host synchronisation would be one); the
+    traced steps (backend "eager": dynamo's graph, eager kernels) equal the eager ones."""
+    model = _model()
+    ids, lens = _prompts()
+    caches = [(KVCache.for_model(model, 2, 40), KVCache.for_mtp(model, 2, 40)) for _ in range(2)]
+    results = []
+    for (cache, mtp_cache), wrap in zip(caches, (lambda f: f, lambda f: torch.compile(f, fullgraph=True,
+                                                                                          backend="eager")),
+                                        strict=True):
+        pre = prefill(model, ids, cache, lengths=lens, keep_hidden=True)
+        logits = wrap(decode_step)(model, pre.logits_BV.argmax(-1), cache)
+        drafts, _ = wrap(draft)(model, pre.hidden_BPD[:, -4:], ids[:, -4:], mtp_cache, 3)
+        ver, _ = wrap(verify)(model, torch.cat([logits.argmax(-1)[:, None], drafts], dim=1), cache)
+        results.append((logits, drafts, ver))
+    (a_logits, a_drafts, a_ver), (b_logits, b_drafts, b_ver) = results
+    assert torch.equal(a_drafts, b_drafts)
+    assert_close(a_logits, b_logits)
+    assert_close(a_ver, b_ver)
