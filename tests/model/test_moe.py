@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from glm5lab import ModelConfig
-from glm5lab.model.moe import MoE, Router, experts_gathered, experts_grouped, experts_loop
+from glm5lab.model.moe import (
+    MoE, Router, experts_gathered, experts_grouped, experts_grouped_mm, experts_loop, grouped_mm_runs,
+)
 from tests.conftest import assert_close, grads
 
 
@@ -91,18 +93,24 @@ def _expert_inputs(g, N, E, K, D=6, I=5):
 
 
 def _assert_gathered_equals_loop(x, idx, w, weights):
+    """Both sync-free decode paths (gathered weights, torch._grouped_mm) equal the loop, fwd+bwd."""
     ref = experts_loop(x, idx, w, *weights)
-    out = experts_gathered(x, idx, w, *weights)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert_close(out, ref)
-    for a, b in zip(grads(out, x, w, *weights), grads(ref, x, w, *weights), strict=True):
-        assert_close(a, b)
+    ref_grads = grads(ref, x, w, *weights)
+    for fast in (experts_gathered, experts_grouped_mm) if grouped_mm_runs(x, weights[0]) else (experts_gathered,):
+        out = fast(x, idx, w, *weights)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert_close(out, ref)
+        for a, b in zip(grads(out, x, w, *weights), ref_grads, strict=True):
+            assert_close(a, b)
 
 
 @pytest.mark.parametrize("N", [1, 3, 7])
 @pytest.mark.parametrize("E,K", [(8, 2), (5, 3), (3, 3)])
-def test_gathered_equals_loop_forward_and_backward(N, E, K):
-    _assert_gathered_equals_loop(*_expert_inputs(torch.Generator().manual_seed(N * 10 + E), N, E, K))
+@pytest.mark.parametrize("D,I", [(6, 5), (8, 12)], ids=["odd", "aligned"])  # aligned: torch._grouped_mm runs too
+def test_gathered_equals_loop_forward_and_backward(N, E, K, D, I):
+    if D == 8:
+        assert grouped_mm_runs(torch.zeros(1, D), torch.zeros(E, I, D))
+    _assert_gathered_equals_loop(*_expert_inputs(torch.Generator().manual_seed(N * 10 + E), N, E, K, D=D, I=I))
 
 
 def test_gathered_equals_loop_when_tokens_share_experts():
@@ -114,12 +122,13 @@ def test_gathered_equals_loop_when_tokens_share_experts():
     _assert_gathered_equals_loop(x, idx, w, weights)
 
 
-@pytest.mark.parametrize("fast", [experts_gathered, experts_grouped], ids=["gathered", "grouped"])
+@pytest.mark.parametrize("fast", [experts_gathered, experts_grouped, experts_grouped_mm],
+                         ids=["gathered", "grouped", "grouped_mm"])
 def test_tie_to_the_loop_catches_a_wrong_expert(fast):
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(4, 6, generator=g), torch.rand(4, 2, generator=g)
+    x, w = torch.randn(4, 8, generator=g), torch.rand(4, 2, generator=g)
     idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
-    weights = [torch.randn(4, 5, 6, generator=g), torch.randn(4, 5, 6, generator=g), torch.randn(4, 6, 5, generator=g)]
+    weights = [torch.randn(4, 12, 8, generator=g), torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 12, generator=g)]
     with pytest.raises(AssertionError):
         assert_close(fast(x, (idx + 1) % 4, w, *weights), experts_loop(x, idx, w, *weights))
 

@@ -11,11 +11,14 @@ bias are fp32 tensors that no model cast rounds, see `glm5lab.model.precision`):
 Ties go to the lower expert index. The bias is a buffer (not trained by backprop); aux-loss-free
 balancing nudges it from outside using `MoE.last_load`.
 
-Experts: three implementations with one signature, tied by `tests/model/test_moe.py`:
+Experts: four implementations with one signature, tied by `tests/model/test_moe.py`:
 `experts_loop` (reference: one matmul per expert over its tokens), `experts_grouped` (sort
 the N*K assignments by expert into fixed-size tiles, one expert per tile, three batched matmuls,
-no Python loop: training and prefill) and `experts_gathered` (each assignment multiplies by its
-expert's gathered weights: static shapes, no host synchronisation: decoding a few tokens). Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse
+no Python loop: training and prefill), `experts_grouped_mm` (the sorted assignments through
+`torch._grouped_mm` with device-side group offsets: no padding, no copy of expert weights, no
+host synchronisation: decoding a few tokens where the op exists) and `experts_gathered` (each
+assignment multiplies by its expert's gathered weights: static shapes, no host
+synchronisation, the decode path where `_grouped_mm` does not run). Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse
 grouped matmul.
 """
 
@@ -29,15 +32,17 @@ from glm5lab.config import ModelConfig
 from glm5lab.model.mlp import MLP
 from glm5lab.model.precision import KeepFP32, compute_dtype, fp32_compute
 
-EXPERT_IMPLS = ("auto", "grouped", "gathered", "loop")
+EXPERT_IMPLS = ("auto", "grouped", "grouped_mm", "gathered", "loop")
 GATHER_MAX_TOKENS = 16
 GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1
-"""`auto` runs `experts_gathered` for a forward of at most GATHER_MAX_TOKENS tokens (a decode
-step of up to 16 rows, a verification of k+1 tokens for a few rows: padding every hit expert
-to a 64-row tile would compute at least 4x the rows needed, and the gathered path makes no host
-synchronisation) or at most this many (token, expert) assignments per expert (no expert is
-read more often than the grouped path reads all of them); else `experts_grouped`. All compute
-the same function."""
+"""`auto` runs the sync-free decode path (`experts_grouped_mm` where `torch._grouped_mm` runs,
+`grouped_mm_runs`; else `experts_gathered`) for a forward of at most GATHER_MAX_TOKENS
+tokens (a decode step of up to 16 rows, a verification of k+1 tokens for a few rows: padding
+every hit expert to a 64-row tile would compute at least 4x the rows needed) or at most this
+many (token, expert) assignments per expert; else `experts_grouped`. All compute the same
+function. Measured on the bench model's decode (batch 1, 2 of 8 experts, CPU fp32, BENCHMARKS.md):
+grouped_mm 233 us per MoE call = the per-expert loop (224 us, which syncs), gathered 428-570 us
+(it copies the chosen experts' weights)."""
 
 
 def _topk_by_position(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -110,6 +115,42 @@ def experts_gathered(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Te
     return (y_NKD * w_NK[..., None]).sum(1).to(x_ND.dtype)
 
 
+def experts_grouped_mm(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
+    """Same result as `experts_loop`, with static shapes and no host synchronisation: the N*K
+    assignments are sorted by expert (stable), each expert's rows form one group of
+    `torch._grouped_mm` (group ends = the cumulative counts, an int32 device tensor), three
+    grouped matmuls read each chosen expert's weights once in place (no copy, no padding), then
+    rows are weighted and scatter-added back to their tokens. Differentiable. Needs
+    `grouped_mm_runs` (RuntimeError otherwise, from torch)."""
+    N, K = idx_NK.shape
+    e_A = idx_NK.reshape(-1)
+    order_A = torch.argsort(e_A, stable=True)
+    tok_A = order_A // K
+    counts_E = torch.zeros(gate_EID.shape[0], dtype=torch.int32, device=x_ND.device)
+    offs_E = counts_E.scatter_add_(0, e_A, torch.ones_like(e_A, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+    x_AD = x_ND[tok_A]
+    h_AI = F.silu(torch._grouped_mm(x_AD, gate_EID.mT, offs=offs_E)) * torch._grouped_mm(x_AD, up_EID.mT, offs=offs_E)
+    y_AD = torch._grouped_mm(h_AI, down_EDI.mT, offs=offs_E) * w_NK.reshape(-1)[order_A, None]
+    return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
+
+
+def grouped_mm_runs(x: torch.Tensor, gate_EID: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs for these shapes, device and dtype: rows of D and I
+    values must be multiples of 16 bytes (its stride rule); CPU in fp32/bf16/fp16, CUDA in bf16
+    on compute capability 9.0+ (its kernels' requirement); not while torch.compile traces (its
+    fake-tensor rule, written for CUDA, refuses fp32 in torch 2.13: the gathered path then
+    compiles instead)."""
+    if torch.compiler.is_compiling():
+        return False
+    I, D = gate_EID.shape[1:]
+    if not hasattr(torch, "_grouped_mm") or (I * x.element_size()) % 16 or (D * x.element_size()) % 16:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
 def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI, *, tile: int = 64) -> torch.Tensor:
     """Same result as `experts_loop` with no Python loop (block-sparse grouped matmul, as
     MegaBlocks): the N*K assignments are sorted by expert and laid into tiles of `tile` rows, each
@@ -151,8 +192,9 @@ class Experts(nn.Module):
         if impl == "auto":
             few = (idx_NK.shape[0] <= GATHER_MAX_TOKENS
                    or idx_NK.numel() <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0])
-            impl = "gathered" if few else "grouped"
-        fn = {"grouped": experts_grouped, "gathered": experts_gathered, "loop": experts_loop}[impl]
+            impl = ("grouped_mm" if grouped_mm_runs(x_ND, self.gate_proj) else "gathered") if few else "grouped"
+        fn = {"grouped": experts_grouped, "grouped_mm": experts_grouped_mm, "gathered": experts_gathered,
+              "loop": experts_loop}[impl]
         return fn(x_ND, idx_NK, w_NK, self.gate_proj, self.up_proj, self.down_proj)
 
 
