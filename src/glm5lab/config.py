@@ -290,7 +290,7 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         """A copy with `changes` applied and validated. A per-layer list that was not given is
-        re-derived when a field it derives from changes: `num_hidden_layers` -> all three lists,
+        re-derived when a field it derives from changes: `num_hidden_layers` -> all four lists,
         `first_k_dense_replace` -> `mlp_layer_types`. Raises ConfigError (unknown field, bad value)."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm5lab import GLM5ForCausalLM, KVCache, ModelConfig
+from glm5lab.model.cache import CacheOverflowError
 from glm5lab.infer import decode_step, draft, prefill, verify
 from tests.conftest import assert_close
 
@@ -200,3 +201,69 @@ def test_steps_trace_whole_under_dynamo_fullgraph():
     assert torch.equal(a_drafts, b_drafts)
     assert_close(a_logits, b_logits)
     assert_close(a_ver, b_ver)
+
+
+@torch.no_grad()
+def test_a_cache_of_other_layers_is_refused_and_left_untouched():
+    model = _model()
+    ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
+    main, mtp = KVCache.for_model(model, 2, 32), KVCache.for_mtp(model, 2, 32)
+    prefill(model, ids[:, :4], main)
+    with pytest.raises(ValueError, match=r"KVCache.for_mtp"):
+        draft(model, torch.zeros(2, 6, 64), ids, main, 2)  # a main cache where the draft head's belongs
+    assert main.lengths.tolist() == [4, 4]
+    with pytest.raises(ValueError, match=r"KVCache.for_model"):
+        decode_step(model, ids[:, 0], mtp)
+    other = KVCache.for_model(_model(num_hidden_layers=2), 2, 32)
+    for call in (lambda: prefill(model, ids, other), lambda: verify(model, ids, other), lambda: model(ids, cache=other)):
+        with pytest.raises(ValueError, match=r"built for other layers \(2 layers"):
+            call()
+
+
+@torch.no_grad()
+def test_overflow_is_refused_before_anything_is_written():
+    model = _model()
+    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(4))
+    cache = KVCache.for_model(model, 2, 8)
+    with pytest.raises(CacheOverflowError, match="a row at 0 tokens cannot take 10 more"):
+        prefill(model, ids, cache, chunk=4)
+    assert cache.lengths.tolist() == [0, 0]
+    mtp = KVCache.for_mtp(model, 2, 11)
+    with pytest.raises(CacheOverflowError, match="cannot take 12 more"):
+        draft(model, model(ids).hidden_states, ids, mtp, 3)  # 10 pairs + 2 chained drafts > 11
+    assert mtp.lengths.tolist() == [0, 0]
+
+
+@torch.no_grad()
+def test_a_narrower_cache_dtype_is_read_back_in_the_model_dtype():
+    model = _model()
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(5))
+    cache = KVCache.for_model(model, 2, 16, dtype=torch.bfloat16)
+    logits = prefill(model, ids, cache).logits_BV
+    assert logits.dtype == torch.float32 and cache.layers[0]["latent"].dtype == torch.bfloat16
+    assert_close(logits, model(ids).logits[:, -1], atol=0.1, rtol=0.1)  # bf16-rounded latents: loose by design
+    with pytest.raises(ValueError, match="cache dtype must be a floating torch.dtype"):
+        KVCache.for_model(model, 2, 16, dtype=torch.int64)
+
+
+def test_draft_and_decode_step_arguments_are_checked_by_name():
+    model = _model()
+    cache, mtp = KVCache.for_model(model, 2, 16), KVCache.for_mtp(model, 2, 16)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="token_ids must be a torch.LongTensor"):
+        decode_step(model, [1, 2], cache)
+    with pytest.raises(ValueError, match=r"hidden must be .*\[B=2, L=3, D=64\], got \(2, 3, 32\)"):
+        draft(model, torch.zeros(2, 3, 32), ids, mtp, 2)
+    for chunk in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="chunk must be None or an int >= 1"):
+            draft(model, torch.zeros(2, 3, 64), ids, mtp, 2, chunk=chunk)
+    with pytest.raises(TypeError, match="sampling must be"):
+        draft(model, torch.zeros(2, 3, 64), ids, mtp, 2, sampling=None)
+
+
+def test_stop_when_sees_a_copy_of_the_row():
+    from glm5lab import generate
+
+    model = _model()
+    plain = generate(model, [1, 2, 3, 4], 4).tokens
+    assert generate(model, [1, 2, 3, 4], 4, stop_when=lambda b, t: t.append(999) or t.clear()).tokens == plain

@@ -94,7 +94,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     prefill_chunk: prefill in pieces of this many tokens (default 256; None = the whole prompt
     in one forward: same result, more memory, slower on CPU as it computes the full causal square). on_tokens:
     called after each step with the tokens each row just emitted (streaming). stop_when: called
-    as stop_when(b, tokens of row b so far) after each new token; True ends row b there (stop
+    as stop_when(b, a copy of row b's tokens so far) after each new token; True ends row b there (stop
     strings: the lm-eval adapter ends a row once its text holds one).
     Returns GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for
     speculative runs. Raises ValueError (naming the argument) on bad input, and when a prompt
@@ -179,7 +179,7 @@ class _Run:
                     break
                 row.append(t)
                 shown[b].append(t)
-                if t in self.stops or (self.stop_when is not None and self.stop_when(b, row)):
+                if t in self.stops or (self.stop_when is not None and bool(self.stop_when(b, list(row)))):
                     self.stopped.add(b)
                     break
             done.append(len(row) >= self.max_new or b in self.stopped)

@@ -49,9 +49,9 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
     ids outside the vocab, bad shapes or lengths, CacheOverflowError past capacity."""
     B, P = _check_ids(model, input_ids, cache, "input_ids")
     _check_values(model, input_ids)
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
+    _check_chunk(chunk)
     lens_B = _lengths(lengths, B, P, input_ids.device)
+    cache.reserve(P)  # refuse before the first chunk: an overflow leaves the cache as it was
     start_B, chunk = cache.lengths.clone(), chunk or P
     rows_B, last_B = torch.arange(B, device=input_ids.device), lens_B - 1
     ragged = lengths is not None and bool((lens_B != P).any())
@@ -71,7 +71,7 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
 def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto") -> torch.Tensor:
     """One new token per row: token_ids int64 [B] (or [B, 1]) at each row's next position.
     Returns the logits after it, [B, V]. No host synchronisation (attention models)."""
-    ids_B1 = token_ids[:, None] if token_ids.dim() == 1 else token_ids
+    ids_B1 = token_ids[:, None] if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 else token_ids
     _check_ids(model, ids_B1, cache, "token_ids", T=1)
     return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl).logits[:, -1]
 
@@ -100,7 +100,17 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     `sampling` / `generator`. No host synchronisation. Raises ValueError for bad shapes/steps."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    B, L = _check_ids(model, token_ids, mtp_cache, "token_ids")
+    if not model.config.num_nextn_predict_layers:
+        raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0): nothing to draft with")
+    B, L = _check_ids(model, token_ids, mtp_cache, "token_ids", mtp=True)
+    D = model.config.hidden_size
+    if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != (B, L, D):
+        got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"hidden must be the pending pairs' hidden states [B={B}, L={L}, D={D}], got {got}")
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a glm5lab.infer.sampling.Sampling, got {sampling!r}")
+    _check_chunk(chunk)
+    mtp_cache.reserve(L + steps - 1)  # the pending pairs and the chained drafts fit, or nothing is written
     pend_B = torch.full((B,), L, dtype=torch.long, device=token_ids.device) if lengths is None else lengths
     rows_B, true_B = torch.arange(B, device=token_ids.device), mtp_cache.lengths + pend_B
     chunk, h_BD = chunk or L, None
@@ -124,8 +134,15 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
 
 
-def _check_ids(model, ids: torch.Tensor, cache: KVCache, name: str, *, T: int | None = None) -> tuple[int, int]:
-    """Shape/type checks only (no values: no host synchronisation). Returns (B, T)."""
+def _check_chunk(chunk) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
+
+
+def _check_ids(model, ids: torch.Tensor, cache: KVCache, name: str, *, T: int | None = None,
+               mtp: bool = False) -> tuple[int, int]:
+    """Shape/type checks only (no values: no host synchronisation), and that `cache` was built
+    for this model's main layers (or, `mtp`, its MTP layer). Returns (B, T)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.LongTensor, got {type(ids).__name__}")
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.shape[1] < 1:
@@ -134,6 +151,10 @@ def _check_ids(model, ids: torch.Tensor, cache: KVCache, name: str, *, T: int | 
         raise ValueError(f"{name} must hold {T} token(s) per row, got {tuple(ids.shape)}")
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache (KVCache.for_model / for_mtp), got {type(cache).__name__}")
+    if mtp:
+        cache.check_layers(model.mtp_specs, "KVCache.for_mtp(model, ...) (the draft head's cache)")
+    else:
+        cache.check_layers(model.layer_specs, "KVCache.for_model(model, ...) (the MTP layer's is for draft)")
     if ids.shape[0] != cache.batch:
         raise ValueError(f"{name} has {ids.shape[0]} rows but the cache was built for {cache.batch}")
     return ids.shape[0], ids.shape[1]

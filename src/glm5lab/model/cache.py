@@ -54,6 +54,9 @@ class KVCache:
         for name, value in (("batch", batch), ("capacity", capacity)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"cache {name} must be an int >= 1, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"cache dtype must be a floating torch.dtype (the model's, or a narrower one to "
+                             f"store in), got {dtype!r}")
         if capacity > cfg.max_position_embeddings:
             raise ValueError(f"cache capacity {capacity} is not allowed: at most max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
@@ -69,7 +72,7 @@ class KVCache:
     def for_model(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """Cache of the main decoder layers of a `GLM5ForCausalLM` (dtype/device: the model's).
         "gdn" / "simple_gdn" layers get a `RecurrentState` (fixed size, rollback by replay)."""
-        cache = cls(model.config, model.config.layers, batch, capacity, **_where(model, dtype))
+        cache = cls(model.config, model.layer_specs, batch, capacity, **_where(model, dtype))
         for i, layer in enumerate(model.model.layers):
             if cache.specs[i].recurrent:
                 cache.recurrent[i] = layer.self_attn.new_state(batch, **_where(model, dtype))
@@ -81,7 +84,7 @@ class KVCache:
         cfg = model.config
         if not cfg.num_nextn_predict_layers:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0)")
-        return cls(cfg, (cfg.mtp_layer,), batch, capacity, **_where(model, dtype))
+        return cls(cfg, model.mtp_specs, batch, capacity, **_where(model, dtype))
 
     @property
     def batch(self) -> int:
@@ -108,12 +111,26 @@ class KVCache:
         `positions(T)`; options: see `Step`). Keys are read from slots 0..extent_bound+T-1. Raises
         CacheOverflowError when a row would pass `capacity` (the only case that asks the device
         for the exact lengths)."""
+        self.reserve(T)
+        return Step(T=T, extent=self.extent_bound + T, cos=cos, sin=sin, offsets=self.lengths, cache=self, **options)
+
+    def reserve(self, T: int) -> None:
+        """Raise CacheOverflowError unless every row can take T more tokens; asks the device for
+        the exact lengths only when the host bound says they might not fit. Lets a multi-forward
+        call (a chunked prefill, a draft) refuse up front, leaving the cache as it was."""
         if self.extent_bound + T > self.capacity:
             self.extent_bound = int(self.lengths.max())
             if self.extent_bound + T > self.capacity:
                 raise CacheOverflowError(f"the cache holds {self.capacity} tokens per row: a row at "
                                          f"{self.extent_bound} tokens cannot take {T} more; allocate a larger capacity")
-        return Step(T=T, extent=self.extent_bound + T, cos=cos, sin=sin, offsets=self.lengths, cache=self, **options)
+
+    def check_layers(self, specs: tuple, what: str) -> None:
+        """Raise ValueError unless this cache was built for layers `specs` (host-side: the
+        `LayerSpec`s it was allocated from). `what` names the expected builder."""
+        if tuple(self.specs) != tuple(specs):
+            raise ValueError(f"this cache was built for other layers ({len(self.specs)} layers: "
+                             f"{[s.mixer + '/' + s.attention for s in self.specs]}) than this call runs "
+                             f"({len(specs)}): build it with {what}")
 
     def commit(self, step: Step) -> None:
         """Count the step's T tokens as cached in every row."""

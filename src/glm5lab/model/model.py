@@ -61,6 +61,9 @@ class GLM5ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.layer_specs = tuple(layer.spec for layer in self.model.layers)
+        """The `LayerSpec`s the main layers were built from (what `KVCache.for_model` allocates for)."""
+        self.mtp_specs = tuple(layer.spec for layer in self.model.mtp_layers)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -96,8 +99,9 @@ class GLM5ForCausalLM(nn.Module):
         mtp_depth: unroll the MTP module this many times (0 = none; needs
         num_nextn_predict_layers = 1). attn_impl: "auto" (`glm5lab.model.mla.attention_route`) |
         "naive" (every mixer's reference kernel) | "absorbed" (MLA: latent-space attention);
-        moe_impl: "auto" (gathered experts when a few tokens decode, grouped otherwise) |
-        "grouped" | "gathered" | "loop". use_dsa: override the config's switch for this call
+        moe_impl: "auto" (a sync-free path when at most 16 tokens decode: `torch._grouped_mm`, or
+        gathered expert weights where it does not run; tiled grouped otherwise) | "grouped" |
+        "grouped_mm" | "gathered" | "loop" (the reference; see `glm5lab.model.moe`). use_dsa: override the config's switch for this call
         (training stages). indexer_loss: also compute the DSA indexer KL (`MLAttention.indexer_kl`).
         Checks everything, the ids' range included (one host synchronisation); the per-token
         path of `glm5lab.infer` calls `step`, which checks shapes only. Raises ValueError on bad
@@ -106,8 +110,10 @@ class GLM5ForCausalLM(nn.Module):
         if cache is not None and (mtp_depth or indexer_loss):
             raise ValueError("mtp_depth and indexer_loss are training options: not available with a cache "
                              "(speculative drafting runs the MTP layer through `mtp_step`)")
-        if cache is not None and cache.batch != input_ids.shape[0]:
-            raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache was built for {cache.batch}")
+        if cache is not None:
+            cache.check_layers(self.layer_specs, "KVCache.for_model(model, ...)")
+            if cache.batch != input_ids.shape[0]:
+                raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache was built for {cache.batch}")
         return self.step(input_ids, cache, mtp_depth=mtp_depth, attn_impl=attn_impl, moe_impl=moe_impl,
                          use_dsa=use_dsa, indexer_loss=indexer_loss, logits_to_keep=logits_to_keep)
 
@@ -172,6 +178,7 @@ class GLM5ForCausalLM(nn.Module):
         if next_ids.dim() != 2 or cache.batch != next_ids.shape[0] or hidden_BTD.shape[:2] != next_ids.shape:
             raise ValueError(f"mtp_step: hidden {tuple(hidden_BTD.shape)}, next_ids {tuple(next_ids.shape)} and "
                              f"a cache of {cache.batch} rows do not agree ([B, T, D], [B, T], B rows)")
+        cache.check_layers(self.mtp_specs, "KVCache.for_mtp(model, ...)")
         cfg, T = self.config, next_ids.shape[1]
         cos, sin = rope_angles(cache.positions(T), cfg.qk_rope_head_dim, cfg.rope_theta)
         step = cache.begin(T, cos, sin, **self._options(attn_impl, moe_impl, None, False))

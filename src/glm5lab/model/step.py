@@ -108,12 +108,13 @@ class LayerStep:
         return getattr(self.step, name)
 
     def write(self, name: str, new_BT: torch.Tensor) -> torch.Tensor:
-        """Store new_BT ([B, T, ...]) at the step's slots; return buffer `name` [B, S, ...]. With
-        no cache, returns new_BT itself (S = T)."""
+        """Store new_BT ([B, T, ...]) at the step's slots; return buffer `name` [B, S, ...] in
+        new_BT's dtype (a cache kept in another dtype, `KVCache.for_model(dtype=)`, is read back
+        cast). With no cache, returns new_BT itself (S = T)."""
         if not self.step.cached:
             return new_BT
         buf = self.buffers[name]
         rows_B1 = torch.arange(buf.shape[0], device=buf.device)[:, None]
         slots_BT = self.step.offsets[:, None] + torch.arange(self.step.T, device=buf.device)
         buf[rows_B1, slots_BT] = new_BT.to(buf.dtype)
-        return buf[:, :self.step.extent]
+        return buf[:, :self.step.extent].to(new_BT.dtype)
