@@ -53,16 +53,14 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
     lens_B = _lengths(lengths, B, P, input_ids.device)
     cache.reserve(P)  # refuse before the first chunk: an overflow leaves the cache as it was
     start_B, chunk = cache.lengths.clone(), chunk or P
-    rows_B, last_B = torch.arange(B, device=input_ids.device), lens_B - 1
+    last_B = lens_B - 1
     ragged = lengths is not None and bool((lens_B != P).any())
     hidden, last_h_BD = [], None
     for c0 in range(0, P, chunk):
         h_BCD = model.step(input_ids[:, c0:c0 + chunk], cache, logits_to_keep=1, attn_impl=attn_impl).hidden_states
         if keep_hidden:
             hidden.append(h_BCD)
-        here_B = (last_B >= c0) & (last_B < c0 + h_BCD.shape[1])  # rows whose prompt ends in this chunk
-        pick_BD = h_BCD[rows_B, (last_B - c0).clamp(0, h_BCD.shape[1] - 1)]
-        last_h_BD = pick_BD if last_h_BD is None else torch.where(here_B[:, None], pick_BD, last_h_BD)
+        last_h_BD = _keep_last(h_BCD, last_B - c0, last_h_BD)
         if ragged:  # rows past their prompt drop the padding now
             cache.truncate(torch.minimum(cache.lengths, start_B + lens_B))
     return Prefill(model.lm_head(last_h_BD), last_h_BD, torch.cat(hidden, dim=1) if keep_hidden else None)
@@ -112,14 +110,12 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     _check_chunk(chunk)
     mtp_cache.reserve(L + steps - 1)  # the pending pairs and the chained drafts fit, or nothing is written
     pend_B = torch.full((B,), L, dtype=torch.long, device=token_ids.device) if lengths is None else lengths
-    rows_B, true_B = torch.arange(B, device=token_ids.device), mtp_cache.lengths + pend_B
+    true_B = mtp_cache.lengths + pend_B
     chunk, h_BD = chunk or L, None
     for c0 in range(0, L, chunk):
         h_BCD, _ = model.mtp_step(hidden[:, c0:c0 + chunk], token_ids[:, c0:c0 + chunk], cache=mtp_cache,
                                   attn_impl=attn_impl, with_logits=False)
-        here_B = (pend_B - 1 >= c0) & (pend_B - 1 < c0 + h_BCD.shape[1])
-        pick_BD = h_BCD[rows_B, (pend_B - 1 - c0).clamp(0, h_BCD.shape[1] - 1)]
-        h_BD = pick_BD if h_BD is None else torch.where(here_B[:, None], pick_BD, h_BD)
+        h_BD = _keep_last(h_BCD, pend_B - 1 - c0, h_BD)
     mtp_cache.rewind(true_B)
     logits_BV, drafts, qs = model.lm_head(h_BD), [], []
     for j in range(steps):
@@ -132,6 +128,15 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
             h_BD, logits_BV = h_B1D[:, 0], logits_B1V[:, 0]
     mtp_cache.rewind(true_B)
     return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
+
+
+def _keep_last(h_BCD: torch.Tensor, at_B: torch.Tensor, kept_BD: torch.Tensor | None) -> torch.Tensor:
+    """Row b's state at chunk position at_B[b] where that lies in this chunk (0..C-1), else the
+    state kept from an earlier chunk: each row's last real token across chunks, with no host
+    synchronisation (a `torch.where`, not a boolean index)."""
+    C = h_BCD.shape[1]
+    pick_BD = h_BCD[torch.arange(h_BCD.shape[0], device=h_BCD.device), at_B.clamp(0, C - 1)]
+    return pick_BD if kept_BD is None else torch.where(((at_B >= 0) & (at_B < C))[:, None], pick_BD, kept_BD)
 
 
 def _check_chunk(chunk) -> None:
