@@ -54,7 +54,7 @@ class Step:
         self.moe_impl, self.indexer_loss = moe_impl, indexer_loss
         self.topk = topk  # the last "own" layer's selection (given: for a lone "shared" layer in tests)
         self.indexer_kls: list[torch.Tensor] = []
-        self._masks: dict = {}
+        self._shared: dict = {}  # per-forward tensors shared by the layers (masks by window, write slots)
 
     @classmethod
     def uncached(cls, T: int, cos: torch.Tensor, sin: torch.Tensor, **options) -> Step:
@@ -77,15 +77,24 @@ class Step:
     def mask(self, window: int | None = None) -> torch.Tensor:
         """Bool [B|1, T, S]: key visible to query (causal; with `window`, its last `window` keys
         only). Built once per forward and window, shared by the layers."""
-        if window not in self._masks:
+        if window not in self._shared:
             device = self.cos.device
             if not self.cached:
                 m = (causal_mask(self.T, self.T, 0, device) if window is None
                      else window_mask(self.T, self.T, 0, window, device))[None]
             else:
                 m = causal_mask_rows(self.offsets, self.T, self.extent, window=window)
-            self._masks[window] = m
-        return self._masks[window]
+            self._shared[window] = m
+        return self._shared[window]
+
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [B, 1], slots [B, T]): where the new tokens go in every cache buffer (cached
+        steps; built once per forward, shared by the layers)."""
+        if "slots" not in self._shared:
+            device = self.offsets.device
+            self._shared["slots"] = (torch.arange(self.offsets.shape[0], device=device)[:, None],
+                                    self.offsets[:, None] + torch.arange(self.T, device=device))
+        return self._shared["slots"]
 
     def layer(self, i: int) -> LayerStep:
         """Layer i's view: its cache buffers and recurrent state (none when uncached)."""
@@ -114,7 +123,6 @@ class LayerStep:
         if not self.step.cached:
             return new_BT
         buf = self.buffers[name]
-        rows_B1 = torch.arange(buf.shape[0], device=buf.device)[:, None]
-        slots_BT = self.step.offsets[:, None] + torch.arange(self.step.T, device=buf.device)
+        rows_B1, slots_BT = self.step.slots()
         buf[rows_B1, slots_BT] = new_BT.to(buf.dtype)
         return buf[:, :self.step.extent].to(new_BT.dtype)
