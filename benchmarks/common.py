@@ -136,6 +136,31 @@ def load_ours(folder, device, *, dtype: torch.dtype | None = None):
     return model.eval()
 
 
+def weight_bytes_read(model, tokens: int, *, part: str = "main", logits: bool = True) -> float:
+    """The weight bytes one cached forward of `tokens` new tokens must read at least (the memory
+    bound of decoding): every parameter of `part` ("main": the decoder layers and final norm;
+    "mtp": the MTP layer) except the embedding table, of which it reads `tokens` rows, and the
+    routed experts, of which each MoE layer reads the expected number of distinct experts that
+    tokens x k uniform choices hit, E (1 - (1 - k/E)^tokens); plus the output head when `logits`
+    (the MTP layer shares the main model's)."""
+    cfg, total = model.config, 0.0
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        in_mtp = ".mtp_layers." in name
+        if name.startswith("lm_head."):
+            total += nbytes if logits else 0.0
+        elif name.endswith("embed_tokens.weight"):
+            total += tokens * p[0].numel() * p.element_size()
+        elif in_mtp != (part == "mtp"):
+            continue
+        elif ".mlp.experts." in name:
+            total += nbytes * (1 - (1 - k / E) ** tokens)
+        else:
+            total += nbytes
+    return total
+
+
 def hf_cache_bytes(cache) -> dict:
     """What transformers' cache holds, from its tensors: {"bytes_per_token": per token per row over
     all layers, "tokens": cached tokens, "per_layer": [{name: [shape, bytes per token]}]}.

@@ -8,7 +8,11 @@ windows evenly spaced over the split), `--new-tokens` greedy tokens each, batch 
 interleaved:
 - plain: `glm5lab.generate(model, prompt, N)`;
 - speculative: `glm5lab.generate(..., speculative="mtp", draft_steps=k)` for k in --draft-steps
-  (headline k = 3): the MTP layer drafts k tokens, one main forward verifies them.
+  (headline k = 3): the MTP layer drafts k tokens, one main forward verifies them;
+each eager and with `compile=True` (--modes; `glm5lab.infer.compiled`: the decode, verification
+and draft steps as compiled graphs, compiled in the warm-up call; compile seconds reported
+apart). Speedups are against plain decoding in the same mode (the goal: compiled k = 3 vs
+compiled plain).
 tokens/s = new tokens / `stats.decode_seconds` summed over the prompts (decode only: the prefill
 is the same cached prefill in both, reported apart). Greedy speculative output must equal plain
 greedy output token for token (checked for every prompt and k; a mismatch fails the run on fp32 CPU, and is reported on bf16 CUDA).
@@ -16,6 +20,12 @@ Acceptance length = mean tokens per verification forward (accepted drafts + 1); 
 per draft position i = fraction of verifications whose draft i was accepted with every earlier one.
 Also one sampled run (temperature 1.0, seeded, k = 3): acceptance only (sampled speculative
 output is distributed as plain sampling, not equal to it).
+
+The byte model (decoding is memory bound): a plain step reads the main model's activated weights
+W(1); a round of k drafts reads the verification's W(k+1) (k+1 tokens pick more routed experts),
+the MTP layer over k+1 pending pairs and k-1 chained drafts, each with the output head
+(`common.weight_bytes_read`). Speculation can then be at most acceptance length x W(1) / round
+bytes faster than plain decoding: the "byte bound" column, at the measured acceptance length.
 
     .venv/bin/python benchmarks/speculative.py                          # runs/small, 8 x 128 -> 128
     .venv/bin/python benchmarks/speculative.py --model /tmp/bench_quick_run --quick
@@ -33,15 +43,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (markdown_table, median, model_dtype, print_json_line, resolve_checkpoint, setup_device,
-                    time_interleaved, verdict)
+                    time_interleaved, verdict, weight_bytes_read)
 
 import glm5lab
 from glm5lab import GLM5ForCausalLM
 from glm5lab.environment import env_facts, load_average
+from glm5lab.infer import compiled
 from glm5lab.train.data import held_out_prompts
 
 GOALS = {"speedup": 1.6, "acceptance_length": 2.5, "draft_steps": 3}
-"""Targets at 3 draft steps: speculative decode tokens/s >= 1.6x plain, acceptance length >= 2.5."""
+"""Targets at 3 draft steps: speculative decode tokens/s >= 1.6x plain (compiled, both), acceptance
+length >= 2.5."""
+MODES = ("eager", "compiled")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--draft-steps", default="1,2,3,4", help="k values to run (the goal is read at k=3)")
+    p.add_argument("--modes", default="eager,compiled", help="eager and/or compiled (generate(compile=True))")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per case; the median is reported")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--sample-seed", type=int, default=0, help="seed of the temperature-1.0 run")
@@ -68,7 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.strict = args.device == "cpu"
     if args.quick:
         args.prompts, args.prompt_len, args.new_tokens, args.draft_steps = 2, 32, 24, "1,3"
-        args.repeats, args.warmup = 1, 0
+        args.repeats, args.warmup = 1, 1  # the compiled cases compile in the warm-up
+    args.mode_list = [m for m in args.modes.split(",") if m]
+    if not args.mode_list or any(m not in MODES for m in args.mode_list):
+        p.error(f"--modes must be a comma-separated subset of {MODES}, got {args.modes!r}")
     args.k_list = [int(k) for k in args.draft_steps.split(",") if k]
     if any(k < 1 for k in args.k_list):
         p.error("--draft-steps must be >= 1")
@@ -80,13 +97,14 @@ def load_model(checkpoint: Path, device):
     return model.eval()
 
 
-def make_case(model, prompts, n: int, k: int | None, *, temperature: float = 0.0, seed: int | None = None):
+def make_case(model, prompts, n: int, k: int | None, *, temperature: float = 0.0, seed: int | None = None,
+              compile: bool = False):
     """One call = every prompt at batch 1; returns the summed stats and the tokens."""
     def run():
         tokens, stats = [], []
         for i, p in enumerate(prompts):
             out = glm5lab.generate(model, [p], n, temperature=temperature, seed=None if seed is None else seed + i,
-                                   speculative="mtp" if k else None, draft_steps=k or 3)
+                                   speculative="mtp" if k else None, draft_steps=k or 3, compile=compile)
             tokens.append(out.tokens[0])
             stats.append(out.stats)
         return {"tokens": tokens, **combine(stats, k)}
@@ -95,9 +113,9 @@ def make_case(model, prompts, n: int, k: int | None, *, temperature: float = 0.0
 
 def combine(stats, k: int | None) -> dict:
     new = sum(s.new_tokens for s in stats)
-    dec = sum(s.decode_seconds for s in stats)
+    dec = sum(s.decode_seconds - s.compile_seconds for s in stats)
     out = {"new_tokens": new, "decode_s": dec, "prefill_s": sum(s.prefill_seconds for s in stats),
-           "tokens_per_s": new / dec if dec else 0.0}
+           "tokens_per_s": new / dec if dec else 0.0, "compile_s": sum(s.compile_seconds for s in stats)}
     if k:
         steps = sum(s.verify_steps for s in stats)
         accepted = [sum(s.acceptance_rate[i] * s.verify_steps for s in stats) for i in range(k)]
@@ -119,12 +137,23 @@ def main(argv=None) -> dict:
     prompts, data_info = held_out_prompts(checkpoint, args.prompts, args.prompt_len, data=args.data,
                                           split_seed=args.split_seed)
     n = args.new_tokens
-    cases = {"plain": make_case(model, prompts, n, None)}
-    cases.update({f"k={k}": make_case(model, prompts, n, k) for k in args.k_list})
+    cases = {}
+    for mode in args.mode_list:
+        suffix, flag = ("", False) if mode == "eager" else (" compiled", True)
+        cases[f"plain{suffix}"] = make_case(model, prompts, n, None, compile=flag)
+        cases.update({f"k={k}{suffix}": make_case(model, prompts, n, k, compile=flag) for k in args.k_list})
+    compiling = compiled.compile_seconds["total"]
     runs = time_interleaved(cases, device=device, warmup=args.warmup, repeats=args.repeats)
+    env["compile_s"] = compiled.compile_seconds["total"] - compiling
     sampled = make_case(model, prompts, n, GOALS["draft_steps"], temperature=1.0, seed=args.sample_seed)()
     env["load_average_end"] = load_average()
     res, mismatches = summarise(runs)
+    for name, r in res.items():
+        if "acceptance_length" in r:
+            k = int(name.split("=")[1].split()[0])
+            r["round_weight_mib"] = round(round_bytes(model, k) / 2**20, 2)
+            r["byte_bound_speedup"] = round(byte_bound(model, k, r["acceptance_length"]), 3)
+    env["plain_step_weight_mib"] = round(weight_bytes_read(model, 1) / 2**20, 2)
     record = report(res, sampled, mismatches, args, model.config, checkpoint, data_info, env)
     print_json_line(record)
     if mismatches and args.strict:
@@ -132,8 +161,19 @@ def main(argv=None) -> dict:
     return record
 
 
+def round_bytes(model, k: int) -> float:
+    """Weight bytes of one speculative round of k drafts (see the module docstring)."""
+    return (weight_bytes_read(model, k + 1) + weight_bytes_read(model, k + 1, part="mtp")
+            + (k - 1) * weight_bytes_read(model, 1, part="mtp"))
+
+
+def byte_bound(model, k: int, acceptance_length: float) -> float:
+    """The speedup over plain decoding that reading the round's weights allows."""
+    return acceptance_length * weight_bytes_read(model, 1) / round_bytes(model, k)
+
+
 def summarise(runs):
-    plain_tokens = runs["plain"][0][1]["tokens"]
+    plain_tokens = runs[next(iter(runs))][0][1]["tokens"]
     res, mismatches = {}, []
     for name, samples in runs.items():
         last = samples[-1][1]
@@ -150,8 +190,9 @@ def summarise(runs):
                 if a != b:
                     first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                     mismatches.append({"case": name, "prompt": i, "first_difference": first})
-    for r in res.values():
-        r["speedup"] = r["tokens_per_s"] / res["plain"]["tokens_per_s"]
+    for name, r in res.items():
+        plain = "plain compiled" if name.endswith(" compiled") else "plain"
+        r["speedup"] = r["tokens_per_s"] / res[plain]["tokens_per_s"] if plain in res else None
     return res, mismatches
 
 
@@ -160,17 +201,22 @@ def report(res, sampled, mismatches, args, cfg, checkpoint, data_info, env) -> d
     rows = []
     for name, r in res.items():
         rate = r.get("acceptance_rate")
-        rows.append([name if name != "plain" else "plain (no drafts)", f"{r['tokens_per_s']:.1f}",
-                     f"{r['speedup']:.2f}x", f"{r['acceptance_length']:.2f}" if rate else "-",
+        rows.append([name.replace("plain", "plain (no drafts)"), f"{r['tokens_per_s']:.1f}",
+                     f"{r['speedup']:.2f}x" if r["speedup"] else "-", f"{r['acceptance_length']:.2f}" if rate else "-",
                      " / ".join(f"{x:.2f}" for x in rate) if rate else "-",
-                     r.get("verify_steps", "-")])
+                     r.get("verify_steps", "-"),
+                     f"{r['round_weight_mib']:.1f}" if rate else f"{env['plain_step_weight_mib']:.1f}",
+                     f"{r['byte_bound_speedup']:.2f}x" if rate else "-"])
     print(f"speculative decoding: {checkpoint}, {args.prompts} held-out prompts x {args.prompt_len} tokens -> "
           f"{args.new_tokens} greedy tokens, batch 1, {args.device} {'bf16' if args.device == 'cuda' else 'fp32'}, "
           f"{env['torch_threads']} threads\n")
     print(markdown_table(["decoding", "tokens/s", "speedup", "acceptance length",
-                          "acceptance rate per draft position", "verify steps"], rows))
-    print(f"\n- tokens/s = new tokens / decode seconds (prefill excluded), summed over the prompts; median of "
-          f"{args.repeats} repeats after {args.warmup} warm-up, cases interleaved; load average at start "
+                          "acceptance rate per draft position", "verify steps", "weights read per round MiB",
+                          "byte bound"], rows))
+    print(f"\n- tokens/s = new tokens / decode seconds (prefill and compilation excluded), summed over the prompts; "
+          f"median of {args.repeats} repeats after {args.warmup} warm-up (the compiled cases compiled there: "
+          f"{env['compile_s']:.1f} s in all), cases interleaved; speedup vs plain in the same mode; byte bound = "
+          "acceptance length x plain step weights / round weights (module docstring); load average at start "
           f"{env['load_average_start']}, end {env['load_average_end']}\n"
           f"- prompts: validation split of {data_info['corpus']} (split seed {data_info['split_seed']}, "
           f"{data_info['val_tokens']} tokens), windows {data_info['rows']} of {data_info['windows']}\n"
@@ -179,19 +225,20 @@ def report(res, sampled, mismatches, args, cfg, checkpoint, data_info, env) -> d
           + f"\n- sampled (temperature 1.0, seed {args.sample_seed}, k={k_goal}): acceptance length "
           f"{sampled['acceptance_length']:.2f}, rate per position "
           + " / ".join(f"{x:.2f}" for x in sampled["acceptance_rate"]))
-    g = res.get(f"k={k_goal}")
+    g = res.get(f"k={k_goal} compiled") or res.get(f"k={k_goal}")
     met = {}
     if g:
         met = {"speedup": g["speedup"] >= GOALS["speedup"],
                "acceptance_length": g["acceptance_length"] >= GOALS["acceptance_length"]}
-        print(f"- goal speculative speedup >= {GOALS['speedup']}x at k={k_goal}: {g['speedup']:.2f}x "
+        print(f"- goal speculative speedup >= {GOALS['speedup']}x at k={k_goal} ({goal_mode(res, k_goal)}): "
+              f"{g['speedup']:.2f}x "
               f"({verdict(met['speedup'])})\n- goal acceptance length >= {GOALS['acceptance_length']} at k={k_goal}: "
               f"{g['acceptance_length']:.2f} ({verdict(met['acceptance_length'])})\n")
     else:
         print(f"- goals at k={k_goal}: not measured (k={k_goal} not in --draft-steps)\n")
     return {
         "benchmark": "speculative",
-        "goals": {"draft_steps": k_goal,
+        "goals": {"draft_steps": k_goal, "mode": goal_mode(res, k_goal),
                   "speedup": {"target": GOALS["speedup"], "value": g and round(g["speedup"], 3),
                               "met": met.get("speedup")},
                   "acceptance_length": {"target": GOALS["acceptance_length"],
@@ -205,10 +252,16 @@ def report(res, sampled, mismatches, args, cfg, checkpoint, data_info, env) -> d
         "data": data_info,
         "config": {"model": str(checkpoint), "model_config": cfg.to_dict(), "prompts": args.prompts,
                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "draft_steps": args.k_list,
+                   "modes": args.mode_list,
                    "repeats": args.repeats, "warmup": args.warmup, "device": args.device,
                    "dtype": "bf16" if args.device == "cuda" else "fp32", "quick": args.quick},
         "env": env,
     }
+
+
+def goal_mode(res: dict, k: int) -> str:
+    """Which mode the goals are read in: compiled when it ran."""
+    return "compiled" if f"k={k} compiled" in res else "eager"
 
 
 if __name__ == "__main__":

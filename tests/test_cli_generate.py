@@ -116,6 +116,16 @@ def test_speculative_greedy_gives_the_same_tokens_and_reports_acceptance(capsys,
     assert len(rates) == 2 and all(0 <= float(r) <= 1 for r in rates)
 
 
+def test_compile_gives_the_same_tokens_and_reports_the_compile_time(capsys, folders, reference, monkeypatch):
+    from glm5lab.infer import compiled
+
+    monkeypatch.setattr(compiled, "CPU_OPTIONS", {})  # the Python wrapper: compiles faster, same tokens
+    _, tokens, _ = reference
+    d = cli_json(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, "--max-new-tokens", N, "--compile")
+    assert d["tokens"] == tokens
+    assert d["stats"]["compile_seconds"] >= 0 and d["stats"]["decode_tokens_per_second"] > 0
+
+
 def test_speculative_json_stats(capsys, folders, reference):
     _, tokens, _ = reference
     d = cli_json(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, "--max-new-tokens", N,
@@ -305,7 +315,8 @@ def test_help_lists_every_option(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for option in ("--model DIR", "--prompt TEXT", "--prompt-ids", "--tokenizer FILE", "--max-new-tokens N",
                    "--temperature T", "--top-k K", "--top-p P", "--seed S", "--stop TEXT_OR_ID", "--speculative {mtp}",
-                   "--draft-steps N", "--device {cpu,cuda}", "--dtype {fp32,bf16}", "--prefill-chunk N", "--json"):
+                   "--draft-steps N", "--device {cpu,cuda}", "--dtype {fp32,bf16}", "--prefill-chunk N", "--compile",
+                   "--json"):
         assert option in text, option
     assert "(default 64)" in text and "0 = greedy" in text
 

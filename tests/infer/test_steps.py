@@ -166,6 +166,7 @@ def test_boundary_checks_are_made_once_and_name_the_argument():
         draft(model, torch.zeros(2, 1, 64), torch.zeros(2, 1, dtype=torch.long), KVCache.for_mtp(model, 2, 8), 0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.set_sync_debug_mode)")
 @torch.no_grad()
 def test_decode_step_makes_no_cuda_synchronisation():

@@ -166,7 +166,7 @@ def _cached_step(cfg, layer, T, use_dsa, **options):
         cos, sin = rope_angles(cache.positions(PREFIX), cfg.qk_rope_head_dim, cfg.rope_theta)
         step = cache.begin(PREFIX, cos, sin, use_dsa=use_dsa, index_topk=K)
         layer(x_pre, step.layer(0))
-        cache.commit(step)
+        cache.commit(PREFIX)
     cache.truncate(torch.tensor(LENGTHS))
     cos, sin = rope_angles(cache.positions(T), cfg.qk_rope_head_dim, cfg.rope_theta)
     step = cache.begin(T, cos, sin, use_dsa=use_dsa, index_topk=K, **options)

@@ -10,8 +10,8 @@ import pytest
 from tests.train.test_loop import corpus  # noqa: F401  (fixture)
 
 
-def _run(*args, env_cache):
-    env = {**os.environ, "GLM5LAB_CACHE": str(env_cache)}
+def _run(*args, env_cache, **extra_env):
+    env = {**os.environ, "GLM5LAB_CACHE": str(env_cache), **extra_env}
     return subprocess.run([sys.executable, "-m", "glm5lab", "train", *args], capture_output=True, text=True,
                           env=env, timeout=300)
 
@@ -48,6 +48,13 @@ def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noq
     r = _run(*base, *args, env_cache=corpus / "cache")
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr
     assert r.stderr.startswith("glm5lab train: ") and message in r.stderr, r.stderr
+
+
+def test_compile_under_torchrun_is_one_clear_line(corpus, tmp_path):  # noqa: F811
+    r = _run("--preset", "tiny", "--data", str(corpus / "texts"), "--out", str(tmp_path / "r"), "--compile",
+             "--no-progress", env_cache=corpus / "cache", WORLD_SIZE="2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("glm5lab train: error: --compile is not supported with 2 processes (torchrun"), r.stderr
 
 
 @pytest.mark.slow

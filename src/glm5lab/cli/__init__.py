@@ -2,11 +2,11 @@
 
     glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--context N] [--json]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
-                   [--optimizer adamw|muon|muon-split] [--quick] ...
+                   [--optimizer adamw|muon|muon-split] [--quick] [--compile] ...
     glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
-                   [--dtype fp32|bf16] [--prefill-chunk N] [--json]
+                   [--dtype fp32|bf16] [--prefill-chunk N] [--compile] [--json]
     glm5lab ablate STUDY [--quick] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient, mtp, indexcache)
     glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick]
 
@@ -128,6 +128,10 @@ def add_train_parser(sub) -> None:
                    "the newest two are kept")
     p.add_argument("--bias-update-rate", dest="bias_update_rate", type=float, metavar="R",
                    help="aux-loss-free router bias step per update (default 1.5e-2, chosen for the default 420-step run: BENCHMARKS.md; 0 disables)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step's forward and backward (inductor); the first step of "
+                   "each stage then includes compiling (minutes on a CPU with an empty cache); one process only "
+                   "(refused under torchrun); default eager")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK
-from glm5lab.infer.sampling import Sampling, distribution, draw
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK, compiled as compiled_steps
+from glm5lab.infer.sampling import BatchGenerator, Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
 from glm5lab.infer.steps import decode_step, draft, prefill, verify
 from glm5lab.model.cache import KVCache
@@ -50,15 +50,18 @@ class GenerateStats:
     acceptance_length: float | None = None
     acceptance_rate: list[float] | None = None
     verify_steps: int = 0
+    compile_seconds: float = 0.0
+    """Seconds of decode_seconds spent compiling graphs (compile=True, first calls only)."""
 
     rows: int = 1
 
     @property
     def decode_tokens_per_second(self) -> float:
         """Tokens from decode forwards per second: each row's first token comes from the prefill's
-        logits, so it is not counted (as benchmarks/decode.py times N-1 tokens after the first)."""
-        decoded = self.new_tokens - self.rows
-        return decoded / self.decode_seconds if self.decode_seconds > 0 and decoded > 0 else 0.0
+        logits, so it is not counted (as benchmarks/decode.py times N-1 tokens after the first).
+        Compilation time is not counted (`compile_seconds`)."""
+        decoded, seconds = self.new_tokens - self.rows, self.decode_seconds - self.compile_seconds
+        return decoded / seconds if seconds > 0 and decoded > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "decode_tokens_per_second": self.decode_tokens_per_second}
@@ -81,7 +84,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
              draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
              on_tokens: Callable[[list[list[int]]], None] | None = None, attn_impl: str = "auto",
-             stop_when: Callable[[int, list[int]], bool] | None = None) -> GenerateOutput:
+             stop_when: Callable[[int, list[int]], bool] | None = None, compile: bool = False) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
     input_ids: int64 tensor [T] or [B, T], a list of ints, or a list of lists of ints (prompts
@@ -96,10 +99,22 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     called after each step with the tokens each row just emitted (streaming). stop_when: called
     as stop_when(b, a copy of row b's tokens so far) after each new token; True ends row b there (stop
     strings: the lm-eval adapter ends a row once its text holds one).
+    compile: run the decode, verification and MTP draft steps as compiled graphs
+    (`glm5lab.infer.compiled`: static shapes, no host synchronisation; the prefill stays eager).
+    The first call per batch size, cache capacity (rounded up to a multiple of 256) and
+    draft_steps compiles them (seconds to a minute: `stats.compile_seconds`); later calls reuse
+    them. Finished rows then stay in the batch, frozen, until every row is done (the batch shape
+    is static). Same tokens as compile=False; attention models only (ValueError for Gated
+    DeltaNet layers).
     Returns GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for
     speculative runs. Raises ValueError (naming the argument) on bad input, and when a prompt
     plus max_new_tokens (+ draft_steps + 1) exceeds max_position_embeddings."""
     _check_model(model, on_tokens)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    if compile and any(spec.recurrent for spec in model.layer_specs):
+        raise ValueError("compile=True supports attention models only: this model has Gated DeltaNet / SimpleGDN "
+                         "layers (their state is replaced every step); use compile=False")
     if stop_when is not None and not callable(stop_when):
         raise TypeError(f"stop_when must be None or a callable (row index, tokens) -> bool, got {stop_when!r}")
     prompts, sampling, stops = check_request(model.config, input_ids, max_new_tokens, temperature=temperature,
@@ -112,11 +127,14 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
         generator.manual_seed(int(seed))
     else:
         generator.seed()
-    run = _Run(model, prompts, max_new_tokens, sampling, generator, stops, on_tokens, attn_impl, device, stop_when)
+    run = _Run(model, prompts, max_new_tokens, sampling, BatchGenerator(generator, len(prompts)), stops, on_tokens,
+               attn_impl, device, stop_when, compile)
+    compiling_before = compiled_steps.compile_seconds["total"]
     if speculative == "mtp":
         run.speculative(draft_steps, prefill_chunk)
     else:
         run.plain(prefill_chunk)
+    run.stats.compile_seconds = compiled_steps.compile_seconds["total"] - compiling_before
     return GenerateOutput(run.emitted, run.stats)
 
 
@@ -138,15 +156,19 @@ def check_request(config, input_ids, max_new_tokens: int, *, temperature: float 
 
 class _Run:
     """State of one generate call: rows still running (`alive`, global row ids), their emitted
-    tokens, statistics. Finished rows leave the batch (`keep`)."""
+    tokens, statistics. Finished rows leave the batch (`keep`); compiled, they stay in it, frozen
+    (`finished`: the batch shape of the compiled graphs is static)."""
 
-    def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device, stop_when):
-        self.model, self.prompts, self.max_new = model, prompts, max_new
+    def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device, stop_when,
+                 compiled):
+        self.model, self.prompts, self.max_new, self.compiled = model, prompts, max_new, compiled
+        self.finished: set[int] = set()
         self.sampling, self.generator, self.stops = sampling, generator, stops
         self.on_tokens, self.attn_impl, self.device, self.stop_when = on_tokens, attn_impl, device, stop_when
         self.stopped: set[int] = set()
         self.emitted: list[list[int]] = [[] for _ in prompts]
         self.alive = torch.arange(len(prompts), device=device)
+        self.alive_rows = list(range(len(prompts)))  # the same, on the host
         self.stats = GenerateStats(prompt_tokens=sum(map(len, prompts)), rows=len(prompts))
         self.lens = torch.tensor([len(p) for p in prompts], device=device)
 
@@ -165,14 +187,21 @@ class _Run:
         return out
 
     def choose(self, logits_NV):
+        """(tokens int64 [N], their distributions fp32 [N, V], or None when greedy: the argmax,
+        ties to the lowest id, is all plain decoding needs)."""
+        if self.sampling.greedy:
+            return logits_NV.argmax(-1), None
         probs = distribution(logits_NV, self.sampling)
         return draw(probs, self.sampling, self.generator), probs
 
-    def emit(self, new: list[list[int]]) -> torch.Tensor:
+    def emit(self, new: list[list[int]]) -> list[bool]:
         """Append each alive row's new tokens, cut at a stop token, `stop_when` or max_new_tokens;
-        stream them. Returns bool [N]: which alive rows are finished."""
+        stream them. Returns, per alive row, whether it is finished."""
         shown, done = [[] for _ in self.prompts], []
-        for b, toks in zip(self.alive.tolist(), new, strict=True):
+        for b, toks in zip(self.alive_rows, new, strict=True):
+            if b in self.finished:  # compiled: a finished row stays in the batch, frozen
+                done.append(True)
+                continue
             row = self.emitted[b]
             for t in toks:
                 if len(row) >= self.max_new:
@@ -183,40 +212,49 @@ class _Run:
                     self.stopped.add(b)
                     break
             done.append(len(row) >= self.max_new or b in self.stopped)
+            if done[-1]:
+                self.finished.add(b)
         self.stats.new_tokens += sum(map(len, shown))
         if self.on_tokens is not None:
             self.on_tokens(shown)
-        return torch.tensor(done, dtype=torch.bool, device=self.device)
+        return done
 
-    def keep(self, keep_N: torch.Tensor, caches, tensors):
+    def keep(self, done: list[bool], caches, tensors):
         """Drop finished rows from the caches and from each per-row tensor; returns the tensors."""
-        rows = keep_N.nonzero()[:, 0]
+        rows = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long, device=self.device)
         self.alive = self.alive[rows]
+        self.alive_rows = [b for b, d in zip(self.alive_rows, done, strict=True) if not d]
+        self.generator.rows = self.alive
         for cache in caches:
             cache.keep_rows(rows)
         return [t[rows] for t in tensors]
 
     # -- plain decoding ---------------------------------------------------------------------
+    def capacity(self, tokens: int) -> int:
+        """Slots per row: `tokens`, rounded up to the compiled steps' bucket when compiled."""
+        limit = self.model.config.max_position_embeddings
+        return compiled_steps.capacity_for(tokens, limit) if self.compiled else tokens
+
     def plain(self, chunk):
-        capacity = int(self.lens.max()) + self.max_new
+        capacity = self.capacity(int(self.lens.max()) + self.max_new)
         cache = KVCache.for_model(self.model, len(self.prompts), capacity)
         logits_BV = self.prefill(cache, chunk, keep_hidden=False).logits_BV
         t0 = time.perf_counter()
         while True:
             tok_N, _ = self.choose(logits_BV)
-            done_N = self.emit([[t] for t in tok_N.tolist()])
-            if bool(done_N.all()):
+            done = self.emit([[t] for t in tok_N.tolist()])
+            if all(done):
                 break
-            if bool(done_N.any()):
-                (tok_N,) = self.keep(~done_N, [cache], [tok_N])
-            logits_BV = decode_step(self.model, tok_N, cache, attn_impl=self.attn_impl)
+            if any(done) and not self.compiled:
+                (tok_N,) = self.keep(done, [cache], [tok_N])
+            logits_BV = decode_step(self.model, tok_N, cache, attn_impl=self.attn_impl, compiled=self.compiled)
         self.stats.decode_seconds = time.perf_counter() - t0
 
     # -- speculative decoding ---------------------------------------------------------------
     def speculative(self, k: int, chunk):
         self.chunk = chunk
         B, P = len(self.prompts), int(self.lens.max())
-        capacity = P + self.max_new + k + 1
+        capacity = self.capacity(P + self.max_new + k + 1)
         cache = KVCache.for_model(self.model, B, capacity)
         mtp_cache = KVCache.for_mtp(self.model, B, capacity)
         pre = self.prefill(cache, chunk, keep_hidden=True)
@@ -228,25 +266,32 @@ class _Run:
         pend_ids = torch.cat([self.ids_BP[:, 1:], torch.zeros_like(self.ids_BP[:, :1])], dim=1)
         pend_ids[torch.arange(B, device=self.device), self.lens - 1] = last_N
         pend_h, pend_n = h_BPD, self.lens.clone()
-        done_N = self.emit([[t] for t in last_N.tolist()])
-        while not bool(done_N.all()):
-            if bool(done_N.any()):
-                last_N, pend_h, pend_ids, pend_n = self.keep(~done_N, [cache, mtp_cache],
+        done = self.emit([[t] for t in last_N.tolist()])
+        while not all(done):
+            if any(done) and not self.compiled:
+                last_N, pend_h, pend_ids, pend_n = self.keep(done, [cache, mtp_cache],
                                                              [last_N, pend_h, pend_ids, pend_n])
+            # compiled: rows finished earlier are frozen in the batch, not counted
+            running_N = torch.tensor([not d for d in done], device=self.device) if self.compiled else None
+            mtp_base_N = mtp_cache.lengths
             drafts_Nk, q_NkV = draft(self.model, pend_h, pend_ids, mtp_cache, k, lengths=pend_n,
                                      sampling=self.sampling, generator=self.generator, chunk=self.chunk,
-                                     attn_impl=self.attn_impl)
+                                     attn_impl=self.attn_impl, compiled=self.compiled and acceptance.steps > 0)
             base_N = cache.lengths.clone()
             logits_NkV, hidden_NkD = verify(self.model, torch.cat([last_N[:, None], drafts_Nk], dim=1), cache,
-                                            attn_impl=self.attn_impl)
+                                            attn_impl=self.attn_impl, compiled=self.compiled)
             p_NkV = distribution(logits_NkV, self.sampling)
             n_acc_N, next_N = accept_drafts(p_NkV, q_NkV, drafts_Nk, self.sampling, self.generator)
-            acceptance.add(n_acc_N)
+            acceptance.add(n_acc_N if running_N is None else n_acc_N[running_N])
             cache.truncate(base_N + n_acc_N + 1)
             new_Nk1 = torch.cat([drafts_Nk, torch.zeros_like(next_N[:, None])], dim=1)
             new_Nk1[torch.arange(len(next_N), device=self.device), n_acc_N] = next_N
             pend_h, pend_ids, pend_n, last_N = hidden_NkD, new_Nk1, n_acc_N + 1, next_N
-            done_N = self.emit([row[:n + 1] for row, n in zip(new_Nk1.tolist(), n_acc_N.tolist())])
+            done = self.emit([row[:n + 1] for row, n in zip(new_Nk1.tolist(), n_acc_N.tolist())])
+            if self.compiled and any(done):  # frozen rows: their caches stop growing
+                done_N = torch.tensor(done, device=self.device)
+                cache.rewind(torch.where(done_N, base_N, cache.lengths))
+                mtp_cache.rewind(torch.where(done_N, mtp_base_N, mtp_cache.lengths))
         self.stats.decode_seconds = time.perf_counter() - t0
         if acceptance.steps:
             self.stats.acceptance_length = acceptance.acceptance_length

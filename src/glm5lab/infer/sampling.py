@@ -63,9 +63,38 @@ def distribution(logits_NV: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
-def draw(probs_NV: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """int64 [...]: one token per row of `probs_NV` (argmax when greedy, else a seeded draw)."""
+def draw(probs_NV: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
+    """int64 [...]: one token per row of `probs_NV` (argmax when greedy, else a seeded draw).
+
+    The draw is the exponential race: argmax_v p_v / E_v with E_v = -log(U_v), U uniform in
+    [0, 1) from `generator` (a torch.Generator, a `BatchGenerator`, or None), which picks v with
+    probability exactly p_v (the Gumbel-max trick in ratio form) and uses one uniform per (row,
+    token): a row's draw depends only on its own numbers."""
     if sampling.greedy:
         return probs_NV.argmax(-1)
-    flat = probs_NV.reshape(-1, probs_NV.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs_NV.shape[:-1])
+    u = uniform(tuple(probs_NV.shape), generator, probs_NV.device)
+    return (probs_NV.float() / -torch.log(u)).argmax(-1)
+
+
+class BatchGenerator:
+    """A torch.Generator for a batch whose rows may leave it (`generate`'s finished rows). Every
+    draw is made for all `batch` rows of the starting batch, then restricted to the rows still
+    present (`rows`, int64 [N] indices into the starting batch; None = all), so a row receives
+    the same random numbers whether finished rows are dropped (eager generate) or kept, frozen
+    (compiled generate): the same seed gives the same tokens on both paths."""
+
+    def __init__(self, generator: torch.Generator, batch: int):
+        self.generator, self.batch = generator, batch
+        self.rows: torch.Tensor | None = None
+
+    def rand(self, shape: tuple[int, ...], device) -> torch.Tensor:
+        """Uniform [0, 1) fp32 of `shape` = (N present rows, ...)."""
+        u = torch.rand((self.batch, *shape[1:]), generator=self.generator, device=device)
+        return u if self.rows is None else u[self.rows]
+
+
+def uniform(shape: tuple[int, ...], generator, device) -> torch.Tensor:
+    """Uniform [0, 1) fp32 of `shape` from a torch.Generator, a `BatchGenerator` or None."""
+    if isinstance(generator, BatchGenerator):
+        return generator.rand(shape, device)
+    return torch.rand(shape, generator=generator, device=device)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5lab.infer.sampling import Sampling, draw
+from glm5lab.infer.sampling import Sampling, draw, uniform
 
 
 def accept_drafts(p_BkV: torch.Tensor, q_BkV: torch.Tensor, drafts_Bk: torch.Tensor, sampling: Sampling,
@@ -26,14 +26,15 @@ def accept_drafts(p_BkV: torch.Tensor, q_BkV: torch.Tensor, drafts_Bk: torch.Ten
 
     p_BkV: target distributions [B, k+1, V] (position i scores draft i+1; the last is the bonus
     position); q_BkV: draft distributions [B, k, V]; drafts_Bk: int64 [B, k], drawn from q.
-    All distributions come from `sampling.distribution` with the same `sampling`."""
+    All distributions come from `sampling.distribution` with the same `sampling`; generator: a
+    torch.Generator, a `glm5lab.infer.sampling.BatchGenerator` or None."""
     B, k = drafts_Bk.shape
     p_d = p_BkV[:, :k].gather(-1, drafts_Bk[..., None])[..., 0]
     q_d = q_BkV.gather(-1, drafts_Bk[..., None])[..., 0]
     if sampling.greedy:
         passed_Bk = p_d > 0
     else:
-        u_Bk = torch.rand(B, k, generator=generator, device=p_BkV.device)
+        u_Bk = uniform((B, k), generator, p_BkV.device)
         passed_Bk = u_Bk * q_d < p_d
     n_acc_B = passed_Bk.long().cumprod(-1).sum(-1)
     rows = torch.arange(B, device=p_BkV.device)

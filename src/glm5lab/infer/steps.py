@@ -19,11 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK, compiled as compiled_steps
 from glm5lab.infer.sampling import Sampling, distribution, draw
 from glm5lab.model.cache import KVCache
 
 GREEDY = Sampling(0.0, None, None)
+COMPILED_MAX_TOKENS = 16
+"""`draft(compiled=True)` compiles the MTP layer's forwards of at most this many pairs (the
+steady state: k+1 pending pairs, then single chained drafts); a longer one (the prompt's pairs
+in the first round) runs eager, as a prefill does."""
 
 
 @dataclass
@@ -66,27 +70,37 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
     return Prefill(model.lm_head(last_h_BD), last_h_BD, torch.cat(hidden, dim=1) if keep_hidden else None)
 
 
-def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto") -> torch.Tensor:
+def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
+                compiled: bool = False) -> torch.Tensor:
     """One new token per row: token_ids int64 [B] (or [B, 1]) at each row's next position.
-    Returns the logits after it, [B, V]. No host synchronisation (attention models)."""
+    Returns the logits after it, [B, V]. No host synchronisation (attention models).
+    compiled: run the `torch.compile` graph of this step (`glm5lab.infer.compiled`: static
+    shapes over the cache's whole capacity; compiled on the first call per batch size and
+    capacity, attention models only); the eager step is its reference twin."""
     ids_B1 = token_ids[:, None] if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 else token_ids
     _check_ids(model, ids_B1, cache, "token_ids", T=1)
+    if compiled:
+        return compiled_steps.run("decode", model, cache, ids_B1, attn_impl)
     return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl).logits[:, -1]
 
 
-def verify(model, token_ids: torch.Tensor, cache: KVCache, *,
-           attn_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
+           compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A speculative verification: each row's T = k+1 tokens [last accepted, d_1..d_k] in one
     cached forward. Returns (logits [B, T, V], final hidden states [B, T, D]). Roll the cache
-    back to the accepted tokens with `cache.truncate`. No host synchronisation."""
+    back to the accepted tokens with `cache.truncate`. No host synchronisation. compiled: as
+    `decode_step` (one graph per T)."""
     _check_ids(model, token_ids, cache, "token_ids")
+    if compiled:
+        return compiled_steps.run("verify", model, cache, token_ids, attn_impl)
     out = model.step(token_ids, cache, attn_impl=attn_impl)
     return out.logits, out.hidden_states
 
 
 def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCache, steps: int, *,
           lengths: torch.Tensor | None = None, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
-          chunk: int | None = None, attn_impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+          chunk: int | None = None, attn_impl: str = "auto",
+          compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`steps` draft tokens per row from the shared MTP layer, and their distributions.
 
     hidden [B, L, D] and token_ids [B, L]: each row's pending pairs (h_t, x_{t+1}) (the main
@@ -95,7 +109,10 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     state gives d_1, then each draft feeds (its post-norm state, d_j) back for d_{j+1}, and those
     chained entries are rolled back at the end (vLLM/SGLang's chaining). chunk: pairs per
     forward (None: all L). Returns (drafts int64 [B, steps], q fp32 [B, steps, V]) drawn with
-    `sampling` / `generator`. No host synchronisation. Raises ValueError for bad shapes/steps."""
+    `sampling` / `generator`. No host synchronisation. compiled: the MTP layer's forwards of at
+    most `COMPILED_MAX_TOKENS` pairs run as `torch.compile` graphs (as `decode_step`; a longer
+    pending run, the first round's whole prompt, stays eager). Raises ValueError for bad
+    shapes/steps."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if not model.config.num_nextn_predict_layers:
@@ -113,8 +130,8 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     true_B = mtp_cache.lengths + pend_B
     chunk, h_BD = chunk or L, None
     for c0 in range(0, L, chunk):
-        h_BCD, _ = model.mtp_step(hidden[:, c0:c0 + chunk], token_ids[:, c0:c0 + chunk], cache=mtp_cache,
-                                  attn_impl=attn_impl, with_logits=False)
+        h_BCD, _ = _mtp(model, hidden[:, c0:c0 + chunk], token_ids[:, c0:c0 + chunk], mtp_cache, attn_impl,
+                        with_logits=False, compiled=compiled)
         h_BD = _keep_last(h_BCD, pend_B - 1 - c0, h_BD)
     mtp_cache.rewind(true_B)
     logits_BV, drafts, qs = model.lm_head(h_BD), [], []
@@ -124,10 +141,18 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
         drafts.append(d_B)
         qs.append(q_BV)
         if j + 1 < steps:  # the next draft reads this one's post-norm state, as training's depth j+1 does
-            h_B1D, logits_B1V = model.mtp_step(h_BD[:, None], d_B[:, None], cache=mtp_cache, attn_impl=attn_impl)
+            h_B1D, logits_B1V = _mtp(model, h_BD[:, None], d_B[:, None], mtp_cache, attn_impl, with_logits=True,
+                                     compiled=compiled)
             h_BD, logits_BV = h_B1D[:, 0], logits_B1V[:, 0]
     mtp_cache.rewind(true_B)
     return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
+
+
+def _mtp(model, hidden_BTD, ids_BT, cache, attn_impl, *, with_logits: bool, compiled: bool):
+    """One MTP-layer forward of `draft`: the compiled graph for a few pairs, else eager."""
+    if compiled and ids_BT.shape[1] <= COMPILED_MAX_TOKENS:
+        return compiled_steps.run("mtp", model, cache, hidden_BTD, ids_BT, attn_impl, with_logits)
+    return model.mtp_step(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits)
 
 
 def _keep_last(h_BCD: torch.Tensor, at_B: torch.Tensor, kept_BD: torch.Tensor | None) -> torch.Tensor:

@@ -106,11 +106,18 @@ class KVCache:
         """int64 [B, T]: the absolute positions of each row's next T tokens."""
         return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
 
-    def begin(self, T: int, cos: torch.Tensor, sin: torch.Tensor, **options) -> Step:
+    def begin(self, T: int, cos: torch.Tensor, sin: torch.Tensor, *, static: bool = False, **options) -> Step:
         """The `Step` of one forward writing T new tokens per row (cos/sin: RoPE angles of
         `positions(T)`; options: see `Step`). Keys are read from slots 0..extent_bound+T-1. Raises
         CacheOverflowError when a row would pass `capacity` (the only case that asks the device
-        for the exact lengths)."""
+        for the exact lengths).
+
+        static: the compiled steps' form (`glm5lab.infer.compiled`): keys are read from all
+        `capacity` slots (static shapes: the slots past each row's length are masked, so the
+        result is the same function) and nothing is checked or counted on the host; the caller
+        calls `reserve(T)` before and `commit(T)` after the forward."""
+        if static:
+            return Step(T=T, extent=self.capacity, cos=cos, sin=sin, offsets=self.lengths, cache=self, **options)
         self.reserve(T)
         return Step(T=T, extent=self.extent_bound + T, cos=cos, sin=sin, offsets=self.lengths, cache=self, **options)
 
@@ -132,11 +139,11 @@ class KVCache:
                              f"{[s.mixer + '/' + s.attention for s in self.specs]}) than this call runs "
                              f"({len(specs)}): build it with {what}")
 
-    def commit(self, step: Step) -> None:
-        """Count the step's T tokens as cached in every row."""
-        self.forward_start = step.offsets
-        self.lengths = step.offsets + step.T
-        self.extent_bound = step.extent
+    def commit(self, T: int) -> None:
+        """Count the last forward's T tokens as cached in every row (after `begin`'s forward)."""
+        self.forward_start = self.lengths
+        self.lengths = self.lengths + T
+        self.extent_bound = min(self.capacity, self.extent_bound + T)
 
     def truncate(self, lengths) -> None:
         """Roll rows back to `lengths` (int, or int64 [B]) tokens: later slots are dropped.

@@ -156,13 +156,17 @@ def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI, *, tile: int
     MegaBlocks): the N*K assignments are sorted by expert and laid into tiles of `tile` rows, each
     tile holding one expert's tokens (an expert's last tile is zero-padded, so at most E*(tile-1)
     rows are wasted, whatever the routing skew); every tile multiplies by its expert's weights
-    in three `bmm`, then rows are weighted and scatter-added back to their tokens."""
+    in three `bmm`, then rows are weighted and scatter-added back to their tokens. Under
+    torch.compile the tile count (`n_tiles`, a host read) is the one data-dependent size; it traces
+    without a graph break as an unbacked SymInt where dynamo's `capture_scalar_outputs` is on
+    (`glm5lab.train.compile`)."""
     N, K = idx_NK.shape
     E, D = gate_EID.shape[0], x_ND.shape[1]
     e_A = idx_NK.reshape(-1)
     order_A = torch.argsort(e_A, stable=True)
     e_sorted_A, tok_A = e_A[order_A], order_A // K
-    counts_E = torch.bincount(e_A, minlength=E)
+    # a scatter-add, not bincount: its [E] output has a static shape, so torch.compile keeps one graph
+    counts_E = torch.zeros(E, dtype=torch.long, device=x_ND.device).scatter_add_(0, e_A, torch.ones_like(e_A))
     tiles_E = (counts_E + tile - 1) // tile
     first_row_E = (tiles_E.cumsum(0) - tiles_E) * tile
     rank_A = torch.arange(N * K, device=x_ND.device) - (counts_E.cumsum(0) - counts_E)[e_sorted_A]

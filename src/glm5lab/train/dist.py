@@ -34,10 +34,14 @@ class DistContext:
         return contextlib.nullcontext()
 
 
+def world_size() -> int:
+    """The number of processes torchrun started (WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup() -> DistContext:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
-    if world_size == 1:
+    if world_size() == 1:
         return DistContext(0, 1, torch.device("cuda" if cuda else "cpu"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():

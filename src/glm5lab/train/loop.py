@@ -5,11 +5,14 @@ function of the stage and step, so resume is exact), losses (CE, MTP depths, ind
 a non-finite check that names the offending tensor, gradient clipping, the optimizer step, then
 the aux-loss-free router bias update. Each step appends one JSON object to `metrics.jsonl`.
 Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2
-(`glm5lab.train.dist`) and each rank reads its slice of every global batch.
+(`glm5lab.train.dist`) and each rank reads its slice of every global batch. `compile=True`
+(`--compile`, one process only) runs the losses' forward and backward through torch.compile
+(`glm5lab.train.compile`); the rest of the step stays eager.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -62,6 +65,8 @@ class TrainArgs:
     eval_batches: int = 8
     checkpoint_every: int = 100
     progress: bool = True
+    compile: bool = False
+    """torch.compile the training step's forward and backward (`glm5lab.train.compile`); one process only."""
     stage_plan: list[dict] = field(default_factory=list)
 
 
@@ -224,6 +229,9 @@ def _check_args(args: TrainArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value} is not allowed: it must be a finite number >= 0")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
+    if args.compile and dist.world_size() > 1:
+        raise ValueError(f"--compile is not supported with {dist.world_size()} processes (torchrun, FSDP2): "
+                         "run without --compile, or in one process")
 
 
 def _init_folder(path: Path) -> str:
@@ -292,6 +300,12 @@ class _Loop:
         self.stages, self.ctx, self.run_dir, self.metrics = stages, ctx, run_dir, metrics
         self.total_steps = sum(s.steps for s in stages)
         self.step = 0
+        if args.compile:
+            from glm5lab.train.compile import CompiledLosses
+
+            self.losses = CompiledLosses(shard)
+        else:
+            self.losses = functools.partial(stage_losses, shard)
 
     def run(self, start: dict) -> None:
         from tqdm import tqdm
@@ -326,7 +340,7 @@ class _Loop:
             group["lr"] = lr
         window = stream.batch(i).to(self.ctx.device)
         with self.ctx.autocast():
-            losses = stage_losses(self.shard, window, stage)
+            losses = self.losses(window, stage)
         grad_norm, loads = optimizer_step(self.model, self.opt, losses, stage, self.step + 1, self.args.grad_clip,
                                           self.args.bias_update_rate)
         dt = time.perf_counter() - t0

@@ -1,0 +1,131 @@
+"""Compiled inference steps: the decode step, the verification step and the MTP draft step as
+`torch.compile` graphs with static shapes and no host synchronisation.
+
+Legend: B rows, T new tokens per row, S_max the cache capacity, D hidden, V vocab.
+
+gpt-fast's recipe: a preallocated cache (`KVCache`), a step whose shapes depend only on (B, T,
+S_max) and never on how full the cache is (`GLM5ForCausalLM.step(static=True)`: keys are read
+over all S_max slots, the ones past each row's length masked, so it is the same function as the
+eager step), positions and lengths as tensors, and every check and host-side count made outside
+the graph (`reserve` before, `commit` after, both host-only). The graph is compiled once per
+(function, B, T, S_max, dtype, device) and reused across calls and `generate` calls;
+`glm5lab.generate(compile=True)` rounds S_max up to `CAPACITY_BUCKET` so that prompts of
+similar lengths share graphs. One generation compiles at most 3 graphs whatever its length
+(plain: the decode step; speculative: the verification of k+1 tokens, the MTP layer over k+1
+pending pairs and over 1 chained draft); `tests/infer/test_compiled.py` counts them.
+
+On CPU the graphs are inductor's C++; on CUDA, `mode="reduce-overhead"` adds CUDA graphs (the
+cache buffers are marked static inputs, without an identity guard, so that their in-place writes
+stay inside the graph and a new cache re-records the CUDA graph instead of recompiling; not yet
+run on a GPU here: `scripts/gpu_check.sh` is the prepared check).
+The eager steps (`glm5lab.infer.steps`) are the reference twin: same tokens, logits within
+fp32 tolerance (`tests/infer/test_compiled.py`).
+
+What is not compiled: the prefill (large matmuls, already efficient eager, and a new shape per
+prompt length) and the MTP layer's first pass over a whole prompt; sampling and the accept rule
+(a few element-wise ops on [B, V], eager, so seeded sampling draws from the same generator as
+the eager path). Models with Gated DeltaNet / SimpleGDN layers are refused (their recurrent
+state is replaced, not written in place, every step).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+CAPACITY_BUCKET = 256
+"""`generate(compile=True)` allocates caches of a multiple of this many slots, so that calls with
+similar prompt lengths reuse one graph (a step then reads up to 255 masked slots more)."""
+RECOMPILE_LIMIT = 64
+"""Graphs per compiled function (one per B, T, S_max, ...): above dynamo's default of 8, which a
+benchmark over batch sizes and contexts passes; a guard failure past it is an error (fullgraph).
+Set process-wide (`torch._dynamo.config.recompile_limit`, raised, never lowered) when the first
+compiled step is made: a `config.patch` around every call would cost about 80 us a token."""
+
+
+CPU_OPTIONS = {"cpp_wrapper": True}
+"""Inductor options on CPU: the graph's wrapper in C++ rather than Python (measured on the
+`small` model's decode step, 1 thread: 1.55 ms against 1.87 ms with the Python wrapper; its
+first compilation takes about 30 s instead of about 7 s; later processes hit inductor's cache)."""
+
+
+def compile_mode(device: torch.device) -> str | None:
+    """The `torch.compile` mode of the compiled steps: "reduce-overhead" (CUDA graphs) on CUDA,
+    inductor's default elsewhere (None)."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else None
+
+
+def capacity_for(tokens: int, limit: int) -> int:
+    """Cache capacity for `tokens` slots per row: rounded up to a multiple of `CAPACITY_BUCKET`,
+    at most `limit` (max_position_embeddings)."""
+    return min(limit, -(-tokens // CAPACITY_BUCKET) * CAPACITY_BUCKET)
+
+
+def _decode_graph(model, cache, ids_B1, attn_impl):
+    return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl, static=True).logits[:, -1]
+
+
+def _verify_graph(model, cache, ids_BT, attn_impl):
+    out = model.step(ids_BT, cache, attn_impl=attn_impl, static=True)
+    return out.logits, out.hidden_states
+
+
+def _mtp_graph(model, cache, hidden_BTD, ids_BT, attn_impl, with_logits):
+    return model.mtp_step(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits, static=True)
+
+
+GRAPHS = {"decode": _decode_graph, "verify": _verify_graph, "mtp": _mtp_graph}
+_compiled: dict[tuple[str, str | None], object] = {}
+"""The `torch.compile` wrappers, made on first use (dynamo keeps their graphs per code object:
+a process-wide cache, as torch.compile's own)."""
+compile_seconds = {"total": 0.0, "calls": 0}
+"""Wall seconds spent in calls that compiled a graph (`run` measures it: a call that compiles is
+one whose dynamo frame count grew), for reporting compile time apart from steady-state speed."""
+
+
+def run(name: str, model, cache, *args):
+    """Call compiled graph `name` ("decode" | "verify" | "mtp") with (model, *args) over `cache`:
+    reserve the new tokens first, commit them after (host side, no synchronisation unless the
+    host bound reaches the capacity). args: decode (ids_B1, attn_impl) -> logits [B, V];
+    verify (ids_BT, attn_impl) -> (logits [B, T, V], hidden [B, T, D]); mtp (hidden_BTD,
+    ids_BT, attn_impl, with_logits) -> (h' [B, T, D], logits [B, T, V] | None). Raises
+    CacheOverflowError past the capacity, ValueError for a recurrent (GDN) model."""
+    if any(r is not None for r in cache.recurrent):
+        raise ValueError("compiled steps support attention models only: this model has Gated DeltaNet / SimpleGDN "
+                         "layers (use compile=False)")
+    ids = args[0] if name != "mtp" else args[1]
+    T = ids.shape[1]
+    cache.reserve(T)
+    mode = compile_mode(ids.device)
+    fn = _compiled.get((name, mode))
+    if fn is None:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        options = CPU_OPTIONS if ids.device.type == "cpu" else None
+        fn = _compiled[(name, mode)] = torch.compile(GRAPHS[name], fullgraph=True, dynamic=False, mode=mode,
+                                                     options=options)
+    if mode == "reduce-overhead":
+        _mark_static(cache)
+    frames = graphs_compiled()
+    t0 = time.perf_counter()
+    out = fn(model, cache, *args)
+    if graphs_compiled() != frames:
+        compile_seconds["total"] += time.perf_counter() - t0
+        compile_seconds["calls"] += 1
+    cache.commit(T)
+    if mode == "reduce-overhead":  # CUDA-graph outputs are overwritten by the next replay: keep copies
+        out = tuple(o.clone() if o is not None else None for o in out) if isinstance(out, tuple) else out.clone()
+    return out
+
+
+def _mark_static(cache) -> None:
+    """CUDA graphs: the cache buffers, written in place every step, become static inputs."""
+    for layer in cache.layers:
+        for buf in layer.values():
+            torch._dynamo.mark_static_address(buf, guard=False)
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled so far in this process (`torch._dynamo.utils.counters`): the
+    difference over a call is the number of compilations it triggered."""
+    return int(sum(torch._dynamo.utils.counters["stats"].get(k, 0) for k in ("unique_graphs",)))
