@@ -88,9 +88,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device, dtype = choose_device(args.device, args.dtype)
     folder, from_run = resolve_model_dir(args.model)
     config = ModelConfig.from_hf(folder)  # a foreign or malformed config.json is refused before loading weights
-    if args.compile and any(spec.recurrent for spec in config.layers):
-        raise ValueError("--compile supports attention models only: this model has Gated DeltaNet / SimpleGDN layers; "
-                         "drop --compile")
+    if args.compile:
+        from glm5lab.infer.compiled import check_attention_only
+
+        check_attention_only(config.layers, "--compile")
     tokenizer = find_tokenizer(args.tokenizer, folder, Path(args.model))
     prompt_ids = encode_prompt(args, tokenizer)
     stops = parse_stops(args.stop or [], tokenizer)

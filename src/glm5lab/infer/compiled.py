@@ -56,6 +56,16 @@ def compile_mode(device: torch.device) -> str | None:
     return "reduce-overhead" if torch.device(device).type == "cuda" else None
 
 
+def check_attention_only(specs, what: str = "compile=True") -> None:
+    """Raise ValueError when any of the `LayerSpec`s is a recurrent mixer ("gdn" / "simple_gdn"):
+    their state is replaced, not written in place, every step, so the compiled steps refuse them.
+    `what` names the option in the message ("compile=True", "--compile")."""
+    recurrent = [f"layer {s.index}: {s.mixer}" for s in specs if s.recurrent]
+    if recurrent:
+        raise ValueError(f"{what} supports attention models only: this model has Gated DeltaNet / SimpleGDN "
+                         f"layers ({', '.join(recurrent)}); drop {what}")
+
+
 def capacity_for(tokens: int, limit: int) -> int:
     """Cache capacity for `tokens` slots per row: rounded up to a multiple of `CAPACITY_BUCKET`,
     at most `limit` (max_position_embeddings)."""
@@ -91,9 +101,7 @@ def run(name: str, model, cache, *args):
     verify (ids_BT, attn_impl) -> (logits [B, T, V], hidden [B, T, D]); mtp (hidden_BTD,
     ids_BT, attn_impl, with_logits) -> (h' [B, T, D], logits [B, T, V] | None). Raises
     CacheOverflowError past the capacity, ValueError for a recurrent (GDN) model."""
-    if any(r is not None for r in cache.recurrent):
-        raise ValueError("compiled steps support attention models only: this model has Gated DeltaNet / SimpleGDN "
-                         "layers (use compile=False)")
+    check_attention_only(cache.specs, "compiled=True")
     ids = args[0] if name != "mtp" else args[1]
     T = ids.shape[1]
     cache.reserve(T)

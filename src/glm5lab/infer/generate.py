@@ -112,9 +112,8 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     _check_model(model, on_tokens)
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
-    if compile and any(spec.recurrent for spec in model.layer_specs):
-        raise ValueError("compile=True supports attention models only: this model has Gated DeltaNet / SimpleGDN "
-                         "layers (their state is replaced every step); use compile=False")
+    if compile:
+        compiled_steps.check_attention_only(model.layer_specs)
     if stop_when is not None and not callable(stop_when):
         raise TypeError(f"stop_when must be None or a callable (row index, tokens) -> bool, got {stop_when!r}")
     prompts, sampling, stops = check_request(model.config, input_ids, max_new_tokens, temperature=temperature,
