@@ -91,19 +91,32 @@ def test_rows_that_stop_early_are_frozen_not_dropped():
 
 def test_compilations_per_generation_are_bounded_and_reused():
     """One generation compiles at most 1 graph (plain: the decode step) or 3 (speculative: the
-    verification, the MTP layer over k+1 pending pairs and over 1 draft), whatever its length;
-    a second call with other lengths in the same capacity bucket compiles nothing. (After a
+    verification, the MTP layer over k+1 pending pairs and over 1 draft), whatever its length
+    and prefill chunk; a second call with other lengths in the same capacity bucket compiles
+    nothing. (After a
     reset of dynamo's in-process caches, so earlier tests' graphs do not count.)"""
     model = _small_model()
     torch._dynamo.reset()
     counts = []
     for speculative, limit in ((None, 1), ("mtp", 3)):
-        for prompts, n in ((PROMPTS, 6), (PROMPTS, 40), ([p[:9] for p in PROMPTS], 25)):
+        for prompts, n, chunk in ((PROMPTS, 6, 256), (PROMPTS, 40, 3), ([p[:9] for p in PROMPTS], 25, None)):
             before = compiled.graphs_compiled()
-            out = glm5lab.generate(model, prompts, n, speculative=speculative, compile=True)
+            out = glm5lab.generate(model, prompts, n, speculative=speculative, compile=True, prefill_chunk=chunk)
             counts.append(compiled.graphs_compiled() - before)
             assert (out.stats.compile_seconds > 0) == (counts[-1] > 0)
         assert counts[-3] == limit and counts[-2:] == [0, 0], (speculative, counts)
+
+
+def test_speculative_fits_at_the_longest_allowed_request():
+    """prompt + max_new_tokens + draft_steps + 1 = max_position_embeddings is allowed, and fits:
+    with low acceptance the pending pairs are padded to k+1 but only the valid ones are followed
+    by chained drafts (the draft head's cache was once refused there, eager and compiled, by a
+    reservation of 2k slots per round)."""
+    model = _model(num_hidden_layers=2, max_position_embeddings=32)
+    prompt = PROMPTS[0][:12]
+    eager = glm5lab.generate(model, [prompt], 14, speculative="mtp", draft_steps=5)
+    comp = glm5lab.generate(model, [prompt], 14, speculative="mtp", draft_steps=5, compile=True)
+    assert comp.tokens == eager.tokens and len(eager.tokens[0]) == 14
 
 
 def test_capacity_is_rounded_up_to_the_bucket():
@@ -119,6 +132,11 @@ def test_compile_refuses_recurrent_models_and_bad_values():
         glm5lab.generate(gdn, [1, 2, 3], 2, compile=True)
     with pytest.raises(TypeError, match="compile must be True or False"):
         glm5lab.generate(_model(), [1, 2, 3], 2, compile="yes")
+    model = _small_model()
+    cache = KVCache.for_model(model, 1, 8)
+    with pytest.raises(TypeError, match="compiled must be True or False"):
+        decode_step(model, torch.tensor([1]), cache, compiled="yes")
+    assert cache.lengths.tolist() == [0]
 
 
 @pytest.mark.slow

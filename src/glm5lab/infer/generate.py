@@ -273,9 +273,11 @@ class _Run:
             # compiled: rows finished earlier are frozen in the batch, not counted
             running_N = torch.tensor([not d for d in done], device=self.device) if self.compiled else None
             mtp_base_N = mtp_cache.lengths
+            first = acceptance.steps == 0  # the prompt's pairs: chunked like the prefill, eager
             drafts_Nk, q_NkV = draft(self.model, pend_h, pend_ids, mtp_cache, k, lengths=pend_n,
-                                     sampling=self.sampling, generator=self.generator, chunk=self.chunk,
-                                     attn_impl=self.attn_impl, compiled=self.compiled and acceptance.steps > 0)
+                                     sampling=self.sampling, generator=self.generator,
+                                     chunk=self.chunk if first else None, attn_impl=self.attn_impl,
+                                     compiled=self.compiled and not first)
             base_N = cache.lengths.clone()
             logits_NkV, hidden_NkD = verify(self.model, torch.cat([last_N[:, None], drafts_Nk], dim=1), cache,
                                             attn_impl=self.attn_impl, compiled=self.compiled)

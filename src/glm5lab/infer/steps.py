@@ -79,6 +79,7 @@ def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: st
     capacity, attention models only); the eager step is its reference twin."""
     ids_B1 = token_ids[:, None] if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 else token_ids
     _check_ids(model, ids_B1, cache, "token_ids", T=1)
+    _check_compiled(compiled)
     if compiled:
         return compiled_steps.run("decode", model, cache, ids_B1, attn_impl)
     return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl).logits[:, -1]
@@ -91,6 +92,7 @@ def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "
     back to the accepted tokens with `cache.truncate`. No host synchronisation. compiled: as
     `decode_step` (one graph per T)."""
     _check_ids(model, token_ids, cache, "token_ids")
+    _check_compiled(compiled)
     if compiled:
         return compiled_steps.run("verify", model, cache, token_ids, attn_impl)
     out = model.step(token_ids, cache, attn_impl=attn_impl)
@@ -125,8 +127,10 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a glm5lab.infer.sampling.Sampling, got {sampling!r}")
     _check_chunk(chunk)
-    mtp_cache.reserve(L + steps - 1)  # the pending pairs and the chained drafts fit, or nothing is written
+    _check_compiled(compiled)
     pend_B = torch.full((B,), L, dtype=torch.long, device=token_ids.device) if lengths is None else lengths
+    # the L pending slots (padding included) and the chained drafts after the valid ones fit, or nothing is written
+    mtp_cache.reserve_rows(torch.clamp(pend_B + steps - 1, min=L), L + steps - 1)
     true_B = mtp_cache.lengths + pend_B
     chunk, h_BD = chunk or L, None
     for c0 in range(0, L, chunk):
@@ -162,6 +166,11 @@ def _keep_last(h_BCD: torch.Tensor, at_B: torch.Tensor, kept_BD: torch.Tensor | 
     C = h_BCD.shape[1]
     pick_BD = h_BCD[torch.arange(h_BCD.shape[0], device=h_BCD.device), at_B.clamp(0, C - 1)]
     return pick_BD if kept_BD is None else torch.where(((at_B >= 0) & (at_B < C))[:, None], pick_BD, kept_BD)
+
+
+def _check_compiled(compiled) -> None:
+    if not isinstance(compiled, bool):
+        raise TypeError(f"compiled must be True or False, got {compiled!r}")
 
 
 def _check_chunk(chunk) -> None:

@@ -131,6 +131,19 @@ class KVCache:
                 raise CacheOverflowError(f"the cache holds {self.capacity} tokens per row: a row at "
                                          f"{self.extent_bound} tokens cannot take {T} more; allocate a larger capacity")
 
+    def reserve_rows(self, need_B: torch.Tensor, bound: int) -> None:
+        """`reserve` with a per-row need: raise CacheOverflowError unless every row b can take
+        need_B[b] (int64 [B]) more tokens. `bound`, a host-side upper bound of need_B.max(), is
+        checked first; the device values are read (one host synchronisation) only when the
+        bound does not fit. For a call whose rows write different numbers of slots (`draft`'s
+        pending pairs, padded to a common width, then its chained drafts)."""
+        if self.extent_bound + bound <= self.capacity:
+            return
+        top = int((self.lengths + need_B).max())
+        if top > self.capacity:
+            raise CacheOverflowError(f"the cache holds {self.capacity} tokens per row: a row would reach {top} "
+                                     "tokens; allocate a larger capacity")
+
     def check_layers(self, specs: tuple, what: str) -> None:
         """Raise ValueError unless this cache was built for layers `specs` (host-side: the
         `LayerSpec`s it was allocated from). `what` names the expected builder."""
