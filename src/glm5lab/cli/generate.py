@@ -69,9 +69,9 @@ def add_generate_parser(sub) -> None:
                    "does not depend on it)")
     p.add_argument("--compile", action="store_true",
                    help="run the decode, verification and draft steps as torch.compile graphs (static shapes, no "
-                   "host synchronisation; attention models only): several times faster per token, after a one-off "
-                   "compilation of about 10-60 s on CPU (reported as 'compile' in the statistics; inductor caches it "
-                   "on disk for later runs). Same tokens as without it")
+                   "host synchronisation; attention models only): about 4x faster per token on CPU, after a one-off "
+                   "compilation of about 5-30 s per graph (a speculative run compiles 3; reported as 'compile' in the "
+                   "statistics; inductor caches it on disk for later runs). Same tokens as without it")
     p.add_argument("--json", action="store_true",
                    help="print one JSON line (model, prompt_ids, tokens, text, stats) to stdout at the end instead of "
                    "streaming")
