@@ -230,7 +230,7 @@ def test_overflow_is_refused_before_anything_is_written():
         prefill(model, ids, cache, chunk=4)
     assert cache.lengths.tolist() == [0, 0]
     mtp = KVCache.for_mtp(model, 2, 11)
-    with pytest.raises(CacheOverflowError, match="a row would reach 12 tokens"):
+    with pytest.raises(CacheOverflowError, match="cannot take 12 more"):
         draft(model, model(ids).hidden_states, ids, mtp, 3)  # 10 pairs + 2 chained drafts > 11
     assert mtp.lengths.tolist() == [0, 0]
 

@@ -164,7 +164,6 @@ class _Run:
         self.finished: set[int] = set()
         self.sampling, self.generator, self.stops = sampling, generator, stops
         self.on_tokens, self.attn_impl, self.device, self.stop_when = on_tokens, attn_impl, device, stop_when
-        self.stopped: set[int] = set()
         self.emitted: list[list[int]] = [[] for _ in prompts]
         self.alive = torch.arange(len(prompts), device=device)
         self.alive_rows = list(range(len(prompts)))  # the same, on the host
@@ -208,11 +207,11 @@ class _Run:
                 row.append(t)
                 shown[b].append(t)
                 if t in self.stops or (self.stop_when is not None and bool(self.stop_when(b, list(row)))):
-                    self.stopped.add(b)
+                    self.finished.add(b)
                     break
-            done.append(len(row) >= self.max_new or b in self.stopped)
-            if done[-1]:
+            if len(row) >= self.max_new:
                 self.finished.add(b)
+            done.append(b in self.finished)
         self.stats.new_tokens += sum(map(len, shown))
         if self.on_tokens is not None:
             self.on_tokens(shown)

@@ -125,24 +125,23 @@ class KVCache:
         """Raise CacheOverflowError unless every row can take T more tokens; asks the device for
         the exact lengths only when the host bound says they might not fit. Lets a multi-forward
         call (a chunked prefill, a draft) refuse up front, leaving the cache as it was."""
-        if self.extent_bound + T > self.capacity:
-            self.extent_bound = int(self.lengths.max())
-            if self.extent_bound + T > self.capacity:
-                raise CacheOverflowError(f"the cache holds {self.capacity} tokens per row: a row at "
-                                         f"{self.extent_bound} tokens cannot take {T} more; allocate a larger capacity")
+        self.reserve_rows(T, T)
 
-    def reserve_rows(self, need_B: torch.Tensor, bound: int) -> None:
+    def reserve_rows(self, need, bound: int) -> None:
         """`reserve` with a per-row need: raise CacheOverflowError unless every row b can take
-        need_B[b] (int64 [B]) more tokens. `bound`, a host-side upper bound of need_B.max(), is
-        checked first; the device values are read (one host synchronisation) only when the
-        bound does not fit. For a call whose rows write different numbers of slots (`draft`'s
-        pending pairs, padded to a common width, then its chained drafts)."""
+        need[b] more tokens (need: an int for every row, or int64 [B]). `bound`, a host-side
+        upper bound of the need, is checked against `extent_bound` first; the device values are
+        read (host synchronisation) only when that does not fit, and then also tighten
+        `extent_bound` to the longest row. For a call whose rows write different numbers of
+        slots (`draft`'s pending pairs, padded to a common width, then its chained drafts)."""
         if self.extent_bound + bound <= self.capacity:
             return
-        top = int((self.lengths + need_B).max())
-        if top > self.capacity:
-            raise CacheOverflowError(f"the cache holds {self.capacity} tokens per row: a row would reach {top} "
-                                     "tokens; allocate a larger capacity")
+        lengths, ends = self.lengths.tolist(), (self.lengths + need).tolist()
+        self.extent_bound = max(lengths, default=0)
+        b = max(range(len(ends)), key=ends.__getitem__, default=None)
+        if b is not None and ends[b] > self.capacity:
+            raise CacheOverflowError(f"the cache holds {self.capacity} tokens per row: a row at {lengths[b]} "
+                                     f"tokens cannot take {ends[b] - lengths[b]} more; allocate a larger capacity")
 
     def check_layers(self, specs: tuple, what: str) -> None:
         """Raise ValueError unless this cache was built for layers `specs` (host-side: the
