@@ -16,10 +16,9 @@ import warnings
 import pytest
 import torch
 
-import glm5lab.model.mla as mla
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.model.attention import TopK
-from glm5lab.model.dsa import boundary_ties
+from glm5lab.model.dsa import LightningIndexer, boundary_ties, select_topk
 from tests.conftest import HF_LOGITS_ATOL
 
 T = 40
@@ -65,12 +64,20 @@ def _torch_topk(scores_BTS, k, *, q_offset=0):
     return TopK(scores_BTS.topk(min(k, scores_BTS.shape[-1]), dim=-1).indices, ours.valid_BTK)
 
 
-_ORIGINAL = mla.select_topk
+_ORIGINAL = select_topk
+
+
+def _select_with(monkeypatch, select):
+    """Route every DSA selection through `select(scores_BTS, k, q_offset=)` over the reference
+    scores (the model's default is the blocked kernel, the same choice: tests/model/test_dsa_blocked.py)."""
+    def topk(self, x, q_lat, k_BSJ, cos, sin, k, *, q_offset=0, blocked=None):
+        return select(self.scores(x, q_lat, k_BSJ, cos, sin, q_offset=q_offset), k, q_offset=q_offset)
+    monkeypatch.setattr(LightningIndexer, "topk", topk)
 
 
 def test_selection_is_torch_topk_outside_tie_rows(two_head_folder, monkeypatch):
     seen = []
-    monkeypatch.setattr(mla, "select_topk", lambda s, k, **kw: seen.append((s, k)) or _ORIGINAL(s, k, **kw))
+    _select_with(monkeypatch, lambda s, k, **kw: seen.append((s, k)) or _ORIGINAL(s, k, **kw))
     _ours(two_head_folder, _ids())
     assert seen
     tie_rows = rows = 0
@@ -87,7 +94,7 @@ def test_selection_is_torch_topk_outside_tie_rows(two_head_folder, monkeypatch):
 def test_logits_agree_before_the_first_tie_and_everywhere_with_torch_topk(two_head_folder, monkeypatch):
     ids, theirs = _ids(), _theirs(two_head_folder, _ids())
     seen = []
-    monkeypatch.setattr(mla, "select_topk", lambda s, k, **kw: seen.append((s, k)) or _ORIGINAL(s, k, **kw))
+    _select_with(monkeypatch, lambda s, k, **kw: seen.append((s, k)) or _ORIGINAL(s, k, **kw))
     ours = _ours(two_head_folder, ids)
     first_tie = torch.stack([boundary_ties(s, k).float().argmax(-1) + (~boundary_ties(s, k).any(-1)) * T
                              for s, k in seen]).amin(0)  # per row: the earliest position tied in any layer
@@ -95,7 +102,7 @@ def test_logits_agree_before_the_first_tie_and_everywhere_with_torch_topk(two_he
     for b in range(ids.shape[0]):
         n = int(first_tie[b])
         assert (ours[b, :n] - theirs[b, :n]).abs().max() < HF_LOGITS_ATOL
-    monkeypatch.setattr(mla, "select_topk", _torch_topk)
+    _select_with(monkeypatch, _torch_topk)
     assert (_ours(two_head_folder, ids) - theirs).abs().max() < HF_LOGITS_ATOL
 
 

@@ -56,14 +56,14 @@ def test_cache_bytes_equal_ledger_state_and_the_indexers_the_forward_runs(name, 
         called: set[int] = set()
         originals = {}
         for ix, i in owner.items():
-            originals[ix] = ix.scores
-            ix.scores = (lambda f, i: lambda *a, **k: (called.add(i), f(*a, **k))[1])(ix.scores, i)
+            originals[ix] = ix.queries
+            ix.queries = (lambda f, i: lambda *a, **k: (called.add(i), f(*a, **k))[1])(ix.queries, i)
         try:
             with torch.no_grad():
                 fn()
         finally:
             for ix in owner:
-                del ix.scores
+                del ix.queries
         return called
 
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))

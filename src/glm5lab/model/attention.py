@@ -129,14 +129,30 @@ def attention_latent_masked(q_BTHX, kv_BSX, *, v_dim: int, scale: float, mask_BT
     return o_BTHX[..., :v_dim]
 
 
-def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk: TopK) -> torch.Tensor:
+def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk: TopK,
+                              query_block: int = 16) -> torch.Tensor:
     """`attention_latent_masked` over each query's selected keys only (absorbed DSA core
-    attention, FlashMLA's sparse decode): one gather of K latents per query serves as key and
+    attention, FlashMLA's sparse decode): the K selected latents of each query serve as key and
     value. Returns o_BTHV. Reference twin: `attention_reference` with k = kv, v = kv[..., :v_dim]
-    and the top-k mask."""
-    B = topk.idx_BTK.shape[0]
-    kv_BTKX = kv_BSX[torch.arange(B, device=kv_BSX.device)[:, None, None], topk.idx_BTK]
-    scores_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX.float(), kv_BTKX.float()) * scale
-    scores_BTHK = scores_BTHK.masked_fill(~topk.valid_BTK[:, :, None, :], float("-inf"))
-    o_BTHV = torch.einsum("bthk,btkv->bthv", scores_BTHK.softmax(dim=-1), kv_BTKX[..., :v_dim].float())
-    return o_BTHV.to(q_BTHX.dtype)
+    and the top-k mask.
+
+    Blocked over queries: per `query_block` queries one `index_select` of their K latents
+    ([query_block * K, X], 9 MiB at K = 256, X = 576: it stays in cache), the scores and the
+    value product as batched matmuls over that block, the output written in place. The
+    reference's one-shot gather copied [T, K, X] per call (151 MB per 256-query chunk), then read it
+    back twice from memory. Backward (training) flows through `index_select`."""
+    B, T, H, X = q_BTHX.shape
+    S, K = kv_BSX.shape[1], topk.idx_BTK.shape[-1]
+    if query_block < 1:
+        raise ValueError(f"query_block must be >= 1, got {query_block}")
+    kv_NX = kv_BSX.reshape(B * S, X)
+    rows_NK = (topk.idx_BTK + S * torch.arange(B, device=kv_BSX.device)[:, None, None]).reshape(B * T, K)
+    q_NHX, invalid_N1K = q_BTHX.reshape(B * T, H, X), ~topk.valid_BTK.reshape(B * T, 1, K)
+    blocks = []
+    for n0 in range(0, B * T, query_block):
+        n1 = min(n0 + query_block, B * T)
+        kv_nKX = kv_NX.index_select(0, rows_NK[n0:n1].reshape(-1)).view(n1 - n0, K, X).float()
+        scores_nHK = torch.bmm(q_NHX[n0:n1].float(), kv_nKX.transpose(1, 2)).mul_(scale)
+        probs_nHK = scores_nHK.masked_fill_(invalid_N1K[n0:n1], float("-inf")).softmax(dim=-1)
+        blocks.append(torch.bmm(probs_nHK, kv_nKX[..., :v_dim]))
+    return torch.cat(blocks).view(B, T, H, v_dim).to(q_BTHX.dtype)

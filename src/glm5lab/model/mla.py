@@ -26,7 +26,7 @@ from glm5lab.model.attention import (
     TopK, attention_causal, attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference,
     causal_mask, topk_mask,
 )
-from glm5lab.model.dsa import LightningIndexer, select_topk
+from glm5lab.model.dsa import LightningIndexer
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.step import LayerStep
@@ -142,9 +142,8 @@ class MLAttention(nn.Module):
                 raise ValueError("a 'shared' DSA layer needs the top-k of an earlier 'own' layer in the same forward")
             return step.topk
         with torch.no_grad():
-            scores_BTS = self.indexer.scores(x_BTD, q_lat_BTQ, index_keys_BSJ, step.cos, step.sin,
-                                             q_offset=step.offsets)
-            step.step.topk = select_topk(scores_BTS, step.index_topk, q_offset=step.offsets)
+            step.step.topk = self.indexer.topk(x_BTD, q_lat_BTQ, index_keys_BSJ, step.cos, step.sin, step.index_topk,
+                                               q_offset=step.offsets)
         return step.topk
 
     def index_keys(self, x_BTD, step: LayerStep) -> torch.Tensor | None:
@@ -178,7 +177,7 @@ class MLAttention(nn.Module):
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
         if step.indexer_loss and self.spec.indexer == "own":
             step.indexer_kls.append(self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), step.cos,
-                                                    step.sin, topk=topk))
+                                                    step.sin, topk=topk, step_reference=step.reference))
         return self.o_proj(o_BTHV.reshape(B, T, -1))
 
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
@@ -205,12 +204,17 @@ class MLAttention(nn.Module):
                                              mask_BTS=mask_BTS)
         return torch.einsum("bthc,hvc->bthv", o_BTHC, self.absorbed_weights()[1])
 
-    def indexer_kl(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, *, topk: TopK | None) -> torch.Tensor:
+    def indexer_kl(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, *, topk: TopK | None,
+                   step_reference: bool = False) -> torch.Tensor:
         """DSA indexer training loss (DeepSeek-V3.2, section 2.1): mean over queries of
         KL(p || softmax(index scores)), p = this layer's attention probabilities summed over heads
         and L1-normalised. Dense (warm-up): over all causal keys; sparse (`topk` given): both
-        restricted to the selected keys. The indexer's inputs are detached, so this loss trains the
+        restricted to the selected keys, computed at those keys only (`indexer_kl_sparse`, O(T K))
+        unless `step_reference` (the dense-mask reference below: [B, H, T, S] logits, scores at
+        every key, the same value). The indexer's inputs are detached, so this loss trains the
         indexer only, and p carries no gradient. Returns a scalar fp32 tensor."""
+        if topk is not None and not step_reference:
+            return self.indexer_kl_sparse(x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, topk)
         q_nope, q_pe, c_BTC, k_pe_BTR = projected
         T = x_BTD.shape[1]
         keep_BTS = causal_mask(T, T, 0, x_BTD.device)[None]
@@ -226,6 +230,25 @@ class MLAttention(nn.Module):
         k_BSJ = self.indexer.keys(x_in, cos_TR2, sin_TR2)
         scores_BTS = self.indexer.scores(x_in, q_lat_in, k_BSJ, cos_TR2, sin_TR2)
         return kl_to_indexer(target_BTS, scores_BTS, keep_BTS)
+
+
+    def indexer_kl_sparse(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, topk: TopK) -> torch.Tensor:
+        """`indexer_kl` of the sparse stage over the K selected keys of each query: the target from
+        the absorbed logits at the gathered latents, the index scores from
+        `LightningIndexer.scores_at`. Same value and indexer gradients as the dense-mask form."""
+        q_nope, q_pe, c_BTC, k_pe_BTR = projected
+        B = x_BTD.shape[0]
+        rows_B11 = torch.arange(B, device=x_BTD.device)[:, None, None]
+        with torch.no_grad():
+            q_BTHX = self.absorbed_query(q_nope, q_pe).float()
+            kv_BTKX = torch.cat([c_BTC, k_pe_BTR], dim=-1).float()[rows_B11, topk.idx_BTK]
+            logits_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX, kv_BTKX) * self.scale
+            probs_BTHK = logits_BTHK.masked_fill(~topk.valid_BTK[:, :, None], float("-inf")).softmax(-1)
+            target_BTK = probs_BTHK.mean(2)
+        x_in, q_lat_in = x_BTD.detach(), q_lat_BTQ.detach()
+        k_BSJ = self.indexer.keys(x_in, cos_TR2, sin_TR2)
+        scores_BTK = self.indexer.scores_at(x_in, q_lat_in, k_BSJ, cos_TR2, sin_TR2, topk.idx_BTK)
+        return kl_to_indexer(target_BTK, scores_BTK, topk.valid_BTK)
 
 
 def kl_to_indexer(target_BTS: torch.Tensor, scores_BTS: torch.Tensor, keep_BTS: torch.Tensor) -> torch.Tensor:
