@@ -1,6 +1,6 @@
 """Named configurations. `tiny` and `small` run on a 2-core CPU; the others are full-size shapes
 for the ledger (build them on the meta device). `bench` is the inference benchmarks' model
-(`benchmarks/decode.py`, `prefill.py`, `dsa_attention.py`).
+(`benchmarks/decode.py`, `prefill.py`, `long_context.py`).
 
 Sources: GLM-5 = the public `zai-org/GLM-5` config.json and the report's appendix table;
 GLM-4.5 = its report/config (GQA 96 heads, 8 KV heads, head 128 with RoPE on half, QK-norm,

@@ -62,10 +62,11 @@ def test_blocked_topk_equals_reference_exactly(T, k):
 
 @pytest.mark.parametrize("T, S", [(1, 30), (6, 30), (16, 17), (17, 40)])
 def test_blocked_topk_cached_int_and_per_row_offsets(T, S):
-    """A chunk of T queries over S keys (offset S - T): int offset and per-row [B] offsets."""
+    """A chunk of T queries over S keys (offset S - T): int offset and per-row [B] offsets, equal
+    or ragged (the second row 5 tokens shorter: cached rows of different lengths)."""
     cfg, ix = _indexer()
     x, q_lat, cos, sin = _inputs(cfg, 2, T, S)
-    for offset in (S - T, torch.tensor([S - T, S - T])):
+    for offset in (S - T, torch.tensor([S - T, S - T]), torch.tensor([S - T, max(0, S - T - 5)])):
         ref, fast, _ = _both(ix, x, q_lat, cos, sin, 8, offset, query_block=4, key_block=9)
         assert torch.equal(fast.idx_BTK, ref.idx_BTK)
         assert torch.equal(fast.valid_BTK, ref.valid_BTK)
@@ -217,3 +218,22 @@ def test_topk_namedtuple_is_what_blocked_returns():
     x, q_lat, cos, sin = _inputs(cfg, 1, 3, 3)
     _, fast, _ = _both(ix, x, q_lat, cos, sin, 8, 0)
     assert isinstance(fast, TopK) and fast.idx_BTK.dtype == torch.long and fast.idx_BTK.shape == (1, 3, 3)
+
+
+@pytest.mark.parametrize("S", [4096, 8195, 49155])
+@pytest.mark.parametrize("decimals", [None, 2, 0])
+def test_select_topk_fast_on_long_rows_with_ties(S, decimals):
+    """Long rows (8195 and 49155: the grouped shortlist of `_topk_grouped`, groups of 8 and 32,
+    with a tail that fills no group), scores rounded to 2 or 0 decimals (at 0 every row ties at
+    the boundary and is re-ranked), -inf keys of a chunk's early queries: the values are
+    torch.topk's, the choice the stable sort's."""
+    from glm5lab.model.dsa import _topk_grouped
+
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(2, 5, S, generator=g)
+    s = s if decimals is None else s.round(decimals=decimals)
+    s = s.masked_fill(~causal_mask(5, S, S - 5, "cpu"), float("-inf"))
+    vals, idx = _topk_grouped(s, 10)
+    assert torch.equal(vals, s.topk(10, dim=-1).values) and torch.equal(s.gather(-1, idx), vals)
+    ref, fast = select_topk(s, 9, q_offset=S - 5), select_topk_fast(s, 9, q_offset=S - 5)
+    assert torch.equal(fast.idx_BTK, ref.idx_BTK) and torch.equal(fast.valid_BTK, ref.valid_BTK)

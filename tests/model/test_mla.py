@@ -99,7 +99,7 @@ def test_unknown_impl_is_refused():
 
 # ---------------------------------------------------------------- the route table
 
-ROUTE_TABLE = [  # (reference, absorbed, sparse, T, S, route), index_topk = K: 16 x K = 96 keys
+ROUTE_TABLE = [  # (reference, absorbed, sparse, T, S, route), index_topk = K: 4 x K = 24 keys
     # reference: always the reference, whatever else holds
     (True, False, False, 1, 1, "reference"),
     (True, False, True, 17, 97, "reference"),
@@ -121,12 +121,12 @@ ROUTE_TABLE = [  # (reference, absorbed, sparse, T, S, route), index_topk = K: 1
     (False, False, True, 16, 96, "latent_gathered"),
     (False, False, True, 16, 97, "latent_gathered"),
     # auto, top-k, T > 16, S > 16 x topk: gathered
-    (False, False, True, 17, 97, "latent_gathered"),
+    (False, False, True, 17, 25, "latent_gathered"),
     (False, False, True, 97, 97, "latent_gathered"),
-    # auto, top-k, T > 16, S <= 16 x topk: masked latent (visible & top-k)
+    # auto, top-k, T > 16, S <= 4 x topk: masked latent (visible & top-k)
     (False, False, True, 17, 17, "latent_masked"),
-    (False, False, True, 17, 96, "latent_masked"),
-    (False, False, True, 96, 96, "latent_masked"),
+    (False, False, True, 17, 24, "latent_masked"),
+    (False, False, True, 24, 24, "latent_masked"),
     # auto, no top-k, T <= 16: masked latent
     (False, False, False, 1, 1, "latent_masked"),
     (False, False, False, 16, 16, "latent_masked"),
@@ -140,7 +140,7 @@ ROUTE_TABLE = [  # (reference, absorbed, sparse, T, S, route), index_topk = K: 1
 
 @pytest.mark.parametrize("reference, absorbed, sparse, T, S, route", ROUTE_TABLE)
 def test_attention_route_follows_the_table(reference, absorbed, sparse, T, S, route):
-    assert mla.ABSORBED_MAX_QUERIES == 16 and mla.GATHER_MIN_KEYS_PER_TOPK == 16  # the table's 16s
+    assert mla.ABSORBED_MAX_QUERIES == 16 and mla.GATHER_MIN_KEYS_PER_TOPK == 4  # the table's 16 and 4
     assert attention_route(reference=reference, absorbed=absorbed, sparse=sparse, T=T, S=S, index_topk=K) == route
 
 

@@ -137,22 +137,37 @@ def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk:
     and the top-k mask.
 
     Blocked over queries: per `query_block` queries one `index_select` of their K latents
-    ([query_block * K, X], 9 MiB at K = 256, X = 576: it stays in cache), the scores and the
-    value product as batched matmuls over that block, the output written in place. The
-    reference's one-shot gather copied [T, K, X] per call (151 MB per 256-query chunk), then read it
-    back twice from memory. Backward (training) flows through `index_select`."""
+    ([query_block * K, X], 9 MiB at K = 256, X = 576: it stays in cache, in one reused buffer
+    when no gradient is needed), then SDPA with each query as a batch entry and its H heads as
+    SDPA's queries over its K latents (the whole X-wide latent as value, as
+    `attention_latent_masked`: the fused kernel; 0.84 vs 1.09 ms per 16 queries for two bmm and
+    a softmax at the bench shapes). The one-shot gather it replaces copied [T, K, X] per call (151
+    MB per 256-query chunk), then read it back twice from memory. Backward (training) flows
+    through `index_select` and SDPA."""
     B, T, H, X = q_BTHX.shape
     S, K = kv_BSX.shape[1], topk.idx_BTK.shape[-1]
     if query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
     kv_NX = kv_BSX.reshape(B * S, X)
     rows_NK = (topk.idx_BTK + S * torch.arange(B, device=kv_BSX.device)[:, None, None]).reshape(B * T, K)
-    q_NHX, invalid_N1K = q_BTHX.reshape(B * T, H, X), ~topk.valid_BTK.reshape(B * T, 1, K)
+    q_NHX, valid_N1K = q_BTHX.reshape(B * T, H, X), topk.valid_BTK.reshape(B * T, 1, K)
+    grad = torch.is_grad_enabled() and (q_BTHX.requires_grad or kv_BSX.requires_grad)
+    out_NHV = None if grad else torch.empty(B * T, H, v_dim, device=q_BTHX.device)
+    gathered = None if grad or kv_BSX.dtype != torch.float32 else torch.empty(query_block * K, X, device=kv_BSX.device)
     blocks = []
     for n0 in range(0, B * T, query_block):
         n1 = min(n0 + query_block, B * T)
-        kv_nKX = kv_NX.index_select(0, rows_NK[n0:n1].reshape(-1)).view(n1 - n0, K, X).float()
-        scores_nHK = torch.bmm(q_NHX[n0:n1].float(), kv_nKX.transpose(1, 2)).mul_(scale)
-        probs_nHK = scores_nHK.masked_fill_(invalid_N1K[n0:n1], float("-inf")).softmax(dim=-1)
-        blocks.append(torch.bmm(probs_nHK, kv_nKX[..., :v_dim]))
-    return torch.cat(blocks).view(B, T, H, v_dim).to(q_BTHX.dtype)
+        rows = rows_NK[n0:n1].reshape(-1)
+        if gathered is None:
+            kv_nKX = kv_NX.index_select(0, rows).view(n1 - n0, K, X).float()
+        else:  # no autograd: gather into one reused buffer
+            kv_nKX = torch.index_select(kv_NX, 0, rows, out=gathered[:rows.numel()]).view(n1 - n0, K, X)
+        kv_n1KX = kv_nKX[:, None]  # each query a batch entry, its H heads the SDPA "queries"
+        o_nHX = F.scaled_dot_product_attention(q_NHX[n0:n1, None].float(), kv_n1KX, kv_n1KX,
+                                               attn_mask=valid_N1K[n0:n1, None], scale=scale)[:, 0]
+        if out_NHV is None:
+            blocks.append(o_nHX[..., :v_dim])
+        else:
+            out_NHV[n0:n1] = o_nHX[..., :v_dim]
+    out_NHV = torch.cat(blocks) if out_NHV is None else out_NHV
+    return out_NHV.view(B, T, H, v_dim).to(q_BTHX.dtype)

@@ -143,7 +143,7 @@ def select_topk_fast(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     S = scores_BTS.shape[-1]
     if S <= k:
         return select_topk(scores_BTS, k, q_offset=q_offset)
-    vals_BTK1, idx_BTK1 = scores_BTS.topk(k + 1, dim=-1)
+    vals_BTK1, idx_BTK1 = _topk_grouped(scores_BTS, k + 1)
     tied_BT = (vals_BTK1[..., 1:] == vals_BTK1[..., :-1]).any(-1)
     idx_BTK = idx_BTK1[..., :k]
     if bool(tied_BT.any()):
@@ -151,6 +151,32 @@ def select_topk_fast(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
         rows = tied_BT.nonzero(as_tuple=True)
         idx_BTK[rows] = _ranking_keys(scores_BTS[rows]).topk(k, dim=-1).indices
     return TopK(idx_BTK, _valid_slots(scores_BTS.shape, k, q_offset, scores_BTS.device))
+
+
+GROUPED_TOPK_MIN_KEYS = 8192
+
+
+def _topk_grouped(scores_BTS: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(scores_BTS, k) over a shortlist: the k groups of g consecutive scores with the
+    largest maxima (g = 8, or 32 from 48K keys), plus the tail that fills no group. Every score
+    outside them is <= the k-th largest group maximum, itself one of the shortlist's k best, so
+    the values are torch.topk's exactly and the indices are wherever those values are distinct
+    (an outside score can only equal the k-th: `select_topk_fast` re-ranks such rows anyway).
+    CPU, 64 rows, k = 257, 1 thread: 4.9 vs 7.7 ms at 32K keys, 3.4 vs 6.6 at 16K, 8.4 vs
+    10.8 at 64K (torch.topk copies each row into (value, index) pairs and heap-sorts them, so
+    its cost follows the row length). Rows shorter than 8192 keys use torch.topk itself."""
+    *lead, S = scores_BTS.shape
+    g = 8 if S < 49152 else 32
+    if S < GROUPED_TOPK_MIN_KEYS or S // g < k:
+        return scores_BTS.topk(k, dim=-1)
+    rows_NS = scores_BTS.reshape(-1, S)
+    n, G = rows_NS.shape[0], S // g
+    best_groups_Nk = rows_NS[:, :G * g].view(n, G, g).amax(-1).topk(k, dim=-1, sorted=False).indices
+    cols_NC = (best_groups_Nk[..., None] * g + torch.arange(g, device=rows_NS.device)).view(n, -1)
+    if G * g < S:
+        cols_NC = torch.cat([cols_NC, torch.arange(G * g, S, device=rows_NS.device).expand(n, -1)], dim=1)
+    vals_Nk, j_Nk = rows_NS.gather(1, cols_NC).topk(k, dim=-1)
+    return vals_Nk.view(*lead, k), cols_NC.gather(1, j_Nk).view(*lead, k)
 
 
 def _valid_slots(shape, k: int, q_offset, device) -> torch.Tensor:

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from glm5lab.model.attention import TopK
-from glm5lab.model.dsa import _valid_slots, _visible, select_topk_fast
+from glm5lab.model.dsa import _valid_slots, select_topk_fast
 
 QUERY_BLOCK = 64
 KEY_BLOCK = 1024
@@ -49,8 +49,7 @@ def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
                        ) -> Iterator[tuple[int, torch.Tensor]]:
     """Index scores block by block: yields (t0, scores_BtV) for t0 = 0, query_block, ..., where
     scores_BtV (fp32 [B, t, V]) = sum_i w_i ReLU(q_i . k) for queries t0..t0+t-1 over the V
-    keys they can see at most (V = min(S, q_offset + t0 + t) for an int q_offset, S for per-row
-    offsets), -inf at keys after each query. The block is reused: copy what you keep.
+    keys they can see at most (V = min(S, max(q_offset) + t0 + t)), -inf at keys after each query. The block is reused: copy what you keep.
 
     q_BTIJ: queries (any float dtype, computed in fp32); w_BTI: fp32 head weights with every
     scale folded in (`LightningIndexer.topk` passes w / sqrt(J)); k_BSJ: keys of positions
@@ -61,12 +60,15 @@ def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
     B, T, I, J = q_BTIJ.shape
     S = k_BSJ.shape[1]
     per_row = torch.is_tensor(q_offset)
+    # the rows' first and last offsets, read once (eager code: one host read per call), bound the
+    # keys a block can see (V) and the columns that need the causal mask (from `first`)
+    lo, hi = (int(q_offset.min()), int(q_offset.max())) if per_row else (q_offset, q_offset)
     q_BTIJ, k_BSJ, w_BTI = (t.detach().float() for t in (q_BTIJ, k_BSJ, w_BTI))  # selection: no gradient
     dots = torch.empty(query_block * I * key_block, device=q_BTIJ.device)
     head_sum = torch.empty(query_block * key_block, device=q_BTIJ.device)
     for t0 in range(0, T, query_block):
         t = min(query_block, T - t0)
-        V = S if per_row else min(S, q_offset + t0 + t)
+        V = min(S, hi + t0 + t)
         scores_BtV = torch.empty(B, t, V, device=q_BTIJ.device)
         for b in range(B):
             q_tIJ = q_BTIJ[b, t0:t0 + t].reshape(t * I, J)
@@ -76,22 +78,18 @@ def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
                 d_tIs = torch.mm(q_tIJ, k_BSJ[b, s0:s0 + s].T, out=dots[:t * I * s].view(t * I, s)).relu_()
                 out_t1s = torch.bmm(w_t1I, d_tIs.view(t, I, s), out=head_sum[:t * s].view(t, 1, s))
                 scores_BtV[b, :, s0:s0 + s] = out_t1s[:, 0]
-        _mask_future(scores_BtV, q_offset, t0)
+        _mask_future(scores_BtV, q_offset, t0, first=min(V, lo + t0 + 1))
         yield t0, scores_BtV
 
 
-def _mask_future(scores_BtV: torch.Tensor, q_offset, t0: int) -> None:
-    """-inf in place at keys after each query: with an int offset only the last t columns can
-    be in any query's future; per-row offsets mask the whole row."""
+def _mask_future(scores_BtV: torch.Tensor, q_offset, t0: int, *, first: int) -> None:
+    """-inf in place at keys after each query, for the columns from `first` on (every query of
+    the block sees the keys before it: first = the earliest row's offset + t0 + 1)."""
     B, t, V = scores_BtV.shape
-    if torch.is_tensor(q_offset):
-        scores_BtV.masked_fill_(~_visible(q_offset + t0, B, t, V, scores_BtV.device), float("-inf"))
-        return
-    tail = min(t, V)
-    first = V - tail  # position of the first column that some query of the block may not see
-    q_pos_t1 = torch.arange(t, device=scores_BtV.device)[:, None] + q_offset + t0
-    keys_1c = torch.arange(first, V, device=scores_BtV.device)[None]
-    scores_BtV[..., first:].masked_fill_(keys_1c > q_pos_t1, float("-inf"))
+    q_pos_Bt1 = (torch.arange(t, device=scores_BtV.device) + t0
+                 + (q_offset[:, None] if torch.is_tensor(q_offset) else q_offset)).reshape(-1, t, 1)
+    keys_c = torch.arange(first, V, device=scores_BtV.device)
+    scores_BtV[..., first:].masked_fill_(keys_c > q_pos_Bt1, float("-inf"))
 
 
 def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, k: int, *,

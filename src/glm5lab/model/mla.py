@@ -37,10 +37,12 @@ ATTN_IMPLS = ("auto", "naive", "absorbed")
 ABSORBED_MAX_QUERIES = 16
 """Forwards of at most this many new tokens per row (decode, speculative verification) attend
 in the latent space: per token only the 576-wide latent is read, never per-head K/V."""
-GATHER_MIN_KEYS_PER_TOPK = 16
-"""Longer forwards gather the top-k keys once the keys exceed 16 x index_topk; below that a
-masked SDPA over all keys is faster on CPU (measured: S=256/K=64 masked 5x faster; S=2048/K=64
-gathered 1.6x faster; crossover near S = 16-24 K). Both compute exactly the same function."""
+GATHER_MIN_KEYS_PER_TOPK = 4
+"""Longer forwards gather the top-k keys once the keys exceed 4 x index_topk; below that a
+masked SDPA over all keys is faster on CPU. Measured (issue 14, bench shapes: 8 heads, 576-wide
+latents, top-256, 256 queries, 1 thread): the query-blocked gather takes 27-29 ms whatever S,
+the masked SDPA ~28 ms per 1K keys (22 ms at S = 768, 31 ms at 1024, 61 ms at 2048). Both compute
+exactly the same function."""
 ROUTES = ("reference", "expanded", "latent_masked", "latent_gathered")
 
 
@@ -53,8 +55,8 @@ def attention_route(*, reference: bool, absorbed: bool, sparse: bool, T: int, S:
         no         yes       yes    any          any            latent_gathered
         no         yes       no     any          any            latent_masked
         no         no        yes    <= 16        any            latent_gathered
-        no         no        yes    > 16         > 16 x topk    latent_gathered
-        no         no        yes    > 16         <= 16 x topk   latent_masked (mask: visible & top-k)
+        no         no        yes    > 16         > 4 x topk     latent_gathered
+        no         no        yes    > 16         <= 4 x topk    latent_masked (mask: visible & top-k)
         no         no        no     <= 16        any            latent_masked
         no         no        no     > 16         any            expanded
 
@@ -184,7 +186,8 @@ class MLAttention(nn.Module):
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""
         S = latent_BSX.shape[1]
         plain_causal = not step.cached and self.window is None and topk is None  # SDPA's is_causal
-        mask_BTS = None if plain_causal else step.mask(self.window)
+        no_mask = plain_causal or route == "latent_gathered"  # the top-k slots are the gathered keys' mask
+        mask_BTS = None if no_mask else step.mask(self.window)
         if topk is not None and route != "latent_gathered":
             mask_BTS = mask_BTS & topk_mask(topk, S)
         if route in ("reference", "expanded"):

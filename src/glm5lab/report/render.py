@@ -5,15 +5,18 @@ library versions, hardware), in that order, then expert load, ablations, evaluat
 from __future__ import annotations
 
 from glm5lab.ablate.results import markdown_table
+from glm5lab.report.long_context import render_section as long_context_section
 
 
 def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
-           generated: dict, moe_names: list[str]) -> str:
+           generated: dict, moe_names: list[str], long_context: dict | None = None) -> str:
     """Assemble report.md (`rec`: a RunRecord; `pngs`: name -> file name or None; moe_names: the
-    names of metrics.jsonl's `expert_load` entries)."""
+    names of metrics.jsonl's `expert_load` entries; long_context: the recorded long-context
+    cost curve, `glm5lab.report.long_context.load_record()`, shown in the throughput section)."""
+    curve = long_context_section(long_context, pngs.get("long_context"))
     parts = [_header(rec, generated), _quality(rec, pngs), _tokens(rec), _params(ledger_text),
-             _state(state_rows), _probes(probed, pngs), _load(rec, pngs, moe_names), _ablations(rec), _evals(rec),
-             _environment(env, rec), _seeds(rec, probed)]
+             _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names), _ablations(rec),
+             _evals(rec), _environment(env, rec), _seeds(rec, probed)]
     return "\n".join(p for p in parts if p)
 
 
@@ -61,9 +64,10 @@ def _state(rows) -> str:
                               "MTP bytes/token", "main bytes at max context"], rows))
 
 
-def _probes(probed, pngs) -> str:
+def _probes(probed, pngs, curve: str) -> str:
+    """The throughput (with the recorded long-context curve `curve`), retrieval and MTP sections."""
     if probed is None:
-        return "## Throughput, retrieval, speculative decoding\n\nNot measured (`--no-measure`).\n"
+        return "## Throughput, retrieval, speculative decoding\n\nNot measured (`--no-measure`).\n" + curve
     out = ["## Prefill and decode throughput\n\nGreedy `glm5lab.generate` on held-out text, one warm-up call first; "
            f"{probed['device']} in {probed['dtype']}, {probed['threads']} torch threads. Prefill includes cache "
            "writes; decode tokens/s excludes each row's first token (it comes from the prefill).\n\n"]
@@ -71,6 +75,7 @@ def _probes(probed, pngs) -> str:
              r.get("decode_tokens_per_second"), r.get("skipped")] for r in probed["throughput"]]
     out.append(markdown_table(["batch", "prompt length", "new tokens", "prefill tokens/s", "decode tokens/s",
                                "skipped"], rows))
+    out.append("\n" + curve)
     out.append("\n## Retrieval accuracy by context length\n\nSingle-needle NIAH in held-out text, teacher-forced "
                "exact match (= greedy generation reproduces the value). A model trained on text alone was never "
                "asked to retrieve: expect ~0 (`glm5lab ablate` trains with retrieval rows).\n\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from glm5lab.environment import environment, git_commit
-from glm5lab.report import plots
+from glm5lab.report import long_context, plots
 from glm5lab.report.collect import load_run
 from glm5lab.report.probe import ProbeSizes, probe
 from glm5lab.report.render import render
@@ -35,12 +35,14 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
             "load": plots.expert_load(rec.metrics, _tmp(out, "expert_load.png"), _moe_names(cfg)),
             "retrieval": plots.retrieval(probed["retrieval"], _tmp(out, "retrieval.png")) if probed else None,
             "acceptance": plots.acceptance(probed["acceptance"], _tmp(out, "acceptance.png")) if probed else None}
+    curve = long_context.load_record()
+    pngs["long_context"] = long_context.plot(curve, _tmp(out, long_context.PNG_NAME)) if curve else None
     pngs = {k: _publish(p) for k, p in pngs.items()}
     state_rows = [_state_row(ledger(cfg, dtype=d), d) for d in ("bf16", "fp32")]
     generated = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "version": __version__,
                  "git_commit": git_commit()}
     text = render(rec, render_ledger(ledger(cfg, dtype="bf16", name=str(rec.run_dir))), state_rows, probed,
-                  environment(), pngs, generated, _moe_names(cfg))
+                  environment(), pngs, generated, _moe_names(cfg), curve)
     final = out / "report.md"
     tmp = out / "report.md.tmp"
     tmp.write_text(text)
