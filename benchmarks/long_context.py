@@ -243,7 +243,7 @@ def dsa_prefill(model, ids, chunk: int, keep: dict):
 def layer_tensors(model, ids) -> dict:
     """Layer 0's tensors for the tokens `ids` [1, T] (its input x = input_layernorm(embedding)):
     q_nope [1, T, H, N], q_pe [1, T, H, R], c [1, T, C], k_pe [1, T, R], the indexer's q [1, T, I, J],
-    w (scale folded in) [1, T, I] and keys k [1, T, J]."""
+    w [1, T, I], the dot scale 1/sqrt(J) and keys k [1, T, J]."""
     from glm5lab.model.rope import rope_angles
 
     cfg, layer = model.config, model.model.layers[0]
@@ -253,7 +253,7 @@ def layer_tensors(model, ids) -> dict:
     q_nope, q_pe, q_lat, c, k_pe = attn.project(x, cos, sin)
     q_idx, w = attn.indexer.queries(x, q_lat, cos, sin)
     return {"q_nope": q_nope, "q_pe": q_pe, "c": c, "k_pe": k_pe, "q_idx": q_idx,
-            "w": w * attn.indexer.head_dim**-0.5, "k_idx": attn.indexer.keys(x, cos, sin)}
+            "w": w, "scale": attn.indexer.head_dim**-0.5, "k_idx": attn.indexer.keys(x, cos, sin)}
 
 
 # -- the parts ------------------------------------------------------------------------------------
@@ -269,16 +269,16 @@ def prefill_parts(args, model, ids, device) -> dict:
     reps, warm = repeats_for(args, T), T < 16384  # longer T: the whole-model cases ran these kernels already
 
     def scoring():
-        for _ in index_score_blocks(t["q_idx"], t["w"], t["k_idx"], q_offset=0):
+        for _ in index_score_blocks(t["q_idx"], t["w"], t["k_idx"], scale=t["scale"], q_offset=0):
             pass
 
     def scoring_topk():
-        return index_topk_blocked(t["q_idx"], t["w"], t["k_idx"], cfg.index_topk, q_offset=0)
+        return index_topk_blocked(t["q_idx"], t["w"], t["k_idx"], cfg.index_topk, scale=t["scale"], q_offset=0)
 
     ind = {"indexer_scoring": scoring, "scoring_topk": scoring_topk}
     res, last = measure(ind, device=device, repeats=reps, warm=tuple(ind.values()) if warm else ())
     topk = last["scoring_topk"]
-    for key in ("q_idx", "w", "k_idx"):
+    for key in ("q_idx", "w", "k_idx", "scale"):
         del t[key]
     latent = torch.cat([t["c"], t["k_pe"]], dim=-1)
     q_abs = attn.absorbed_query(t["q_nope"], t["q_pe"])

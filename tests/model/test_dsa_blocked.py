@@ -4,7 +4,9 @@ gathered index scores and the sparse-stage indexer KL against the dense-mask for
 backward); the query-blocked sparse core attention against `attention_reference`.
 
 Tolerances: fp32 scores and attention outputs 1e-5 absolute (values O(1)); gradients 1e-4
-of their largest entry (fp32 sums in another order). Selected indices: exact (ties by position in both)."""
+of their largest entry (fp32 sums in another order). Selected indices: exact (ties by position
+in both; the blocked scores are computed in the reference's order, bitwise equal in these
+shapes; see dsa_blocked's docstring for where a GEMM's edge tiles can differ by 1 ulp)."""
 
 import pytest
 import torch
@@ -45,7 +47,7 @@ def _both(ix, x_keys, q_lat, cos, sin, k, q_offset, **blocks):
     scores = ix.scores(x_q, q_lat, k_BSJ, cq, sq, q_offset=q_offset)
     ref = select_topk(scores, k, q_offset=q_offset)
     q_BTIJ, w_BTI = ix.queries(x_q, q_lat, cq, sq)
-    fast = index_topk_blocked(q_BTIJ, w_BTI * ix.head_dim**-0.5, k_BSJ, k, q_offset=q_offset, **blocks)
+    fast = index_topk_blocked(q_BTIJ, w_BTI, k_BSJ, k, scale=ix.head_dim**-0.5, q_offset=q_offset, **blocks)
     return ref, fast, scores
 
 
@@ -78,7 +80,7 @@ def test_blocked_scores_equal_reference_to_fp32_tolerance():
     k_BSJ = ix.keys(x, cos, sin)
     ref = ix.scores(x, q_lat, k_BSJ, cos, sin)
     q_BTIJ, w_BTI = ix.queries(x, q_lat, cos, sin)
-    for t0, block in index_score_blocks(q_BTIJ, w_BTI * ix.head_dim**-0.5, k_BSJ, query_block=6, key_block=5):
+    for t0, block in index_score_blocks(q_BTIJ, w_BTI, k_BSJ, scale=ix.head_dim**-0.5, query_block=6, key_block=5):
         want = ref[:, t0:t0 + block.shape[1], :block.shape[2]]
         assert torch.equal(block.isinf(), want.isinf())
         torch.testing.assert_close(block, want, atol=ATOL, rtol=0)
@@ -237,3 +239,57 @@ def test_select_topk_fast_on_long_rows_with_ties(S, decimals):
     assert torch.equal(vals, s.topk(10, dim=-1).values) and torch.equal(s.gather(-1, idx), vals)
     ref, fast = select_topk(s, 9, q_offset=S - 5), select_topk_fast(s, 9, q_offset=S - 5)
     assert torch.equal(fast.idx_BTK, ref.idx_BTK) and torch.equal(fast.valid_BTK, ref.valid_BTK)
+
+
+def test_blocked_topk_small_preset_bitwise_over_seeds():
+    """The small preset's indexer (16 heads x 32: 1/sqrt(J) is not a power of two), T = 600: the
+    blocked scores are the reference's bit for bit, so every index matches (3 inputs)."""
+    cfg, ix = _indexer("small")
+    for seed in range(3):
+        x, q_lat, cos, sin = _inputs(cfg, 1, 600, 600, seed=seed)
+        ref, fast, _ = _both(ix, x, q_lat, cos, sin, cfg.index_topk, 0)
+        assert torch.equal(fast.idx_BTK, ref.idx_BTK)
+
+
+def test_select_topk_fast_nan_rows_follow_the_reference():
+    """torch.topk ranks NaN first, `select_topk` by bits (a -NaN below -inf): rows with a NaN are
+    re-ranked, so both choose alike."""
+    nan = torch.tensor(float("nan"))
+    s = torch.tensor([[[0.1, 0.5, 0.0, 0.2, 0.4, 0.6], [0.3, 0.1, 0.2, 0.9, 0.8, 0.7]]])
+    s[0, 0, 2] = -(nan.abs())  # -NaN, as inf - inf gives on x86
+    s[0, 1, 0] = nan.abs()
+    for k in (1, 3, 5):
+        assert torch.equal(select_topk_fast(s, k).idx_BTK, select_topk(s, k).idx_BTK)
+
+
+def test_blocked_kernels_under_a_float64_default_dtype():
+    cfg, ix = _indexer()
+    x, q_lat, cos, sin = _inputs(cfg, 1, 20, 20)
+    k_BSJ = ix.keys(x, cos, sin)
+    ref = select_topk(ix.scores(x, q_lat, k_BSJ, cos, sin), 8)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = ix.topk(x, q_lat, k_BSJ, cos, sin, 8, blocked=True)
+        q, kv = torch.randn(1, 20, 2, 5, dtype=torch.float32), torch.randn(1, 20, 5, dtype=torch.float32)
+        with torch.no_grad():
+            o = attention_latent_gathered(q, kv, v_dim=3, scale=0.5, topk=got)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.equal(got.idx_BTK, ref.idx_BTK) and o.dtype == torch.float32
+
+
+def test_blocked_kernels_refuse_bad_shapes_at_the_call():
+    cfg, ix = _indexer()
+    x, q_lat, cos, sin = _inputs(cfg, 2, 9, 9)
+    q, w = ix.queries(x, q_lat, cos, sin)
+    k_BSJ = ix.keys(x, cos, sin)
+    with pytest.raises(ValueError, match="query_block and key_block must be >= 1"):
+        index_score_blocks(q, w, k_BSJ, scale=1.0, query_block=0)  # raised before the first block
+    with pytest.raises(ValueError, match=r"indexer shapes do not agree: q \(2, 9, 16, 16\)"):
+        index_topk_blocked(q, w, k_BSJ[:1], 4, scale=1.0)
+    with pytest.raises(ValueError, match="indexer shapes do not agree"):
+        index_topk_blocked(q, w[..., :3], k_BSJ, 4, scale=1.0)
+    topk = select_topk(ix.scores(x, q_lat, k_BSJ, cos, sin), 4)
+    with pytest.raises(ValueError, match="sparse attention shapes do not agree"):
+        attention_latent_gathered(torch.randn(2, 8, 2, 5), torch.randn(2, 9, 5), v_dim=3, scale=0.5, topk=topk)

@@ -134,7 +134,9 @@ def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk:
     """`attention_latent_masked` over each query's selected keys only (absorbed DSA core
     attention, FlashMLA's sparse decode): the K selected latents of each query serve as key and
     value. Returns o_BTHV. Reference twin: `attention_reference` with k = kv, v = kv[..., :v_dim]
-    and the top-k mask.
+    and the top-k mask. topk.idx_BTK must lie in [0, S) (TopK's invariant; not checked here: a
+    check would read the indices on the host, which compiled decode steps must not). Raises
+    ValueError for query_block < 1 or shapes that do not agree.
 
     Blocked over queries: per `query_block` queries one `index_select` of their K latents
     ([query_block * K, X], 9 MiB at K = 256, X = 576: it stays in cache, in one reused buffer
@@ -148,12 +150,16 @@ def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk:
     S, K = kv_BSX.shape[1], topk.idx_BTK.shape[-1]
     if query_block < 1:
         raise ValueError(f"query_block must be >= 1, got {query_block}")
+    if topk.idx_BTK.shape[:2] != (B, T) or kv_BSX.shape[0] != B or kv_BSX.shape[2] != X:
+        raise ValueError(f"sparse attention shapes do not agree: q {tuple(q_BTHX.shape)} [B, T, H, X], kv "
+                         f"{tuple(kv_BSX.shape)} [B, S, X], top-k {tuple(topk.idx_BTK.shape)} [B, T, K]")
     kv_NX = kv_BSX.reshape(B * S, X)
     rows_NK = (topk.idx_BTK + S * torch.arange(B, device=kv_BSX.device)[:, None, None]).reshape(B * T, K)
     q_NHX, valid_N1K = q_BTHX.reshape(B * T, H, X), topk.valid_BTK.reshape(B * T, 1, K)
     grad = torch.is_grad_enabled() and (q_BTHX.requires_grad or kv_BSX.requires_grad)
-    out_NHV = None if grad else torch.empty(B * T, H, v_dim, device=q_BTHX.device)
-    gathered = None if grad or kv_BSX.dtype != torch.float32 else torch.empty(query_block * K, X, device=kv_BSX.device)
+    f32 = torch.float32
+    out_NHV = None if grad else torch.empty(B * T, H, v_dim, dtype=f32, device=q_BTHX.device)
+    gathered = None if grad or kv_BSX.dtype != f32 else torch.empty(query_block * K, X, dtype=f32, device=kv_BSX.device)
     blocks = []
     for n0 in range(0, B * T, query_block):
         n1 = min(n0 + query_block, B * T)

@@ -17,10 +17,16 @@ candidates with each key block costs as much as one top-k over the block's whole
 top-k scans every score once either way), and the row is only t x S x 4 bytes (8 MiB at t = 64,
 S = 32K).
 
-The scale 1/sqrt(J) is folded into the head weights (ReLU(a x) = a ReLU(x) for a > 0), so the
-scores equal the reference's to fp32 rounding (not bitwise); the selection equals it exactly
-wherever no two scores are within rounding of each other at the boundary (exact ties, e.g. keys
-whose ReLUs are all zero, are exact in both and broken by position in both).
+Equality with the reference. Each score is computed as the reference computes it (the dot
+product by the matmul kernel, times 1/sqrt(J), ReLU, the head sum by a batched product), so the
+scores are bitwise the reference's wherever the CPU matmul rounds a dot product the same in both
+shapes, which it does in the shapes tested (tests/model/test_dsa_blocked.py: every index equal,
+tiny, small and bench indexers). It need not everywhere: a GEMM may round a dot product
+differently at the edge tiles of one shape than of another (seen with 1100 identical keys: the
+last key block's copies score 1 ulp higher, so the blocked choice takes them first; the
+reference, over its own tiles, is not tile-invariant either). Two keys whose scores are within
+such rounding can then swap. Exact ties of the computed scores (keys whose ReLUs are all 0) are
+broken by position in both.
 
 Source: DeepSeek-V3.2 (the lightning indexer; its FP8 kernel `fp8_index` in DeepSeek's
 inference code computes ReLU(q k) w per block in the same order), transformers'
@@ -44,38 +50,55 @@ thread: 13.9 ms vs 10.9 ms for the matmul alone per 64 queries x 32K keys; key b
 4096 within 10%)."""
 
 
-def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, *, q_offset=0,
+def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, *, scale: float, q_offset=0,
                        query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK
                        ) -> Iterator[tuple[int, torch.Tensor]]:
     """Index scores block by block: yields (t0, scores_BtV) for t0 = 0, query_block, ..., where
-    scores_BtV (fp32 [B, t, V]) = sum_i w_i ReLU(q_i . k) for queries t0..t0+t-1 over the V
-    keys they can see at most (V = min(S, max(q_offset) + t0 + t)), -inf at keys after each query. The block is reused: copy what you keep.
+    scores_BtV (fp32 [B, t, V]) = sum_i w_i ReLU(scale * q_i . k) for queries t0..t0+t-1 over
+    the V keys they can see at most (V = min(S, max(q_offset) + t0 + t)), -inf at keys after
+    each query: the reference's products in its order (dots, then the scale, ReLU, the head
+    sum), so the scores are bitwise its own wherever the matmul kernel rounds the same. The
+    block is reused: copy what you keep.
 
-    q_BTIJ: queries (any float dtype, computed in fp32); w_BTI: fp32 head weights with every
-    scale folded in (`LightningIndexer.topk` passes w / sqrt(J)); k_BSJ: keys of positions
-    0..S-1; q_offset: an int or a LongTensor [B] (query t of row b at position q_offset[b] + t).
-    The scores carry no gradient (inputs detached). Raises ValueError for non-positive block sizes."""
+    q_BTIJ: queries (any float dtype, computed in fp32); w_BTI: head weights (fp32, as
+    `LightningIndexer.queries` returns them); k_BSJ: keys of positions 0..S-1; scale: the dot
+    scale (1/sqrt(J)); q_offset: an int or a LongTensor [B] (query t of row b at position
+    q_offset[b] + t). The scores carry no gradient (inputs detached). Raises ValueError (at the
+    call, not at the first block) for non-positive block sizes or shapes that do not agree."""
+    _check_blocks(q_BTIJ, w_BTI, k_BSJ, query_block, key_block)
+    return _score_blocks(q_BTIJ, w_BTI, k_BSJ, scale, q_offset, query_block, key_block)
+
+
+def _check_blocks(q_BTIJ, w_BTI, k_BSJ, query_block: int, key_block: int) -> None:
     if query_block < 1 or key_block < 1:
         raise ValueError(f"query_block and key_block must be >= 1, got {query_block} and {key_block}")
+    if q_BTIJ.dim() != 4 or w_BTI.shape != q_BTIJ.shape[:3] or k_BSJ.dim() != 3 \
+            or k_BSJ.shape[0] != q_BTIJ.shape[0] or k_BSJ.shape[2] != q_BTIJ.shape[3]:
+        raise ValueError(f"indexer shapes do not agree: q {tuple(q_BTIJ.shape)} must be [B, T, I, J], w "
+                         f"{tuple(w_BTI.shape)} [B, T, I], k {tuple(k_BSJ.shape)} [B, S, J]")
+
+
+def _score_blocks(q_BTIJ, w_BTI, k_BSJ, scale: float, q_offset, query_block: int, key_block: int):
     B, T, I, J = q_BTIJ.shape
-    S = k_BSJ.shape[1]
+    S, f32, device = k_BSJ.shape[1], torch.float32, q_BTIJ.device
     per_row = torch.is_tensor(q_offset)
     # the rows' first and last offsets, read once (eager code: one host read per call), bound the
     # keys a block can see (V) and the columns that need the causal mask (from `first`)
     lo, hi = (int(q_offset.min()), int(q_offset.max())) if per_row else (q_offset, q_offset)
-    q_BTIJ, k_BSJ, w_BTI = (t.detach().float() for t in (q_BTIJ, k_BSJ, w_BTI))  # selection: no gradient
-    dots = torch.empty(query_block * I * key_block, device=q_BTIJ.device)
-    head_sum = torch.empty(query_block * key_block, device=q_BTIJ.device)
+    q_BTIJ, k_BSJ, w_BTI = (t.detach().to(f32) for t in (q_BTIJ, k_BSJ, w_BTI))  # selection: no gradient
+    dots = torch.empty(query_block * I * key_block, dtype=f32, device=device)
+    head_sum = torch.empty(query_block * key_block, dtype=f32, device=device)
     for t0 in range(0, T, query_block):
         t = min(query_block, T - t0)
         V = min(S, hi + t0 + t)
-        scores_BtV = torch.empty(B, t, V, device=q_BTIJ.device)
+        scores_BtV = torch.empty(B, t, V, dtype=f32, device=device)
         for b in range(B):
             q_tIJ = q_BTIJ[b, t0:t0 + t].reshape(t * I, J)
             w_t1I = w_BTI[b, t0:t0 + t, None, :]
             for s0 in range(0, V, key_block):
                 s = min(key_block, V - s0)
-                d_tIs = torch.mm(q_tIJ, k_BSJ[b, s0:s0 + s].T, out=dots[:t * I * s].view(t * I, s)).relu_()
+                d_tIs = torch.mm(q_tIJ, k_BSJ[b, s0:s0 + s].T, out=dots[:t * I * s].view(t * I, s))
+                d_tIs.mul_(scale).relu_()
                 out_t1s = torch.bmm(w_t1I, d_tIs.view(t, I, s), out=head_sum[:t * s].view(t, 1, s))
                 scores_BtV[b, :, s0:s0 + s] = out_t1s[:, 0]
         _mask_future(scores_BtV, q_offset, t0, first=min(V, lo + t0 + 1))
@@ -92,7 +115,7 @@ def _mask_future(scores_BtV: torch.Tensor, q_offset, t0: int, *, first: int) -> 
     scores_BtV[..., first:].masked_fill_(keys_c > q_pos_Bt1, float("-inf"))
 
 
-def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, k: int, *,
+def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, k: int, *, scale: float,
                        q_offset=0, query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK) -> TopK:
     """DSA's top-k from `index_score_blocks`: per query the min(k, S) best keys, ties by position,
     in `select_topk`'s order (its twin `select_topk_fast` per query block). Arguments as
@@ -105,8 +128,8 @@ def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
     K = min(k, S)
     idx_BTK = torch.empty(B, T, K, dtype=torch.long, device=q_BTIJ.device)
     with torch.no_grad():
-        for t0, scores_BtV in index_score_blocks(q_BTIJ, w_BTI, k_BSJ, q_offset=q_offset, query_block=query_block,
-                                                 key_block=key_block):
+        for t0, scores_BtV in index_score_blocks(q_BTIJ, w_BTI, k_BSJ, scale=scale, q_offset=q_offset,
+                                                 query_block=query_block, key_block=key_block):
             chosen = select_topk_fast(scores_BtV, k, q_offset=q_offset + t0).idx_BTK
             idx_BTK[:, t0:t0 + scores_BtV.shape[1], :chosen.shape[-1]] = chosen
             if chosen.shape[-1] < K:  # an early block sees V < K keys: the invalid slots the reference
