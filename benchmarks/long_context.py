@@ -487,7 +487,7 @@ def goal_values(curve: dict, ics: dict, cross: dict, peak: float) -> dict:
     shown = {"prefill_crossover": cross["prefill_modules"]["text"],
              "prefill_dsa_memory": mem and f"{mib(vals['prefill_dsa_memory'])} MiB",
              "indexer_scoring_peak": g and f"{100 * vals['indexer_scoring_peak']:.0f}%"}
-    return {k: (v, shown.get(k) or (None if v is None else f"{v:.2f}")) for k, v in vals.items()}
+    return {k: (v, shown.get(k) or (None if v is None else f"{v:.3f}")) for k, v in vals.items()}
 
 
 def goals(curve: dict, ics: dict, cross: dict, peak: float) -> dict:

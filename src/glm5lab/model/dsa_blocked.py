@@ -6,8 +6,8 @@ t a block of at most `QUERY_BLOCK` queries, s a block of at most `KEY_BLOCK` key
 The reference (`LightningIndexer.scores` + `select_topk`) materialises fp32 dots [B, T, I, S],
 then ReLU-weights and sums them over heads in separate passes, each a trip through memory.
 Here, per block of t queries and s keys: one matmul [t*I, J] x [J, s] into a reused buffer
-(cache-resident: t*I*s*4 bytes = 1 MiB), the ReLU in place and the weighted head sum as a
-batched [1, I] x [I, s] product, written into the block's score row [t, S_visible]; then one
+(cache-resident: t*I*s*4 bytes = 1 MiB), the scale and the ReLU in place, the weighted head sum
+as a batched [1, I] x [I, s] product, written into the block's score row [t, S_visible]; then one
 fp32 top-k per query block (`select_topk_fast`). Key blocks past the query block's last position
 are skipped (causal), so the work is the causal pairs' multiply-adds plus one diagonal block.
 Memory: O(T K) for the result, O(t S) for one block's scores (not O(T S)).
@@ -28,8 +28,8 @@ reference, over its own tiles, is not tile-invariant either). Two keys whose sco
 such rounding can then swap. Exact ties of the computed scores (keys whose ReLUs are all 0) are
 broken by position in both.
 
-Source: DeepSeek-V3.2 (the lightning indexer; its FP8 kernel `fp8_index` in DeepSeek's
-inference code computes ReLU(q k) w per block in the same order), transformers'
+Source: DeepSeek-V3.2 (the lightning indexer; its released GPU kernels, DeepGEMM's indexer
+logits and TileLang's `fp8_mqa_logits` example, likewise score tile by tile), transformers'
 `GlmMoeDsaIndexer` (the reference's shapes and scaling).
 """
 
