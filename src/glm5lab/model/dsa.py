@@ -77,14 +77,16 @@ class LightningIndexer(nn.Module):
             scores_BTS = torch.einsum("bti,btis->bts", w_BTI, dots_BTIS.relu())
         return scores_BTS.masked_fill(~_visible(q_offset, B, T, k_BSJ.shape[1], x_BTD.device), float("-inf"))
 
-    def topk(self, x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, k: int, *, q_offset=0, blocked: bool | None = None) -> TopK:
-        """`select_topk(scores(...), k)`: the same keys in the same order, without the reference's
-        [B, T, I, S] intermediate. blocked=None (auto): the blocked kernel
-        (`dsa_blocked.index_topk_blocked`: scores per block of queries and keys, ReLU and head
-        sum on the cache-resident block, one fp32 top-k per query block, O(T k + block x S)
-        memory) for forwards of more than `BLOCKED_MIN_QUERIES` queries outside torch.compile; the reference otherwise (decode
-        and verification steps, compiled graphs: it has no host synchronisation). No gradient
-        (selection is discrete). Raises ValueError for k < 1."""
+    def topk(self, x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, k: int, *, q_offset=0,
+             blocked: bool | None = None) -> TopK:
+        """`select_topk(scores(...), k)`: the same keys in the same order (idx int64 [B, T,
+        min(k, S)]), without the reference's [B, T, I, S] intermediate. blocked=None (auto): the
+        blocked kernel (`dsa_blocked.index_topk_blocked`: scores per block of queries and keys,
+        ReLU and head sum on the cache-resident block, one fp32 top-k per query block, O(T k +
+        block x S) memory) for forwards of more than `BLOCKED_MIN_QUERIES` queries outside
+        torch.compile; the reference otherwise (decode and verification steps, compiled graphs:
+        it has no host synchronisation). No gradient (selection is discrete). Raises ValueError
+        for k < 1 or shapes that do not agree."""
         if blocked is None:
             blocked = x_BTD.shape[1] > BLOCKED_MIN_QUERIES and not torch.compiler.is_compiling()
         if not blocked:

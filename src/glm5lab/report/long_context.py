@@ -89,12 +89,13 @@ def render_section(record: dict | None, png: str | None = None) -> str:
             "uncached causal SDPA forward, DSA = chunked cached prefill (256); decode: one step at T cached tokens. "
             "x = dense / DSA time.\n\n")
     table = markdown_table(["context T", "prefill dense s", "prefill DSA s", "prefill x", "decode dense ms",
-                            "decode DSA ms", "decode x", "IndexCache 1/4 x, whole 4-layer forward (prefill / decode)"], curve_rows(record))
+                            "decode DSA ms", "decode x", "IndexCache 1/4 x, whole 4-layer forward (prefill / decode)"],
+                           curve_rows(record))
     cross = record.get("crossover", {})
     goals = record.get("goals", {})
-    lines = [f"\nCrossover (DSA faster, whole forward / step): prefill {cross.get('prefill', {}).get('text', 'n/a')}, "
-             f"decode {cross.get('decode', {}).get('text', 'n/a')} tokens. The goals below are judged on the time inside "
-             "the attention modules."]
+    prefill, decode = (cross.get(k, {}).get("text", "n/a") for k in ("prefill", "decode"))
+    lines = [f"\nCrossover (DSA faster, whole forward / step): prefill {prefill}, decode {decode} tokens. The goals "
+             "below are judged on the time inside the attention modules."]
     lines += [f"- {goal_line(g)}" for g in goals.values()]
     img = f"\n![long-context cost curve]({png})\n" if png else ""
     return head + table + "\n" + "\n".join(lines) + "\n" + img
