@@ -1,0 +1,128 @@
+"""Seed statistics for the ablation studies: intervals, differences, and one verdict rule.
+
+Every study runs each arm over a few seeds. A comparison between two arms is decided by the
+95% interval of their difference, never by the sign of two means:
+
+  reproduced             the interval excludes zero on the side the report found;
+  opposite               it excludes zero on the other side;
+  inconclusive at n      it contains zero: the seeds do not decide. `seeds_needed` says how many
+                         seeds the observed spread would need for the interval to exclude zero at
+                         the observed difference (a normal-approximation power estimate, 80%).
+
+Intervals are Student-t intervals (named "t" in what is reported): mean +- t_{0.975, n-1} s/sqrt(n)
+for one arm; for two arms that share their seeds (the same data order and initialisation per
+seed), the t-interval of the per-seed differences ("paired t"); otherwise Welch's interval
+("Welch t"). One seed gives no interval (its bounds are None) and is always inconclusive.
+
+Source: standard small-sample inference (Student 1908; Welch 1947); the power estimate is the
+usual n = ((z_{1-a/2} + z_{power}) s / |d|)^2.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scipy import stats as _scipy_stats
+
+CONFIDENCE = 0.95
+POWER = 0.8
+VERDICTS = ("reproduced", "opposite", "inconclusive")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """mean, sd (sample; 0.0 for one value), n, and the confidence interval [low, high] (None
+    for n < 2); method names how it was computed ("t", "paired t", "Welch t")."""
+
+    mean: float
+    sd: float
+    n: int
+    low: float | None
+    high: float | None
+    method: str
+
+    def text(self, digits: int = 3) -> str:
+        """'m [lo, hi]' (or 'm' alone when there is no interval)."""
+        if self.low is None:
+            return f"{self.mean:.{digits}f}"
+        return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
+
+
+def _values(values: Sequence[float], what: str) -> list[float]:
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError(f"{what}: no values (one per seed needed)")
+    if not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"{what}: non-finite value in {vals}")
+    return vals
+
+
+def interval(values: Sequence[float], *, confidence: float = CONFIDENCE) -> Interval:
+    """Student-t interval of the mean of `values` (one per seed). Raises ValueError for no
+    values or a non-finite one."""
+    vals = _values(values, "interval")
+    n, m = len(vals), statistics.fmean(vals)
+    if n < 2:
+        return Interval(m, 0.0, n, None, None, "t")
+    sd = statistics.stdev(vals)
+    half = _t(confidence, n - 1) * sd / math.sqrt(n)
+    return Interval(m, sd, n, m - half, m + half, "t")
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = CONFIDENCE) -> Interval:
+    """Interval of mean(a - b) over seeds run by both arms, a[i] and b[i] from the same seed.
+    Raises ValueError when the lengths differ."""
+    a, b = _values(a, "paired_difference a"), _values(b, "paired_difference b")
+    if len(a) != len(b):
+        raise ValueError(f"paired_difference: {len(a)} values against {len(b)}: pair them by seed")
+    d = interval([x - y for x, y in zip(a, b, strict=True)], confidence=confidence)
+    return Interval(d.mean, d.sd, d.n, d.low, d.high, "paired t")
+
+
+def welch_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = CONFIDENCE) -> Interval:
+    """Welch's interval of mean(a) - mean(b) for arms that do not share seeds; sd is the standard
+    error of the difference times sqrt(min(n_a, n_b)) (so that `seeds_needed` reads it like a
+    per-seed spread). None bounds when either arm has one value."""
+    a, b = _values(a, "welch_difference a"), _values(b, "welch_difference b")
+    d, n = statistics.fmean(a) - statistics.fmean(b), min(len(a), len(b))
+    if n < 2:
+        return Interval(d, 0.0, n, None, None, "Welch t")
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0.0:
+        return Interval(d, 0.0, n, d, d, "Welch t")
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = _t(confidence, dof) * se
+    return Interval(d, se * math.sqrt(n), n, d - half, d + half, "Welch t")
+
+
+def verdict(diff: Interval, report_sign: int) -> str:
+    """The rule: 'reproduced' when the interval excludes zero on the report's side
+    (report_sign +1: the report found the difference positive, -1 negative), 'opposite' when it
+    excludes zero on the other side, else 'inconclusive at n seeds'. Raises ValueError for a
+    report_sign other than +1 or -1."""
+    if report_sign not in (1, -1):
+        raise ValueError(f"report_sign must be +1 or -1 (the sign the report found), got {report_sign}")
+    if diff.low is None or diff.low <= 0.0 <= diff.high:
+        return f"inconclusive at {diff.n} seed{'s' if diff.n != 1 else ''}"
+    side = 1 if diff.low > 0.0 else -1
+    return "reproduced" if side == report_sign else "opposite"
+
+
+def seeds_needed(diff: Interval, *, confidence: float = CONFIDENCE, power: float = POWER) -> int | None:
+    """Seeds for an interval that excludes zero at the observed difference with probability
+    `power`, if the per-seed spread is the observed one: ceil(((z_{1-a/2} + z_power) sd / |mean|)^2),
+    at least 2. None when it cannot be said (one seed, or a zero difference)."""
+    if diff.n < 2 or diff.mean == 0.0:
+        return None
+    z = _scipy_stats.norm.ppf(1 - (1 - confidence) / 2) + _scipy_stats.norm.ppf(power)
+    return max(2, math.ceil((z * diff.sd / abs(diff.mean)) ** 2))
+
+
+def _t(confidence: float, dof: float) -> float:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    return float(_scipy_stats.t.ppf(1 - (1 - confidence) / 2, dof))

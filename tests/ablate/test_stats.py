@@ -1,0 +1,80 @@
+"""The ablation verdict arithmetic against hand-computed cases: t-intervals, paired and Welch
+differences, the reproduced / opposite / inconclusive rule, and the seeds-needed estimate.
+
+Tolerance: 1e-6 absolute (quantiles from scipy; hand values to 6+ digits)."""
+
+import math
+
+import pytest
+
+from glm5lab.ablate.stats import interval, paired_difference, seeds_needed, verdict, welch_difference
+
+T_975_DOF2 = 4.302653  # Student t quantile 0.975, 2 degrees of freedom (tables)
+T_975_DOF3 = 3.182446
+
+
+def test_t_interval_by_hand():
+    """[1, 2, 3]: mean 2, sd 1, half-width t(0.975, 2) / sqrt(3) = 2.484138."""
+    iv = interval([1.0, 2.0, 3.0])
+    assert (iv.mean, iv.sd, iv.n, iv.method) == (2.0, 1.0, 3, "t")
+    half = T_975_DOF2 / math.sqrt(3)
+    assert iv.low == pytest.approx(2 - half, abs=1e-6) and iv.high == pytest.approx(2 + half, abs=1e-6)
+    assert iv.text() == "2.000 [-0.484, 4.484]"
+    one = interval([3.5])
+    assert (one.low, one.high, one.sd) == (None, None, 0.0) and one.text() == "3.500"
+
+
+def test_paired_difference_pairs_by_seed():
+    """Seeds share data: a - b = [0.10, 0.12, 0.08, 0.10] (mean 0.10, sd 0.016330) although the
+    arms alone spread 100x wider; half-width t(0.975, 3) sd / 2 = 0.025984."""
+    a, b = [3.30, 3.52, 3.18, 3.60], [3.20, 3.40, 3.10, 3.50]
+    d = paired_difference(a, b)
+    assert d.method == "paired t" and d.n == 4
+    assert d.mean == pytest.approx(0.10, abs=1e-9) and d.sd == pytest.approx(0.0163299, abs=1e-6)
+    assert d.low == pytest.approx(0.10 - T_975_DOF3 * 0.0163299 / 2, abs=1e-6)
+    assert verdict(d, +1) == "reproduced" and verdict(d, -1) == "opposite"
+    unpaired = welch_difference(a, b)
+    assert unpaired.low < 0 < unpaired.high and verdict(unpaired, +1) == "inconclusive at 4 seeds"
+    with pytest.raises(ValueError, match="pair them by seed"):
+        paired_difference(a, b[:3])
+
+
+def test_welch_difference_by_hand():
+    """a = [1, 2, 3] (var 1), b = [4, 6] (var 2): d = -3, se = sqrt(1/3 + 1) = 1.154701,
+    Welch dof = (4/3)^2 / ((1/3)^2 / 2 + 1^2 / 1) = 1.684211."""
+    from scipy import stats
+
+    d = welch_difference([1.0, 2.0, 3.0], [4.0, 6.0])
+    se = math.sqrt(1 / 3 + 1)
+    dof = (4 / 3) ** 2 / ((1 / 3) ** 2 / 2 + 1)
+    half = stats.t.ppf(0.975, dof) * se
+    assert dof == pytest.approx(1.684211, abs=1e-6)
+    assert (d.mean, d.method, d.n) == (-3.0, "Welch t", 2)
+    assert d.low == pytest.approx(-3 - half, abs=1e-6) and d.high == pytest.approx(-3 + half, abs=1e-6)
+
+
+def test_verdict_rule_inconclusive_and_opposite_cases():
+    inconclusive = interval([0.02, -0.01, 0.03])   # mean 0.0133, contains 0
+    assert verdict(inconclusive, +1) == "inconclusive at 3 seeds" == verdict(inconclusive, -1)
+    opposite = interval([-0.30, -0.25, -0.35])      # excludes 0 below: report said +
+    assert verdict(opposite, +1) == "opposite" and verdict(opposite, -1) == "reproduced"
+    assert verdict(interval([0.5]), +1) == "inconclusive at 1 seed"
+    with pytest.raises(ValueError, match="report_sign must be"):
+        verdict(opposite, 0)
+
+
+def test_seeds_needed_by_hand():
+    """sd 1, mean 0.5: ((1.959964 + 0.841621) / 0.5)^2 = 31.39 -> 32 seeds; never below 2."""
+    iv = interval([0.5 - 1, 0.5, 0.5 + 1])          # mean 0.5, sd 1
+    assert seeds_needed(iv) == 32
+    assert seeds_needed(interval([1.0, 1.1, 0.9])) == 2
+    assert seeds_needed(interval([1.0])) is None and seeds_needed(interval([-1.0, 1.0])) is None
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="no values"):
+        interval([])
+    with pytest.raises(ValueError, match="non-finite"):
+        interval([1.0, float("nan")])
+    with pytest.raises(ValueError, match="confidence must be in"):
+        interval([1.0, 2.0], confidence=1.5)
