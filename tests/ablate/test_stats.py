@@ -64,11 +64,13 @@ def test_verdict_rule_inconclusive_and_opposite_cases():
 
 
 def test_seeds_needed_by_hand():
-    """sd 1, mean 0.5: ((1.959964 + 0.841621) / 0.5)^2 = 31.39 -> 32 seeds; never below 2."""
+    """sd 1, mean 0.5: ((1.959964 + 0.841621) / 0.5)^2 = 31.39 -> 32 seeds; never below 2; a
+    difference ~0 for its spread reads "more than 1000" (1001)."""
     iv = interval([0.5 - 1, 0.5, 0.5 + 1])          # mean 0.5, sd 1
     assert seeds_needed(iv) == 32
     assert seeds_needed(interval([1.0, 1.1, 0.9])) == 2
-    assert seeds_needed(interval([1.0])) is None and seeds_needed(interval([-1.0, 1.0])) is None
+    assert seeds_needed(interval([1.0])) is None and seeds_needed(interval([0.0, 0.0])) is None
+    assert seeds_needed(interval([-1.0, 1.0])) == 1001  # mean 0, sd 1.41: no realistic seed count
 
 
 def test_bad_values_are_refused():
@@ -78,3 +80,35 @@ def test_bad_values_are_refused():
         interval([1.0, float("nan")])
     with pytest.raises(ValueError, match="confidence must be in"):
         interval([1.0, 2.0], confidence=1.5)
+
+
+def test_compare_pairs_shared_seeds_and_says_what_is_needed():
+    from glm5lab.ablate.stats import compare, compare_text
+
+    a = {"0": 3.30, "1": 3.52, "2": 3.18, "3": 9.99}
+    b = {"0": 3.20, "1": 3.40, "2": 3.10}
+    c = compare(a, b, -1)  # seeds 0-2 only; the report found a - b negative
+    assert c["diff"].n == 3 and c["diff"].mean == pytest.approx((0.10 + 0.12 + 0.08) / 3)
+    assert c["verdict"] == "opposite" and compare_text(c).endswith(": opposite")
+    noisy = compare({"0": 1.0, "1": 1.2, "2": 0.9}, {"0": 1.05, "1": 1.0, "2": 1.0}, +1)
+    assert noisy["verdict"] == "inconclusive at 3 seeds" and "needed)" in compare_text(noisy)
+    with pytest.raises(ValueError, match="share no seed"):
+        compare({"0": 1.0}, {"1": 1.0}, +1)
+
+
+def test_mla_study_verdicts_from_seeds():
+    """Hand-made per-seed scores: GQA-8 worse than MLA in every seed (the report: better) ->
+    opposite; MLA + Muon Split better in every seed (as the report) -> reproduced; MLA-256 +
+    Muon Split scattered around MLA -> inconclusive."""
+    from glm5lab.ablate import study_mla
+
+    mla = {"0": 3.35, "1": 3.36, "2": 3.34}
+    loss = {"MLA": mla, "GQA-8": {s: v + 0.05 + 0.001 * i for i, (s, v) in enumerate(mla.items())},
+            "MLA + Muon Split": {s: v - 0.04 - 0.002 * i for i, (s, v) in enumerate(mla.items())},
+            "MLA-256 + Muon Split": {"0": 3.37, "1": 3.33, "2": 3.35}}
+    raw = {row: {s: {"val_loss": v, "mqar_accuracy": 0.27} for s, v in by_seed.items()} for row, by_seed in loss.items()}
+    cmps = study_mla.comparisons(raw)
+    assert cmps["GQA-8"]["loss"]["verdict"] == "opposite"
+    assert cmps["MLA + Muon Split"]["loss"]["verdict"] == "reproduced"
+    assert cmps["MLA-256 + Muon Split"]["loss"]["verdict"] == "inconclusive at 3 seeds"
+    assert cmps["GQA-8"]["mqar"]["verdict"] == "inconclusive at 3 seeds"  # equal accuracies: a zero interval

@@ -112,13 +112,20 @@ def verdict(diff: Interval, report_sign: int) -> str:
     return "reproduced" if side == report_sign else "opposite"
 
 
+MAX_SEEDS = 1000
+"""`seeds_needed` above this is reported as "more than 1000": the difference is ~0 for the spread."""
+
+
 def seeds_needed(diff: Interval, *, confidence: float = CONFIDENCE, power: float = POWER) -> int | None:
     """Seeds for an interval that excludes zero at the observed difference with probability
     `power`, if the per-seed spread is the observed one: ceil(((z_{1-a/2} + z_power) sd / |mean|)^2),
-    at least 2. None when it cannot be said (one seed, or a zero difference)."""
-    if diff.n < 2 or diff.mean == 0.0:
+    at least 2, capped at MAX_SEEDS + 1 (read "more than MAX_SEEDS"). None when it cannot be
+    said (one seed, or no difference and no spread)."""
+    if diff.n < 2 or (diff.mean == 0.0 and diff.sd == 0.0):
         return None
     z = _scipy_stats.norm.ppf(1 - (1 - confidence) / 2) + _scipy_stats.norm.ppf(power)
+    if abs(diff.mean) * math.sqrt(MAX_SEEDS) <= z * diff.sd:
+        return MAX_SEEDS + 1
     return max(2, math.ceil((z * diff.sd / abs(diff.mean)) ** 2))
 
 
@@ -126,3 +133,25 @@ def _t(confidence: float, dof: float) -> float:
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     return float(_scipy_stats.t.ppf(1 - (1 - confidence) / 2, dof))
+
+
+def compare(a_by_seed: dict, b_by_seed: dict, report_sign: int) -> dict:
+    """Arm a against arm b over the seeds both ran (dict keys: seed -> value): the paired
+    interval of a - b, its verdict against the report's sign (+1 / -1: the report found a - b
+    positive / negative) and the seeds the spread would need. Returns {"diff": Interval,
+    "verdict": str, "seeds_needed": int | None}. Raises ValueError when no seed is shared."""
+    seeds = sorted(set(a_by_seed) & set(b_by_seed))
+    if not seeds:
+        raise ValueError(f"compare: the arms share no seed ({sorted(a_by_seed)} vs {sorted(b_by_seed)})")
+    d = paired_difference([a_by_seed[s] for s in seeds], [b_by_seed[s] for s in seeds])
+    return {"diff": d, "verdict": verdict(d, report_sign), "seeds_needed": seeds_needed(d)}
+
+
+def compare_text(c: dict, digits: int = 3) -> str:
+    """'+0.012 [-0.010, 0.034]: inconclusive at 3 seeds (~12 needed)' for a `compare` result."""
+    d, v = c["diff"], c["verdict"]
+    text = f"{d.mean:+.{digits}f}" + ("" if d.low is None else f" [{d.low:+.{digits}f}, {d.high:+.{digits}f}]")
+    need, more = c["seeds_needed"], ""
+    if v.startswith("inconclusive") and need is not None:
+        more = f" (more than {MAX_SEEDS} needed)" if need > MAX_SEEDS else f" (~{need} needed)"
+    return f"{text}: {v}{more}"

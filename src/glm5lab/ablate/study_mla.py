@@ -17,8 +17,9 @@ Muon rule in either mode, so "muon-split" on GQA-8 is the same optimizer as "muo
 Scores (per variant and seed): validation text loss (`measure.labelled_loss` on the first
 `val_rows` windows of the validation split, nats/token) and MQAR per-query accuracy
 (`measure.mqar_accuracy`, teacher forced) on fresh seeded rows with the training length and
-number of key-value pairs. Mean ± sd over seeds is printed beside the report's seven
-benchmark accuracies and their mean.
+number of key-value pairs. The mean and its 95% t-interval over seeds are printed beside the
+report's seven benchmark accuracies and their mean; each variant's difference from MLA is
+paired by seed and judged by `glm5lab.ablate.stats` (reproduced / opposite / inconclusive).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import labelled_loss, mqar_accuracy
 from glm5lab.ablate.models import study_config, variant_config
 from glm5lab.ablate.report_figures import MLA, MLA_BENCHMARKS, mean
-from glm5lab.ablate.results import StudyResult, direction, figure, markdown_table, mean_sd
+from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
@@ -142,26 +144,49 @@ def _mean(raw: dict, row: str, key: str) -> float:
     return statistics.fmean(_scores(raw, row, key))
 
 
+def _by_seed(raw: dict, row: str, key: str) -> dict:
+    return {seed: r[key] for seed, r in raw[row].items()}
+
+
+def comparisons(raw: dict) -> dict:
+    """{variant: {"report": its mean - MLA's, "loss": compare(...), "mqar": compare(...)}} for
+    every variant but MLA: paired by seed against MLA (`glm5lab.ablate.stats.compare`), judged
+    against the report's side (a better benchmark mean means a lower loss and a higher MQAR
+    accuracy); None where the report's means are equal."""
+    out = {}
+    for row in VARIANTS:
+        if row == "MLA":
+            continue
+        d_rep = mean(MLA[row]) - mean(MLA["MLA"])
+        sign = 0 if d_rep == 0 else (1 if d_rep > 0 else -1)
+        out[row] = {"report": d_rep,
+                    **{name: compare(_by_seed(raw, row, key), _by_seed(raw, "MLA", key), side) if sign else None
+                       for name, key, side in (("loss", "val_loss", -sign), ("mqar", "mqar_accuracy", sign))}}
+    return out
+
+
 def table(raw: dict, params: dict, cfgs: dict) -> str:
-    """One row per variant: ours (mean ± sd), size, cache, the report's benchmarks and mean, and
-    the direction of the change vs MLA (ours: -loss and +MQAR; report: its mean)."""
-    head = ["variant", "optimizer", "val loss (nats)", "MQAR acc", "params", "cache values/token/layer",
-            *MLA_BENCHMARKS, "report mean", "vs MLA: loss / MQAR / report", "direction (loss, MQAR)"]
-    rows = []
+    """One row per variant: ours (mean, 95% t-interval over seeds), size, cache, the report's
+    benchmarks and mean, and each difference vs MLA with its paired interval and the verdict of
+    `glm5lab.ablate.stats` (reproduced / opposite / inconclusive at n seeds)."""
+    head = ["variant", "optimizer", "val loss (nats) [95% t]", "MQAR acc [95% t]", "params",
+            "cache values/token/layer", *MLA_BENCHMARKS, "report mean", "report vs MLA",
+            "ours vs MLA: val loss, paired [95% t]: verdict", "ours vs MLA: MQAR, paired [95% t]: verdict"]
+    rows, cmps = [], comparisons(raw)
     for row, (_, opt) in VARIANTS.items():
         rep = MLA[row]
         if row == "MLA":
-            cmp = ["reference", "-"]
+            cmp = ["reference", "-", "-"]
         else:
-            d_loss = _mean(raw, row, "val_loss") - _mean(raw, "MLA", "val_loss")
-            d_acc = _mean(raw, row, "mqar_accuracy") - _mean(raw, "MLA", "mqar_accuracy")
-            d_rep = mean(rep) - mean(MLA["MLA"])
-            cmp = [f"{d_loss:+.3f} / {d_acc:+.3f} / {d_rep:+.2f}",
-                   f"{direction(-d_loss, d_rep)}, {direction(d_acc, d_rep)}"]
-        rows.append([row, opt, mean_sd(_scores(raw, row, "val_loss")), mean_sd(_scores(raw, row, "mqar_accuracy")),
-                     params[row], cache_values(cfgs[row]), *[f"{v:.1f}" for v in rep], f"{mean(rep):.2f}", *cmp])
-    return ("Validation text loss and MQAR per-query accuracy (mean ± sd over seeds) beside the report's proxy "
-            "ablation (accuracy %)\n\n" + markdown_table(head, rows))
+            c = cmps[row]
+            cmp = [f"{c['report']:+.2f}", *["-" if c[k] is None else compare_text(c[k]) for k in ("loss", "mqar")]]
+        rows.append([row, opt, interval(_scores(raw, row, "val_loss")).text(),
+                     interval(_scores(raw, row, "mqar_accuracy")).text(), params[row], cache_values(cfgs[row]),
+                     *[f"{v:.1f}" for v in rep], f"{mean(rep):.2f}", *cmp])
+    return ("Validation text loss and MQAR per-query accuracy (mean [95% t-interval] over seeds) beside the "
+            "report's proxy ablation (accuracy %). Verdicts: reproduced / opposite when the paired 95% interval of "
+            "the difference excludes zero on the report's / the other side, else inconclusive (with the seeds "
+            "the observed spread would need).\n\n" + markdown_table(head, rows))
 
 
 def ranking(values: dict, *, higher_is_better: bool) -> list[str]:
@@ -179,10 +204,9 @@ def notes(raw: dict, settings: dict) -> list[str]:
         same = "matches the report's" if order == rep else "DIFFERS from the report's"
         out.append(f"Our ordering by {name}: {' > '.join(order)}; it {same} ordering "
                    f"(Spearman rho {spearman(order, rep):+.2f}).")
-    ms = _mean(raw, "MLA + Muon Split", "val_loss") - _mean(raw, "MLA", "val_loss")
-    out.append(f"Muon Split on MLA changes our validation loss by {ms:+.3f} nats (report: mean "
-               f"{mean(MLA['MLA + Muon Split']) - mean(MLA['MLA']):+.2f} points, an improvement); "
-               + ("same direction." if ms < 0 else "direction DIFFERS."))
+    ms = comparisons(raw)["MLA + Muon Split"]["loss"]
+    out.append(f"Muon Split on MLA, validation loss (nats) vs MLA: {compare_text(ms)} (report: mean "
+               f"{mean(MLA['MLA + Muon Split']) - mean(MLA['MLA']):+.2f} points, an improvement).")
     out.append("GQA-8 trains with whole-matrix Muon: Muon Split's per-head rule covers only MLA's q_b_proj / "
                "kv_b_proj, so on GQA-8 'muon-split' equals 'muon' (parameter-group tables equal: "
                f"{settings['gqa_muon_split_equals_muon']}).")
