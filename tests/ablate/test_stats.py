@@ -112,3 +112,31 @@ def test_mla_study_verdicts_from_seeds():
     assert cmps["MLA + Muon Split"]["loss"]["verdict"] == "reproduced"
     assert cmps["MLA-256 + Muon Split"]["loss"]["verdict"] == "inconclusive at 3 seeds"
     assert cmps["GQA-8"]["mqar"]["verdict"] == "inconclusive at 3 seeds"  # equal accuracies: a zero interval
+
+
+def test_dsa_study_verdicts_from_seeds():
+    """Per-seed MQAR at the longest length (lists in seed order): warm-up only below dense in
+    every seed (the report: -7.86) -> reproduced; full adaptation above dense in every seed (the
+    report: -0.35, i.e. the sign it found is negative) -> opposite."""
+    from glm5lab.ablate import study_dsa
+
+    lengths = [64, 128]
+    raw = {"dense": {"64": [50.0, 52.0, 51.0], "128": [30.0, 32.0, 31.0]},
+           "warm-up only": {"64": [40.0, 41.0, 42.0], "128": [20.0, 23.0, 21.0]},
+           "full adaptation": {"64": [55.0, 56.0, 57.0], "128": [35.0, 36.0, 35.5]}}
+    assert study_dsa.comparison(raw, "warm-up only", lengths)["verdict"] == "reproduced"
+    assert study_dsa.comparison(raw, "full adaptation", lengths)["verdict"] == "opposite"
+
+
+def test_mtp_study_verdict_from_seeds():
+    """Acceptance at k=4: depth 3 above depth 1 in every seed, as the report (GLM-5 2.76 >
+    DeepSeek-V3.2 2.55) -> reproduced; greedy scattered -> inconclusive."""
+    from glm5lab.ablate import study_mtp
+
+    def run(greedy: float, sampled: float) -> dict:
+        return {"acceptance_length": {"greedy": {"4": greedy}, "T=1": {"4": sampled}}}
+
+    raw = {"0": {"1": run(2.0, 2.1), "3": run(2.1, 2.5)}, "1": {"1": run(2.2, 2.0), "3": run(2.1, 2.45)},
+           "2": {"1": run(2.1, 2.2), "3": run(2.15, 2.6)}}
+    assert study_mtp.comparison(raw, "T=1")["verdict"] == "reproduced"
+    assert study_mtp.comparison(raw, "greedy")["verdict"] == "inconclusive at 3 seeds"

@@ -31,7 +31,7 @@ def test_table_holds_every_arm_and_the_report_figures(quick):
     for arm, figures in DSA.items():
         line = next(row for row in text.splitlines() if row.startswith(f"| {arm} |"))
         assert all(f"{v:.3f}" in line for v in figures)
-    assert f"{DSA_128K['DSA'][1]:.3f}" in text and "direction" in text
+    assert f"{DSA_128K['DSA'][1]:.3f}" in text and "paired [95% t]: verdict" in text
     lengths = [study_dsa.SIZES["quick"]["T"] * k for k in study_dsa.SIZES["quick"]["scales"]]
     assert all(f"T={n}" in text for n in lengths)
 

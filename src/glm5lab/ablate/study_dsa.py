@@ -28,7 +28,8 @@ from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import mqar_accuracy
 from glm5lab.ablate.models import study_config
 from glm5lab.ablate.report_figures import CONTEXTS, DSA, DSA_128K
-from glm5lab.ablate.results import StudyResult, direction, figure, markdown_table, mean_sd
+from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
@@ -42,8 +43,6 @@ SIZES = {  # T: training length; topk: index_topk; W, A: warm-up and adaptation 
     "default": dict(layers=2, hidden=128, T=64, topk=16, pairs=4, batch=16, task_rows=12, base_steps=1200, W=100,
                     A=300, lr=3e-3, adapt_lr=1e-3, eval_rows=128, scales=(1, 2, 4, 8)),
 }
-TOL_POINTS = 2.0
-"""Changes within +-2 accuracy points count as "no change" in the direction column (ours and the report's)."""
 
 
 def config(s: dict):
@@ -127,18 +126,27 @@ def _means(raw: dict, row: str, lengths) -> list[float]:
     return [sum(raw[row][str(n)]) / len(raw[row][str(n)]) for n in lengths]
 
 
+def comparison(raw: dict, row: str, lengths: list[int]) -> dict:
+    """`row` against the dense arm at the longest length, paired by seed (the arms share the base
+    model and data of each seed), judged against the sign of the report's 128K difference
+    (`glm5lab.ablate.stats.compare`)."""
+    n = str(lengths[-1])
+    d_rep = DSA[row][-1] - DSA["dense"][-1]
+    return compare(dict(enumerate(raw[row][n])), dict(enumerate(raw["dense"][n])), 1 if d_rep > 0 else -1)
+
+
 def tables(raw: dict, lengths: list[int]) -> str:
-    """Ours (rows: arms, columns: lengths, mean ± sd over seeds) beside the report's 4K..128K,
-    the direction at the longest length vs dense, and the report's 128K MLA vs DSA."""
+    """Ours (rows: arms, columns: lengths, mean [95% t-interval] over seeds) beside the report's
+    4K..128K, the difference vs dense at the longest length with its paired interval and verdict
+    (`glm5lab.ablate.stats`), and the report's 128K MLA vs DSA."""
     head = ["arm", "eval"] + [f"T={n}" for n in lengths] + [f"report {c}" for c in CONTEXTS] + \
-        [f"vs dense at {lengths[-1]} (ours / report 128K)", "direction"]
-    dense_last, rows = _means(raw, "dense", lengths)[-1], []
+        ["report 128K vs dense", f"ours vs dense at {lengths[-1]}, paired [95% t]: verdict"]
+    rows = []
     for row in EVAL_DSA:
-        ours = [mean_sd(raw[row][str(n)], 1) for n in lengths]
+        ours = [interval(raw[row][str(n)]).text(1) for n in lengths]
         rep = list(DSA.get(row, (None,) * len(CONTEXTS)))
         if row in DSA and row != "dense":
-            d_ours, d_rep = _means(raw, row, lengths)[-1] - dense_last, DSA[row][-1] - DSA["dense"][-1]
-            cmp = [f"{d_ours:+.1f} / {d_rep:+.2f}", direction(d_ours, d_rep, tol=TOL_POINTS)]
+            cmp = [f"{DSA[row][-1] - DSA['dense'][-1]:+.2f}", compare_text(comparison(raw, row, lengths), 1)]
         else:
             cmp = ["reference", "-"]
         rows.append([row, "DSA" if EVAL_DSA[row] else "dense", *ours, *rep, *cmp])
@@ -155,19 +163,15 @@ def tables(raw: dict, lengths: list[int]) -> str:
 def notes(raw: dict, lengths: list[int], s: dict) -> list[str]:
     """Direction notes: does full adaptation recover dense; does warm-up only fall behind at the
     longest length (the report: yes, -0.35 and -7.86 points at 128K)."""
-    m = {row: _means(raw, row, lengths) for row in EVAL_DSA}
-    full, warm = m["full adaptation"][-1] - m["dense"][-1], m["warm-up only"][-1] - m["dense"][-1]
+    full, warm = (comparison(raw, arm, lengths) for arm in ("full adaptation", "warm-up only"))
     rep_full, rep_warm = DSA["full adaptation"][-1] - DSA["dense"][-1], DSA["warm-up only"][-1] - DSA["dense"][-1]
     out = [f"Training length T = {s['T']}, index_topk = {s['topk']}: at {lengths[-1]} tokens the sparse arms keep "
            f"{100 * s['topk'] / lengths[-1]:.1f}% of the keys; lengths above T use positions never trained on "
            "(RoPE without scaling), for every arm.",
-           f"Full adaptation vs dense at {lengths[-1]}: {full:+.1f} points (report at 128K: {rep_full:+.2f}); "
-           + ("recovers dense (within ±2 points), as the report." if abs(full) <= TOL_POINTS else
-              "DIFFERS from the report, which recovers dense (within ±2 points)." if full < 0 else
-              "beats dense by more than 2 points (the report: within ±2 points): direction DIFFERS."),
-           f"Warm-up only vs dense at {lengths[-1]}: {warm:+.1f} points (report at 128K: {rep_warm:+.2f}); "
-           + ("falls behind, as the report." if warm < -TOL_POINTS else
-              "does not fall behind: direction DIFFERS from the report."),
+           f"Full adaptation vs dense at {lengths[-1]}: {compare_text(full, 1)} points (report at 128K: "
+           f"{rep_full:+.2f}: it recovers dense).",
+           f"Warm-up only vs dense at {lengths[-1]}: {compare_text(warm, 1)} points (report at 128K: "
+           f"{rep_warm:+.2f}, it falls behind).",
            "Warm-up only trains only the indexers: its attention and FFN weights are the base model's, so it also "
            "misses the W + A further LM steps the other arms get (as in the report, where warm-up leaves the model "
            "frozen).",

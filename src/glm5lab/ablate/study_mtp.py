@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.models import study_config, variant_config
 from glm5lab.ablate.report_figures import MTP
-from glm5lab.ablate.results import StudyResult, direction, figure, markdown_table, mean_sd
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, mean_sd
+from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
@@ -131,18 +132,28 @@ def _m(values: list[float]) -> float:
     return statistics.fmean(values)
 
 
+def comparison(raw: dict, mode: str) -> dict:
+    """Acceptance at k=4, depth 3 against depth 1, paired by seed (both depths train from the
+    same seed's data and initialisation), judged against the report's sign (GLM-5's 3 depths
+    2.76 > DeepSeek-V3.2's one 2.55: positive) by `glm5lab.ablate.stats.compare`."""
+    by_seed = {depth: {seed: raw[seed][str(depth)]["acceptance_length"][mode]["4"] for seed in raw}
+               for depth in (1, 3)}
+    return compare(by_seed[3], by_seed[1], 1 if MTP["GLM-5"] > MTP["DeepSeek-V3.2"] else -1)
+
+
 def table(raw: dict) -> str:
-    """Acceptance length (mean ± sd over seeds): rows depth x mode, columns k = 1..4, the report's
-    figures at 4 steps beside; then the teacher-forced CE by MTP depth."""
+    """Acceptance length (mean [95% t-interval] over seeds): rows depth x mode, columns k = 1..4,
+    the report's figures at 4 steps beside, depth 3 - depth 1 at k=4 with its paired interval and
+    verdict (`glm5lab.ablate.stats`); then the teacher-forced CE by MTP depth."""
     head = ["training depth", "decoding", *[f"k={k}" for k in DRAFT_STEPS], "report GLM-5 (k=4)",
-            "report DeepSeek-V3.2 (k=4)", "depth 3 - depth 1 at k=4: ours / report", "direction"]
+            "report DeepSeek-V3.2 (k=4)", "report: GLM-5 - DeepSeek-V3.2",
+            "ours: depth 3 - depth 1 at k=4, paired [95% t]: verdict"]
     d_rep = MTP["GLM-5"] - MTP["DeepSeek-V3.2"]
     rows = []
     for mode in MODES:
-        d = _m(_acc(raw, 3, mode, 4)) - _m(_acc(raw, 1, mode, 4))
         for depth in DEPTHS:
-            cmp = [f"{d:+.2f} / {d_rep:+.2f}", direction(d, d_rep)] if depth == 3 else ["", ""]
-            rows.append([f"depth {depth}", mode, *[mean_sd(_acc(raw, depth, mode, k), 2) for k in DRAFT_STEPS],
+            cmp = [f"{d_rep:+.2f}", compare_text(comparison(raw, mode), 2)] if depth == 3 else ["", ""]
+            rows.append([f"depth {depth}", mode, *[interval(_acc(raw, depth, mode, k)).text(2) for k in DRAFT_STEPS],
                          f"{MTP['GLM-5']:.2f}", f"{MTP['DeepSeek-V3.2']:.2f}", *cmp])
     ce_head = ["training depth", "main head", *[f"MTP depth {j}" for j in DRAFT_STEPS]]
     ce_rows = [[f"depth {d}", *[mean_sd([raw[s][str(d)]["val_ce_by_depth"][j] for s in raw])
@@ -159,10 +170,8 @@ def notes(raw: dict) -> list[str]:
     out = []
     for mode in MODES:
         a1, a3 = _m(_acc(raw, 1, mode, 4)), _m(_acc(raw, 3, mode, 4))
-        same = direction(a3 - a1, MTP["GLM-5"] - MTP["DeepSeek-V3.2"]) == "same"
-        out.append(f"{mode}, k=4: depth 3 {a3:.2f} vs depth 1 {a1:.2f} "
-                   + ("(depth 3 longer, the report's direction: GLM-5 2.76 > DeepSeek-V3.2 2.55)." if same else
-                      "(direction DIFFERS from the report's GLM-5 2.76 > DeepSeek-V3.2 2.55)."))
+        out.append(f"{mode}, k=4: depth 3 {a3:.2f} vs depth 1 {a1:.2f}, paired difference "
+                   f"{compare_text(comparison(raw, mode), 2)} (the report: GLM-5 2.76 > DeepSeek-V3.2 2.55).")
     out.append("Drafting chains the one shared MTP layer k times: draft steps beyond the training depth (k >= 2 for "
                "depth 1, k = 4 for depth 3) apply it at unroll positions never trained, i.e. extrapolation; the "
                "CE table shows the draft quality by depth.")
