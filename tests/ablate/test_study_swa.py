@@ -20,7 +20,7 @@ def test_swa_quick_writes_table_raw_numbers_and_plot(tmp_path, study_corpus):
     for v in VARIANTS:
         assert f"| {v} |" in table
         assert all(f"{x:.3f}" in table for x in rf.SWA[v])
-    assert "direction" in table and "Searched patterns" in table
+    assert "paired [95% t]: verdict" in table and "Searched patterns" in table
     info = json.loads((tmp_path / "results.json").read_text())
     assert info["seeds"] == [0] and info["quick"] is True
     for v in VARIANTS:

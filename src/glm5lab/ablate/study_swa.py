@@ -29,7 +29,8 @@ from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import mqar_accuracy, niah_accuracy
 from glm5lab.ablate.models import study_config, variant_config
-from glm5lab.ablate.results import StudyResult, direction, figure, markdown_table, mean_sd
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, mean_sd
+from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import BatchFn, Workbench
 from glm5lab.evals.niah import make_niah_batch, training_pair
@@ -164,22 +165,32 @@ def _mean(raw_v: dict, seeds, n: int, key: str = "score") -> float:
     return statistics.fmean(raw_v[s][n][key] for s in seeds)
 
 
+def comparison(raw: dict, v: str, beyond: list[int], seeds: list[int]) -> dict:
+    """Variant v against full attention: per seed, the mean score change over the lengths above
+    the window, paired by seed (the same model and rows per seed), judged against the sign of the
+    report's mean change above 4K (`glm5lab.ablate.stats.compare`, plus "report": that change)."""
+    d_rep = rf.mean([a - b for a, b in zip(rf.SWA[v][1:], rf.SWA["full"][1:], strict=True)])
+    per_seed = {s: statistics.fmean(raw[v][s][n]["score"] - raw["full"][s][n]["score"] for n in beyond) for s in seeds}
+    return {"report": d_rep, **compare(per_seed, dict.fromkeys(seeds, 0.0), 1 if d_rep > 0 else -1)}
+
+
 def _table(raw: dict, sz: Sizes, searches: dict, seeds: list[int]) -> tuple[str, list[str]]:
     beyond = [n for n in sz.lengths if n > sz.window]
     headers = (["variant"] + [f"ours {n}" for n in sz.lengths] + [f"report {c}" for c in rf.CONTEXTS]
-               + ["change vs full (ours > w / report > 4K)", "direction"])
+               + ["report vs full (> 4K)", "ours vs full (> w), paired [95% t]: verdict"])
     rows = []
     for v in VARIANTS:
-        ours = [mean_sd([raw[v][s][n]["score"] for s in seeds], 1) for n in sz.lengths]
+        ours = [interval([raw[v][s][n]["score"] for s in seeds]).text(1) for n in sz.lengths]
         if v == "full":
             rows.append([v, *ours, *rf.SWA[v], "-", "-"])
             continue
-        d_ours = statistics.fmean(_mean(raw[v], seeds, n) - _mean(raw["full"], seeds, n) for n in beyond)
-        d_rep = rf.mean([a - b for a, b in zip(rf.SWA[v][1:], rf.SWA["full"][1:], strict=True)])
-        rows.append([v, *ours, *rf.SWA[v], f"{d_ours:+.1f} / {d_rep:+.1f}", direction(d_ours, d_rep, tol=TOL)])
+        c = comparison(raw, v, beyond, seeds)
+        rows.append([v, *ours, *rf.SWA[v], f"{c['report']:+.1f}", compare_text(c, 1)])
     text = (f"Retrieval score (100 x mean of MQAR accuracy and NIAH exact match) by context length in tokens; "
             f"ours: window w = {sz.window}, trained at T = {sz.seq_len}, no extra training; "
-            f"report: 4K..128K. Mean ± sd over seeds {seeds}.\n\n" + markdown_table(headers, rows))
+            f"report: 4K..128K. Mean [95% t-interval] over seeds {seeds}; the change vs full is each seed's mean "
+            f"over the lengths above the window, paired by seed (`glm5lab.ablate.stats`).\n\n"
+            + markdown_table(headers, rows))
     detail = [[v, task, *[mean_sd([raw[v][s][n][task] for s in seeds]) for n in sz.lengths]]
               for v in VARIANTS for task in ("mqar", "niah")]
     text += "\nPer task (accuracy in [0, 1]):\n\n" + markdown_table(["variant", "task", *map(str, sz.lengths)], detail)
