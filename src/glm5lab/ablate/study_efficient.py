@@ -33,7 +33,8 @@ from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import labelled_loss
-from glm5lab.ablate.results import StudyResult, direction, figure, markdown_table, mean_sd
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, mean_sd
+from glm5lab.ablate.stats import compare, compare_text
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.study_swa import DEFAULT as SWA_DEFAULT
 from glm5lab.ablate.study_swa import QUICK as SWA_QUICK
@@ -158,6 +159,14 @@ def _loss_change(raw: dict, v: str, seeds) -> float:
     return statistics.fmean(raw[v][s]["val_loss"] - raw["full attention"][s]["val_loss"] for s in seeds)
 
 
+def comparison(raw: dict, v: str, fz: Further, seeds) -> dict:
+    """Variant v against full attention: per seed, the mean retrieval change (points, over the
+    eval lengths and tasks), paired by seed, judged against the sign of the report's mean change
+    (`glm5lab.ablate.stats.compare`)."""
+    per_seed = {s: _retrieval_change(raw, v, fz, [s]) for s in seeds}
+    return compare(per_seed, dict.fromkeys(seeds, 0.0), 1 if rf.mean(rf.EFFICIENT[v]) > 0 else -1)
+
+
 def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     lengths = eval_lengths(fz)
     abs_rows = [[v, *[mean_sd([raw[v][s][n][t] for s in seeds]) for t in TASKS for n in lengths],
@@ -172,21 +181,23 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     r_ours, r_rep = rank(ours), rank(rep)
     rows = [[v, f"{_retrieval_change(raw, v, fz, seeds, 'mqar'):+.1f}", f"{_retrieval_change(raw, v, fz, seeds, 'niah'):+.1f}",
              f"{_loss_change(raw, v, seeds):+.3f}", *[f"{x:+.2f}" for x in rf.EFFICIENT[v]],
-             f"{ours[v]:+.1f} / {rep[v]:+.2f}", f"{r_ours[v]} / {r_rep[v]}", direction(ours[v], rep[v], tol=1.0)]
+             f"{ours[v]:+.1f} / {rep[v]:+.2f}", f"{r_ours[v]} / {r_rep[v]}",
+             compare_text(comparison(raw, v, fz, seeds), 1)]
             for v in VARIANTS[1:]]
     text += ("\nChange vs full attention (ours: points of accuracy, mean over lengths " + ", ".join(map(str, lengths))
              + "; loss in nats, lower is better; report: points at 128K):\n\n" + markdown_table(
                  ["variant", "ours Δ MQAR", "ours Δ NIAH", "ours Δ val loss",
                   *[f"report Δ {b}" for b in rf.EFFICIENT_BENCHMARKS], "mean Δ ours / report",
-                  "rank ours / report", "direction"], rows))
+                  "rank ours / report", "ours mean Δ, paired [95% t]: verdict"], rows))
     text += "\nSearched SWA pattern per seed (F full, S SWA): " + "; ".join(
         f"seed {s}: " + "".join("S" if m == "swa" else "F" for m in patterns[s]) for s in seeds) + "\n"
-    return text, _notes(ours, rep, r_ours, r_rep, raw, seeds)
+    verdicts = {v: comparison(raw, v, fz, seeds) for v in VARIANTS[1:]}
+    return text, _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts)
 
 
-def _notes(ours, rep, r_ours, r_rep, raw, seeds) -> list[str]:
-    notes = [f"{v}: mean retrieval change {ours[v]:+.1f} vs report {rep[v]:+.2f}: DIFFERS in sign from the report."
-             for v in ours if direction(ours[v], rep[v], tol=1.0) != "same"]
+def _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts: dict) -> list[str]:
+    notes = [f"{v}: mean retrieval change {compare_text(c, 1)} vs report {rep[v]:+.2f}: the opposite of the report."
+             for v, c in verdicts.items() if c["verdict"] == "opposite"]
     order = sorted(ours, key=lambda k: -ours[k])
     report_order = sorted(rep, key=lambda k: -rep[k])
     notes.append(f"ordering by mean retrieval change: ours {' > '.join(order)}; report {' > '.join(report_order)}"
