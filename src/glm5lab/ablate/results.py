@@ -22,7 +22,7 @@ class StudyResult:
     """study: its name. table: markdown (may hold several tables). raw: JSON-able numbers, per
     variant and seed. settings: JSON-able sizes and model configs. seeds: the seeds run.
     plot: writes the PNG to the path it is given. notes: one line each, in particular every place
-    where our direction differs from the report's."""
+    where our result is the opposite of the report's or inconclusive."""
 
     study: str
     table: str
@@ -92,12 +92,6 @@ def mean_sd(values: Sequence[float], digits: int = 3) -> str:
     if len(values) < 2:
         return f"{m:.{digits}f}"
     return f"{m:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
-def direction(ours: float, theirs: float, *, tol: float = 0.0) -> str:
-    """'same' when the signs of two changes agree (|x| <= tol counts as zero), else 'DIFFERS'."""
-    sign = lambda x: 0 if abs(x) <= tol else (1 if x > 0 else -1)  # noqa: E731
-    return "same" if sign(ours) == sign(theirs) else "DIFFERS"
 
 
 def figure():
