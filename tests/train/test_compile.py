@@ -17,10 +17,10 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.train import compile as train_compile
 from glm5lab.train.compile import CompiledLosses
-from glm5lab.train.loop import TrainArgs, _Loop, optimizer_step, set_trainable, train
+from glm5lab.train.loop import TrainArgs, optimizer_step, set_trainable, train
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from tests.train.test_loop import _args, _rows, corpus  # noqa: F401  (fixture)
+from tests.train.test_loop import _args, _rows, corpus, train_killed_at  # noqa: F401  (fixture)
 
 COMPILE_TOL = dict(rtol=1e-4, atol=1e-5)
 """fp32 CPU, compiled vs eager, same weights and window. Observed (tiny preset, 2 x 24 tokens):
@@ -135,17 +135,7 @@ def test_compiled_run_checkpoints_load_into_eager_and_resume(corpus, monkeypatch
                                           "checkpoint_every": 2, "eval_every": 2, **kw})
     train(args(corpus / "eager"))
     killed = corpus / "compiled"
-    real_step = _Loop.train_step
-
-    def dying_step(self, stage, stream, i):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return real_step(self, stage, stream, i)
-
-    monkeypatch.setattr(_Loop, "train_step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
-        train(args(killed, compile=True))
-    monkeypatch.setattr(_Loop, "train_step", real_step)
+    train_killed_at(3, args(killed, compile=True), monkeypatch)
     train(args(killed, compile=True, resume=True))
     assert backend.frame_count >= 2  # both stages ran compiled
     assert json.loads((killed / "run.json").read_text())["args"]["compile"] is True

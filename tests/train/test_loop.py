@@ -83,21 +83,26 @@ def test_warmup_trains_only_the_indexer(corpus):
         assert changed == (".indexer." in key), key  # the MTP layer's (layers.4) indexer included
 
 
-def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monkeypatch):
-    full = corpus / "full"
-    train(_args(corpus, full))
-    killed = corpus / "killed"
+def train_killed_at(step: int, args: TrainArgs, monkeypatch) -> None:
+    """Run `train(args)` and kill it (KeyboardInterrupt) when the loop reaches `step`."""
     real_step = _Loop.train_step
 
     def dying_step(self, stage, stream, i):
-        if self.step == 7:
+        if self.step == step:
             raise KeyboardInterrupt
         return real_step(self, stage, stream, i)
 
     monkeypatch.setattr(_Loop, "train_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        train(_args(corpus, killed))
+        train(args)
     monkeypatch.setattr(_Loop, "train_step", real_step)
+
+
+def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monkeypatch):
+    full = corpus / "full"
+    train(_args(corpus, full))
+    killed = corpus / "killed"
+    train_killed_at(7, _args(corpus, killed), monkeypatch)
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step-000006"
     train(_args(corpus, killed, resume=True))
     a, b = _rows(full), _rows(killed)
