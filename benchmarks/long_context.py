@@ -62,7 +62,6 @@ import ctypes
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -90,8 +89,8 @@ GOALS = {
     "indexer_scoring_peak": ("indexer scoring at 32K (prefill) >= 40% of the measured matmul peak", 0.4),
     "prefill_dsa_memory": ("64K DSA prefill of one layer: peak memory rise <= 4 GiB", 4 * 2**30),
 }
-"""Every time goal is judged on the attention modules (`AttentionClock`: each layer's self_attn,
-projections and o_proj included, as the forward runs them); the whole forward and the bare
+"""Every time goal is judged on the attention modules (`search_indexcache.AttentionClock`: each
+MLA self_attn, projections and o_proj included, as the forward runs them); the whole forward and the bare
 kernels ("parts") are printed beside."""
 IC_TYPES = {"full": ["full"] * 4, "retain_1_2": ["full", "shared", "full", "shared"],
             "retain_1_4": ["full", "shared", "shared", "shared"]}
@@ -147,37 +146,11 @@ def _trim(device) -> None:
             pass
 
 
-class AttentionClock:
-    """Seconds spent inside a model's attention modules (every layer's `self_attn`: projections,
-    indexer, top-k, core attention, o_proj) during one call, from forward hooks (synchronising
-    CUDA at each edge). `reset()` before a call, read `total` after it."""
-
-    def __init__(self, model, device):
-        self.device, self.total, self._t0 = torch.device(device), 0.0, 0.0
-        for layer in model.model.layers:
-            layer.self_attn.register_forward_pre_hook(self._start)
-            layer.self_attn.register_forward_hook(self._stop)
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _start(self, module, args) -> None:
-        self._t0 = self._now()
-
-    def _stop(self, module, args, out) -> None:
-        self.total += self._now() - self._t0
-
-    def reset(self) -> None:
-        self.total = 0.0
-
-
 def measure(cases: dict, *, device, repeats: int, warm: tuple = (), clocks: dict | None = None,
             memory: bool = True) -> tuple[dict, dict]:
     """Run each callable of `warm` once, then `repeats` rounds of every case in turn, each call
     timed (`common.timed`) with its peak-memory rise. Returns ({name: {"s": median seconds,
-    "s_repeats", "peak_bytes": max rise, and with `clocks` ({name: AttentionClock}) "attention_s":
+    "s_repeats", "peak_bytes": max rise, and with `clocks` ({name: `AttentionClock`}) "attention_s":
     the median seconds inside the attention modules}}, {name: the last call's result}).
     memory=False: no peak tracking (peak_bytes None). For millisecond calls (decode): the reset
     (malloc_trim, clear_refs) makes the next call fault its pages back in, which costs ~0.2-0.8
@@ -436,10 +409,12 @@ def indexcache_point(args, models: dict, ids, tok, device, curve: dict) -> dict:
 
 
 def clocks_for(models: dict, device) -> dict:
-    """One AttentionClock per model, made once and kept on the model (its hooks stay registered)."""
+    """One `AttentionClock` per model, made once and kept on the model (its hooks stay registered)."""
+    from glm5lab.evals.search_indexcache import AttentionClock
+
     for model in models.values():
         if not hasattr(model, "_attention_clock"):
-            model._attention_clock = AttentionClock(model, device)
+            model._attention_clock = AttentionClock(model)
     return {name: model._attention_clock for name, model in models.items()}
 
 

@@ -153,3 +153,21 @@ def test_model_without_dsa(cfg, ids):
         search_indexcache(dense, ids)
     with pytest.raises(ValueError, match="retentions"):
         uniform_pattern(cfg, 2.0)
+
+
+def test_attention_clock_sums_mla_module_time_until_closed(model, ids):
+    """The hooks add time on every MLA module call and stop once closed; `attention_time` reads
+    it (attention <= the whole forward)."""
+    from glm5lab.evals.search_indexcache import AttentionClock, attention_time
+
+    with torch.no_grad(), AttentionClock(model) as clock:
+        model(ids)
+        first = clock.total
+        assert first > 0
+        clock.reset()
+        assert clock.total == 0.0
+    with torch.no_grad():
+        model(ids)
+    assert clock.total == 0.0 and not clock._handles
+    attn_ms, whole_ms = attention_time(model, ids, 2)
+    assert 0 < attn_ms <= whole_ms

@@ -102,42 +102,66 @@ def calibration_loss(model, calib_ids: torch.Tensor, window: int | None = None) 
     return mean_nll(model, calib_ids, window)
 
 
+class AttentionClock:
+    """Wall seconds spent inside a model's MLA attention modules (projections, indexer, top-k,
+    core attention, o_proj), summed over every call while it is attached: forward pre/post
+    hooks on each `MLAttention`, synchronising CUDA at both edges. `reset()` zeroes `total`;
+    `close()` removes the hooks (also on leaving a `with` block)."""
+
+    def __init__(self, model):
+        from glm5lab.model.mla import MLAttention
+
+        self.total, self._starts = 0.0, {}
+        mods = [m for m in model.model.layers.modules() if isinstance(m, MLAttention)]
+        self._cuda = any(p.is_cuda for p in model.parameters())
+        self._handles = [h for m in mods for h in (m.register_forward_pre_hook(self._pre),
+                                                    m.register_forward_hook(self._post))]
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    def _pre(self, mod, args) -> None:
+        self._sync()
+        self._starts[id(mod)] = time.perf_counter()
+
+    def _post(self, mod, args, out) -> None:
+        self._sync()
+        self.total += time.perf_counter() - self._starts.pop(id(mod))
+
+    def reset(self) -> None:
+        self.total = 0.0
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> AttentionClock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @torch.no_grad()
 def attention_time(model, calib_ids: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """(attn_ms, forward_ms): medians over `repeats` forwards of the summed MLA-module time and
-    of the whole forward, in ms; (nan, nan) when repeats = 0."""
+    """(attn_ms, forward_ms): medians over `repeats` forwards of the summed MLA-module time
+    (`AttentionClock`) and of the whole forward, in ms; (nan, nan) when repeats = 0."""
     if repeats == 0:
         return math.nan, math.nan
-    from glm5lab.model.mla import MLAttention
-
-    cuda = calib_ids.is_cuda
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    spent, starts = [0.0], {}
-
-    def pre(mod, args):
-        sync()
-        starts[id(mod)] = time.perf_counter()
-
-    def post(mod, args, out):
-        sync()
-        spent[0] += time.perf_counter() - starts.pop(id(mod))
-
-    mods = [m for m in model.model.layers.modules() if isinstance(m, MLAttention)]
-    handles = [h for m in mods for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    sync = torch.cuda.synchronize if calib_ids.is_cuda else (lambda: None)
     attn, whole = [], []
-    try:
+    with AttentionClock(model) as clock:
         model(calib_ids)  # warm-up
         for _ in range(repeats):
-            spent[0] = 0.0
+            clock.reset()
             sync()
             t0 = time.perf_counter()
             model(calib_ids)
             sync()
             whole.append(time.perf_counter() - t0)
-            attn.append(spent[0])
-    finally:
-        for h in handles:
-            h.remove()
+            attn.append(clock.total)
     return 1e3 * statistics.median(attn), 1e3 * statistics.median(whole)
 
 
