@@ -120,7 +120,7 @@ def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
     """DSA's top-k from `index_score_blocks`: per query the min(k, S) best keys, ties by position,
     in `select_topk`'s order (its twin `select_topk_fast` per query block). Arguments as
     `index_score_blocks`. Returns a TopK with idx [B, T, min(k, S)] int64; no gradient. Raises
-    ValueError for k < 1 or bad block sizes."""
+    ValueError for k < 1, bad block sizes or shapes that do not agree."""
     if k < 1:
         raise ValueError(f"index_topk must be >= 1, got {k}")
     B, T = q_BTIJ.shape[:2]
