@@ -1,7 +1,8 @@
 """`glm5lab report RUN_DIR`: every section of the seed's checklist is in report.md with the run's
-own numbers (validation loss from summary.json, state bytes equal to the ledger, throughput rows
-with their batch and length), the PNGs it links exist and are PNGs, ablation results beside the
-run are included, and a folder that is not a finished run is refused with one clear line."""
+own numbers (validation loss and bits per byte from summary.json, "not recorded" for an older run
+without them, state bytes equal to the ledger, throughput rows with their batch and length), the
+PNGs it links exist and are PNGs, ablation results beside the run are included, and a folder that
+is not a finished run is refused with one clear line."""
 
 import json
 import re
@@ -47,6 +48,8 @@ def test_report_holds_every_section_with_the_runs_numbers(run):
         assert section in text, section
     summary = json.loads((run / "summary.json").read_text())
     assert f"Validation loss **{summary['val_loss']:.3f}**" in text
+    assert (f"**{summary['val_bits_per_byte']:.3f}** bits per byte over {summary['val_bytes']:,} UTF-8 bytes of "
+            f"{summary['val_tokens']:,} target tokens) on the whole held-out split") in text
     cfg = json.loads((run / "config.json").read_text())
     bf16 = ledger(ModelConfig.from_hf(run / "config.json"), dtype="bf16")["state"]["main"]["bytes_per_token"]
     assert re.search(rf"\| bf16 \| \d+ \| \d+ \| {bf16} \|", text)
@@ -61,6 +64,19 @@ def test_report_holds_every_section_with_the_runs_numbers(run):
     assert {p.name for p in (run / "report").iterdir()} >= {"loss_by_stage.png", "val_perplexity.png",
                                                             "expert_load.png", "retrieval.png", "acceptance.png"}
     assert not list((run / "report").glob(".tmp*"))
+
+
+def test_run_from_before_bits_per_byte_reports_not_recorded(run, tmp_path):
+    import shutil
+
+    old = shutil.copytree(run, tmp_path / "old", ignore=shutil.ignore_patterns("report"))
+    summary = json.loads((old / "summary.json").read_text())
+    for key in ("val_bits_per_byte", "val_bytes", "val_tokens"):
+        del summary[key]
+    (old / "summary.json").write_text(json.dumps(summary))
+    text = write_report(old, measure=False).read_text()
+    assert (f"Validation loss **{summary['val_loss']:.3f}** nats/token (perplexity {summary['val_perplexity']:.1f}; "
+            "bits per byte: not recorded) on the whole held-out split") in text
 
 
 def test_folders_that_are_not_finished_runs_are_refused_clearly(run, tmp_path, capsys):

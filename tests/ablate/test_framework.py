@@ -113,6 +113,13 @@ def test_result_files_and_formatting(tmp_path):
 
 def test_study_args_and_cli_errors_are_clear(tmp_path, capsys):
     assert StudyArgs("dsa", quick=True).out_dir.as_posix() == "runs/ablate/dsa-quick"
+    assert StudyArgs("dsa", quick=True, scale="gpu").out_dir.as_posix() == "runs/ablate/dsa-gpu-quick"
+    assert [StudyArgs("mla", quick=q, scale=sc).size_key for sc in ("cpu", "gpu") for q in (True, False)] == [
+        "quick", "cpu", "gpu-quick", "gpu"]
+    with pytest.raises(ValueError, match="--scale 'tpu' is not allowed: one of cpu, gpu"):
+        StudyArgs("mla", scale="tpu")
+    with pytest.raises(KeyError, match="has no size 'gpu'"):
+        StudyArgs("mla", scale="gpu").sizes({"quick": 1, "cpu": 2})
     assert StudyArgs("mla", seeds=2).seed_list(3) == [0, 1] and StudyArgs("mla").seed_list(3) == [0, 1, 2]
     with pytest.raises(ValueError, match="study 'gqa' is not known"):
         StudyArgs("gqa")

@@ -7,10 +7,12 @@ import math
 
 import pytest
 
-from glm5lab.ablate.stats import interval, paired_difference, seeds_needed, verdict, welch_difference
+from glm5lab.ablate.stats import (compare_equivalent, compare_text, interval, paired_difference, seeds_needed, verdict,
+                                  welch_difference)
 
 T_975_DOF2 = 4.302653  # Student t quantile 0.975, 2 degrees of freedom (tables)
 T_975_DOF3 = 3.182446
+T_95_DOF2 = 2.919986  # 0.95 quantile, 2 dof: the 90% two-sided interval of two one-sided tests
 
 
 def test_t_interval_by_hand():
@@ -64,10 +66,12 @@ def test_verdict_rule_inconclusive_and_opposite_cases():
 
 
 def test_seeds_needed_by_hand():
-    """sd 1, mean 0.5: ((1.959964 + 0.841621) / 0.5)^2 = 31.39 -> 32 seeds; never below 2; a
+    """sd 1, mean 0.5: the smallest n with (t_{0.975, n-1} + t_{0.8, n-1}) / sqrt(n) <= 0.5:
+    n = 33: (2.036933 + 0.853087) / 5.744563 = 0.50307 > 0.5; n = 34: (2.034515 + 0.852971) /
+    5.830952 = 0.49514 -> 34 seeds (the normal approximation says 32); never below 2; a
     difference ~0 for its spread reads "more than 1000" (1001)."""
     iv = interval([0.5 - 1, 0.5, 0.5 + 1])          # mean 0.5, sd 1
-    assert seeds_needed(iv) == 32
+    assert seeds_needed(iv) == 34
     assert seeds_needed(interval([1.0, 1.1, 0.9])) == 2
     assert seeds_needed(interval([1.0])) is None and seeds_needed(interval([0.0, 0.0])) is None
     assert seeds_needed(interval([-1.0, 1.0])) == 1001  # mean 0, sd 1.41: no realistic seed count
@@ -157,3 +161,41 @@ def test_swa_study_verdict_from_seeds():
     assert c["report"] < 0 and c["diff"].mean == pytest.approx(-36.666667) and c["verdict"] == "reproduced"
     two = study_swa.comparison(raw, "1:1 SWA", [128], [0, 1])  # -40, -33: t(0.975, 1) = 12.7 keeps 0 inside
     assert two["verdict"] == "inconclusive at 2 seeds"
+
+
+def test_equivalence_by_hand():
+    """Paired differences a - b = 0.1, -0.1, 0.0 (mean 0, sd 0.1, n 3): the 90% interval is
+    +-2.919986 x 0.1 / sqrt(3) = +-0.168586, inside +-0.5 -> reproduced; not inside +-0.15, and
+    the 95% one (+-0.248414) is not wholly outside it -> inconclusive, with the smallest n where
+    (t_{0.95, n-1} + t_{0.8, n-1}) x 0.1 / sqrt(n) <= 0.15: n = 4: (2.353363 + 0.978472) x 0.1 / 2
+    = 0.1666 > 0.15; n = 5: (2.131847 + 0.940965) x 0.1 / 2.236068 = 0.1374 -> 5 seeds. Differences
+    3.0, 3.2, 2.8 at margin 1: 95% interval 3 +- 0.496828 lies above +1 -> opposite."""
+    a, b = {0: 1.1, 1: 0.9, 2: 1.0}, {0: 1.0, 1: 1.0, 2: 1.0}
+    c = compare_equivalent(a, b, 0.5)
+    assert c["verdict"] == "reproduced" and c["margin"] == 0.5
+    assert c["tost"].high == pytest.approx(T_95_DOF2 * 0.1 / math.sqrt(3), abs=1e-6)
+    assert c["diff"].high == pytest.approx(T_975_DOF2 * 0.1 / math.sqrt(3), abs=1e-6)
+    tight = compare_equivalent(a, b, 0.15)
+    assert tight["verdict"] == "inconclusive at 3 seeds" and tight["seeds_needed"] == 5
+    assert compare_text(tight, 2) == "+0.00 [-0.25, +0.25], equivalence margin +-0.15: inconclusive at 3 seeds (~5 needed)"
+    far = compare_equivalent({0: 3.0, 1: 3.2, 2: 2.8}, dict.fromkeys(range(3), 0.0), 1.0)
+    assert far["verdict"] == "opposite" and far["diff"].low == pytest.approx(3 - T_975_DOF2 * 0.2 / math.sqrt(3), abs=1e-6)
+    assert far["seeds_needed"] == 1001  # |mean| beyond the margin: more seeds cannot show equivalence
+    assert compare_equivalent({0: 1.0}, {0: 1.0}, 0.5)["verdict"] == "inconclusive at 1 seed"
+    with pytest.raises(ValueError, match="margin = 0"):
+        compare_equivalent(a, b, 0)
+    with pytest.raises(ValueError, match="share no seed"):
+        compare_equivalent({0: 1.0}, {1: 1.0}, 0.5)
+
+
+def test_dsa_recovery_is_judged_as_equivalence():
+    """Full adaptation within 0.5 points of dense in every seed: the report's "recovers dense"
+    (-0.35 at 128K) is reproduced by the equivalence test (margin 2 points), where the
+    sign rule would have called it inconclusive."""
+    from glm5lab.ablate import study_dsa
+
+    raw = {"dense": {"128": [30.0, 32.0, 31.0]}, "warm-up only": {"128": [29.0, 33.0, 30.0]},
+           "full adaptation": {"128": [30.2, 31.6, 31.1]}}
+    c = study_dsa.comparison(raw, "full adaptation", [128])
+    assert c["margin"] == study_dsa.RECOVERY_MARGIN == 2.0 and c["verdict"] == "reproduced"
+    assert study_dsa.comparison(raw, "warm-up only", [128])["verdict"] == "inconclusive at 3 seeds"

@@ -47,7 +47,7 @@ def test_raw_accuracies_are_percentages_per_arm_length_and_seed(quick):
 
 
 def test_stages_follow_the_report_recipe_with_matched_further_steps():
-    s = study_dsa.SIZES["default"]
+    s = study_dsa.SIZES["cpu"]
     plan = study_dsa.stages(s)
     warm = plan["warm-up only"][0]
     assert warm.trainable == "indexer" and warm.lm_weight == 0 and warm.indexer_weight == 1 and not warm.use_dsa

@@ -62,6 +62,6 @@ def test_attention_ms_times_every_model_and_restores_threads():
 
 
 def test_stages_end_with_sparse_adaptation():
-    st = study_indexcache.stages(study_indexcache.SIZES["default"])
+    st = study_indexcache.stages(study_indexcache.SIZES["cpu"])
     assert [x.name for x in st] == ["dense", "indexer_warmup", "sparse_adaptation"]
     assert st[1].trainable == "indexer" and st[2].use_dsa and st[2].indexer_weight == 1

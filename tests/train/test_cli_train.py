@@ -22,10 +22,21 @@ def test_short_run_on_user_data(corpus, tmp_path):  # noqa: F811
              "--batch-size", "2", "--out", str(out), "--no-progress", "--eval-every", "3", env_cache=corpus / "cache")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "validation loss" in r.stdout and "unigram baseline" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"{summary['val_bits_per_byte']:.3f} bits/byte" in r.stdout
     assert "indexer_warmup" in r.stdout and "sparse_adaptation" in r.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and {"step", "stage", "loss"} <= rows[0].keys()
     assert (out / "loss.png").is_file() and (out / "run.json").is_file() and (out / "config.json").is_file()
+
+
+def test_summary_of_a_run_without_bits_per_byte_says_not_recorded():
+    from glm5lab.cli import format_summary
+
+    old = {"run_dir": "runs/x", "steps": 3, "stages": [], "val_loss": 2.0, "val_perplexity": 7.39,
+           "unigram_val_loss": 3.0}
+    assert "(perplexity 7.4, bits per byte not recorded)" in format_summary(old)
+    assert "(perplexity 7.4, 1.234 bits/byte)" in format_summary({**old, "val_bits_per_byte": 1.2344})
 
 
 @pytest.mark.parametrize("args, message", [
@@ -65,4 +76,5 @@ def test_quick_run_on_the_default_corpus(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["val_loss"] < summary["unigram_val_loss"] + 0.5
+    assert 0 < summary["val_bits_per_byte"] < 8 and summary["val_bytes"] > summary["val_tokens"]  # BPE: > 1 byte/token
     assert [s["stage"] for s in summary["stages"]] == ["dense", "indexer_warmup", "sparse_adaptation"]

@@ -48,6 +48,11 @@ def test_two_fsdp_processes_match_one_process(corpus, tmp_path):  # noqa: F811
     for row_a, row_b in zip(a, b, strict=True):
         for x, y in zip(row_a, row_b, strict=True):
             assert (x is None) == (y is None) and (x is None or abs(x - y) <= 1e-4 * max(1.0, abs(x))), (a, b)
+    summary = lambda run: json.loads((run / "summary.json").read_text())  # noqa: E731
+    one_s, two_s = summary(tmp_path / "one"), summary(tmp_path / "two")
+    assert (one_s["val_tokens"], one_s["val_bytes"]) == (two_s["val_tokens"], two_s["val_bytes"])
+    for key in ("val_loss", "val_bits_per_byte"):  # every rank evaluates the whole split
+        assert abs(one_s[key] - two_s[key]) <= 1e-4 * one_s[key], (key, one_s[key], two_s[key])
     one_model = GLM5ForCausalLM.from_pretrained(tmp_path / "one" / "checkpoints" / "step-000006").state_dict()
     two_model = GLM5ForCausalLM.from_pretrained(tmp_path / "two" / "checkpoints" / "step-000006").state_dict()
     assert max(float((one_model[k] - two_model[k]).abs().max()) for k in one_model) < 1e-4

@@ -56,6 +56,7 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     assert (run / "loss.png").stat().st_size > 10_000
     assert json.loads((run / "summary.json").read_text())["steps"] == 9
     assert summary["val_loss"] < math.log(320)  # below the uniform guess after 9 steps
+    assert_bits_per_byte_recomputed(run, _args(corpus, run), summary)
     info = json.loads((run / "run.json").read_text())
     assert info["git_commit"] and info["stages"][1]["trainable"] == "indexer"
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
@@ -65,6 +66,65 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     os.umask(umask)
     assert (latest.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
     assert ((latest / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~umask
+
+
+def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None:
+    """summary.json's val_bits_per_byte is val_loss x targets / (ln 2 x bytes), with the targets
+    and their bytes recounted from the run's own validation split and tokenizer: the bytes by
+    decoding each window's targets (an ASCII corpus: no character is cut at a window edge)."""
+    from glm5lab.tokenizer import encode_documents, load_tokenizer
+    from glm5lab.train.batches import pack
+    from glm5lab.train.data import split_corpus
+
+    assert json.loads((run / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    last = Stage.from_dict(args.stage_plan[-1])
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    tok = load_tokenizer(latest)
+    _, _, val_docs = split_corpus(args.data, args.seed)
+    windows = pack(encode_documents(tok, val_docs), last.seq_len)
+    rows = windows[: max(args.eval_batches, len(windows) // last.batch_size) * last.batch_size]
+    assert len(rows) % last.batch_size == 0  # full batches: val_loss is then the mean over targets
+    n_tokens = rows[:, 1:].numel()
+    n_bytes = sum(len(tok.decode(r[1:].tolist()).encode("utf-8")) for r in rows)
+    assert (summary["val_tokens"], summary["val_bytes"]) == (n_tokens, n_bytes)
+    expected = summary["val_loss"] * n_tokens / (math.log(2) * n_bytes)
+    assert summary["val_bits_per_byte"] == pytest.approx(expected, rel=1e-6)
+    assert 0 < summary["val_bits_per_byte"] < 8 * math.log(320) / math.log(256)  # below a uniform guess
+
+
+def test_evaluate_keeps_val_loss_and_sums_exactly_the_scored_targets():
+    """`evaluate_nll(...).loss` is the val_loss of before bits per byte (the mean of each batch's
+    mean CE, here with a shorter last batch); nll_sum and the byte count cover the same targets."""
+    import torch.nn.functional as F
+    from tokenizers import Tokenizer, models
+
+    from glm5lab.train.evaluation import Evaluation, evaluate, evaluate_nll, run_byte_lengths, summary_fields
+
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", vocab_size=320))
+    windows = torch.randint(0, 320, (7, 17))
+    stage = Stage("dense", 1, 1e-3, 16, 3)
+    logits = lambda x: model.eval()(x, use_dsa=False).logits.flatten(0, 1)  # noqa: E731
+    with torch.no_grad():
+        old = torch.stack([F.cross_entropy(logits(windows[i:i + 3, :-1]), windows[i:i + 3, 1:].flatten())
+                           for i in (0, 3, 6)]).mean()
+        per_token = F.cross_entropy(logits(windows[:, :-1]), windows[:, 1:].flatten(), reduction="none")
+    model.train()
+    lengths = torch.arange(320) % 4
+    result = evaluate_nll(model, windows, stage, n_batches=5, byte_lengths_V=lengths)
+    assert result.loss == pytest.approx(float(old), rel=1e-6) and evaluate(model, windows, stage, 5) == result.loss
+    assert result.tokens == 7 * 16 and result.utf8_bytes == int(lengths[windows[:, 1:]].sum())
+    assert result.nll_sum == pytest.approx(float(per_token.double().sum()), rel=1e-6)
+    assert result.loss != pytest.approx(result.nll_sum / result.tokens, rel=1e-6)  # unequal batches: not the token mean
+    assert result.bits_per_byte == pytest.approx(result.nll_sum / (math.log(2) * result.utf8_bytes), rel=1e-12)
+    two = evaluate_nll(model, windows, stage, n_batches=1, world_size=2, byte_lengths_V=lengths)  # 6 rows
+    assert two.tokens == 6 * 16 and two.utf8_bytes == int(lengths[windows[:6, 1:]].sum())
+    assert model.training
+    fields = summary_fields(result)
+    assert fields["val_bits_per_byte"] == result.bits_per_byte and fields["val_bytes"] == result.utf8_bytes
+    word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "▁hello": 1}, unk_token="[UNK]"))
+    assert run_byte_lengths(word_level, 320) is None  # not byte-level: no bits per byte, no failed run
+    assert set(summary_fields(Evaluation(1.0, 2.0, 2))) == {"val_loss", "val_perplexity"}
 
 
 def test_warmup_trains_only_the_indexer(corpus):

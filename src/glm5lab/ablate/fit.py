@@ -24,11 +24,13 @@ def fit(model, stages: list[Stage], batches: BatchFn, *, optimizer: str = "muon-
     """Train `model` in place through `stages`; returns one record per step (stage, step, the
     losses of `StepLosses.to_log`, lr, seconds). Seeds torch with `seed` first (dropout-free
     models: the batches fix everything else). Raises TrainingDiverged (glm5lab.train.loop) on a
-    non-finite loss or gradient, ValueError for an unknown optimizer."""
+    non-finite loss or gradient, ValueError for an unknown optimizer. Batches are moved to the
+    model's device."""
     torch.manual_seed(seed)
     model.train()
     opt = build_optimizer(model, optimizer, lr=stages[0].lr, weight_decay=weight_decay)
     records, step = [], 0
+    device = next(model.parameters()).device
     for si, stage in enumerate(stages):
         set_trainable(model, stage)
         for i in range(stage.steps):
@@ -36,7 +38,7 @@ def fit(model, stages: list[Stage], batches: BatchFn, *, optimizer: str = "muon-
             lr = stage.lr_at(i)
             for group in opt.param_groups:
                 group["lr"] = lr
-            ids_BT, labels_BT = batches(si, stage, i)
+            ids_BT, labels_BT = (t.to(device) for t in batches(si, stage, i))
             losses = task_losses(model, ids_BT, labels_BT, stage)
             step += 1
             optimizer_step(model, opt, losses, stage, step, grad_clip, bias_update_rate)

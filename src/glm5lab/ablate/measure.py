@@ -21,13 +21,24 @@ from glm5lab.evals.niah import make_niah_batch, training_pair
 def labelled_loss(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_dsa: bool | None = None,
                   batch: int = 8) -> float:
     """Mean CE in nats over the labels != -100 of (ids [N, T], labels [N, T]), fp32, in batches."""
+    total, count = labelled_nll(model, ids_BT, labels_BT, use_dsa=use_dsa, batch=batch)
+    return total / count
+
+
+@torch.no_grad()
+def labelled_nll(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_dsa: bool | None = None,
+                 batch: int = 8) -> tuple[float, int]:
+    """(summed CE in nats, number of scored labels) over the labels != -100 of (ids [N, T],
+    labels [N, T]), fp32, in batches: what `labelled_loss` divides, and what bits per byte
+    (`glm5lab.evals.bpb.bits_per_byte`) needs."""
     total, count = 0.0, 0
+    device = next(model.parameters()).device
     for i in range(0, len(ids_BT), batch):
-        logits = model(ids_BT[i:i + batch], use_dsa=use_dsa).logits.float()
-        labels = labels_BT[i:i + batch]
+        logits = model(ids_BT[i:i + batch].to(device), use_dsa=use_dsa).logits.float()
+        labels = labels_BT[i:i + batch].to(device)
         total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
         count += int((labels != IGNORE_INDEX).sum())
-    return total / count
+    return total, count
 
 
 @torch.no_grad()
@@ -36,9 +47,10 @@ def answer_accuracy(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use
     """Fraction of labelled positions (labels != -100) whose argmax is the label; with per_row,
     the fraction of rows whose every labelled position is right (exact match)."""
     hits = []
+    device = next(model.parameters()).device
     for i in range(0, len(ids_BT), batch):
-        pred = model(ids_BT[i:i + batch], use_dsa=use_dsa).logits.argmax(-1)
-        labels = labels_BT[i:i + batch]
+        pred = model(ids_BT[i:i + batch].to(device), use_dsa=use_dsa).logits.argmax(-1)
+        labels = labels_BT[i:i + batch].to(device)
         mask = labels != IGNORE_INDEX
         right = (pred == labels) | ~mask
         hits.append(right.all(1).float() if per_row else (pred == labels)[mask].float())

@@ -11,14 +11,20 @@ from __future__ import annotations
 from glm5lab.config import ModelConfig
 
 VARIANTS = ("gqa-8", "mla", "mla-256")
+WIDE_FROM = 512
+"""Hidden sizes from this up (the `--scale gpu` models) take GLM-5's head widths (`WIDE_HEADS`)."""
+WIDE_HEADS = dict(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=256, index_head_dim=64)
 
 
 def study_config(*, hidden_size: int = 128, num_hidden_layers: int = 4, vocab_size: int = 512,
                  index_topk: int = 32, max_position_embeddings: int = 4096, **overrides) -> ModelConfig:
     """MLA (8 heads of QK 16+8 / V 16, kv_lora_rank 32), DSA with top-`index_topk` and a "full"
     indexer on every layer, one shared-parameter MTP layer (depth 3), dense FFN everywhere.
-    `overrides` are further ModelConfig fields."""
+    From hidden_size WIDE_FROM (512) up the heads are GLM-5's (QK 64+32 / V 64, kv_lora_rank 256,
+    indexer heads of 64): the `--scale gpu` sizes. `overrides` are further ModelConfig fields."""
     n = num_hidden_layers
+    if hidden_size >= WIDE_FROM:
+        overrides = {**WIDE_HEADS, **overrides}
     cfg = ModelConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         moe_intermediate_size=hidden_size // 2, num_hidden_layers=n, num_attention_heads=8, num_key_value_heads=8,

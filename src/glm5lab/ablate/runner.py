@@ -1,8 +1,15 @@
 """`glm5lab ablate STUDY`: run one study, write its folder, return the table.
 
 Each study is a module `glm5lab.ablate.study_<name>` with `run(args: StudyArgs, bench: Workbench)
--> StudyResult` and `DEFAULT_SEEDS`; `--quick` sizes finish in under two minutes on 2 CPU cores
-(the test suite runs them), the default sizes in under an hour (BENCHMARKS.md has the times).
+-> StudyResult` and `DEFAULT_SEEDS`, and its sizes in `SIZES`, keyed by `StudyArgs.size_key`:
+  "quick"      `--quick`: the smoke size, under two minutes on 2 CPU cores (the test suite runs it);
+  "cpu"        the default: every study's default run together fits in about an hour on 2 cores
+               (BENCHMARKS.md has the times);
+  "gpu"        `--scale gpu`: models of about 50-100M parameters at lengths where DSA and SWA
+               matter (2K-8K tokens), for a GPU (each study's docstring states its expected time);
+  "gpu-quick"  `--scale gpu --quick`: the gpu shapes and lengths with a handful of steps and rows,
+               so the gpu code path runs (slowly) on a CPU; `pytest -m slow` runs it.
+Models train on `StudyArgs.device` (CUDA when `--scale gpu` finds one, else CPU), in fp32.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ STUDIES = {
     "efficient": "SWA interleave, searched SWA, Gated DeltaNet, SimpleGDN after equal further training",
     "mtp": "MTP acceptance length vs draft steps 1..4; training unroll depth 1 vs 3",
     "indexcache": "IndexCache retention 1, 1/2, 1/4 (searched and uniform): quality and attention time",
+    "baseline": "the small preset vs a dense GPT (MHA, SwiGLU; AdamW and Muon) at matched activated params and tokens",
 }
+SCALES = ("cpu", "gpu")
+SIZE_KEYS = ("quick", "cpu", "gpu", "gpu-quick")
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,8 @@ class StudyArgs:
     """study: one of STUDIES. quick: the under-two-minute size. out: results folder (default
     runs/ablate/<study>, with a -quick suffix for --quick). seeds: how many seeds (0..n-1;
     None = the study's default). progress: print one line per trained variant. data: the text
-    corpus (`Workbench.load`; default: Shakespeare)."""
+    corpus (`Workbench.load`; default: Shakespeare). scale: "cpu" (default) or "gpu" (larger
+models and lengths; see the module docstring)."""
 
     study: str
     quick: bool = False
@@ -35,17 +46,42 @@ class StudyArgs:
     seeds: int | None = None
     progress: bool = True
     data: str | None = None
+    scale: str = "cpu"
 
     def __post_init__(self):
+        if self.scale not in SCALES:
+            raise ValueError(f"--scale {self.scale!r} is not allowed: one of {', '.join(SCALES)}")
         if self.study not in STUDIES:
             raise ValueError(f"study {self.study!r} is not known: choose one of {', '.join(STUDIES)}")
         if self.seeds is not None and (isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1):
             raise ValueError(f"--seeds {self.seeds!r} is not allowed: an integer >= 1")
 
     @property
+    def size_key(self) -> str:
+        """Which entry of a study's SIZES this run uses: quick, cpu, gpu or gpu-quick."""
+        if self.scale == "gpu":
+            return "gpu-quick" if self.quick else "gpu"
+        return "quick" if self.quick else "cpu"
+
+    def sizes(self, table: dict):
+        """table[self.size_key]. Raises KeyError naming the missing size."""
+        if self.size_key not in table:
+            raise KeyError(f"study {self.study!r} has no size {self.size_key!r} (has {', '.join(table)})")
+        return table[self.size_key]
+
+    @property
+    def device(self):
+        """torch.device the study trains on: cuda under --scale gpu when available, else cpu."""
+        import torch
+
+        return torch.device("cuda" if self.scale == "gpu" and torch.cuda.is_available() else "cpu")
+
+    @property
     def out_dir(self) -> Path:
-        """The results folder: --out, else runs/ablate/<study>[-quick]."""
-        return Path(self.out) if self.out else Path("runs/ablate") / (self.study + ("-quick" if self.quick else ""))
+        """The results folder: --out, else runs/ablate/<study>[-gpu][-quick]."""
+        if self.out:
+            return Path(self.out)
+        return Path("runs/ablate") / (self.study + ("-gpu" if self.scale == "gpu" else "") + ("-quick" if self.quick else ""))
 
     def seed_list(self, default: int) -> list[int]:
         """Seeds 0..n-1: n = --seeds, else the study's `default`."""

@@ -7,7 +7,13 @@ Every study runs each arm over a few seeds. A comparison between two arms is dec
   opposite               it excludes zero on the other side;
   inconclusive at n      it contains zero: the seeds do not decide. `seeds_needed` says how many
                          seeds the observed spread would need for the interval to exclude zero at
-                         the observed difference (a normal-approximation power estimate, 80%).
+                         the observed difference (a power estimate, 80%, with t quantiles).
+
+A claim that two arms are the SAME (the report's "full adaptation recovers dense") is judged by an
+equivalence test instead (`compare_equivalent`, two one-sided tests at a declared margin +-delta):
+"reproduced" when the 90% interval of the difference lies inside (-delta, +delta), "opposite" when
+the 95% interval lies wholly outside [-delta, +delta] (the arms differ by more than the margin),
+"inconclusive at n seeds" otherwise.
 
 Intervals are Student-t intervals (named "t" in what is reported): mean +- t_{0.975, n-1} s/sqrt(n)
 for one arm; for two arms that share their seeds (the same data order and initialisation per
@@ -15,7 +21,9 @@ seed), the t-interval of the per-seed differences ("paired t"); otherwise Welch'
 ("Welch t"). One seed gives no interval (its bounds are None) and is always inconclusive.
 
 Source: standard small-sample inference (Student 1908; Welch 1947); the power estimate is the
-usual n = ((z_{1-a/2} + z_{power}) s / |d|)^2.
+usual approximation n >= ((t_{1-a/2} + t_{power}) s / |d|)^2 with the t quantiles at n - 1
+degrees of freedom; equivalence: Schuirmann (1987), two one-sided tests, the same with t_{1-a}
+and delta - |d| in place of t_{1-a/2} and |d|.
 """
 
 from __future__ import annotations
@@ -118,15 +126,29 @@ MAX_SEEDS = 1000
 
 def seeds_needed(diff: Interval, *, confidence: float = CONFIDENCE, power: float = POWER) -> int | None:
     """Seeds for an interval that excludes zero at the observed difference with probability
-    `power`, if the per-seed spread is the observed one: ceil(((z_{1-a/2} + z_power) sd / |mean|)^2),
-    at least 2, capped at MAX_SEEDS + 1 (read "more than MAX_SEEDS"). None when it cannot be
-    said (one seed, or no difference and no spread)."""
+    `power`, if the per-seed spread is the observed one: the smallest n >= 2 with
+    (t_{1-a/2, n-1} + t_{power, n-1}) sd / sqrt(n) <= |mean| (Student-t quantiles, so a spread
+    seen over 2-3 seeds is not trusted like a known one), MAX_SEEDS + 1 (read "more than
+    MAX_SEEDS") when no n up to MAX_SEEDS does. None when it cannot be said (one seed, or no
+    difference and no spread)."""
     if diff.n < 2 or (diff.mean == 0.0 and diff.sd == 0.0):
         return None
-    z = _scipy_stats.norm.ppf(1 - (1 - confidence) / 2) + _scipy_stats.norm.ppf(power)
-    if abs(diff.mean) * math.sqrt(MAX_SEEDS) <= z * diff.sd:
+    return _smallest_n(abs(diff.mean), diff.sd, 1 - (1 - confidence) / 2, power)
+
+
+def _smallest_n(effect: float, sd: float, q: float, power: float) -> int:
+    """Smallest n in [2, MAX_SEEDS] with (t_{q, n-1} + t_{power, n-1}) sd / sqrt(n) <= effect
+    (bisection: the left side falls with n), else MAX_SEEDS + 1."""
+    def enough(n: int) -> bool:
+        return (_scipy_stats.t.ppf(q, n - 1) + _scipy_stats.t.ppf(power, n - 1)) * sd / math.sqrt(n) <= effect
+
+    if effect <= 0 or not enough(MAX_SEEDS):
         return MAX_SEEDS + 1
-    return max(2, math.ceil((z * diff.sd / abs(diff.mean)) ** 2))
+    lo, hi = 2, MAX_SEEDS
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid + 1, hi)
+    return lo
 
 
 def _t(confidence: float, dof: float) -> float:
@@ -148,10 +170,44 @@ def compare(a_by_seed: dict, b_by_seed: dict, report_sign: int) -> dict:
 
 
 def compare_text(c: dict, digits: int = 3) -> str:
-    """'+0.012 [-0.010, 0.034]: inconclusive at 3 seeds (~12 needed)' for a `compare` result."""
+    """'+0.012 [-0.010, 0.034]: inconclusive at 3 seeds (~12 needed)' for a `compare` result;
+    a `compare_equivalent` result adds its margin: '... within +-2.0: reproduced'."""
     d, v = c["diff"], c["verdict"]
     text = f"{d.mean:+.{digits}f}" + ("" if d.low is None else f" [{d.low:+.{digits}f}, {d.high:+.{digits}f}]")
+    if "margin" in c:
+        text += f", equivalence margin +-{c['margin']:g}"
     need, more = c["seeds_needed"], ""
     if v.startswith("inconclusive") and need is not None:
         more = f" (more than {MAX_SEEDS} needed)" if need > MAX_SEEDS else f" (~{need} needed)"
     return f"{text}: {v}{more}"
+
+
+def compare_equivalent(a_by_seed: dict, b_by_seed: dict, margin: float) -> dict:
+    """An equivalence claim (the report found a ~ b) judged by two one-sided tests at +-margin,
+    paired by seed: 'reproduced' when the 90% paired interval of a - b lies inside (-margin,
+    +margin), 'opposite' when the 95% one lies wholly outside [-margin, +margin], else
+    'inconclusive at n seeds'. Returns the keys of `compare` ("diff" is the 95% interval) plus
+    "margin" and "tost" (the 90% interval). seeds_needed: the smallest n with (t_{0.95, n-1} +
+    t_{power, n-1}) sd / sqrt(n) <= margin - |mean|, MAX_SEEDS + 1 when |mean| >= margin. Raises
+    ValueError for margin <= 0 or no shared seed."""
+    if not margin > 0:
+        raise ValueError(f"margin = {margin} is not allowed: a positive equivalence margin")
+    seeds = sorted(set(a_by_seed) & set(b_by_seed))
+    if not seeds:
+        raise ValueError(f"compare_equivalent: the arms share no seed ({sorted(a_by_seed)} vs {sorted(b_by_seed)})")
+    a, b = [a_by_seed[s] for s in seeds], [b_by_seed[s] for s in seeds]
+    d95, d90 = paired_difference(a, b), paired_difference(a, b, confidence=1 - 2 * (1 - CONFIDENCE))
+    if d95.low is not None and (d95.high < -margin or d95.low > margin):
+        v = "opposite"
+    elif d90.low is not None and -margin < d90.low and d90.high < margin:
+        v = "reproduced"
+    else:
+        v = f"inconclusive at {d95.n} seed{'s' if d95.n != 1 else ''}"
+    return {"diff": d95, "verdict": v, "seeds_needed": _equivalence_seeds(d95, margin), "margin": margin,
+            "tost": d90}
+
+
+def _equivalence_seeds(diff: Interval, margin: float) -> int | None:
+    if diff.n < 2:
+        return None
+    return _smallest_n(margin - abs(diff.mean), diff.sd, CONFIDENCE, POWER)

@@ -33,17 +33,19 @@ from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import labelled_loss
-from glm5lab.ablate.results import StudyResult, figure, markdown_table, mean_sd
-from glm5lab.ablate.stats import compare, compare_text
+from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.study_swa import DEFAULT as SWA_DEFAULT
+from glm5lab.ablate.study_swa import GPU as SWA_GPU
+from glm5lab.ablate.study_swa import GPU_QUICK as SWA_GPU_QUICK
 from glm5lab.ablate.study_swa import QUICK as SWA_QUICK
 from glm5lab.ablate.study_swa import Sizes, base_config, retrieval, search_pattern, task_batches, train_base
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.search_swa import interleave_pattern
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 1
+DEFAULT_SEEDS = 2
 VARIANTS = ("full attention", "SWA interleave", "searched SWA", "Gated DeltaNet", "SimpleGDN")
 TASKS = ("mqar", "niah")
 
@@ -61,6 +63,12 @@ class Further:
 
 QUICK = Further(steps=3, seq_len=32, lr=1e-3, val_rows=8)
 DEFAULT = Further(steps=200, seq_len=128, lr=1e-3, val_rows=64)
+GPU = Further(steps=1000, seq_len=4096, lr=1e-3, val_rows=64)
+GPU_QUICK = Further(steps=2, seq_len=2048, lr=1e-3, val_rows=1)
+SIZES = {"quick": (SWA_QUICK, QUICK), "cpu": (SWA_DEFAULT, DEFAULT), "gpu": (SWA_GPU, GPU),
+         "gpu-quick": (SWA_GPU_QUICK, GPU_QUICK)}
+"""(base sizes of `study_swa`, further training). gpu: the swa study's 2K base, then 1000 further
+steps at 4K, scored at 4K and 8K (an estimated 2-3 GPU-hours per seed, not measured)."""
 
 
 def layer_plan(sz: Sizes) -> list[int]:
@@ -123,23 +131,24 @@ def eval_lengths(fz: Further) -> tuple[int, int]:
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Base, search, five variants, equal further training, scores (module docstring); the StudyResult."""
-    sz, fz = (SWA_QUICK, QUICK) if args.quick else (SWA_DEFAULT, DEFAULT)
-    seeds = args.seed_list(DEFAULT_SEEDS)
+    sz, fz = args.sizes(SIZES)
+    seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
     raw: dict = {v: {} for v in VARIANTS}
     patterns, curves = {}, {}
     for seed in seeds:
         args.say(f"seed {seed}: training the full-attention base ({sz.steps} steps of {sz.batch} x {sz.seq_len})")
-        base, _ = train_base(bench, sz, seed=seed)
+        base, _ = train_base(bench, sz, seed=seed, device=args.device)
         found = search_pattern(base, bench, sz, seed=seed)
         patterns[seed] = found.mixer_types
         args.say(f"seed {seed}: searched SWA layers {list(found.swa_layers)}")
         batches = task_batches(bench, sz, fz.seq_len, seed=10_000 + seed)
         for name, model in build_variants(base, sz, found.mixer_types, seed=seed).items():
+            model.to(args.device)
             args.say(f"seed {seed}: {name}: {fz.steps} further steps of {sz.batch} x {fz.seq_len}")
             records = fit(model, [further_stage(sz, fz)], batches, seed=seed)
             curves.setdefault(name, {})[seed] = [round(r["lm_loss"], 4) for r in records]
             raw[name][seed] = score(model, bench, sz, fz, seed=seed)
-    settings = {"base_sizes": asdict(sz), "further": asdict(fz), "base_config": base_config(sz).to_hf(),
+    settings = {"scale": args.size_key, "device": str(args.device), "base_sizes": asdict(sz), "further": asdict(fz), "base_config": base_config(sz).to_hf(),
                 "further_stage": further_stage(sz, fz).to_dict(),
                 "base_tokens": sz.steps * sz.batch * sz.seq_len, "further_tokens": fz.steps * sz.batch * fz.seq_len,
                 "replaced_layers": layer_plan(sz), "interleave": interleave_pattern(sz.layers),
@@ -169,10 +178,11 @@ def comparison(raw: dict, v: str, fz: Further, seeds) -> dict:
 
 def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     lengths = eval_lengths(fz)
-    abs_rows = [[v, *[mean_sd([raw[v][s][n][t] for s in seeds]) for t in TASKS for n in lengths],
-                 mean_sd([raw[v][s]["val_loss"] for s in seeds])] for v in VARIANTS]
+    abs_rows = [[v, *[interval([raw[v][s][n][t] for s in seeds]).text() for t in TASKS for n in lengths],
+                 interval([raw[v][s]["val_loss"] for s in seeds]).text()] for v in VARIANTS]
     text = (f"After {fz.steps} equal further steps of {sz.batch} x {fz.seq_len} tokens (base: {sz.steps} steps at "
-            f"{sz.seq_len}; window {sz.window}; seeds {seeds}). Accuracy in [0, 1], loss in nats/token:\n\n"
+            f"{sz.seq_len}; window {sz.window}; seeds {seeds}). Accuracy in [0, 1], loss in nats/token, "
+            "mean [95% t]:\n\n"
             + markdown_table(["variant", *[f"{t.upper()} {n}" for t in TASKS for n in lengths],
                               f"val loss {fz.seq_len}"], abs_rows))
     ours = {v: _retrieval_change(raw, v, fz, seeds) for v in VARIANTS[1:]}
@@ -192,28 +202,39 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     text += "\nSearched SWA pattern per seed (F full, S SWA): " + "; ".join(
         f"seed {s}: " + "".join("S" if m == "swa" else "F" for m in patterns[s]) for s in seeds) + "\n"
     verdicts = {v: comparison(raw, v, fz, seeds) for v in VARIANTS[1:]}
-    return text, _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts)
+    return text, _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts, fz)
 
 
-def _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts: dict) -> list[str]:
-    notes = [f"{v}: mean retrieval change {compare_text(c, 1)} vs report {rep[v]:+.2f}: the opposite of the report."
-             for v, c in verdicts.items() if c["verdict"] == "opposite"]
+def pairwise(raw: dict, a: str, b: str, fz: Further, seeds) -> dict:
+    """Variant a against variant b: per seed, a's mean retrieval change minus b's (points), paired
+    by seed, judged against the sign of the report's difference of their mean changes."""
+    per_seed = {s: _retrieval_change(raw, a, fz, [s]) - _retrieval_change(raw, b, fz, [s]) for s in seeds}
+    sign = 1 if rf.mean(rf.EFFICIENT[a]) > rf.mean(rf.EFFICIENT[b]) else -1
+    return compare(per_seed, dict.fromkeys(seeds, 0.0), sign)
+
+
+def _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts: dict, fz: Further) -> list[str]:
+    """Verdicts (the rule of `glm5lab.ablate.stats`) for every variant vs full attention that is
+    not reproduced, and for the report's two pairwise orderings; the ordering of the means is
+    printed as a description only."""
+    notes = [f"{v}: mean retrieval change {compare_text(c, 1)} (report {rep[v]:+.2f})."
+             for v, c in verdicts.items() if c["verdict"] != "reproduced"]
     order = sorted(ours, key=lambda k: -ours[k])
     report_order = sorted(rep, key=lambda k: -rep[k])
-    notes.append(f"ordering by mean retrieval change: ours {' > '.join(order)}; report {' > '.join(report_order)}"
-                 + ("." if order == report_order else ": DIFFERS."))
+    notes.append(f"ordering of the mean retrieval changes (a description, not a verdict): ours {' > '.join(order)}; "
+                 f"report {' > '.join(report_order)}.")
     for a, b in (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet")):
-        same = (ours[a] > ours[b]) == (rep[a] > rep[b])
-        notes.append(f"{a} vs {b}: ours {ours[a]:+.1f} vs {ours[b]:+.1f} (report {rep[a]:+.2f} vs {rep[b]:+.2f})"
-                     + ("." if same else ": DIFFERS."))
+        notes.append(f"{a} vs {b}, difference of retrieval changes, paired [95% t]: "
+                     f"{compare_text(pairwise(raw, a, b, fz, seeds), 1)} (report {rep[a] - rep[b]:+.2f}).")
     full = 100 * statistics.fmean(raw["full attention"][s][n][t] for s in seeds for n in raw["full attention"][s]
                                   if n != "val_loss" for t in TASKS)
     if full < 10:
         notes.append(f"full attention scores only {full:.1f} points of retrieval: the base has not learned it, so "
                      "the changes above say little (expected for --quick).")
-    worse = [v for v in ours if _loss_change(raw, v, seeds) > 0]
-    notes.append("validation loss (the report gives none): higher than full attention for "
-                 + (", ".join(worse) if worse else "no variant") + ".")
+    loss = {v: paired_difference([raw[v][s]["val_loss"] for s in seeds],
+                                 [raw["full attention"][s]["val_loss"] for s in seeds]) for v in ours}
+    notes.append("validation loss change vs full attention, nats, paired [95% t] (the report gives none, so no "
+                 "verdict): " + "; ".join(f"{v} {d.text()}" for v, d in loss.items()) + ".")
     return notes
 
 
@@ -236,3 +257,18 @@ def _plot(raw, fz, seeds, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def readme_row(info: dict) -> dict:
+    """The summary row (`glm5lab.ablate.summary`) from a parsed results.json: each variant's mean
+    retrieval change vs full attention with its verdict, and the two pairwise verdicts."""
+    from glm5lab.ablate.summary import int_keys
+
+    raw, seeds, fz = int_keys(info["raw"]), info["seeds"], Further(**info["settings"]["further"])
+    names = VARIANTS[1:]
+    pairs = (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet"))
+    return {"report": "change vs full at 128K (mean of 4): " + ", ".join(f"{v} {rf.mean(rf.EFFICIENT[v]):+.1f}" for v in names),
+            "ours": f"change in retrieval after {fz.steps} equal further steps: "
+                    + ", ".join(f"{v} {_retrieval_change(raw, v, fz, seeds):+.1f}" for v in names),
+            "verdict": "; ".join(f"{v} vs full: {compare_text(comparison(raw, v, fz, seeds), 1)}" for v in names) + "; "
+                       + "; ".join(f"{a} vs {b}: {compare_text(pairwise(raw, a, b, fz, seeds), 1)}" for a, b in pairs)}

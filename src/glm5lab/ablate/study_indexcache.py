@@ -34,8 +34,8 @@ from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import mqar_accuracy
 from glm5lab.ablate.models import study_config
 from glm5lab.ablate.report_figures import DSA_ATTENTION_SPEEDUP, INDEXCACHE
-from glm5lab.ablate.results import StudyResult, figure, markdown_table, mean_sd
-from glm5lab.ablate.stats import compare, compare_text
+from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.search_indexcache import attention_time, calibration_loss, search_indexcache, with_indexer_pattern
@@ -48,16 +48,24 @@ METHODS = ("searched", "uniform")
 SIZES = {  # T: training length; topk: index_topk; long: timing length (T * long)
     "quick": dict(layers=4, hidden=64, T=32, topk=8, pairs=2, batch=8, task_rows=6, base_steps=16, W=4, A=8,
                   lr=3e-3, adapt_lr=1e-3, calib_rows=4, eval_rows=16, long=4, time_rows=2, repeats=2),
-    "default": dict(layers=6, hidden=128, T=64, topk=16, pairs=4, batch=16, task_rows=12, base_steps=800, W=60,
-                    A=200, lr=3e-3, adapt_lr=1e-3, calib_rows=16, eval_rows=128, long=8, time_rows=4, repeats=5),
+    "cpu": dict(layers=6, hidden=128, T=64, topk=16, pairs=4, batch=16, task_rows=12, base_steps=800, W=60,
+                A=200, lr=3e-3, adapt_lr=1e-3, calib_rows=16, eval_rows=128, long=8, time_rows=4, repeats=5),
+    "gpu": dict(layers=12, hidden=768, T=2048, topk=256, pairs=32, batch=16, task_rows=8, base_steps=3000, W=200,
+                A=800, lr=2e-3, adapt_lr=5e-4, calib_rows=8, eval_rows=64, long=4, time_rows=2, repeats=5),
+    "gpu-quick": dict(layers=4, hidden=768, T=2048, topk=256, pairs=32, batch=1, task_rows=1, base_steps=1, W=1,
+                      A=1, lr=2e-3, adapt_lr=5e-4, calib_rows=1, eval_rows=1, long=2, time_rows=1, repeats=1),
 }
+"""gpu: a ~60M-parameter 12-layer DSA model at 2K tokens (top-256), timed at 8K: an estimated 2-3
+GPU-hours per seed on one H100-class GPU, not measured; gpu-quick: the gpu widths and lengths
+with 4 layers, one step per stage (a CPU smoke run)."""
 
 
 def config(s: dict):
     """study_config at size `s`: DSA on, a "full" indexer on every layer, no MTP layer,
-    positions up to the timing length."""
+    positions up to the timing length and the 4T MQAR rows."""
     return study_config(num_hidden_layers=s["layers"], hidden_size=s["hidden"], index_topk=s["topk"],
-                        num_nextn_predict_layers=0, use_dsa=True, max_position_embeddings=s["T"] * s["long"])
+                        num_nextn_predict_layers=0, use_dsa=True,
+                        max_position_embeddings=s["T"] * max(s["long"], 4))
 
 
 def stages(s: dict) -> list[Stage]:
@@ -71,12 +79,12 @@ def stages(s: dict) -> list[Stage]:
             Stage("sparse_adaptation", s["A"], s["adapt_lr"], T, B, use_dsa=True, mtp_weights=(), indexer_weight=1.0)]
 
 
-def train(bench: Workbench, s: dict, seed: int):
-    """The DSA model of one seed and its last step's losses."""
+def train(bench: Workbench, s: dict, seed: int, device="cpu"):
+    """The DSA model of one seed (built on the CPU, trained on `device`) and its last step's losses."""
     from glm5lab import GLM5ForCausalLM
 
     torch.manual_seed(seed)
-    model = GLM5ForCausalLM(config(s))
+    model = GLM5ForCausalLM(config(s)).to(device)
     batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=seed)
     last = fit(model, stages(s), batches, seed=seed)[-1]
     return model, {"lm_loss": round(last["lm_loss"], 4), "indexer_kl": round(last["indexer_kl"], 6)}
@@ -128,21 +136,21 @@ def attention_ms(models: list, ids_BT: torch.Tensor, repeats: int) -> list[float
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train the DSA model per seed, search and time the patterns (module docstring); the StudyResult."""
-    s = SIZES["quick" if args.quick else "default"]
+    s = args.sizes(SIZES)
     seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
     raw, losses = {}, {}
     for seed in seeds:
-        model, losses[str(seed)] = train(bench, s, seed)
+        model, losses[str(seed)] = train(bench, s, seed, args.device)
         args.say(f"seed {seed}: DSA model trained ({_steps(s)} steps), last {losses[str(seed)]}; searching")
         raw[str(seed)] = measure_seed(model, bench, s)
         args.say(f"seed {seed}: searched patterns "
                  + ", ".join(x["pattern"] for x in raw[str(seed)]["rows"] if x["method"] == "searched"))
-    settings = {"size": s, "steps": _steps(s), "tokens": _steps(s) * s["T"] * s["batch"],
+    settings = {"scale": args.size_key, "device": str(args.device), "size": s, "steps": _steps(s), "tokens": _steps(s) * s["T"] * s["batch"],
                 "stages": [st.to_dict() for st in stages(s)], "retentions": RETENTIONS,
                 "calibration": {"data": "held-out text windows", "rows": s["calib_rows"], "length": s["T"] + 1,
                                 "window": s["T"] - s["topk"], "heldout_rows": s["calib_rows"]},
                 "mqar": {"rows": s["eval_rows"], "num_kv_pairs": s["pairs"], "lengths": [s["T"], 4 * s["T"]]},
-                "timing": {"device": "cpu", "threads": 1, "rounds": s["repeats"], "calib_length": s["T"],
+                "timing": {"device": str(args.device), "threads": 1, "rounds": s["repeats"], "calib_length": s["T"],
                            "long_length": s["T"] * s["long"], "long_rows": s["time_rows"]},
                 "model": config(s).to_hf()}
     return StudyResult("indexcache", table(raw, s["long"]), {"per_seed": raw, "last_losses": losses}, settings, seeds,
@@ -158,7 +166,7 @@ def _collect(raw: dict, retention: float, method: str, key: str) -> list[float]:
 
 
 def table(raw: dict, long: int) -> str:
-    """Rows: retention x method; mean ± sd over seeds; the report has no IndexCache figures."""
+    """Rows: retention x method; mean [95% t] over seeds; the report has no IndexCache figures."""
     keys = ("calib_loss", "heldout_loss", "mqar_T", "mqar_4T", "attn_ms_T", "attn_ms_long", "speedup_long")
     head = ["retention", "method", "full layers", "patterns", "calib loss", "held-out loss", "MQAR % @T",
             "MQAR % @4T", "attn ms @T", f"attn ms @{long}T", f"speedup @{long}T", "report"]
@@ -167,16 +175,16 @@ def table(raw: dict, long: int) -> str:
         for m in METHODS:
             pats = sorted(set(_collect(raw, r, m, "pattern")))
             rows.append([f"{r:g}", m, _collect(raw, r, m, "full_layers")[0], " ".join(f"`{p}`" for p in pats),
-                         *[mean_sd(_collect(raw, r, m, k), 3 if "loss" in k else 1) for k in keys],
+                         *[interval(_collect(raw, r, m, k)).text(3 if "loss" in k else 1) for k in keys],
                          "none (INDEXCACHE is None)"])
     dense = [per["dense_attn_ms_long"] for per in raw.values()]
     dsa = [per["dsa_attn_ms_long"] for per in raw.values()]
     ratio = [d / x for d, x in zip(dense, dsa, strict=True)]
     lo, hi = DSA_ATTENTION_SPEEDUP
-    ref = [["dense attention (use_dsa off)", mean_sd(dense, 1), "1.00", "-"],
-           ["DSA, retention 1", mean_sd(dsa, 1), mean_sd(ratio, 2), f"{lo:g}-{hi:g}x"]]
-    return ("IndexCache: quality and attention time by retention (report: no IndexCache figures, "
-            "report_figures.INDEXCACHE is None)\n\n" + markdown_table(head, rows)
+    ref = [["dense attention (use_dsa off)", interval(dense).text(1), "1.00", "-"],
+           ["DSA, retention 1", interval(dsa).text(1), interval(ratio).text(2), f"{lo:g}-{hi:g}x"]]
+    return ("IndexCache: quality and attention time by retention, mean [95% t] over seeds (report: no "
+            "IndexCache figures, report_figures.INDEXCACHE is None)\n\n" + markdown_table(head, rows)
             + f"\nThe only reference figure: DSA vs dense attention time at {long}T (report: DSA cuts long-sequence "
             f"attention compute {lo:g}-{hi:g}x; ours, speedup - 1 over seeds: {compare_text(speedup(raw), 2)})\n\n"
             + markdown_table(["attention", f"attn ms @{long}T", "speedup vs dense (ours)", "report"], ref))
@@ -194,13 +202,14 @@ def notes(raw: dict, s: dict) -> list[str]:
     lo, hi = DSA_ATTENTION_SPEEDUP
     ratio = statistics.fmean(per["dense_attn_ms_long"] / per["dsa_attn_ms_long"] for per in raw.values())
     verdict = speedup(raw)["verdict"]
-    quarter = {m: statistics.fmean(_collect(raw, 0.25, m, "heldout_loss")) for m in METHODS}
+    methods = [f"retention {r:g}, {key}: {paired_difference(_collect(raw, r, 'searched', key), _collect(raw, r, 'uniform', key)).text(d)}"
+               for r in RETENTIONS[1:] for key, d in (("heldout_loss", 4), ("mqar_T", 1))]
     return [f"The report gives no IndexCache figures (report_figures.INDEXCACHE = {INDEXCACHE}): the rows have no "
             f"report column to compare with; the only reference is DSA's {lo:g}-{hi:g}x cut of long-sequence "
             f"attention compute vs dense, ours {ratio:.2f}x at {s['T'] * s['long']} tokens with index_topk "
             f"{s['topk']} ({verdict}" + (", DSA is not faster here" if verdict == "opposite" else "") + ").",
-            f"Retention 1/4 held-out loss: searched {quarter['searched']:.4f} vs uniform {quarter['uniform']:.4f} "
-            "nats/token (the search minimises the calibration loss, which is a different set of rows).",
+            "Searched minus uniform, paired by seed [95% t] (no report figure, so no verdict; the search minimises "
+            "the calibration loss, which is a different set of rows): " + "; ".join(methods) + ".",
             "Attention time is CPU wall time (1 thread, round-robin over the patterns, median) of the MLA modules "
             "(indexer, top-k selection and attention); the machine is shared with other processes: read the "
             "speedup column, not the milliseconds; at T the attention is small and overheads dominate. Retention 1 "
@@ -229,3 +238,19 @@ def plot(raw: dict, long: int, path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
+
+
+def readme_row(info: dict) -> dict:
+    """The summary row (`glm5lab.ablate.summary`) from a parsed results.json: speedup and held-out
+    loss change by retention, and the one verdict the report allows (DSA faster than dense)."""
+    raw, long = info["raw"]["per_seed"], info["settings"]["size"]["long"]
+    n = info["settings"]["size"]["T"] * long
+    parts = []
+    for r in RETENTIONS[1:]:
+        d = paired_difference(_collect(raw, r, "searched", "heldout_loss"), _collect(raw, 1.0, "searched", "heldout_loss"))
+        parts.append(f"retention {r:g} (searched): {statistics.fmean(_collect(raw, r, 'searched', 'speedup_long')):.2f}x "
+                     f"less attention time at {n} tokens, held-out loss change {d.text(3)}")
+    lo, hi = DSA_ATTENTION_SPEEDUP
+    return {"report": f"no IndexCache figures (DSA cuts long-sequence attention {lo:g}-{hi:g}x)",
+            "ours": "; ".join(parts),
+            "verdict": f"DSA faster than dense at {n} tokens (speedup - 1): {compare_text(speedup(raw), 2)}"}

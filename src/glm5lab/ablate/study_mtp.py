@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.models import study_config, variant_config
 from glm5lab.ablate.report_figures import MTP
-from glm5lab.ablate.results import StudyResult, figure, markdown_table, mean_sd
+from glm5lab.ablate.results import StudyResult, figure, markdown_table
 from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
@@ -45,9 +45,15 @@ MTP_WEIGHT = 0.3
 SIZES = {
     "quick": dict(layers=1, hidden=64, T=32, batch=8, steps=6, lr=3e-3, prompts=2, prompt_len=16, max_new=8,
                   val_rows=8, seeds=1),
-    "default": dict(layers=2, hidden=128, T=128, batch=16, steps=600, lr=3e-3, prompts=16, prompt_len=32,
-                    max_new=64, val_rows=32, seeds=DEFAULT_SEEDS),
+    "cpu": dict(layers=2, hidden=128, T=128, batch=16, steps=600, lr=3e-3, prompts=16, prompt_len=32,
+                max_new=64, val_rows=32, seeds=DEFAULT_SEEDS),
+    "gpu": dict(layers=12, hidden=768, T=2048, batch=16, steps=3000, lr=2e-3, prompts=64, prompt_len=256,
+                max_new=256, val_rows=64, seeds=DEFAULT_SEEDS),
+    "gpu-quick": dict(layers=4, hidden=768, T=2048, batch=1, steps=1, lr=2e-3, prompts=1, prompt_len=64,
+                      max_new=8, val_rows=1, seeds=1),
 }
+"""gpu: two ~60M-parameter 12-layer models per seed, 3000 steps of 16 x 2048 tokens (an estimated
+1-2 GPU-hours per seed on one H100-class GPU, not measured); gpu-quick: the gpu widths and lengths with 4 layers, one step."""
 SAMPLE_SEED = 1234
 
 
@@ -75,7 +81,8 @@ def prompts(bench: Workbench, s: dict) -> list[list[int]]:
 @torch.no_grad()
 def mtp_depth_losses(model, bench: Workbench, s: dict, max_depth: int = max(DRAFT_STEPS)) -> list[float]:
     """Teacher-forced validation CE (nats) of the main head (entry 0) and MTP depths 1..max_depth."""
-    ids, labels = bench.val_text(s["T"], s["val_rows"])
+    device = next(model.parameters()).device
+    ids, labels = (t.to(device) for t in bench.val_text(s["T"], s["val_rows"]))
     out = model(ids, mtp_depth=max_depth)
     heads = [out.logits, *out.mtp_logits]
     return [float(F.cross_entropy(lg.flatten(0, 1), labels[:, j:].flatten())) for j, lg in enumerate(heads)]
@@ -90,15 +97,16 @@ def acceptance(model, rows: list[list[int]], s: dict, k: int, temperature: float
     return float(out.stats.acceptance_length)
 
 
-def run_seed(bench: Workbench, s: dict, seed: int, say) -> dict:
-    """Train depth 1 and depth 3 from one init on the same batches; score both."""
+def run_seed(bench: Workbench, s: dict, seed: int, say, device="cpu") -> dict:
+    """Train depth 1 and depth 3 from one init (on the CPU, then moved to `device`) on the same
+    batches; score both."""
     from glm5lab import GLM5ForCausalLM
 
     batches = bench.mixed(s["T"], s["batch"], task_rows=0, num_kv_pairs=1, seed=seed)
     rows, out = prompts(bench, s), {}
     for depth in DEPTHS:
         torch.manual_seed(seed)
-        model = GLM5ForCausalLM(config(s, depth))
+        model = GLM5ForCausalLM(config(s, depth)).to(device)
         records = fit(model, [stage(s, depth)], batches, optimizer="muon-split", seed=seed)
         res = {"acceptance_length": {mode: {str(k): acceptance(model, rows, s, k, t) for k in DRAFT_STEPS}
                                      for mode, t in MODES.items()},
@@ -112,10 +120,10 @@ def run_seed(bench: Workbench, s: dict, seed: int, say) -> dict:
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train depth 1 and depth 3 per seed, measure acceptance for k = 1..4 (module docstring); the StudyResult."""
-    s = SIZES["quick" if args.quick else "default"]
+    s = args.sizes(SIZES)
     seeds = args.seed_list(s["seeds"])
-    raw = {str(seed): run_seed(bench, s, seed, args.say) for seed in seeds}
-    settings = {"size": s, "tokens_per_model": s["steps"] * s["batch"] * s["T"],
+    raw = {str(seed): run_seed(bench, s, seed, args.say, args.device) for seed in seeds}
+    settings = {"scale": args.size_key, "device": str(args.device), "size": s, "tokens_per_model": s["steps"] * s["batch"] * s["T"],
                 "stages": {str(d): stage(s, d).to_dict() for d in DEPTHS}, "optimizer": "muon-split",
                 "eval": {"prompts": s["prompts"], "prompt_len": s["prompt_len"], "max_new_tokens": s["max_new"],
                          "draft_steps": list(DRAFT_STEPS), "temperatures": MODES, "sample_seed": SAMPLE_SEED,
@@ -156,12 +164,12 @@ def table(raw: dict) -> str:
             rows.append([f"depth {depth}", mode, *[interval(_acc(raw, depth, mode, k)).text(2) for k in DRAFT_STEPS],
                          f"{MTP['GLM-5']:.2f}", f"{MTP['DeepSeek-V3.2']:.2f}", *cmp])
     ce_head = ["training depth", "main head", *[f"MTP depth {j}" for j in DRAFT_STEPS]]
-    ce_rows = [[f"depth {d}", *[mean_sd([raw[s][str(d)]["val_ce_by_depth"][j] for s in raw])
+    ce_rows = [[f"depth {d}", *[interval([raw[s][str(d)]["val_ce_by_depth"][j] for s in raw]).text()
                                for j in range(len(DRAFT_STEPS) + 1)]] for d in DEPTHS]
     return ("Mean acceptance length (tokens per verification forward) vs MTP draft steps k; report: 4 steps\n\n"
             + markdown_table(head, rows)
-            + "\nTeacher-forced validation CE (nats/token) by prediction depth (depths above the training depth "
-              "are extrapolation)\n\n" + markdown_table(ce_head, ce_rows))
+            + "\nTeacher-forced validation CE (nats/token, mean [95% t]) by prediction depth (depths above the "
+              "training depth are extrapolation)\n\n" + markdown_table(ce_head, ce_rows))
 
 
 def notes(raw: dict) -> list[str]:
@@ -202,3 +210,16 @@ def plot(raw: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
+
+
+def readme_row(info: dict) -> dict:
+    """The summary row (`glm5lab.ablate.summary`) from a parsed results.json: acceptance at 4 draft
+    steps per training depth and mode, and the depth-3-vs-1 verdicts."""
+    raw = info["raw"]
+    ours = "; ".join(f"{mode}: depth 3 {_m(_acc(raw, 3, mode, 4)):.2f}, depth 1 {_m(_acc(raw, 1, mode, 4)):.2f}"
+                     for mode in MODES)
+    return {"report": f"acceptance at 4 steps: GLM-5 (3 shared depths) {MTP['GLM-5']:.2f}, DeepSeek-V3.2 "
+                      f"{MTP['DeepSeek-V3.2']:.2f}",
+            "ours": "acceptance at 4 draft steps, " + ours,
+            "verdict": "; ".join(f"deeper unroll drafts longer ({mode}): {compare_text(comparison(raw, mode), 2)}"
+                                 for mode in MODES)}

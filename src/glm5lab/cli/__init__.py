@@ -7,7 +7,8 @@
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
                    [--dtype fp32|bf16] [--prefill-chunk N] [--compile] [--json]
-    glm5lab ablate STUDY [--quick] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient, mtp, indexcache)
+    glm5lab ablate STUDY [--quick] [--scale cpu|gpu] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient,
+                   mtp, indexcache, baseline; `glm5lab ablate summary` rebuilds the README table)
     glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick]
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a
@@ -90,8 +91,10 @@ def format_summary(summary: dict) -> str:
         change = "(resumed after this stage)" if st["first"] is None else f"{st['first']:.3f} -> {st['last']:.3f}"
         lines.append(f"  {st['stage']:<18} {st['steps']:>5} steps {st['tokens']:>10,} tokens  dsa={st['use_dsa']!s:<5} "
                      f"trains {st['trainable']:<7} {st['reported']:<10} {change}")
-    lines.append(f"validation loss {summary['val_loss']:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}); "
-                 f"unigram baseline {summary['unigram_val_loss']:.3f}")
+    bpb = summary.get("val_bits_per_byte")
+    per_byte = "bits per byte not recorded" if bpb is None else f"{bpb:.3f} bits/byte"
+    lines.append(f"validation loss {summary['val_loss']:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}, "
+                 f"{per_byte}); unigram baseline {summary['unigram_val_loss']:.3f}")
     return "\n".join(lines)
 
 

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 
-from glm5lab.ablate.runner import STUDIES
+from glm5lab.ablate.runner import SCALES, STUDIES
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from glm5lab.ablate.runner import StudyArgs, run_study
 
+    if args.study == "summary":
+        from glm5lab.ablate.summary import write_summary
+
+        print(write_summary(args.root, args.write).rstrip())
+        print(f"\nwritten: the ablations block of {', '.join(args.write)}")
+        return 0
     study = StudyArgs(args.study, quick=args.quick, out=args.out, seeds=args.seeds, progress=not args.no_progress,
-                      data=args.data)
+                      data=args.data, scale=args.scale)
     path, table = run_study(study)
     print(table.rstrip())
     print(f"\nwritten: {path.parent} (table.md, results.json, {args.study}.png)")
@@ -24,13 +30,26 @@ def add_ablate_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train and score small models for one of the report's comparisons; print a "
                        "markdown table with the report's figures beside ours and write table.md, results.json "
-                       "(config, seeds, raw numbers) and a PNG into --out.\n\nstudies:\n" + studies)
-    p.add_argument("study", choices=list(STUDIES), metavar="STUDY", help="one of: " + ", ".join(STUDIES))
+                       "(config, seeds, raw numbers) and a PNG into --out.\n\nstudies:\n" + studies
+                       + "\n  summary     rebuild the one-table summary in README.md and docs/ablations.md from "
+                       "--root/STUDY/results.json")
+    p.add_argument("study", choices=[*STUDIES, "summary"], metavar="STUDY", help="one of: " + ", ".join(STUDIES)
+                   + "; or summary")
     p.add_argument("--quick", action="store_true", help="the smoke size: under two minutes on 2 CPU cores "
                    "(numbers are not meaningful); default: the study size, under an hour")
-    p.add_argument("--out", metavar="DIR", help="results folder (default runs/ablate/STUDY, or runs/ablate/STUDY-quick)")
-    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the study's own, 3 for mla)")
+    p.add_argument("--scale", choices=SCALES, default="cpu", help="cpu (default): CPU-sized models, every default "
+                   "study in about an hour on 2 cores; gpu: ~50-100M-parameter models at 2K-8K tokens, for a GPU "
+                   "(hours; each study's docstring estimates them); with --quick, the gpu shapes for a step or two "
+                   "(runs on a CPU)")
+    p.add_argument("--out", metavar="DIR", help="results folder (default runs/ablate/STUDY[-gpu][-quick])")
+    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the study's own: 2, "
+                   "3 for mla)")
     p.add_argument("--data", metavar="PATH", help="text corpus: a file, a folder of .txt/.md/.jsonl files, or JSONL "
                    "with a `text` field (default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
+    p.add_argument("--root", metavar="DIR", default="runs/ablate", help="summary: the folder of study results "
+                   "(default runs/ablate)")
+    p.add_argument("--write", metavar="FILE", nargs="+", default=["README.md", "docs/ablations.md"],
+                   help="summary: files whose <!-- ablations:begin/end --> block is rewritten (default README.md "
+                   "docs/ablations.md)")
     p.set_defaults(func=cmd_ablate)

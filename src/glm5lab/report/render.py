@@ -37,10 +37,22 @@ def _quality(rec, pngs) -> str:
     rows = [[st["stage"], st["steps"], f"{st['tokens']:,}", st["use_dsa"], st["trainable"], st["reported"],
              st["first"], st["last"]] for st in s.get("stages", [])]
     return ("## Quality\n\n"
-            f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}) on the whole "
-            f"held-out split; the add-one unigram baseline is {s['unigram_val_loss']:.3f}.\n\n"
+            f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}; "
+            f"{_bits_per_byte(s)}) on the whole held-out split; the add-one unigram baseline is "
+            f"{s['unigram_val_loss']:.3f}.\n\n"
             + markdown_table(["stage", "steps", "tokens", "DSA", "trains", "loss shown", "first", "last"], rows)
             + _img(pngs, "loss", "loss by stage") + _img(pngs, "perplexity", "validation perplexity"))
+
+
+def _bits_per_byte(s: dict) -> str:
+    """summary.json's val_bits_per_byte (summed NLL / (ln 2 x UTF-8 bytes of the same targets));
+    a run from before it was recorded (or with a tokenizer that is not byte-level) has none."""
+    bpb = s.get("val_bits_per_byte")
+    if bpb is None:
+        return "bits per byte: not recorded"
+    over = (f" over {s['val_bytes']:,} UTF-8 bytes of {s['val_tokens']:,} target tokens"
+            if s.get("val_bytes") and s.get("val_tokens") else "")
+    return f"**{bpb:.3f}** bits per byte{over}"
 
 
 def _tokens(rec) -> str:
@@ -116,13 +128,28 @@ def _ablations(rec) -> str:
     if not rec.ablations:
         return ("## Ablations\n\nNone found beside the run (RUN_DIR/ablate/* or ../ablate/*); run "
                 "`glm5lab ablate STUDY`.\n")
-    out = ["## Ablations\n"]
+    out = ["## Ablations\n", _ablation_summary(rec.ablations)]
     for key, info in rec.ablations.items():
         table = info["table"].split("\n", 1)[1] if info["table"].startswith("# ") else info["table"]
         png = f"\n![{key}]({info['png']})\n" if info.get("png") else ""
         out.append(f"\n### `{key}` ({info['folder']}, seeds {info.get('seeds')}, {info.get('elapsed_s')} s)\n"
                    f"{table.strip()}\n{png}")
     return "".join(out)
+
+
+def _ablation_summary(ablations: dict) -> str:
+    """The README's summary table (`glm5lab.ablate.summary.summary_table`) of the default-size
+    studies found; empty when there are none or one cannot be read."""
+    from glm5lab.ablate.summary import summary_table
+
+    full = {info["study"]: info for info in ablations.values()
+            if not info.get("quick") and info.get("settings", {}).get("scale", "cpu") == "cpu"}
+    if not full:
+        return ""
+    try:
+        return "\nSummary (the README's table, generated from each results.json):\n\n" + summary_table(full)
+    except (KeyError, TypeError, ValueError) as e:  # a results.json from an older version of a study
+        return f"\nSummary not available: {type(e).__name__}: {e}\n"
 
 
 def _evals(rec) -> str:

@@ -32,7 +32,8 @@ from glm5lab.train import dist
 from glm5lab.train.balance import update_router_bias
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
-from glm5lab.train.losses import cross_entropy, stage_losses
+from glm5lab.train.evaluation import evaluate, evaluate_nll, run_byte_lengths, summary_fields
+from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
 
 
@@ -156,21 +157,6 @@ def optimizer_step(model, optimizer, losses, stage: Stage, step: int, grad_clip:
     optimizer.zero_grad(set_to_none=True)
     frozen_router = stage.trainable != "all"  # indexer warm-up: everything but the indexer stays put
     return grad_norm, update_router_bias(model, 0.0 if frozen_router else bias_update_rate)
-
-
-@torch.no_grad()
-def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1) -> float:
-    """Mean next-token CE (nats) over the first n_batches global batches of validation windows
-    (every rank evaluates all of them, so the result does not depend on the world size)."""
-    model.eval()
-    rows = windows[: n_batches * stage.batch_size * world_size]
-    losses = [cross_entropy(model(rows[i:i + stage.batch_size, :-1], use_dsa=stage.use_dsa).logits,
-                            rows[i:i + stage.batch_size, 1:])
-              for i in range(0, len(rows), stage.batch_size)]
-    model.train()  # eval-mode forwards count no expert load: validation never steers the router bias
-    if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
-        model.reshard()
-    return float(torch.stack(losses).mean())
 
 
 class MetricsLog:
@@ -382,10 +368,14 @@ class _Loop:
         return out
 
     def finish(self) -> dict:
+        """Evaluate the whole validation split (val_loss, perplexity, bits per byte under the run's
+        tokenizer), write summary.json and loss.png (main rank), and tear the process group down."""
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
-        val_loss = evaluate(self.shard, val, last, max(self.args.eval_batches, len(val) // last.batch_size))  # all of it
-        summary = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss),
+        byte_lengths = run_byte_lengths(self.data.tokenizer, self.model.config.vocab_size)
+        result = evaluate_nll(self.shard, val, last, max(self.args.eval_batches, len(val) // last.batch_size),
+                              byte_lengths_V=byte_lengths)  # all of it
+        summary = {**summary_fields(result),
                    "unigram_val_loss": unigram_loss(self.data.train_tokens, self.data.val_tokens, self.model.config.vocab_size),
                    "steps": self.step, "stages": self.stage_summaries() if self.ctx.is_main else [],
                    "run_dir": str(self.run_dir)}

@@ -1,0 +1,92 @@
+"""A training run's validation: mean next-token CE over packed validation windows, and the sums
+behind bits per byte (`glm5lab.evals.bpb`).
+
+Legend: N windows, L = seq_len, B = stage batch size, V vocab. A window w [L + 1] gives inputs
+w[:-1] and targets w[1:]. Every rank evaluates every window it is given (no sharding of the
+validation rows and so no reduction across ranks: under FSDP2 each rank must run the same
+forwards anyway), so every figure is the same on every rank and for any world size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
+from glm5lab.train.stages import Stage
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """loss: the mean over batches of each batch's mean target CE (nats/token), the figure
+    `val_loss` has always been (equal to nll_sum / tokens when every batch is full; the last
+    batch may be shorter). nll_sum: CE summed over every scored target (nats; fp32 per target,
+    summed in fp64). tokens: the scored targets. utf8_bytes: the UTF-8 bytes those same targets
+    stand for (None when no byte lengths were given)."""
+
+    loss: float
+    nll_sum: float
+    tokens: int
+    utf8_bytes: int | None = None
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        """nll_sum / (ln 2 x utf8_bytes) (`glm5lab.evals.bpb.bits_per_byte`); None without byte
+        lengths. Raises ValueError when the targets stand for 0 bytes."""
+        return None if self.utf8_bytes is None else bits_per_byte(self.nll_sum, self.utf8_bytes)
+
+
+@torch.no_grad()
+def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1,
+                 byte_lengths_V: torch.Tensor | None = None) -> Evaluation:
+    """Next-token CE of `model` on the first n_batches global batches of validation windows
+    (rows[: n_batches * stage.batch_size * world_size], in batches of stage.batch_size, with the
+    stage's DSA switch). byte_lengths_V: int64 [V] UTF-8 bytes per id (`token_byte_lengths`); the
+    byte count covers exactly the targets the CE is taken over. Each batch is moved to the model's
+    device; the model is left in train mode (eval-mode forwards count no expert load, so
+    validation never steers the router bias) and, under FSDP2, resharded."""
+    rows = windows_NL1[: n_batches * stage.batch_size * world_size]
+    device = next(model.parameters()).device
+    model.eval()
+    means, sums = [], []
+    for i in range(0, len(rows), stage.batch_size):
+        batch = rows[i:i + stage.batch_size].to(device)
+        logits_BLV = model(batch[:, :-1], use_dsa=stage.use_dsa).logits
+        nll = F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="none")
+        means.append(nll.mean())
+        sums.append(nll.double().sum())
+    model.train()
+    if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
+        model.reshard()
+    targets = rows[:, 1:]
+    utf8 = None if byte_lengths_V is None else target_bytes(byte_lengths_V, targets)
+    return Evaluation(float(torch.stack(means).mean()), float(torch.stack(sums).sum()), targets.numel(), utf8)
+
+
+def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1) -> float:
+    """Mean next-token CE (nats) over the first n_batches global batches of validation windows
+    (`evaluate_nll(...).loss`; every rank evaluates all of them, so the result does not depend on
+    the world size)."""
+    return evaluate_nll(model, windows, stage, n_batches, world_size).loss
+
+
+def run_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor | None:
+    """`token_byte_lengths` of a run's tokenizer, or None when it is not a byte-level BPE (a
+    user's --tokenizer): the run then records no bits per byte rather than failing at its end."""
+    try:
+        return token_byte_lengths(tokenizer, vocab_size)
+    except ValueError:
+        return None
+
+
+def summary_fields(result: Evaluation) -> dict:
+    """The validation entries of summary.json: val_loss (nats/token), val_perplexity, and, when
+    the targets' bytes were counted (and are > 0), val_bits_per_byte with the val_tokens /
+    val_bytes it was taken over."""
+    out = {"val_loss": result.loss, "val_perplexity": math.exp(result.loss)}
+    if result.utf8_bytes:
+        out.update(val_bits_per_byte=result.bits_per_byte, val_tokens=result.tokens, val_bytes=result.utf8_bytes)
+    return out

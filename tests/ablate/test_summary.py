@@ -1,0 +1,99 @@
+"""The summary table (README, docs/ablations.md, report) is generated from results.json alone:
+every study's `readme_row` re-judges its raw seeds and says exactly what its own table says;
+`glm5lab ablate summary` rewrites only the marked block and refuses what it cannot use."""
+
+import json
+import shutil
+
+import pytest
+
+from glm5lab.ablate.runner import StudyArgs, run_study
+from glm5lab.ablate.summary import BEGIN, END, int_keys, load_results, replace_block, row, summary_table, write_summary
+from glm5lab.cli import main
+
+STUDIES = ("mla", "dsa", "swa", "efficient", "mtp", "indexcache")  # baseline: tests/ablate/test_study_baseline.py
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, study_corpus):
+    """Quick runs of every study with 2 seeds (so each comparison has an interval), laid out as
+    runs/ablate/STUDY with quick=False and scale "cpu" in results.json (as a default-size run)."""
+    out = tmp_path_factory.mktemp("ablate")
+    for study in STUDIES:
+        run_study(StudyArgs(study, quick=True, seeds=2, out=str(out / study), progress=False, data=str(study_corpus)))
+        path = out / study / "results.json"
+        info = json.loads(path.read_text())
+        path.write_text(json.dumps({**info, "quick": False, "settings": {**info["settings"], "scale": "cpu"}}))
+    return out
+
+
+def test_each_row_repeats_its_own_tables_verdicts(root):
+    infos = load_results(root)
+    assert list(infos) == list(STUDIES)
+    for study, info in infos.items():
+        r = row(info)
+        assert set(r) == {"report", "ours", "verdict"} and all(r.values()), study
+        table = (root / study / "table.md").read_text()
+        for part in r["verdict"].split("; "):
+            judged = part.split(": ", 1)[1]  # the interval and verdict, exactly as the study printed it
+            assert judged in table, (study, judged)
+            assert any(v in judged for v in ("reproduced", "opposite", "inconclusive at 2 seeds")), judged
+
+
+def test_table_lists_every_study_with_its_seeds(root):
+    text = summary_table(load_results(root))
+    lines = [ln for ln in text.splitlines() if ln.startswith("| `")]
+    assert [ln.split("`")[1] for ln in lines] == list(STUDIES)
+    assert all("[2]" in ln for ln in lines)
+    with pytest.raises(ValueError, match="no study results"):
+        summary_table({})
+
+
+def test_write_summary_replaces_only_the_block(root, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    docs = tmp_path / "ablations.md"
+    docs.write_text(f"{BEGIN}{END}")
+    table = write_summary(root, [readme, docs])
+    text = readme.read_text()
+    assert text.startswith("# title\n\nbefore\n" + BEGIN) and text.endswith(END + "\nafter\n")
+    assert "old table" not in text and table.strip() in text and table.strip() in docs.read_text()
+    assert not list(tmp_path.glob("*.tmp"))
+    assert main(["ablate", "summary", "--root", str(root), "--write", str(readme)]) == 0
+
+
+def test_bad_inputs_are_refused_before_writing(root, tmp_path):
+    with pytest.raises(ValueError, match="needs exactly one"):
+        replace_block("no markers", "x", where="README.md")
+    with pytest.raises(ValueError, match="README.md: needs exactly one"):
+        replace_block(f"{END}{BEGIN}", "x", where="README.md")
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "mla", bad / "mla")
+    (bad / "mla" / "results.json").write_text(json.dumps({"study": "mla", "quick": True}))
+    with pytest.raises(ValueError, match="not the default-size 'mla' run"):
+        load_results(bad)
+    (bad / "mla" / "results.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_results(bad)
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers here")
+    with pytest.raises(ValueError, match="needs exactly one"):
+        write_summary(root, [readme])
+    assert readme.read_text() == "no markers here"
+
+
+def test_int_keys_restores_json_keys():
+    assert int_keys({"0": {"16": 1.0, "val_loss": 2.0}, "a": [{"3": 1}]}) == {0: {16: 1.0, "val_loss": 2.0},
+                                                                              "a": [{3: 1}]}
+
+
+def test_report_section_is_the_same_table(root):
+    """`glm5lab report`'s ablation section opens with the same generated table (quick and gpu-scale
+    runs left out); a results.json it cannot judge says so instead of failing the report."""
+    from glm5lab.report.render import _ablation_summary
+
+    infos = load_results(root)
+    found = {**infos, "mla (--quick)": {**infos["mla"], "quick": True}}
+    assert summary_table(infos) in _ablation_summary(found)
+    assert "Summary not available: KeyError" in _ablation_summary({"mla": {"study": "mla", "seeds": [0]}})
+    assert _ablation_summary({}) == ""
