@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM
-from glm5lab.ablate import study_dsa, study_efficient, study_indexcache, study_mla, study_mtp, study_swa
+from glm5lab.ablate import study_baseline, study_dsa, study_efficient, study_indexcache, study_mla, study_mtp, study_swa
 from glm5lab.ablate.runner import SIZE_KEYS, StudyArgs, run_study
 
 
@@ -52,7 +52,7 @@ def test_positions_cover_every_length_a_study_feeds(study, size):
     assert all(cfg.max_position_embeddings >= longest for cfg in cfgs), (study, size, longest)
 
 
-@pytest.mark.parametrize("module", [study_mla, study_dsa, study_mtp, study_indexcache, study_efficient])
+@pytest.mark.parametrize("module", [study_mla, study_dsa, study_mtp, study_indexcache, study_efficient, study_baseline])
 def test_every_study_has_every_size(module):
     assert set(module.SIZES) == set(SIZE_KEYS)
 

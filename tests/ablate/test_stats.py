@@ -21,7 +21,7 @@ def test_t_interval_by_hand():
     assert (iv.mean, iv.sd, iv.n, iv.method) == (2.0, 1.0, 3, "t")
     half = T_975_DOF2 / math.sqrt(3)
     assert iv.low == pytest.approx(2 - half, abs=1e-6) and iv.high == pytest.approx(2 + half, abs=1e-6)
-    assert iv.text() == "2.000 [-0.484, 4.484]"
+    assert iv.text() == "2.000 ± 1.000 [-0.484, 4.484]"
     one = interval([3.5])
     assert (one.low, one.high, one.sd) == (None, None, 0.0) and one.text() == "3.500"
 

@@ -113,8 +113,8 @@ def test_readme_row_reads_results_json(quick):
     out, _, _ = quick
     row = sb.readme_row(json.loads((out / "results.json").read_text()))
     assert set(row) == {"report", "ours", "verdict"} and row["report"].startswith("no report figure")
-    assert all(arm in row["ours"] for arm in ARMS) and "2 seeds" in row["ours"]
-    assert "vs dense GPT + AdamW" in row["verdict"] and "\n" not in row["ours"] + row["verdict"]
+    assert all(arm in row["ours"] for arm in ARMS) and "bits per byte" in row["ours"]
+    assert "lower than dense GPT + AdamW (bpb): " in row["verdict"] and "\n" not in row["ours"] + row["verdict"]
 
 
 @pytest.mark.slow
@@ -122,5 +122,5 @@ def test_gpu_shapes_run_end_to_end(tmp_path, study_corpus):
     run_study(StudyArgs("baseline", quick=True, scale="gpu", out=str(tmp_path), progress=False,
                         data=str(study_corpus)))
     info = json.loads((tmp_path / "results.json").read_text())
-    assert info["settings"]["size_key"] == "gpu-quick" and info["settings"]["models"][sb.GLM5]["hidden_size"] == 768
+    assert info["settings"]["scale"] == "gpu-quick" and info["settings"]["models"][sb.GLM5]["hidden_size"] == 768
     assert all(math.isfinite(r["val_bpb"]) for arm in ARMS for r in info["raw"][arm].values())

@@ -41,7 +41,10 @@ def write_result(result: StudyResult, out: Path, *, quick: bool, elapsed_s: floa
     from glm5lab.environment import git_commit
 
     out.mkdir(parents=True, exist_ok=True)
-    header = f"# Ablation `{result.study}`{' (--quick)' if quick else ''}\n\n"
+    header = (f"# Ablation `{result.study}`{' (--quick)' if quick else ''}\n\n"
+              f"Seeds {result.seeds} (n = {len(result.seeds)}). Per-arm cells: mean ± sd [95% t-interval] over "
+              "the seeds; differences: mean [95% interval], paired by seed, with the verdict of "
+              "`glm5lab.ablate.stats` (reproduced / opposite / inconclusive at n seeds).\n\n")
     notes = "".join(f"- {n}\n" for n in result.notes)
     _atomic_text(out / "table.md", header + result.table.rstrip() + "\n" + (f"\nNotes:\n{notes}" if notes else ""))
     info = {"study": result.study, "quick": quick, "seeds": result.seeds, "settings": result.settings,

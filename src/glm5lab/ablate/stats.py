@@ -53,10 +53,10 @@ class Interval:
     method: str
 
     def text(self, digits: int = 3) -> str:
-        """'m [lo, hi]' (or 'm' alone when there is no interval)."""
+        """'m ± sd [lo, hi]' (mean, sample sd, the interval; 'm' alone when there is no interval)."""
         if self.low is None:
             return f"{self.mean:.{digits}f}"
-        return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
+        return f"{self.mean:.{digits}f} ± {self.sd:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
 
 
 def _values(values: Sequence[float], what: str) -> list[float]:

@@ -204,7 +204,7 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
             raw[arm][str(seed)] = r
             args.say(f"seed {seed}: {arm} val bpb {r['val_bpb']:.3f} ({r['val_loss']:.3f} nats/token), "
                      f"{r['train_seconds']:.0f} s, {r['tokens_per_s']:.0f} tok/s")
-    settings = {"size": s, "size_key": args.size_key, "device": str(args.device), "threads": torch.get_num_threads(),
+    settings = {"size": s, "scale": args.size_key, "device": str(args.device), "threads": torch.get_num_threads(),
                 "optimizers": OPTIMIZERS, "train": TRAIN,
                 "stages": {a: [st.to_dict() for st in p] for a, p in plan.items()},
                 "matched_convention": MATCHED, "params": {a: ledger.conventions(c) for a, c in cfgs.items()},
@@ -243,7 +243,7 @@ def _millions(p: dict) -> str:
 
 
 def table(raw: dict, settings: dict) -> str:
-    """The arms (mean [95% t] over seeds) and the paired comparisons."""
+    """The arms (mean ± sd [95% t] over seeds) and the paired comparisons."""
     shown = [f"params total / activated, {ledger.CONVENTIONS[c]}" for c in SHOWN]
     head = ["arm", "optimizer (peak lr)", "layers x hidden", *shown, "train tokens", "val bpb [95% t]",
             "val loss (nats/token) [95% t]", "train wall s [95% t]", "tok/s [95% t]"]
@@ -257,7 +257,7 @@ def table(raw: dict, settings: dict) -> str:
                        (("val_bpb", 3), ("val_loss", 3), ("train_seconds", 0), ("tokens_per_s", 0)))])
     cmp_rows = [[f"{a} vs {b}", compare_text(c), speed_ratio(raw, a, b).text(2)]
                 for (a, b), c in bpb_comparisons(raw).items()]
-    return ("Validation bits per byte and loss, training time and speed, mean [95% t-interval] over seeds; "
+    return ("Validation bits per byte and loss, training time and speed, mean ± sd [95% t-interval] over seeds; "
             f"activated parameters matched {ledger.CONVENTIONS[MATCHED]} (within 5%). No report figure: the "
             "expectation tested is that the first arm of each comparison has the LOWER bpb (report_sign -1): "
             "'reproduced' = the paired 95% interval of its difference lies below zero, 'opposite' = above, "
@@ -302,16 +302,9 @@ def readme_row(info: dict) -> dict:
     cmps = bpb_comparisons(raw)
     ours = ", ".join(f"{arm} {mean[arm]['val_bpb']:.3f}" for arm in OPTIMIZERS)
     speed = " / ".join(f"{mean[arm]['tokens_per_s']:.0f}" for arm in OPTIMIZERS)
-    verdict = "; ".join(f"{a} vs {b}: {cmps[(a, b)]['diff'].mean:+.3f} bpb, {_reading(a, b, cmps[(a, b)])}"
-                        for a, b in COMPARISONS[:2])
+    verdict = "; ".join(f"{a} lower than {b} (bpb): {compare_text(cmps[(a, b)])}" for a, b in COMPARISONS[:2])
     return {"report": "no report figure (the comparison a CPU user would make)",
-            "ours": f"val bpb {ours}; tok/s {speed} ({len(info['seeds'])} seeds)", "verdict": verdict}
-
-
-def _reading(a: str, b: str, c: dict) -> str:
-    """The verdict with the arm it favours: 'reproduced (a lower)', 'opposite (b lower)', or inconclusive."""
-    v = c["verdict"]
-    return f"{v} ({a if v == 'reproduced' else b} lower)" if v in ("reproduced", "opposite") else v
+            "ours": f"val bits per byte {ours}; training tok/s {speed}", "verdict": verdict}
 
 
 def plot(raw: dict, path) -> None:

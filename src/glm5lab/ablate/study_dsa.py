@@ -155,7 +155,7 @@ def comparison(raw: dict, row: str, lengths: list[int]) -> dict:
 
 
 def tables(raw: dict, lengths: list[int]) -> str:
-    """Ours (rows: arms, columns: lengths, mean [95% t-interval] over seeds) beside the report's
+    """Ours (rows: arms, columns: lengths, mean ± sd [95% t-interval] over seeds) beside the report's
     4K..128K, the difference vs dense at the longest length with its paired interval and verdict
     (`glm5lab.ablate.stats`), and the report's 128K MLA vs DSA."""
     head = ["arm", "eval"] + [f"T={n}" for n in lengths] + [f"report {c}" for c in CONTEXTS] + \

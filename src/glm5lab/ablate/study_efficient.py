@@ -182,7 +182,7 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
                  interval([raw[v][s]["val_loss"] for s in seeds]).text()] for v in VARIANTS]
     text = (f"After {fz.steps} equal further steps of {sz.batch} x {fz.seq_len} tokens (base: {sz.steps} steps at "
             f"{sz.seq_len}; window {sz.window}; seeds {seeds}). Accuracy in [0, 1], loss in nats/token, "
-            "mean [95% t]:\n\n"
+            "mean ± sd [95% t]:\n\n"
             + markdown_table(["variant", *[f"{t.upper()} {n}" for t in TASKS for n in lengths],
                               f"val loss {fz.seq_len}"], abs_rows))
     ours = {v: _retrieval_change(raw, v, fz, seeds) for v in VARIANTS[1:]}

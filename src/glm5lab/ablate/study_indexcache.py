@@ -166,7 +166,7 @@ def _collect(raw: dict, retention: float, method: str, key: str) -> list[float]:
 
 
 def table(raw: dict, long: int) -> str:
-    """Rows: retention x method; mean [95% t] over seeds; the report has no IndexCache figures."""
+    """Rows: retention x method; mean ± sd [95% t] over seeds; the report has no IndexCache figures."""
     keys = ("calib_loss", "heldout_loss", "mqar_T", "mqar_4T", "attn_ms_T", "attn_ms_long", "speedup_long")
     head = ["retention", "method", "full layers", "patterns", "calib loss", "held-out loss", "MQAR % @T",
             "MQAR % @4T", "attn ms @T", f"attn ms @{long}T", f"speedup @{long}T", "report"]
@@ -183,7 +183,7 @@ def table(raw: dict, long: int) -> str:
     lo, hi = DSA_ATTENTION_SPEEDUP
     ref = [["dense attention (use_dsa off)", interval(dense).text(1), "1.00", "-"],
            ["DSA, retention 1", interval(dsa).text(1), interval(ratio).text(2), f"{lo:g}-{hi:g}x"]]
-    return ("IndexCache: quality and attention time by retention, mean [95% t] over seeds (report: no "
+    return ("IndexCache: quality and attention time by retention, mean ± sd [95% t] over seeds (report: no "
             "IndexCache figures, report_figures.INDEXCACHE is None)\n\n" + markdown_table(head, rows)
             + f"\nThe only reference figure: DSA vs dense attention time at {long}T (report: DSA cuts long-sequence "
             f"attention compute {lo:g}-{hi:g}x; ours, speedup - 1 over seeds: {compare_text(speedup(raw), 2)})\n\n"

@@ -191,7 +191,7 @@ def table(raw: dict, params: dict, cfgs: dict) -> str:
         rows.append([row, opt, interval(_scores(raw, row, "val_loss")).text(),
                      interval(_scores(raw, row, "mqar_accuracy")).text(), params[row], cache_values(cfgs[row]),
                      *[f"{v:.1f}" for v in rep], f"{mean(rep):.2f}", *cmp])
-    return ("Validation text loss and MQAR per-query accuracy (mean [95% t-interval] over seeds) beside the "
+    return ("Validation text loss and MQAR per-query accuracy (mean ± sd [95% t-interval] over seeds) beside the "
             "report's proxy ablation (accuracy %). Verdicts: reproduced / opposite when the paired 95% interval of "
             "the difference excludes zero on the report's / the other side, else inconclusive (with the seeds "
             "the observed spread would need).\n\n" + markdown_table(head, rows))

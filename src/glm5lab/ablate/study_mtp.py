@@ -150,7 +150,7 @@ def comparison(raw: dict, mode: str) -> dict:
 
 
 def table(raw: dict) -> str:
-    """Acceptance length (mean [95% t-interval] over seeds): rows depth x mode, columns k = 1..4,
+    """Acceptance length (mean ± sd [95% t-interval] over seeds): rows depth x mode, columns k = 1..4,
     the report's figures at 4 steps beside, depth 3 - depth 1 at k=4 with its paired interval and
     verdict (`glm5lab.ablate.stats`); then the teacher-forced CE by MTP depth."""
     head = ["training depth", "decoding", *[f"k={k}" for k in DRAFT_STEPS], "report GLM-5 (k=4)",
@@ -168,7 +168,7 @@ def table(raw: dict) -> str:
                                for j in range(len(DRAFT_STEPS) + 1)]] for d in DEPTHS]
     return ("Mean acceptance length (tokens per verification forward) vs MTP draft steps k; report: 4 steps\n\n"
             + markdown_table(head, rows)
-            + "\nTeacher-forced validation CE (nats/token, mean [95% t]) by prediction depth (depths above the "
+            + "\nTeacher-forced validation CE (nats/token, mean ± sd [95% t]) by prediction depth (depths above the "
               "training depth are extrapolation)\n\n" + markdown_table(ce_head, ce_rows))
 
 

@@ -199,12 +199,12 @@ def _table(raw: dict, sz: Sizes, searches: dict, seeds: list[int]) -> tuple[str,
         rows.append([v, *ours, *rf.SWA[v], f"{c['report']:+.1f}", compare_text(c, 1)])
     text = (f"Retrieval score (100 x mean of MQAR accuracy and NIAH exact match) by context length in tokens; "
             f"ours: window w = {sz.window}, trained at T = {sz.seq_len}, no extra training; "
-            f"report: 4K..128K. Mean [95% t-interval] over seeds {seeds}; the change vs full is each seed's mean "
+            f"report: 4K..128K. Mean ± sd [95% t-interval] over seeds {seeds}; the change vs full is each seed's mean "
             f"over the lengths above the window, paired by seed (`glm5lab.ablate.stats`).\n\n"
             + markdown_table(headers, rows))
     detail = [[v, task, *[interval([raw[v][s][n][task] for s in seeds]).text() for n in sz.lengths]]
               for v in VARIANTS for task in ("mqar", "niah")]
-    text += "\nPer task (accuracy in [0, 1], mean [95% t]):\n\n" + markdown_table(["variant", "task", *map(str, sz.lengths)], detail)
+    text += "\nPer task (accuracy in [0, 1], mean ± sd [95% t]):\n\n" + markdown_table(["variant", "task", *map(str, sz.lengths)], detail)
     pats = [[s, "".join("S" if m == "swa" else "F" for m in searches[s]["mixer_types"]), searches[s]["swa_layers"],
              searches[s]["evaluations"]] for s in seeds]
     text += "\nSearched patterns (F full, S SWA; 1:1 SWA = " + "".join(
