@@ -38,7 +38,7 @@ from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 2
+DEFAULT_SEEDS = 3
 RECOVERY_MARGIN = 2.0
 """Points of MQAR accuracy within which full adaptation counts as recovering dense (the report's
 -0.35 at 128K is recovery, -7.86 for warm-up only is not: the margin is a quarter of the latter)."""

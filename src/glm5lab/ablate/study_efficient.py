@@ -45,7 +45,7 @@ from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.search_swa import interleave_pattern
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 2
+DEFAULT_SEEDS = 3
 VARIANTS = ("full attention", "SWA interleave", "searched SWA", "Gated DeltaNet", "SimpleGDN")
 TASKS = ("mqar", "niah")
 

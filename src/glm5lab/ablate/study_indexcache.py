@@ -42,7 +42,7 @@ from glm5lab.evals.search_indexcache import attention_time, calibration_loss, se
 from glm5lab.evals.variants import model_variant
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 2
+DEFAULT_SEEDS = 3
 RETENTIONS = (1.0, 0.5, 0.25)
 METHODS = ("searched", "uniform")
 SIZES = {  # T: training length; topk: index_topk; long: timing length (T * long)

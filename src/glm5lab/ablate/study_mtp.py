@@ -37,7 +37,7 @@ from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 2
+DEFAULT_SEEDS = 3
 DEPTHS = (1, 3)
 DRAFT_STEPS = (1, 2, 3, 4)
 MODES = {"greedy": 0.0, "T=1": 1.0}  # decoding mode -> temperature

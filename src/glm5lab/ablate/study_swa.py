@@ -38,7 +38,7 @@ from glm5lab.evals.search_swa import interleave_pattern, mqar_scorer, niah_score
 from glm5lab.evals.tasks import derive_seed
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 2
+DEFAULT_SEEDS = 3
 VARIANTS = ("full", "1:1 SWA", "searched SWA")
 NIAH_COMPLETION = 3  # single NIAH, value_len 2: completion = value + [end]; a row is context + 2 ids
 

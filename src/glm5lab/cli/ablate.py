@@ -42,8 +42,8 @@ def add_ablate_parser(sub) -> None:
                    "(hours; each study's docstring estimates them); with --quick, the gpu shapes for a step or two "
                    "(runs on a CPU)")
     p.add_argument("--out", metavar="DIR", help="results folder (default runs/ablate/STUDY[-gpu][-quick])")
-    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the study's own: 2, "
-                   "3 for mla)")
+    p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the study's own: 3, "
+                   "2 for baseline)")
     p.add_argument("--data", metavar="PATH", help="text corpus: a file, a folder of .txt/.md/.jsonl files, or JSONL "
                    "with a `text` field (default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
