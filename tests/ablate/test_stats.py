@@ -177,10 +177,13 @@ def test_equivalence_by_hand():
     assert c["diff"].high == pytest.approx(T_975_DOF2 * 0.1 / math.sqrt(3), abs=1e-6)
     tight = compare_equivalent(a, b, 0.15)
     assert tight["verdict"] == "inconclusive at 3 seeds" and tight["seeds_needed"] == 5
-    assert compare_text(tight, 2) == "+0.00 [-0.25, +0.25], equivalence margin +-0.15: inconclusive at 3 seeds (~5 needed)"
+    assert compare_text(tight, 2) == "+0.00 [-0.17, +0.17] (90%, margin +-0.15): inconclusive at 3 seeds (~5 needed)"
     far = compare_equivalent({0: 3.0, 1: 3.2, 2: 2.8}, dict.fromkeys(range(3), 0.0), 1.0)
     assert far["verdict"] == "opposite" and far["diff"].low == pytest.approx(3 - T_975_DOF2 * 0.2 / math.sqrt(3), abs=1e-6)
     assert far["seeds_needed"] == 1001  # |mean| beyond the margin: more seeds cannot show equivalence
+    assert compare_text(far, 1).endswith("(90%, margin +-1): opposite")
+    beyond = compare_equivalent({0: 3.0, 1: 3.2}, {0: 0.0, 1: 0.0}, 2.0)  # 90% [2.47, 3.73]: t(0.95, 1) = 6.31
+    assert compare_text(beyond, 1) == "+3.1 [+2.5, +3.7] (90%, margin +-2): inconclusive at 2 seeds (the difference is beyond the margin)"
     assert compare_equivalent({0: 1.0}, {0: 1.0}, 0.5)["verdict"] == "inconclusive at 1 seed"
     with pytest.raises(ValueError, match="margin = 0"):
         compare_equivalent(a, b, 0)
@@ -199,3 +202,15 @@ def test_dsa_recovery_is_judged_as_equivalence():
     c = study_dsa.comparison(raw, "full adaptation", [128])
     assert c["margin"] == study_dsa.RECOVERY_MARGIN == 2.0 and c["verdict"] == "reproduced"
     assert study_dsa.comparison(raw, "warm-up only", [128])["verdict"] == "inconclusive at 3 seeds"
+
+
+def test_zero_spread_is_not_certainty():
+    """Two seeds whose differences are identical (quantised MQAR scores) give a zero-width
+    interval: inconclusive, not reproduced; the same under the equivalence test."""
+    from glm5lab.ablate.stats import compare
+
+    c = compare({0: 50.0, 1: 60.0}, {0: 49.21875, 1: 59.21875}, 1)
+    assert c["diff"].low == c["diff"].high and c["verdict"] == "inconclusive at 2 seeds (no spread observed)"
+    assert compare_text(c, 2) == "+0.78 [+0.78, +0.78]: inconclusive at 2 seeds (no spread observed)"
+    e = compare_equivalent({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0}, 0.5)
+    assert e["verdict"] == "inconclusive at 2 seeds (no spread observed)"

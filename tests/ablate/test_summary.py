@@ -95,5 +95,63 @@ def test_report_section_is_the_same_table(root):
     infos = load_results(root)
     found = {**infos, "mla (--quick)": {**infos["mla"], "quick": True}}
     assert summary_table(infos) in _ablation_summary(found)
-    assert "Summary not available: KeyError" in _ablation_summary({"mla": {"study": "mla", "seeds": [0]}})
+    assert "Summary not available: ValueError: study 'mla': cannot summarise it (KeyError: 'raw')" in \
+        _ablation_summary({"mla": {"study": "mla", "seeds": [0]}})
     assert _ablation_summary({}) == ""
+
+
+def _copy(root, tmp_path, study="mtp", edit=None):
+    out = tmp_path / "root"
+    shutil.copytree(root / study, out / study)
+    if edit:
+        path = out / study / "results.json"
+        info = json.loads(path.read_text())
+        edit(info)
+        path.write_text(json.dumps(info))
+    return out
+
+
+def test_refuses_runs_and_roots_it_cannot_use(root, tmp_path, capsys):
+    gpu = _copy(root, tmp_path, edit=lambda d: d["settings"].update(scale="gpu"))
+    with pytest.raises(ValueError, match="scale='gpu', not the default-size 'mtp' run"):
+        load_results(gpu)
+    with pytest.raises(ValueError, match="--root .*nope: no such folder"):
+        load_results(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: no STUDY/results.json"):
+        load_results(tmp_path / "empty")
+    (tmp_path / "list" / "mtp").mkdir(parents=True)
+    (tmp_path / "list" / "mtp" / "results.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="a JSON object .* got list"):
+        load_results(tmp_path / "list")
+    shutil.rmtree(gpu)
+    broken = _copy(root, tmp_path, edit=lambda d: d.pop("raw"))
+    readme = tmp_path / "R.md"
+    readme.write_text(f"{BEGIN}{END}")
+    assert main(["ablate", "summary", "--root", str(broken), "--write", str(readme)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("glm5lab ablate: error: ") and "mtp/results.json: cannot summarise it (KeyError" in err
+    assert "\n" not in err
+    assert main(["ablate", "summary", "--seeds", "2", "--root", str(broken), "--write", str(readme)]) == 2
+    assert "--seeds: not used by `glm5lab ablate summary`" in capsys.readouterr().err
+    assert main(["ablate", "mtp", "--root", str(broken)]) == 2
+    assert "--root / --write are for `glm5lab ablate summary`" in capsys.readouterr().err
+
+
+def test_writes_are_all_or_nothing_and_keep_the_file(root, tmp_path):
+    one = _copy(root, tmp_path)
+    a, b = tmp_path / "a.md", tmp_path / "b.md"
+    a.write_bytes(f"x\r\n{BEGIN}\r\nold\r\n{END}\r\nend\r\n".encode())
+    a.chmod(0o600)
+    b.write_text(f"{BEGIN}{END}")
+    (tmp_path / ".b.md.summary-tmp").mkdir()  # the second temporary file cannot be written
+    with pytest.raises(OSError):
+        write_summary(one, [a, b])
+    assert b"old" in a.read_bytes() and not (tmp_path / ".a.md.summary-tmp").exists()
+    (tmp_path / ".b.md.summary-tmp").rmdir()
+    link = tmp_path / "link.md"
+    link.symlink_to(b)
+    write_summary(one, [a, link])
+    text = a.read_bytes().decode()
+    assert "old" not in text and text.count("\r\n") == text.count("\n") and (a.stat().st_mode & 0o777) == 0o600
+    assert link.is_symlink() and "`mtp` [2]" in b.read_text()

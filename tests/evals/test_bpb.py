@@ -87,5 +87,31 @@ def test_vocab_size_below_the_tokenizer_and_non_byte_level_are_refused(tokenizer
     with pytest.raises(ValueError, match="vocab_size = 300 is below the tokenizer's"):
         token_byte_lengths(tokenizer, 300)
     word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "▁hello": 1}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match="decoder is NoneType, not ByteLevel"):
+        token_byte_lengths(word_level, 2)
+    from tokenizers import decoders
+
+    word_level.decoder = decoders.ByteLevel()  # a ByteLevel decoder over tokens outside its alphabet
     with pytest.raises(ValueError, match="not in GPT-2's ByteLevel alphabet"):
         token_byte_lengths(word_level, 2)
+
+
+def test_non_byte_level_tokenizers_are_refused():
+    """A WordPiece vocabulary of ASCII pieces passes an alphabet check but its token lengths are
+    not bytes ("##ing" is 3 bytes of text, 5 characters): refused by its decoder."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.WordPiece({"[UNK]": 0, "play": 1, "##ing": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    with pytest.raises(ValueError, match="decoder is WordPiece, not ByteLevel"):
+        token_byte_lengths(tok, 3)
+
+
+def test_summary_of_a_diverged_run_is_still_written():
+    import math
+
+    from glm5lab.train.evaluation import Evaluation, summary_fields
+
+    nan = summary_fields(Evaluation(math.nan, math.nan, 10, 10))
+    assert math.isnan(nan["val_loss"]) and math.isnan(nan["val_bits_per_byte"])
+    assert summary_fields(Evaluation(800.0, 8000.0, 10, 10))["val_perplexity"] == math.inf

@@ -110,12 +110,16 @@ def welch_difference(a: Sequence[float], b: Sequence[float], *, confidence: floa
 def verdict(diff: Interval, report_sign: int) -> str:
     """The rule: 'reproduced' when the interval excludes zero on the report's side
     (report_sign +1: the report found the difference positive, -1 negative), 'opposite' when it
-    excludes zero on the other side, else 'inconclusive at n seeds'. Raises ValueError for a
-    report_sign other than +1 or -1."""
+    excludes zero on the other side, else 'inconclusive at n seeds'; also inconclusive ('... (no
+    spread observed)') when every seed gave the same nonzero difference: a zero-width interval is
+    an artefact of few, quantised scores, not certainty. Raises ValueError for a report_sign
+    other than +1 or -1."""
     if report_sign not in (1, -1):
         raise ValueError(f"report_sign must be +1 or -1 (the sign the report found), got {report_sign}")
     if diff.low is None or diff.low <= 0.0 <= diff.high:
         return f"inconclusive at {diff.n} seed{'s' if diff.n != 1 else ''}"
+    if diff.sd == 0.0:  # a zero-width interval from identical per-seed differences (quantised scores)
+        return f"inconclusive at {diff.n} seeds (no spread observed)"
     side = 1 if diff.low > 0.0 else -1
     return "reproduced" if side == report_sign else "opposite"
 
@@ -170,15 +174,20 @@ def compare(a_by_seed: dict, b_by_seed: dict, report_sign: int) -> dict:
 
 
 def compare_text(c: dict, digits: int = 3) -> str:
-    """'+0.012 [-0.010, 0.034]: inconclusive at 3 seeds (~12 needed)' for a `compare` result;
-    a `compare_equivalent` result adds its margin: '... within +-2.0: reproduced'."""
+    """'+0.012 [-0.010, +0.034]: inconclusive at 3 seeds (~12 needed)' for a `compare` result (the
+    95% interval); for a `compare_equivalent` result the 90% interval its verdict is decided by:
+    '+0.6 [-0.6, +1.7] (90%, margin +-2): reproduced'."""
     d, v = c["diff"], c["verdict"]
-    text = f"{d.mean:+.{digits}f}" + ("" if d.low is None else f" [{d.low:+.{digits}f}, {d.high:+.{digits}f}]")
+    shown = c.get("tost", d)
+    text = f"{d.mean:+.{digits}f}" + ("" if shown.low is None else f" [{shown.low:+.{digits}f}, {shown.high:+.{digits}f}]")
     if "margin" in c:
-        text += f", equivalence margin +-{c['margin']:g}"
+        text += f" (90%, margin +-{c['margin']:g})"
     need, more = c["seeds_needed"], ""
-    if v.startswith("inconclusive") and need is not None:
-        more = f" (more than {MAX_SEEDS} needed)" if need > MAX_SEEDS else f" (~{need} needed)"
+    if v.startswith("inconclusive") and need is not None and "no spread" not in v:
+        if "margin" in c and abs(d.mean) >= c["margin"]:
+            more = " (the difference is beyond the margin)"
+        else:
+            more = f" (more than {MAX_SEEDS} needed)" if need > MAX_SEEDS else f" (~{need} needed)"
     return f"{text}: {v}{more}"
 
 
@@ -197,12 +206,13 @@ def compare_equivalent(a_by_seed: dict, b_by_seed: dict, margin: float) -> dict:
         raise ValueError(f"compare_equivalent: the arms share no seed ({sorted(a_by_seed)} vs {sorted(b_by_seed)})")
     a, b = [a_by_seed[s] for s in seeds], [b_by_seed[s] for s in seeds]
     d95, d90 = paired_difference(a, b), paired_difference(a, b, confidence=1 - 2 * (1 - CONFIDENCE))
-    if d95.low is not None and (d95.high < -margin or d95.low > margin):
+    if d95.low is not None and d95.sd > 0 and (d95.high < -margin or d95.low > margin):
         v = "opposite"
-    elif d90.low is not None and -margin < d90.low and d90.high < margin:
+    elif d90.low is not None and d90.sd > 0 and -margin < d90.low and d90.high < margin:
         v = "reproduced"
     else:
         v = f"inconclusive at {d95.n} seed{'s' if d95.n != 1 else ''}"
+        v += " (no spread observed)" if d95.n > 1 and d95.sd == 0 else ""
     return {"diff": d95, "verdict": v, "seeds_needed": _equivalence_seeds(d95, margin), "margin": margin,
             "tost": d90}
 

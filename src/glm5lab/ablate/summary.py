@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 
 from glm5lab.ablate.results import markdown_table
@@ -25,43 +26,68 @@ BEGIN, END = "<!-- ablations:begin -->", "<!-- ablations:end -->"
 
 def load_results(root: str | Path = "runs/ablate") -> dict[str, dict]:
     """{study: parsed results.json} of root/<study>/results.json for every study in STUDIES that has
-    a folder (the default-size runs: `--quick` and `--scale gpu` runs live in other folders).
-    Raises ValueError naming the file when one is not valid JSON or not a full-size run of its study."""
+    one: the default-size runs (`--quick` and `--scale gpu` runs live in other folders and are
+    refused here). Raises ValueError naming `root` when it is not a folder or holds no study
+    results, and naming the file when one is not valid JSON, not a JSON object, or not a
+    default-size (quick false, scale "cpu") run of its study."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"--root {root}: {'not a folder' if root.exists() else 'no such folder'} "
+                         "(the study results live in runs/ablate/STUDY/results.json)")
     out = {}
     for study in STUDIES:
-        path = Path(root) / study / "results.json"
+        path = root / study / "results.json"
         if not path.is_file():
             continue
         try:
-            info = json.loads(path.read_text())
+            info = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
-        if info.get("study") != study or info.get("quick"):
-            raise ValueError(f"{path}: holds study {info.get('study')!r} quick={info.get('quick')}, "
-                             f"not the default-size {study!r} run")
-        out[study] = info
+        if not isinstance(info, dict):
+            raise ValueError(f"{path}: a JSON object with study, seeds, settings and raw expected, "
+                             f"got {type(info).__name__}")
+        scale = (info.get("settings") or {}).get("scale", "cpu")
+        if info.get("study") != study or info.get("quick") or scale != "cpu":
+            raise ValueError(f"{path}: holds study {info.get('study')!r} quick={info.get('quick')} "
+                             f"scale={scale!r}, not the default-size {study!r} run")
+        out[study] = {**info, "path": str(path)}
+    if not out:
+        raise ValueError(f"--root {root}: no STUDY/results.json for any of {', '.join(STUDIES)}: run "
+                         "`glm5lab ablate STUDY` first")
     return out
 
 
 def row(info: dict) -> dict:
-    """The study's `readme_row(info)`: {"report": str, "ours": str, "verdict": str}."""
+    """The study's `readme_row(info)`: {"report": str, "ours": str, "verdict": str}. Raises
+    ValueError naming the file (info["path"], else the study) when its numbers do not have the
+    shape the study writes (a results.json from another version, or edited by hand)."""
     module = importlib.import_module(f"glm5lab.ablate.study_{info['study']}")
-    return module.readme_row(info)
+    try:
+        return module.readme_row(info)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        where = info.get("path", f"study {info['study']!r}")
+        raise ValueError(f"{where}: cannot summarise it ({type(e).__name__}: {e}); re-run "
+                         f"`glm5lab ablate {info['study']}`") from e
 
 
 def summary_table(infos: dict[str, dict]) -> str:
     """Markdown: one row per study (name with seed count and commit; the report's figures; ours;
     verdicts by the rule of `glm5lab.ablate.stats`), in STUDIES order. Raises ValueError when
-    `infos` is empty."""
+    `infos` is empty or a study's results cannot be summarised (`row`)."""
     if not infos:
         raise ValueError("no study results: run `glm5lab ablate STUDY` first (runs/ablate/STUDY/results.json)")
     rows = []
     for study in (s for s in STUDIES if s in infos):
         info, r = infos[study], row(infos[study])
-        commit = str(info.get("git_commit") or "?")[:7]
-        rows.append([f"`{study}` [{len(info['seeds'])}] ({commit}, {_minutes(info)})", r["report"], r["ours"],
-                     r["verdict"]])
+        rows.append([f"`{study}` [{len(info.get('seeds') or [])}] ({_commit(info)}, {_minutes(info)})",
+                     r["report"], r["ours"], r["verdict"]])
     return markdown_table(["study [seeds] (commit, time)", "report", "ours", "verdict (95% paired interval)"], rows)
+
+
+def _commit(info: dict) -> str:
+    """Short commit, marked '+dirty' when the run's tree had uncommitted changes."""
+    commit = str(info.get("git_commit") or "?")
+    return commit[:7] + ("+dirty" if "uncommitted" in commit or "dirty" in commit else "")
 
 
 def _minutes(info: dict) -> str:
@@ -80,14 +106,32 @@ def replace_block(text: str, block: str, *, where: str = "text") -> str:
 
 
 def write_summary(root: str | Path = "runs/ablate", files=("README.md", "docs/ablations.md")) -> str:
-    """Rewrite the marked block of each file with `summary_table(load_results(root))` (each file
-    written to a temporary name and renamed); returns the table. Raises ValueError as
-    `load_results`, `summary_table` and `replace_block` do, before any file is written."""
+    """Rewrite the marked block of each file with `summary_table(load_results(root))`; returns
+    the table. All or nothing: every new text is checked and written to a temporary file beside
+    its target first, and only then are they renamed over the targets (symlinks are followed;
+    file modes, UTF-8 and line endings are kept). Raises ValueError as `load_results`,
+    `summary_table` and `replace_block` do, and OSError when a temporary file cannot be written,
+    before any target changes."""
     table = summary_table(load_results(root))
-    texts = {Path(f): replace_block(Path(f).read_text(), table, where=str(f)) for f in files}
-    for path, text in texts.items():
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
+    targets = [Path(f).resolve() for f in files]
+    texts = {}
+    for f, path in zip(files, targets, strict=True):
+        raw = path.read_bytes().decode("utf-8")
+        crlf = "\r\n" in raw
+        text = replace_block(raw.replace("\r\n", "\n"), table, where=str(f))
+        texts[path] = text.replace("\n", "\r\n") if crlf else text
+    temps = {}
+    try:
+        for path, text in texts.items():
+            tmp = path.with_name(f".{path.name}.summary-tmp")
+            tmp.write_bytes(text.encode("utf-8"))
+            shutil.copymode(path, tmp)
+            temps[path] = tmp
+    except OSError:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    for path, tmp in temps.items():
         tmp.replace(path)
     return table
 

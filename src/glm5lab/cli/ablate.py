@@ -6,6 +6,8 @@ import argparse
 
 from glm5lab.ablate.runner import SCALES, STUDIES
 
+WRITE = ("README.md", "docs/ablations.md")
+
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from glm5lab.ablate.runner import StudyArgs, run_study
@@ -13,9 +15,21 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.study == "summary":
         from glm5lab.ablate.summary import write_summary
 
+        given = [f for f, on in (("--quick", args.quick), ("--seeds", args.seeds is not None), ("--out", args.out),
+                                 ("--scale", args.scale != "cpu"), ("--data", args.data)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)}: not used by `glm5lab ablate summary` (it reads --root and "
+                             "writes --write); run the study itself with them")
+
+        from pathlib import Path
+
         print(write_summary(args.root, args.write).rstrip())
-        print(f"\nwritten: the ablations block of {', '.join(args.write)}")
+        missing = [s for s in STUDIES if not (Path(args.root) / s / "results.json").is_file()]
+        print(f"\nwritten: the ablations block of {', '.join(args.write)}"
+              + (f"; no results (not in the table): {', '.join(missing)}" if missing else ""))
         return 0
+    if args.root != "runs/ablate" or args.write != list(WRITE):
+        raise ValueError(f"--root / --write are for `glm5lab ablate summary`, not for the study {args.study!r}")
     study = StudyArgs(args.study, quick=args.quick, out=args.out, seeds=args.seeds, progress=not args.no_progress,
                       data=args.data, scale=args.scale)
     path, table = run_study(study)
@@ -49,7 +63,7 @@ def add_ablate_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
     p.add_argument("--root", metavar="DIR", default="runs/ablate", help="summary: the folder of study results "
                    "(default runs/ablate)")
-    p.add_argument("--write", metavar="FILE", nargs="+", default=["README.md", "docs/ablations.md"],
+    p.add_argument("--write", metavar="FILE", nargs="+", default=list(WRITE),
                    help="summary: files whose <!-- ablations:begin/end --> block is rewritten (default README.md "
                    "docs/ablations.md)")
     p.set_defaults(func=cmd_ablate)

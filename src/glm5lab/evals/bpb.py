@@ -27,10 +27,16 @@ def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
     for an added token that is not special, the UTF-8 length of its content (added tokens are
     stored as plain text); 0 for special tokens and ids the tokenizer does not have.
     Raises ValueError when vocab_size is below the tokenizer's own size (ids would be missing),
-    or when a vocabulary token holds a character outside GPT-2's ByteLevel alphabet (not a
-    byte-level tokenizer: its token lengths are not byte counts)."""
+    or when the tokenizer is not byte-level (its decoder is not `decoders.ByteLevel`, or a
+    vocabulary token holds a character outside GPT-2's ByteLevel alphabet): its token lengths
+    would not be byte counts."""
     from tokenizers import pre_tokenizers
 
+    from tokenizers import decoders
+
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        raise ValueError(f"the tokenizer's decoder is {type(tokenizer.decoder).__name__}, not ByteLevel: bits per "
+                         "byte needs a byte-level BPE tokenizer (its token strings are one character per byte)")
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if vocab_size < size:
         raise ValueError(f"vocab_size = {vocab_size} is below the tokenizer's {size} ids")

@@ -85,8 +85,11 @@ def run_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor | None:
 def summary_fields(result: Evaluation) -> dict:
     """The validation entries of summary.json: val_loss (nats/token), val_perplexity, and, when
     the targets' bytes were counted (and are > 0), val_bits_per_byte with the val_tokens /
-    val_bytes it was taken over."""
-    out = {"val_loss": result.loss, "val_perplexity": math.exp(result.loss)}
+    val_bytes it was taken over. A diverged model's NaN loss is recorded as NaN (bits per byte
+    too) and a loss above ~709 nats as perplexity inf, so a finished run always writes its summary."""
+    finite = math.isfinite(result.nll_sum)
+    out = {"val_loss": result.loss, "val_perplexity": math.exp(result.loss) if result.loss < 709.0 else math.inf}
     if result.utf8_bytes:
-        out.update(val_bits_per_byte=result.bits_per_byte, val_tokens=result.tokens, val_bytes=result.utf8_bytes)
+        out.update(val_bits_per_byte=result.bits_per_byte if finite else math.nan, val_tokens=result.tokens,
+                   val_bytes=result.utf8_bytes)
     return out
