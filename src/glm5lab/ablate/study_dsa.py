@@ -187,10 +187,10 @@ def notes(raw: dict, lengths: list[int], s: dict) -> list[str]:
     out = [f"Training length T = {s['T']}, index_topk = {s['topk']}: at {lengths[-1]} tokens the sparse arms keep "
            f"{100 * s['topk'] / lengths[-1]:.1f}% of the keys; lengths above T use positions never trained on "
            "(RoPE without scaling), for every arm.",
-           f"Full adaptation vs dense at {lengths[-1]}: {compare_text(full, 1)} points (report at 128K: "
+           f"Full adaptation vs dense at {lengths[-1]} (points): {compare_text(full, 1)} (report at 128K: "
            f"{rep_full:+.2f}: it recovers dense; judged as equivalence within +-{RECOVERY_MARGIN:g} points, "
            "two one-sided tests on the paired 90% interval).",
-           f"Warm-up only vs dense at {lengths[-1]}: {compare_text(warm, 1)} points (report at 128K: "
+           f"Warm-up only vs dense at {lengths[-1]} (points): {compare_text(warm, 1)} (report at 128K: "
            f"{rep_warm:+.2f}, it falls behind).",
            "Warm-up only trains only the indexers: its attention and FFN weights are the base model's, so it also "
            "misses the W + A further LM steps the other arms get (as in the report, where warm-up leaves the model "
