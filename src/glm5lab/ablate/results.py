@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,15 +85,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
-
-
-def mean_sd(values: Sequence[float], digits: int = 3) -> str:
-    """'m ± s' (sample standard deviation; 'm' alone for one value)."""
-    values = list(values)
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return f"{m:.{digits}f}"
-    return f"{m:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def figure():

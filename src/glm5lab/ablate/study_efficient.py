@@ -202,7 +202,7 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     text += "\nSearched SWA pattern per seed (F full, S SWA): " + "; ".join(
         f"seed {s}: " + "".join("S" if m == "swa" else "F" for m in patterns[s]) for s in seeds) + "\n"
     verdicts = {v: comparison(raw, v, fz, seeds) for v in VARIANTS[1:]}
-    return text, _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts, fz)
+    return text, _notes(ours, rep, raw, seeds, verdicts, fz)
 
 
 def pairwise(raw: dict, a: str, b: str, fz: Further, seeds) -> dict:
@@ -213,7 +213,7 @@ def pairwise(raw: dict, a: str, b: str, fz: Further, seeds) -> dict:
     return compare(per_seed, dict.fromkeys(seeds, 0.0), sign)
 
 
-def _notes(ours, rep, r_ours, r_rep, raw, seeds, verdicts: dict, fz: Further) -> list[str]:
+def _notes(ours, rep, raw, seeds, verdicts: dict, fz: Further) -> list[str]:
     """Verdicts (the rule of `glm5lab.ablate.stats`) for every variant vs full attention that is
     not reproduced, and for the report's two pairwise orderings; the ordering of the means is
     printed as a description only."""
