@@ -9,12 +9,16 @@ Integers (token ids, expert ids, top-k indices) always match exactly.
 
 from __future__ import annotations
 
-import pytest
-import torch
+from glm5lab.threads import configure
 
-from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.model.rope import rope_angles
-from glm5lab.model.step import Step
+configure("pytest", None)  # before torch loads: one thread per CPU other processes leave free (docs/threads.md)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from glm5lab import GLM5ForCausalLM, ModelConfig  # noqa: E402
+from glm5lab.model.rope import rope_angles  # noqa: E402
+from glm5lab.model.step import Step  # noqa: E402
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
