@@ -102,9 +102,12 @@ class LightningIndexer(nn.Module):
         query: fp32 [B, T, K], differentiable in the indexer's inputs and weights, O(T K) work and
         memory (the sparse stage's indexer KL). No causal mask: pass visible keys (`TopK.valid_BTK`
         says which slots are)."""
-        B = x_BTD.shape[0]
+        (B, S, J), (T, K) = k_BSJ.shape, idx_BTK.shape[1:]
         q_BTIJ, w_BTI = self.queries(x_BTD, q_lat_BTQ, cos_TR2, sin_TR2)
-        k_BTKJ = k_BSJ[torch.arange(B, device=k_BSJ.device)[:, None, None], idx_BTK]
+        # index_select, not k[b, idx]: a key chosen by many queries gets its gradient summed in a fixed
+        # order (index_add_), not by index_put_'s atomics in thread order (docs/reproducibility.md)
+        rows_A = (idx_BTK + S * torch.arange(B, device=k_BSJ.device)[:, None, None]).reshape(-1)
+        k_BTKJ = k_BSJ.reshape(B * S, J).index_select(0, rows_A).view(B, T, K, J)
         with fp32_compute(x_BTD.device):
             dots_BTIK = torch.einsum("btij,btkj->btik", q_BTIJ.float(), k_BTKJ.float()) * self.head_dim**-0.5
             return torch.einsum("bti,btik->btk", w_BTI, dots_BTIK.relu())

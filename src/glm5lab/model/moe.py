@@ -20,6 +20,11 @@ host synchronisation: decoding a few tokens where the op exists) and `experts_ga
 assignment multiplies by its expert's gathered weights: static shapes, no host
 synchronisation, the decode path where `_grouped_mm` does not run). Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse
 grouped matmul.
+
+Gathers with repeated indices (a token's K assignments, an expert's tiles) use `index_select`,
+whose backward sums in a fixed order (`index_add_`), not advanced indexing (`w[idx]`), whose
+backward `index_put_(accumulate=True)` adds with atomics in thread-scheduling order on CPU: a
+seeded CPU run at a given thread count ends with bit-identical weights (docs/reproducibility.md).
 """
 
 from __future__ import annotations
@@ -109,7 +114,9 @@ def experts_gathered(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Te
     (token, expert) assignment gathers its expert's three matrices ([N, K, I, D] each, so memory
     grows with N*K: meant for a few tokens) and the K outputs of a token are summed with their
     weights. The decode path (`auto` for few assignments); compiles without graph breaks."""
-    g_NKID, u_NKID, d_NKDI = gate_EID[idx_NK], up_EID[idx_NK], down_EDI[idx_NK]
+    N, K = idx_NK.shape
+    g_NKID, u_NKID, d_NKDI = (w.index_select(0, idx_NK.reshape(-1)).view(N, K, *w.shape[1:])
+                              for w in (gate_EID, up_EID, down_EDI))
     h_NKI = F.silu(torch.einsum("nd,nkid->nki", x_ND, g_NKID)) * torch.einsum("nd,nkid->nki", x_ND, u_NKID)
     y_NKD = torch.einsum("nki,nkdi->nkd", h_NKI, d_NKDI)
     return (y_NKD * w_NK[..., None]).sum(1).to(x_ND.dtype)
@@ -128,7 +135,7 @@ def experts_grouped_mm(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.
     tok_A = order_A // K
     counts_E = torch.zeros(gate_EID.shape[0], dtype=torch.int32, device=x_ND.device)
     offs_E = counts_E.scatter_add_(0, e_A, torch.ones_like(e_A, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
-    x_AD = x_ND[tok_A]
+    x_AD = x_ND.index_select(0, tok_A)  # each token K times: index_select's backward sums them in order
     h_AI = F.silu(torch._grouped_mm(x_AD, gate_EID.mT, offs=offs_E)) * torch._grouped_mm(x_AD, up_EID.mT, offs=offs_E)
     y_AD = torch._grouped_mm(h_AI, down_EDI.mT, offs=offs_E) * w_NK.reshape(-1)[order_A, None]
     return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
@@ -173,9 +180,13 @@ def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI, *, tile: int
     row_A = first_row_E[e_sorted_A] + rank_A
     n_tiles = int(tiles_E.sum())
     expert_P = torch.repeat_interleave(torch.arange(E, device=x_ND.device), tiles_E, output_size=n_tiles)
-    x_PMD = x_ND.new_zeros(n_tiles * tile, D).index_put((row_A,), x_ND[tok_A]).view(n_tiles, tile, D)
-    h_PMI = F.silu(torch.bmm(x_PMD, gate_EID[expert_P].mT)) * torch.bmm(x_PMD, up_EID[expert_P].mT)
-    y_AD = torch.bmm(h_PMI, down_EDI[expert_P].mT).view(-1, D)[row_A] * w_NK.reshape(-1)[order_A, None]
+    # index_select, not w[expert_P]: backward sums an expert's tiles (a token's K rows) in a fixed order.
+    # Gathered from the transposed views (gate/up [P, D, I], down [P, I, D]) so that bmm's weight
+    # gradient is contiguous and index_add_ takes its fast path; a strided one made this 1.7x slower
+    gate_PDI, up_PDI, down_PID = (w.mT.index_select(0, expert_P) for w in (gate_EID, up_EID, down_EDI))
+    x_PMD = x_ND.new_zeros(n_tiles * tile, D).index_put((row_A,), x_ND.index_select(0, tok_A)).view(n_tiles, tile, D)
+    h_PMI = F.silu(torch.bmm(x_PMD, gate_PDI)) * torch.bmm(x_PMD, up_PDI)
+    y_AD = torch.bmm(h_PMI, down_PID).view(-1, D)[row_A] * w_NK.reshape(-1)[order_A, None]
     return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
 
 
