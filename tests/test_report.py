@@ -2,17 +2,25 @@
 own numbers (validation loss and bits per byte from summary.json, "not recorded" for an older run
 without them, state bytes equal to the ledger, throughput rows with their batch and length), the
 PNGs it links exist and are PNGs, ablation results beside the run are included, and a folder that
-is not a finished run is refused with one clear line."""
+is not a finished run is refused with one clear line. Issue 16: both validation figures with their
+token counts, stage means, an expert-load caption computed from the records, probe sizes in words,
+plots whose legends name quantities (not stages), and `--compare` (a table and overlaid curves).
+Run folders from before issue 16 (runs/small) still render: `_as_old` strips the new keys."""
 
 import json
 import re
+import shutil
 
 import pytest
 
 from glm5lab import ModelConfig
+from glm5lab.ablate.results import markdown_table
 from glm5lab.cli import main
 from glm5lab.ledger import ledger
-from glm5lab.report import NotARunError, write_report
+from glm5lab.report import NotARunError, load_run, write_report
+from glm5lab.report.plots import plain_log_ticks
+from glm5lab.report.series import load_stats
+from glm5lab.train.plot import draw_losses
 from glm5lab.train.loop import train
 from tests.conftest import write_word_corpus
 from tests.train.test_loop import _args
@@ -48,8 +56,10 @@ def test_report_holds_every_section_with_the_runs_numbers(run):
         assert section in text, section
     summary = json.loads((run / "summary.json").read_text())
     assert f"Validation loss **{summary['val_loss']:.3f}**" in text
-    assert (f"**{summary['val_bits_per_byte']:.3f}** bits per byte over {summary['val_bytes']:,} UTF-8 bytes of "
-            f"{summary['val_tokens']:,} target tokens) on the whole held-out split") in text
+    assert (f"**{summary['val_bits_per_byte']:.3f}** bits per byte over {summary['val_bytes']:,} UTF-8 bytes) on "
+            f"the whole held-out split ({summary['val_tokens']:,} target tokens)") in text
+    assert "The validation curve is a subset of that split" in text and "{'" not in text  # no raw dict
+    assert "Probe sizes: throughput at batch 1 x 32 prompt tokens, batch 2 x 32 prompt tokens" in text
     cfg = json.loads((run / "config.json").read_text())
     bf16 = ledger(ModelConfig.from_hf(run / "config.json"), dtype="bf16")["state"]["main"]["bytes_per_token"]
     assert re.search(rf"\| bf16 \| \d+ \| \d+ \| {bf16} \|", text)
@@ -69,14 +79,17 @@ def test_report_holds_every_section_with_the_runs_numbers(run):
 def test_run_from_before_bits_per_byte_reports_not_recorded(run, tmp_path):
     import shutil
 
-    old = shutil.copytree(run, tmp_path / "old", ignore=shutil.ignore_patterns("report"))
+    old = _as_old(run, tmp_path / "old")
     summary = json.loads((old / "summary.json").read_text())
-    for key in ("val_bits_per_byte", "val_bytes", "val_tokens"):
-        del summary[key]
-    (old / "summary.json").write_text(json.dumps(summary))
     text = write_report(old, measure=False).read_text()
     assert (f"Validation loss **{summary['val_loss']:.3f}** nats/token (perplexity {summary['val_perplexity']:.1f}; "
-            "bits per byte: not recorded) on the whole held-out split") in text
+            "bits per byte: not recorded) on the whole held-out split, the final model") in text
+    last_val = [r for r in load_run(old).metrics if r.get("val_loss") is not None][-1]["val_loss"]
+    assert f"the first 2 batches of windows (its token count was not recorded; 96 target tokens as run.json plans " \
+           f"it, if the split holds that many), scored during training; at the last step it gives **{last_val:.3f}**" \
+           in text and "predates the subset record" in text
+    assert "records single steps as first/last; the 10-step means here are computed from metrics.jsonl" in text
+    assert "| first 10 steps (mean) | last 10 steps (mean) | validation subset at stage end |" in text
 
 
 def test_folders_that_are_not_finished_runs_are_refused_clearly(run, tmp_path, capsys):
@@ -98,3 +111,130 @@ def test_report_out_on_a_file_is_refused(run, tmp_path):
     (tmp_path / "f.md").write_text("x")
     with pytest.raises(ValueError, match=r"--out .*f.md is a file, not a folder"):
         write_report(run, out=tmp_path / "f.md", measure=False)
+
+
+def _as_old(run, dest):
+    """A copy of `run` as a run folder from before issue 16 wrote it: no bits per byte or token
+    counts, no subset figures in summary.json, single-step first/last, no val_tokens per step."""
+    old = shutil.copytree(run, dest, ignore=shutil.ignore_patterns("report"))
+    summary = json.loads((old / "summary.json").read_text())
+    for key in ("val_bits_per_byte", "val_bytes", "val_tokens", "val_subset_loss", "val_subset_tokens"):
+        summary.pop(key, None)
+    for st in summary["stages"]:
+        st.pop("smooth_steps", None), st.pop("val_end", None)
+    (old / "summary.json").write_text(json.dumps(summary))
+    rows = [{k: v for k, v in json.loads(line).items() if k != "val_tokens"}
+            for line in (old / "metrics.jsonl").read_text().splitlines()]
+    (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return old
+
+
+def test_run_without_periodic_validation_has_no_curve(run, tmp_path):
+    """eval_every 0: no val_loss per step, no subset figures; the report says so, and plots."""
+    folder = _as_old(run, tmp_path / "noval")
+    rows = [{k: v for k, v in json.loads(line).items() if k != "val_loss"}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(folder, measure=False).read_text()
+    assert "No periodic validation was run (eval_every 0), so there is no validation curve." in text
+    assert "![loss by stage](loss_by_stage.png)" in text and "val_perplexity.png" not in text
+
+
+def _as_new(run, dest):
+    """A copy of `run` with every key of issue 16's contract (the values the loop would write for
+    2-step means), whether or not this tree's loop writes them yet."""
+    new = shutil.copytree(run, dest, ignore=shutil.ignore_patterns("report"))
+    rows = [json.loads(line) for line in (new / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r.get("val_loss") is not None:
+            r.setdefault("val_tokens", 2 * 2 * 24)  # eval_batches x batch x targets per window
+    (new / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = json.loads((new / "summary.json").read_text())
+    val = [r for r in rows if r.get("val_loss") is not None]
+    summary.setdefault("val_subset_loss", val[-1]["val_loss"])
+    summary.setdefault("val_subset_tokens", val[-1]["val_tokens"])
+    for st in summary["stages"]:
+        mine = [r[st["reported"]] for r in rows if r["stage"] == st["stage"]]
+        st.update(smooth_steps=2, first=sum(mine[:2]) / 2, last=sum(mine[-2:]) / 2)
+        st.setdefault("val_end", [r for r in rows if r["stage"] == st["stage"]][-1].get("val_loss"))
+    (new / "summary.json").write_text(json.dumps(summary))
+    return new, summary
+
+
+def test_headline_gives_both_validation_figures_and_stage_means(run, tmp_path):
+    new, summary = _as_new(run, tmp_path / "new")
+    text = write_report(new, measure=False).read_text()
+    assert (f"on the whole held-out split ({summary['val_tokens']:,} target tokens), the final model") in text
+    assert (f"The validation curve is a subset of that split, the first {summary['val_subset_tokens']:,} target "
+            f"tokens (2 batches of windows), scored during training; at the last step it gives "
+            f"**{summary['val_subset_loss']:.3f}**") in text and "predates" not in text
+    assert "| first 2 steps (mean) | last 2 steps (mean) | validation subset at stage end |" in text
+    warmup = summary["stages"][1]
+    row = [["indexer_warmup", 2, f"{warmup['tokens']:,}", False, "indexer", "indexer KL (its objective)",
+            warmup["first"], warmup["last"], warmup["val_end"]]]
+    assert markdown_table(["x"] * 9, row).splitlines()[2] in text
+
+
+def test_plots_name_quantities_not_stages(run):
+    """loss.png's legend: one entry per quantity (LM, MTP mean, validation subset with its token
+    count or batches, whole split, indexer KL), no stage names; the stages are boundaries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rec = load_run(run)
+    fig, ax = plt.subplots()
+    _, labels = draw_losses(ax, rec.metrics, rec.summary, 2)
+    plt.close(fig)
+    assert len(labels) == 5 and not any(st in label for label in labels for st in ("dense", "sparse", "warmup"))
+    assert labels[1].startswith("MTP loss (mean of 3 depths") and labels[2].startswith("validation subset (first ")
+    for lo, hi in ((81.9, 205.0), (20.0, 400.0), (1.5, 3.1)):
+        ticks = plain_log_ticks(lo, hi)
+        inside = [t for t in ticks if lo <= t <= hi]
+        assert len(inside) >= 4 and ticks[0] <= lo and ticks[-1] >= hi, (lo, hi, ticks)
+
+
+def test_expert_load_caption_states_what_the_records_show(run, tmp_path):
+    """Steps 1-5 with one layer's expert 0 at n - 1 assignments and the other n - 1 experts at 1
+    (max / mean = n / 2), balanced after: the caption gives each stage's median and share of
+    steps under 2x, the step from which they stay under 2x and the last one above."""
+    folder = shutil.copytree(run, tmp_path / "load", ignore=shutil.ignore_patterns("report"))
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    n = len(rows[0]["expert_load"][0])
+    for r in rows:
+        r["expert_load"] = [[n - 1 if r["step"] <= 5 and e == 0 and i == 0 else 1 for e in range(n)]
+                            for i in range(len(r["expert_load"]))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = load_stats(rows)
+    assert stats["settled"] == 6 and stats["last_over"] == 5 and [s[3] for s in stats["stages"]] == [0.0, 0.5, 1.0]
+    text = write_report(folder, measure=False).read_text()
+    assert n >= 6 and f"dense (4 steps): median {n / 2:.2f}x, 0% of steps under 2x, at most {n / 2:.2f}x; " \
+                      "indexer_warmup (2 steps): " in text
+    assert "From step 6 on, at least 95% of steps are under 2x; the last step at or above it is step 5 (of 9)." \
+        in text and "balances them" not in text
+
+
+def test_compare_puts_a_table_and_overlaid_curves_in_the_report(run, tmp_path, capsys):
+    other = shutil.copytree(run, tmp_path / "adamw", ignore=shutil.ignore_patterns("report"))
+    info = json.loads((other / "run.json").read_text())
+    info["args"].update(optimizer="adamw", seed=1, weight_decay=0.0)
+    (other / "run.json").write_text(json.dumps(info))
+    summary = json.loads((other / "summary.json").read_text())
+    summary["val_loss"] += 0.25
+    (other / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "rep"
+    assert main(["report", str(run), "--no-measure", "--out", str(out), "--compare", str(other)]) == 0
+    text = (out / "report.md").read_text()
+    section = text[text.index("## Comparison"):text.index("## Training tokens")]
+    assert "**The held-out splits differ** (seed not the same in every run)" in section
+    head = next(line for line in section.splitlines() if line.startswith("| run |"))
+    assert head.endswith("| preset | optimizer | seed | weight_decay |")
+    assert f"| `{other}` | {summary['val_loss']:.3f} | 0.250 |" in section and "| adamw | 1 | 0.000 |" in section
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![runs compared](compare.png)" in text
+    capsys.readouterr()
+    bad = tmp_path / "rep2"
+    assert main(["report", str(run), "--no-measure", "--out", str(bad), "--compare", str(other), str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glm5lab report: error: ") and "has no run.json" in err and err.count("\n") == 1
+    assert not bad.exists()  # refused before anything is written

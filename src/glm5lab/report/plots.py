@@ -1,12 +1,19 @@
 """The report's PNGs, each from the run's own numbers (matplotlib, headless). Every function
-takes the data and the PNG path and returns the path, or None when there is nothing to plot."""
+takes the data and the PNG path and returns the path, or None when there is nothing to plot.
+Every time plot marks the stage boundaries (`glm5lab.train.plot.mark_stages`) and uses one
+colour per quantity (`glm5lab.train.plot`: LM blue, MTP orange, indexer KL red, validation
+subset black dots, whole-split final figure a green diamond)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from matplotlib.ticker import MaxNLocator, NullLocator
+from matplotlib.ticker import FixedLocator, MaxNLocator, NullFormatter, NullLocator
+
+from glm5lab.train.plot import (KL, LM, MTP, VAL, WHOLE, as_floats, beside, draw_losses, mark_stages, mtp_mean,
+                                plain_ticks, smoothed, smoothing_steps, stage_mean, stage_spans, subset_label,
+                                trailing_mean, whole_label)
 
 
 def _plt():
@@ -18,73 +25,186 @@ def _plt():
     return plt
 
 
-def _save(fig, plt, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _save(fig, plt, path: Path, layout: bool = True) -> Path:
+    if layout:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def loss_by_stage(metrics: list[dict], path: Path) -> Path:
-    """One panel per stage: LM loss (or the indexer KL for a stage without LM loss), MTP depth
-    losses dashed, validation loss as dots, against the global step."""
+def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
+                  eval_batches: int | None = None) -> Path:
+    """Top: the whole run (`draw_losses`, as loss.png). Below: one panel per stage on its own
+    scale, its objective on the left axis: LM loss (faint per step, solid trailing mean), MTP
+    mean, validation subset dots (the whole-split final figure in the last panel), the indexer
+    KL on the right; for a stage without LM objective (summary.json's `reported` is indexer_kl,
+    the indexer warm-up) the KL on the left and the LM loss it still logs on the right. One
+    legend below all panels."""
     plt = _plt()
-    stages = list(dict.fromkeys(r["stage"] for r in metrics))
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 3.8), squeeze=False)
-    for ax, stage in zip(axes[0], stages, strict=True):
-        rows = [r for r in metrics if r["stage"] == stage]
-        steps = [r["step"] for r in rows]
-        if any(r.get("lm_loss") is not None for r in rows) and stage != "indexer_warmup":
-            ax.plot(steps, [r["lm_loss"] for r in rows], label="LM loss")
-            for j in range(max(len(r.get("mtp_losses") or []) for r in rows)):
-                ax.plot(steps, [(r["mtp_losses"] or [math.nan] * (j + 1))[j] for r in rows], "--", linewidth=0.8,
-                        label=f"MTP depth {j + 1}")
-        val = [r for r in rows if r.get("val_loss") is not None]
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "ko", markersize=4, label="validation LM loss")
-        ax.set(title=stage, xlabel="step", ylabel="cross-entropy (nats/token)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        handles, labels = ax.get_legend_handles_labels()
-        if any(r.get("indexer_kl") is not None for r in rows):  # its own axis: KL is far below the CE
-            kl_ax = ax.twinx()
-            kl_ax.plot(steps, [r.get("indexer_kl") for r in rows], color="tab:red", label="indexer KL (right axis)")
-            kl_ax.set_ylabel("indexer KL (nats)", color="tab:red")
-            h2, l2 = kl_ax.get_legend_handles_labels()
-            handles, labels = handles + h2, labels + l2
-        ax.legend(handles, labels, fontsize=7)
-    return _save(fig, plt, path)
+    summary = summary or {}
+    reported = {st["stage"]: st.get("reported") for st in summary.get("stages", [])}
+    spans = stage_spans(metrics)
+    fig = plt.figure(figsize=(max(9.0, 4.6 * len(spans)), 8.2))
+    grid = fig.add_gridspec(2, len(spans), height_ratios=[1.15, 1])
+    top = fig.add_subplot(grid[0, :])
+    handles, labels = draw_losses(top, metrics, summary, eval_batches,
+                                  title="the whole run (dotted lines: stage boundaries)")
+    k = smoothing_steps(len(metrics))
+    for i, (stage, a, b) in enumerate(spans):
+        rows = [r for r in metrics if a <= r["step"] <= b]
+        kl_objective = reported.get(stage) == "indexer_kl" or all(r.get("lm_loss") is None for r in rows)
+        _stage_panel(fig.add_subplot(grid[1, i]), rows, k, summary if i == len(spans) - 1 else {}, kl_objective)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    return _save(fig, plt, path, layout=False)
+
+
+def _stage_panel(ax, rows: list[dict], k: int, summary: dict, kl_objective: bool) -> None:
+    steps = [r["step"] for r in rows]
+    has_kl = any(r.get("indexer_kl") is not None for r in rows)
+    lm_ax = ax.twinx() if kl_objective else ax
+    lm = as_floats(r.get("lm_loss") for r in rows)
+    if any(math.isfinite(v) for v in lm):
+        lm_ax.plot(steps, lm, color=LM, alpha=0.25, linewidth=0.6)
+        lm_ax.plot(steps, trailing_mean(lm, k), color=LM, linewidth=1.4)
+    mtp, depths = mtp_mean(rows)
+    if depths and not kl_objective:
+        lm_ax.plot(steps, trailing_mean(mtp, k), color=MTP, linewidth=1.0)
+    val = [r for r in rows if r.get("val_loss") is not None]
+    lm_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=VAL, markersize=4, zorder=4)
+    if summary.get("val_loss") is not None:
+        lm_ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6, zorder=5,
+                   transform=beside(lm_ax))
+    ax.set(xlabel="step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    ax.grid(alpha=0.3)
+    if kl_objective:
+        ax.plot(steps, as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=1.2)
+        ax.set_ylabel("indexer KL (nats): the stage objective", color=KL)
+        plain_ticks(ax.yaxis)
+        lm_ax.set_ylabel("LM cross-entropy (nats/token): logged, not trained", color=LM)
+        ax.set_title(f"{rows[0]['stage']}: objective indexer KL", fontsize=10)
+        return
+    ax.set_ylabel("cross-entropy (nats/token)", color=LM)
+    plus_mtp = " + MTP" if depths else ""
+    ax.set_title(f"{rows[0]['stage']}: objective LM loss{plus_mtp}" + (" + indexer KL" if has_kl else ""), fontsize=10)
+    if has_kl:
+        kl_ax = ax.twinx()
+        kl_ax.plot(steps, as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=0.9)
+        kl_ax.set_ylabel("indexer KL (nats)", color=KL)
+        plain_ticks(kl_ax.yaxis)
 
 
 def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None) -> Path | None:
     """Load imbalance over time: per MoE layer, max expert load / mean expert load each step
-    (1.0 = perfectly balanced; the aux-loss-free bias pushes it down)."""
+    (1.0 = perfectly balanced), the line at `series.BALANCED` the report's caption counts
+    against, stage boundaries."""
+    from glm5lab.report.series import BALANCED, imbalance
+
     rows = [r for r in metrics if r.get("expert_load")]
     if not rows:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for layer in range(len(rows[0]["expert_load"])):
-        ratio = [max(r["expert_load"][layer]) / max(sum(r["expert_load"][layer]) / len(r["expert_load"][layer]), 1e-9)
-                 for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    colors = plt.get_cmap("viridis")
+    n = len(rows[0]["expert_load"])
+    for layer in range(n):
         name = names[layer] if names and layer < len(names) else f"MoE layer {layer}"
-        ax.plot([r["step"] for r in rows], ratio, linewidth=0.9, label=name)
+        ax.plot([r["step"] for r in rows], [imbalance(r["expert_load"][layer]) for r in rows], linewidth=0.8,
+                color=colors(layer / max(n - 1, 1)), label=name)
     ax.axhline(1.0, color="k", linewidth=0.6)
-    ax.set(xlabel="step", ylabel="max / mean tokens per expert", title="expert load imbalance")
+    ax.axhline(BALANCED, color="tab:red", linewidth=0.8, linestyle="--", label=f"{BALANCED:g}x (caption's threshold)")
+    ax.set(xlabel="step", ylabel="max / mean tokens per expert")
+    ax.set_ylim(bottom=0.9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    mark_stages(ax, stage_spans(rows), title="expert load imbalance per MoE layer")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     return _save(fig, plt, path)
 
 
-def val_perplexity(metrics: list[dict], path: Path) -> Path | None:
-    """exp(validation loss) against the step, log scale (None without validation records)."""
+def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
+                   eval_batches: int | None = None) -> Path | None:
+    """exp(validation-subset loss) against the step, the whole-split final perplexity beside it
+    (a diamond), stage boundaries; a log axis with plain tick labels only when the values span
+    more than 4x (None without validation records)."""
     val = [r for r in metrics if r.get("val_loss") is not None]
     if not val:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.plot([r["step"] for r in val], [math.exp(r["val_loss"]) for r in val], "o-")
-    ax.set(xlabel="step", ylabel="perplexity", yscale="log", title="validation perplexity")
-    ax.grid(alpha=0.3, which="both")
+    summary = summary or {}
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ppl = [_exp(r["val_loss"]) for r in val]
+    ax.plot([r["step"] for r in val], ppl, "o-", color=VAL, markersize=4, label=subset_label(metrics, eval_batches))
+    values = list(ppl)
+    if summary.get("val_perplexity") is not None and math.isfinite(summary["val_perplexity"]):
+        ax.plot([metrics[-1]["step"]], [summary["val_perplexity"]], "D", color=WHOLE, markeredgecolor="k",
+                markersize=6, transform=beside(ax), label=whole_label(summary), zorder=5)
+        values.append(summary["val_perplexity"])
+    finite = [v for v in values if math.isfinite(v) and v > 0]
+    if finite and max(finite) / min(finite) > 4:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(FixedLocator(plain_log_ticks(min(finite), max(finite))))
+        ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set(xlabel="step", ylabel="perplexity (exp of nats/token)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    mark_stages(ax, stage_spans(metrics), title="validation perplexity")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    return _save(fig, plt, path)
+
+
+def _exp(loss: float) -> float:
+    return math.exp(loss) if loss < 709 else math.inf
+
+
+def plain_log_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values for a log axis over [lo, hi]: 1-2-5 per decade, or 1-1.5-2-3-5-7 when that
+    gives fewer than 4 ticks in range (plus one either side, so the data lie inside)."""
+    for subs in ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+                 for m in subs]
+        inside = [t for t in ticks if lo <= t <= hi]
+        if len(inside) >= 4:
+            break
+    below = [t for t in ticks if t < lo][-1:]
+    above = [t for t in ticks if t > hi][:1]
+    return below + inside + above
+
+
+def compare(runs: list[tuple[str, list[dict], dict]], path: Path) -> Path:
+    """Runs overlaid on one axes, one colour per run (the first is the report's run): train LM
+    loss as a trailing mean, validation-subset dots, the whole-split final figure as a diamond;
+    the stage boundaries, named, of the longest run (and, in its colour, of any run whose stages
+    end at other steps). runs: (label, metrics rows, summary) each."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9.5, 5))
+    colors = plt.get_cmap("tab10")
+    spans = [stage_spans(rows) for _, rows, _ in runs]
+    ref = max(range(len(runs)), key=lambda i: len(runs[i][1]))
+    for i, (label, rows, summary) in enumerate(runs):
+        color = colors(i % 10)
+        steps = [r["step"] for r in rows]
+        k = smoothing_steps(len(rows))
+        ax.plot(steps, stage_mean(rows, [r.get("lm_loss") for r in rows], k), color=color, linewidth=1.3,
+                label=f"{label}: train LM loss ({smoothed(k)})")
+        val = [r for r in rows if r.get("val_loss") is not None]
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=color, markersize=4,
+                markeredgecolor="k", markeredgewidth=0.4)
+        if summary.get("val_loss") is not None and rows:
+            ax.plot([steps[-1]], [summary["val_loss"]], "D", color=color, markeredgecolor="k", markersize=7, zorder=5,
+                    transform=beside(ax))
+    for i, own in enumerate(spans):
+        if i != ref and [s[1:] for s in own] != [s[1:] for s in spans[ref]]:
+            mark_stages(ax, own, names=False, shade=False, color=colors(i % 10))
+    mark_stages(ax, spans[ref], title="runs compared")
+    ax.plot([], [], "o", color="0.5", markeredgecolor="k", markeredgewidth=0.4, label="dots: validation subset")
+    ax.plot([], [], "D", color="0.5", markeredgecolor="k", label="diamond: whole held-out split, final")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     return _save(fig, plt, path)
 
 

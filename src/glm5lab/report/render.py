@@ -1,20 +1,27 @@
 """The report's markdown: the seed's closing checklist (quality, training tokens, parameter
 counting convention, KV and index state bytes, prefill/decode batch and length, kernel and
-library versions, hardware), in that order, then expert load, ablations, evaluations, seeds."""
+library versions, hardware), in that order (with the "Comparison" of `--compare` runs after
+quality), then expert load, ablations, evaluations, seeds."""
 
 from __future__ import annotations
 
+import math
+
 from glm5lab.ablate.results import markdown_table
+from glm5lab.report import compare
 from glm5lab.report.long_context import render_section as long_context_section
+from glm5lab.report.series import BALANCED, imbalance, load_stats, stage_rows, validation
 
 
 def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
-           generated: dict, moe_names: list[str], long_context: dict | None = None) -> str:
+           generated: dict, moe_names: list[str], long_context: dict | None = None, others: list | None = None) -> str:
     """Assemble report.md (`rec`: a RunRecord; `pngs`: name -> file name or None; moe_names: the
     names of metrics.jsonl's `expert_load` entries; long_context: the recorded long-context
-    cost curve, `glm5lab.report.long_context.load_record()`, shown in the throughput section)."""
+    cost curve, `glm5lab.report.long_context.load_record()`, shown in the throughput section;
+    others: RunRecords compared against, the "Comparison" section after Quality)."""
     curve = long_context_section(long_context, pngs.get("long_context"))
-    parts = [_header(rec, generated), _quality(rec, pngs), _tokens(rec), _params(ledger_text),
+    parts = [_header(rec, generated), _quality(rec, pngs), compare.section(rec, others or [], pngs.get("compare")),
+             _tokens(rec), _params(ledger_text),
              _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names), _ablations(rec),
              _evals(rec), _environment(env, rec), _seeds(rec, probed)]
     return "\n".join(p for p in parts if p)
@@ -33,15 +40,45 @@ def _header(rec, generated: dict) -> str:
 
 
 def _quality(rec, pngs) -> str:
-    s = rec.summary
-    rows = [[st["stage"], st["steps"], f"{st['tokens']:,}", st["use_dsa"], st["trainable"], st["reported"],
-             st["first"], st["last"]] for st in s.get("stages", [])]
-    return ("## Quality\n\n"
-            f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}; "
-            f"{_bits_per_byte(s)}) on the whole held-out split; the add-one unigram baseline is "
-            f"{s['unigram_val_loss']:.3f}.\n\n"
-            + markdown_table(["stage", "steps", "tokens", "DSA", "trains", "loss shown", "first", "last"], rows)
-            + _img(pngs, "loss", "loss by stage") + _img(pngs, "perplexity", "validation perplexity"))
+    header, rows, note = stage_rows(rec)
+    return ("## Quality\n\n" + _headline(rec) + "\n\nPer stage, the stage objective at its start and end (means, "
+            "less noisy than one batch) and the validation-subset loss at the stage's last step (- when none was "
+            f"taken). {note}".rstrip() + "\n\n" + markdown_table(header, rows)
+            + _img(pngs, "loss", "loss by stage")
+            + ("\nTop: the whole run; dotted lines mark the stage boundaries. Below: each stage on its own scale with "
+               "its objective on the left axis (the indexer warm-up trains the indexer KL only; its LM loss is "
+               "logged, not trained, on the right axis). Faint: every step; solid: the trailing mean.\n"
+               if pngs.get("loss") else "")
+            + _img(pngs, "perplexity", "validation perplexity"))
+
+
+def _headline(rec) -> str:
+    """The two validation figures and why they differ (`series.validation`)."""
+    s, v = rec.summary, validation(rec)
+    whole = f" ({v['whole_tokens']:,} target tokens)" if v["whole_tokens"] else ""
+    text = (f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}; "
+            f"{_bits_per_byte(s)}) on the whole held-out split{whole}, the final model; the add-one unigram "
+            f"baseline is {s['unigram_val_loss']:.3f}.")
+    if v["subset_step"] is None:
+        return text + " No periodic validation was run (eval_every 0), so there is no validation curve."
+    batches = f"{v['eval_batches']} batches of windows" if v["eval_batches"] else "eval_batches batches"
+    planned = (f"; {v['subset_planned']:,} target tokens as run.json plans it, if the split holds that many"
+               if v["subset_planned"] else "")
+    subset = (f"the first {v['subset_tokens']:,} target tokens ({batches})" if v["subset_tokens"] else
+              f"the first {batches} (its token count was not recorded{planned})")
+    final = (f"at the last step it gives **{v['subset']:.3f}** (perplexity {_ppl(v['subset'])})"
+             if v["subset"] is not None else f"its last point is at step {v['subset_step']}, before the last step")
+    gap = v["whole"] - v["subset"] if v["subset"] is not None and v["whole"] is not None else None
+    gap_text = ("" if gap is None or not math.isfinite(gap) else
+                f" (the whole split is {abs(gap):.3f} {'lower' if gap < 0 else 'higher'})")
+    text += (f"\n\nThe validation curve is a subset of that split, {subset}, scored during training; {final}. "
+             f"The two figures differ{gap_text} because they score different text: the subset is a fixed part of "
+             "the split.")
+    if v["old"]:
+        text += (" This run's summary.json predates the subset record (read here from metrics.jsonl), and its "
+                 "whole-split figure is the older definition: a mean of per-batch means, leaving out up to "
+                 "batch_size - 1 windows at the end.")
+    return text
 
 
 def _bits_per_byte(s: dict) -> str:
@@ -50,9 +87,12 @@ def _bits_per_byte(s: dict) -> str:
     bpb = s.get("val_bits_per_byte")
     if bpb is None:
         return "bits per byte: not recorded"
-    over = (f" over {s['val_bytes']:,} UTF-8 bytes of {s['val_tokens']:,} target tokens"
-            if s.get("val_bytes") and s.get("val_tokens") else "")
+    over = f" over {s['val_bytes']:,} UTF-8 bytes" if s.get("val_bytes") else ""
     return f"**{bpb:.3f}** bits per byte{over}"
+
+
+def _ppl(loss: float) -> str:
+    return f"{math.exp(loss):.1f}" if loss < 709 else "inf"
 
 
 def _tokens(rec) -> str:
@@ -116,12 +156,29 @@ def _load(rec, pngs, names: list[str]) -> str:
     last = next((r["expert_load"] for r in reversed(rec.metrics) if r.get("expert_load")), None)
     if not last:
         return ""
-    rows = [[names[i] if i < len(names) else i, sum(layer), max(layer), min(layer), max(layer) / (sum(layer) / len(layer))]
+    rows = [[names[i] if i < len(names) else i, sum(layer), max(layer), min(layer), imbalance(layer)]
             for i, layer in enumerate(last)]
-    return ("## Expert load\n\nExpert assignments (tokens x top-k; the MTP layer's over its depths) at the last "
-            "step, per MoE layer; the aux-loss-free bias balances them.\n\n"
-            + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean"], rows)
+    return ("## Expert load\n\n" + _load_caption(rec)
+            + "\n\nExpert assignments (tokens x top-k; the MTP layer's over its depths) at the last step, per MoE "
+            "layer:\n\n" + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean"], rows)
             + _img(pngs, "load", "expert load imbalance over time"))
+
+
+def _load_caption(rec) -> str:
+    """What the expert_load records show (`series.load_stats`), not what the bias is meant to do."""
+    stats = load_stats(rec.metrics)
+    rate = rec.run.get("args", {}).get("bias_update_rate")
+    per_stage = "; ".join(f"{name} ({n} steps): median {med:.2f}x, {100 * under:.0f}% of steps under "
+                          f"{BALANCED:g}x, at most {top:.2f}x" for name, n, med, under, top in stats["stages"])
+    if stats["last_over"] is None:
+        settled = f"Every step is under {BALANCED:g}x."
+    else:
+        settled = (f"From step {stats['settled']} on, at least {100 * stats['share']:.0f}% of steps are under "
+                   f"{BALANCED:g}x; the last step at or above it is step {stats['last_over']} (of {stats['steps']})."
+                   if stats["settled"] is not None else f"It is at or above {BALANCED:g}x at the last steps.")
+    return (f"The aux-loss-free bias{f' (update rate {rate})' if rate is not None else ''} lowers an over-loaded "
+            "expert's routing score and raises an under-loaded one's each step. What the records show, as the "
+            f"max / mean tokens per expert of the worst MoE layer at each step: {per_stage}. {settled}")
 
 
 def _ablations(rec) -> str:
@@ -175,5 +232,14 @@ def _seeds(rec, probed) -> str:
     seed = rec.run.get("args", {}).get("seed")
     text = (f"## Seeds\n\nTraining seed {seed} (initialisation, document split, batch order). "
             "Measurements: greedy decoding (no sampling); NIAH examples with seed 0.")
-    return text + ("" if probed is None else f" Probe sizes: {probed['sizes']}.") + "\n"
+    return text + ("" if probed is None else " " + _probe_sizes(probed["sizes"])) + "\n"
 
+
+def _probe_sizes(sizes: dict) -> str:
+    """`ProbeSizes` (as a dict) in words."""
+    pairs = ", ".join(f"batch {b} x {n} prompt tokens" for b, n in sizes["throughput"])
+    lengths = ", ".join(str(n) for n in sizes["retrieval_lengths"])
+    return (f"Probe sizes: throughput at {pairs}, each decoding {sizes['decode_tokens']} new tokens; retrieval at "
+            f"context lengths {lengths}, {sizes['retrieval_rows']} examples each; MTP acceptance with "
+            f"{sizes['draft_steps']} drafts per verification on {sizes['acceptance_rows']} held-out prompts of "
+            f"{sizes['acceptance_prompt']} tokens, {sizes['acceptance_tokens']} new tokens each.")

@@ -13,16 +13,19 @@ from glm5lab.report.probe import ProbeSizes, probe
 from glm5lab.report.render import render
 
 
-def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False) -> Path:
+def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False, compare=()) -> Path:
     """Write the report of the run in `run_dir` into `out` (default RUN_DIR/report/): report.md
     and its PNGs (written to temporary names, then renamed). measure: load the latest checkpoint
     and time prefill/decode, score retrieval and MTP acceptance (about a minute for `small` on 2
-    CPU cores); quick: tiny measurement sizes (tests). Returns the path of report.md.
-    Raises NotARunError (a ValueError) naming what the folder lacks."""
+    CPU cores); quick: tiny measurement sizes (tests); compare: other run folders, shown beside
+    this one in a "Comparison" section (a table and compare.png). Returns the path of report.md.
+    Raises NotARunError (a ValueError) naming what a folder (this run's or a compared one's)
+    lacks, before anything is written."""
     from glm5lab import ModelConfig, __version__
     from glm5lab.ledger import ledger, render as render_ledger
 
     rec = load_run(Path(run_dir))
+    others = [load_run(Path(p)) for p in compare]
     out = Path(out) if out else rec.run_dir / "report"
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
@@ -30,11 +33,14 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     _copy_ablation_plots(rec, out)
     cfg = ModelConfig.from_hf(rec.checkpoint)
     probed = _measure(rec, cfg, quick) if measure else None
-    pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png")),
-            "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png")),
+    eval_batches = rec.run.get("args", {}).get("eval_batches")
+    pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png"), rec.summary, eval_batches),
+            "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png"), rec.summary, eval_batches),
             "load": plots.expert_load(rec.metrics, _tmp(out, "expert_load.png"), _moe_names(cfg)),
             "retrieval": plots.retrieval(probed["retrieval"], _tmp(out, "retrieval.png")) if probed else None,
-            "acceptance": plots.acceptance(probed["acceptance"], _tmp(out, "acceptance.png")) if probed else None}
+            "acceptance": plots.acceptance(probed["acceptance"], _tmp(out, "acceptance.png")) if probed else None,
+            "compare": plots.compare([(str(r.run_dir), r.metrics, r.summary) for r in [rec, *others]],
+                                     _tmp(out, "compare.png")) if others else None}
     curve = long_context.load_record()
     pngs["long_context"] = long_context.plot(curve, _tmp(out, long_context.PNG_NAME)) if curve else None
     pngs = {k: _publish(p) for k, p in pngs.items()}
@@ -42,7 +48,7 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     generated = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "version": __version__,
                  "git_commit": git_commit()}
     text = render(rec, render_ledger(ledger(cfg, dtype="bf16", name=str(rec.run_dir))), state_rows, probed,
-                  environment(), pngs, generated, _moe_names(cfg), curve)
+                  environment(), pngs, generated, _moe_names(cfg), curve, others)
     final = out / "report.md"
     tmp = out / "report.md.tmp"
     tmp.write_text(text)

@@ -1,35 +1,195 @@
-"""The loss-curve PNG of a run (matplotlib, headless)."""
+"""The loss-curve PNG of a run (matplotlib, headless), and what every time plot of a run shares
+(`glm5lab.report.plots` draws with these too): the stages as spans of steps, a trailing mean,
+stage boundaries drawn as dotted lines with the stage names, and the labels of the two
+validation figures.
+
+Two validation figures exist (issue 16): the periodic `val_loss` of metrics.jsonl is the mean
+target CE over a fixed SUBSET of the held-out split (the first `eval_batches` batches of
+windows; `val_tokens` targets); summary.json's `val_loss` is the final model over the WHOLE
+split. They differ because they score different text, so every plot labels the curve as the
+subset and draws the whole-split figure as its own marker at the last step.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+LM, MTP, KL, VAL, WHOLE = "tab:blue", "tab:orange", "tab:red", "black", "tab:green"  # one colour per quantity
+
+
+def stage_spans(rows: list[dict]) -> list[tuple[str, int, int]]:
+    """(stage, first step, last step) for each run of consecutive rows of one stage, in order."""
+    spans: list[list] = []
+    for r in rows:
+        if spans and spans[-1][0] == r["stage"]:
+            spans[-1][2] = r["step"]
+        else:
+            spans.append([r["stage"], r["step"], r["step"]])
+    return [(name, a, b) for name, a, b in spans]
+
+
+def trailing_mean(values: list, k: int) -> list[float]:
+    """At each index the mean of the last k values (fewer at the start); None/NaN are skipped
+    (NaN where all k are)."""
+    out = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - k + 1): i + 1] if v is not None and math.isfinite(v)]
+        out.append(sum(window) / len(window) if window else math.nan)
+    return out
+
+
+def stage_mean(rows: list[dict], values: list, k: int) -> list[float]:
+    """`trailing_mean` restarted at every stage (a stage change, e.g. to sparse attention, is a
+    step in the curve, not a ramp)."""
+    out: list[float] = []
+    for _, a, b in stage_spans(rows):
+        out += trailing_mean([v for r, v in zip(rows, values, strict=True) if a <= r["step"] <= b], k)
+    return out
+
+
+def smoothed(k: int) -> str:
+    """How a curve smoothed over k steps is labelled."""
+    return "per step" if k == 1 else f"mean of last {k} steps"
+
+
+def beside(ax, points: float = 7.0):
+    """A transform drawing data points `points` to the right of where they are: the whole-split
+    final figure beside the subset's last point instead of on top of it."""
+    from matplotlib.transforms import ScaledTranslation
+
+    return ax.transData + ScaledTranslation(points / 72, 0, ax.figure.dpi_scale_trans)
+
+
+def plain_ticks(axis) -> None:
+    """Tick labels as plain numbers of 3 significant digits, no offset text (the indexer KL is
+    ~1e-5 in short runs; an offset '1e-5' at the axis end collides with the stage names)."""
+    axis.set_major_formatter(lambda v, _: f"{v:.3g}")
+
+
+def smoothing_steps(n_steps: int) -> int:
+    """The trailing-mean window of the train curves: about 1/40 of the run, 1 to 25 steps."""
+    return max(1, min(25, n_steps // 40))
+
+
+def mark_stages(ax, spans: list[tuple[str, int, int]], *, names: bool = True, shade: bool = True,
+                color: str = "0.35", title: str | None = None) -> None:
+    """Dotted vertical lines between stages (half a step after a stage's last step), every other
+    stage lightly shaded, and each stage's name just above the axes over its span, on two
+    alternating rows when one is wider than its span; widens the x range to the whole run. Call
+    it after plotting. title: the axes' title, set above the names."""
+    from matplotlib.transforms import blended_transform_factory
+
+    tr = blended_transform_factory(ax.transData, ax.transAxes)
+    if spans:  # the whole run in view, with room on the right for a marker drawn `beside` the last step
+        x0, x1 = ax.get_xlim()
+        ax.set_xlim(min(x0, spans[0][1] - 0.5), max(x1, spans[-1][2] + 0.5 + 0.03 * (spans[-1][2] - spans[0][1] + 1)))
+    x0, x1 = ax.get_xlim()
+    char_px = 8 * 0.6 * ax.figure.dpi / 72  # an 8-point character, about
+    fits = all((b - a + 1) / (x1 - x0) * ax.get_window_extent().width > 1.1 * char_px * len(name)
+               for name, a, b in spans)
+    for i, (name, a, b) in enumerate(spans):
+        lo, hi = a - 0.5, b + 0.5
+        if i:
+            ax.axvline(lo, color=color, linewidth=1.0, linestyle=":", zorder=1)
+        if shade and i % 2:
+            ax.axvspan(lo, hi, color="0.5", alpha=0.08, linewidth=0, zorder=0)
+        if names:
+            ax.annotate(name, xy=((lo + hi) / 2, 1.0), xycoords=tr, xytext=(0, 2 + 10 * (0 if fits else i % 2)),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=8, color=color,
+                        annotation_clip=False)
+    if title is not None:
+        ax.set_title(title, pad=(6 if not (names and spans) else 14 if fits else 24))
+
+
+def subset_label(rows: list[dict], eval_batches: int | None = None) -> str:
+    """'validation subset (first N tokens)' from the rows' val_tokens; a run from before
+    val_tokens was logged says 'first B batches' (run.json's eval_batches) instead."""
+    tokens = next((r["val_tokens"] for r in reversed(rows) if r.get("val_tokens")), None)
+    if tokens:
+        return f"validation subset (first {tokens:,} tokens)"
+    return f"validation subset (first {eval_batches} batches)" if eval_batches else "validation subset"
+
+
+def whole_label(summary: dict) -> str:
+    """'whole held-out split, final (N tokens)' (the token count when summary.json has it)."""
+    tokens = summary.get("val_tokens")
+    return "whole held-out split, final" + (f" ({tokens:,} tokens)" if tokens else "")
+
+
+def mtp_mean(rows: list[dict]) -> tuple[list[float], int]:
+    """Per row the mean MTP loss over its depths, NaN for a row with fewer depths than the run's
+    most (the indexer warm-up runs one depth only for its indexer; it trains none), and that
+    number of depths (0: no MTP)."""
+    depths = max((len(r.get("mtp_losses") or []) for r in rows), default=0)
+    return [sum(r["mtp_losses"]) / depths if depths and len(r.get("mtp_losses") or []) == depths else math.nan
+            for r in rows], depths
+
+
+def draw_losses(ax, rows: list[dict], summary: dict, eval_batches: int | None, *, title: str | None = None):
+    """The whole run on one axes: LM loss (faint per step, solid: `stage_mean`), MTP mean, the
+    validation subset as dots, the whole-split final figure as a diamond, the indexer KL on a
+    right axis, stage boundaries. Returns the (handles, labels) for one legend."""
+    steps = [r["step"] for r in rows]
+    k = smoothing_steps(len(rows))
+    lm = as_floats(r.get("lm_loss") for r in rows)
+    ax.plot(steps, lm, color=LM, alpha=0.25, linewidth=0.6)
+    ax.plot(steps, stage_mean(rows, lm, k), color=LM, linewidth=1.5, label=f"LM loss (train, {smoothed(k)})")
+    mtp, depths = mtp_mean(rows)
+    if depths:
+        ax.plot(steps, stage_mean(rows, mtp, k), color=MTP, linewidth=1.1,
+                label=f"MTP loss (mean of {depths} depth{'s' * (depths > 1)}, {smoothed(k)})")
+    val = [r for r in rows if r.get("val_loss") is not None]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=VAL, markersize=4,
+                label=subset_label(rows, eval_batches), zorder=4)
+    if summary.get("val_loss") is not None and rows:
+        ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6,
+                label=whole_label(summary), zorder=5, transform=beside(ax))
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    mark_stages(ax, stage_spans(rows), title=title)
+    handles, labels = ax.get_legend_handles_labels()
+    kl = as_floats(r.get("indexer_kl") for r in rows)
+    if any(math.isfinite(v) for v in kl):  # its own axis: the KL is on another scale than the CE
+        kl_ax = ax.twinx()
+        kl_ax.plot(steps, kl, color=KL, linewidth=0.9,
+                   label="indexer KL (nats; its own axis, red)")
+        kl_ax.set_ylabel("indexer KL (nats)", color=KL)
+        plain_ticks(kl_ax.yaxis)
+        h2, l2 = kl_ax.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    return handles, labels
+
+
+def as_floats(values) -> list[float]:
+    """None -> NaN (a gap in the line)."""
+    return [math.nan if v is None else float(v) for v in values]
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path:
-    """Training loss per step coloured by stage, MTP depth losses dashed, validation loss as
-    dots, from `metrics.jsonl`. Returns the PNG path."""
+    """loss.png from `metrics.jsonl` (`draw_losses`; summary.json and run.json beside it, when
+    present, give the whole-split final point and eval_batches). Returns the PNG path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines()]
+    metrics_path = Path(metrics_path)
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    summary, run = (_json_or_empty(metrics_path.parent / n) for n in ("summary.json", "run.json"))
     fig, ax = plt.subplots(figsize=(9, 5))
-    for stage in dict.fromkeys(r["stage"] for r in rows):
-        part = [r for r in rows if r["stage"] == stage]
-        ax.plot([r["step"] for r in part], [r["lm_loss"] for r in part], label=f"{stage}: LM loss")
-        depths = max((len(r["mtp_losses"]) for r in part), default=0)
-        for j in range(depths):
-            ax.plot([r["step"] for r in part], [r["mtp_losses"][j] for r in part], "--", linewidth=0.8,
-                    label=f"{stage}: MTP depth {j + 1}")
-    val = [r for r in rows if r.get("val_loss") is not None]
-    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "ko", markersize=4, label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
+    handles, labels = draw_losses(ax, rows, summary, run.get("args", {}).get("eval_batches"),
+                                  title="training run (dotted lines: stage boundaries)")
+    ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
+    fig.savefig(png_path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return Path(png_path)
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
