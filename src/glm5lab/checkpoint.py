@@ -67,14 +67,41 @@ def latest_checkpoint(run_dir: Path) -> Path:
     if folder is None:
         raise ResumeError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} (no `latest` file); "
                           "start without --resume")
-    missing = [f for f in ("config.json", STATE_FILE) if not (folder / f).is_file()]
-    if missing:
-        raise ResumeError(f"--resume: checkpoint {folder} is incomplete (missing {', '.join(missing)})")
+    check_complete(folder)
     return folder
 
 
+def resume_candidates(run_dir: Path) -> list[Path]:
+    """The checkpoint folders a resume may use, best first: the one `latest` names, then every
+    other RUN/checkpoints/step-* folder, newest step first (a run keeps two: if the newest is
+    corrupt, the one before it). Temporary folders of an interrupted save are not candidates.
+    Raises ResumeError when the run has neither a `latest` file nor a step-* folder."""
+    root = Path(run_dir) / "checkpoints"
+    latest = latest_pointer(run_dir)
+    steps = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True) if root.is_dir() else []
+    if latest is None and not steps:
+        raise ResumeError(f"--resume: no checkpoint in {root} (no `latest` file); start without --resume")
+    return ([latest] if latest is not None else []) + [p for p in steps if p != latest]
+
+
+def check_complete(folder: Path) -> None:
+    """Raise ResumeError when the checkpoint folder lacks config.json or the trainer state."""
+    missing = [f for f in ("config.json", STATE_FILE) if not (Path(folder) / f).is_file()]
+    if missing:
+        raise ResumeError(f"--resume: checkpoint {folder} is incomplete (missing {', '.join(missing)})")
+
+
 def load_trainer_state(folder: Path) -> dict:
-    return torch.load(Path(folder) / STATE_FILE, map_location="cpu", weights_only=False)
+    """The trainer state (optimizer, RNG, position) saved in `folder`. Raises ResumeError naming
+    the file when it cannot be read (truncated or corrupt), FileNotFoundError when it is missing."""
+    path = Path(folder) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError... for a damaged file
+        reason = str(e).split(". ")[0].strip() or type(e).__name__
+        raise ResumeError(f"{path} cannot be read (truncated or corrupt: {reason})") from None
 
 
 def rng_state() -> dict:

@@ -112,6 +112,6 @@ def test_summary_of_a_diverged_run_is_still_written():
 
     from glm5lab.train.evaluation import Evaluation, summary_fields
 
-    nan = summary_fields(Evaluation(math.nan, math.nan, 10, 10))
+    nan = summary_fields(Evaluation(math.nan, 10, 10))
     assert math.isnan(nan["val_loss"]) and math.isnan(nan["val_bits_per_byte"])
-    assert summary_fields(Evaluation(800.0, 8000.0, 10, 10))["val_perplexity"] == math.inf
+    assert summary_fields(Evaluation(8000.0, 10, 10))["val_perplexity"] == math.inf

@@ -81,9 +81,7 @@ def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     tok = load_tokenizer(latest)
     _, _, val_docs = split_corpus(args.data, args.seed)
-    windows = pack(encode_documents(tok, val_docs), last.seq_len)
-    rows = windows[: max(args.eval_batches, len(windows) // last.batch_size) * last.batch_size]
-    assert len(rows) % last.batch_size == 0  # full batches: val_loss is then the mean over targets
+    rows = pack(encode_documents(tok, val_docs), last.seq_len)  # every window, the last batch possibly short
     n_tokens = rows[:, 1:].numel()
     n_bytes = sum(len(tok.decode(r[1:].tolist()).encode("utf-8")) for r in rows)
     assert (summary["val_tokens"], summary["val_bytes"]) == (n_tokens, n_bytes)
@@ -92,9 +90,10 @@ def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None
     assert 0 < summary["val_bits_per_byte"] < 8 * math.log(320) / math.log(256)  # below a uniform guess
 
 
-def test_evaluate_keeps_val_loss_and_sums_exactly_the_scored_targets():
-    """`evaluate_nll(...).loss` is the val_loss of before bits per byte (the mean of each batch's
-    mean CE, here with a shorter last batch); nll_sum and the byte count cover the same targets."""
+def test_evaluate_is_the_mean_over_targets_and_sums_exactly_the_scored_targets():
+    """`evaluate_nll(...).loss` is nll_sum / tokens (not the mean of each batch's mean CE, which
+    differs with a shorter last batch); nll_sum and the byte count cover the same targets;
+    n_batches=None scores every window."""
     import torch.nn.functional as F
     from tokenizers import Tokenizer, models
 
@@ -106,16 +105,18 @@ def test_evaluate_keeps_val_loss_and_sums_exactly_the_scored_targets():
     stage = Stage("dense", 1, 1e-3, 16, 3)
     logits = lambda x: model.eval()(x, use_dsa=False).logits.flatten(0, 1)  # noqa: E731
     with torch.no_grad():
-        old = torch.stack([F.cross_entropy(logits(windows[i:i + 3, :-1]), windows[i:i + 3, 1:].flatten())
-                           for i in (0, 3, 6)]).mean()
+        batch_means = torch.stack([F.cross_entropy(logits(windows[i:i + 3, :-1]), windows[i:i + 3, 1:].flatten())
+                                   for i in (0, 3, 6)]).mean()
         per_token = F.cross_entropy(logits(windows[:, :-1]), windows[:, 1:].flatten(), reduction="none")
     model.train()
     lengths = torch.arange(320) % 4
     result = evaluate_nll(model, windows, stage, n_batches=5, byte_lengths_V=lengths)
-    assert result.loss == pytest.approx(float(old), rel=1e-6) and evaluate(model, windows, stage, 5) == result.loss
+    assert result.loss == pytest.approx(float(per_token.mean()), rel=1e-6) and evaluate(model, windows, stage, 5) == result.loss
     assert result.tokens == 7 * 16 and result.utf8_bytes == int(lengths[windows[:, 1:]].sum())
     assert result.nll_sum == pytest.approx(float(per_token.double().sum()), rel=1e-6)
-    assert result.loss != pytest.approx(result.nll_sum / result.tokens, rel=1e-6)  # unequal batches: not the token mean
+    assert result.loss == result.nll_sum / result.tokens
+    assert result.loss != pytest.approx(float(batch_means), rel=1e-6)  # unequal batches: the old mean of means differs
+    assert evaluate_nll(model, windows, stage, None, byte_lengths_V=lengths) == result  # every window
     assert result.bits_per_byte == pytest.approx(result.nll_sum / (math.log(2) * result.utf8_bytes), rel=1e-12)
     two = evaluate_nll(model, windows, stage, n_batches=1, world_size=2, byte_lengths_V=lengths)  # 6 rows
     assert two.tokens == 6 * 16 and two.utf8_bytes == int(lengths[windows[:6, 1:]].sum())
@@ -124,7 +125,7 @@ def test_evaluate_keeps_val_loss_and_sums_exactly_the_scored_targets():
     assert fields["val_bits_per_byte"] == result.bits_per_byte and fields["val_bytes"] == result.utf8_bytes
     word_level = Tokenizer(models.WordLevel({"[UNK]": 0, "▁hello": 1}, unk_token="[UNK]"))
     assert run_byte_lengths(word_level, 320) is None  # not byte-level: no bits per byte, no failed run
-    assert set(summary_fields(Evaluation(1.0, 2.0, 2))) == {"val_loss", "val_perplexity"}
+    assert summary_fields(Evaluation(2.0, 2)) == {"val_loss": 1.0, "val_perplexity": math.e, "val_tokens": 2}
 
 
 def test_warmup_trains_only_the_indexer(corpus):
@@ -179,7 +180,7 @@ def test_existing_run_needs_resume_and_resume_needs_a_checkpoint(corpus):
     with pytest.raises(ResumeError, match="no checkpoint"):
         train(_args(corpus, run, resume=True))
     train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))
-    with pytest.raises(FileExistsError, match="pass --resume"):
+    with pytest.raises(FileExistsError, match="holds a finished run .* --out DIR, or remove this one"):
         train(_args(corpus, run))
 
 

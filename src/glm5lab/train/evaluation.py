@@ -21,16 +21,19 @@ from glm5lab.train.stages import Stage
 
 @dataclass(frozen=True)
 class Evaluation:
-    """loss: the mean over batches of each batch's mean target CE (nats/token), the figure
-    `val_loss` has always been (equal to nll_sum / tokens when every batch is full; the last
-    batch may be shorter). nll_sum: CE summed over every scored target (nats; fp32 per target,
-    summed in fp64). tokens: the scored targets. utf8_bytes: the UTF-8 bytes those same targets
-    stand for (None when no byte lengths were given)."""
+    """nll_sum: CE summed over every scored target (nats; fp32 per target, summed in fp64).
+    tokens: the scored targets. utf8_bytes: the UTF-8 bytes those same targets stand for (None
+    when no byte lengths were given). `loss` is nll_sum / tokens: one definition of validation
+    loss for the periodic subset and the whole split alike."""
 
-    loss: float
     nll_sum: float
     tokens: int
     utf8_bytes: int | None = None
+
+    @property
+    def loss(self) -> float:
+        """Mean target CE, nats/token (nll_sum / tokens); NaN when nothing was scored."""
+        return self.nll_sum / self.tokens if self.tokens else math.nan
 
     @property
     def bits_per_byte(self) -> float | None:
@@ -40,35 +43,34 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1,
+def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_batches: int | None, world_size: int = 1,
                  byte_lengths_V: torch.Tensor | None = None) -> Evaluation:
     """Next-token CE of `model` on the first n_batches global batches of validation windows
-    (rows[: n_batches * stage.batch_size * world_size], in batches of stage.batch_size, with the
-    stage's DSA switch). byte_lengths_V: int64 [V] UTF-8 bytes per id (`token_byte_lengths`); the
+    (rows[: n_batches * stage.batch_size * world_size]; n_batches None = every window, the last
+    batch possibly shorter), in batches of stage.batch_size, with the stage's DSA switch. byte_lengths_V: int64 [V] UTF-8 bytes per id (`token_byte_lengths`); the
     byte count covers exactly the targets the CE is taken over. Each batch is moved to the model's
     device; the model is left in train mode (eval-mode forwards count no expert load, so
     validation never steers the router bias) and, under FSDP2, resharded."""
-    rows = windows_NL1[: n_batches * stage.batch_size * world_size]
+    rows = windows_NL1 if n_batches is None else windows_NL1[: n_batches * stage.batch_size * world_size]
     device = next(model.parameters()).device
     model.eval()
-    means, sums = [], []
+    sums = []
     for i in range(0, len(rows), stage.batch_size):
         batch = rows[i:i + stage.batch_size].to(device)
         logits_BLV = model(batch[:, :-1], use_dsa=stage.use_dsa).logits
         nll = F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="none")
-        means.append(nll.mean())
         sums.append(nll.double().sum())
     model.train()
     if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
         model.reshard()
     targets = rows[:, 1:]
     utf8 = None if byte_lengths_V is None else target_bytes(byte_lengths_V, targets)
-    return Evaluation(float(torch.stack(means).mean()), float(torch.stack(sums).sum()), targets.numel(), utf8)
+    return Evaluation(float(torch.stack(sums).sum()), targets.numel(), utf8)
 
 
 def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1) -> float:
-    """Mean next-token CE (nats) over the first n_batches global batches of validation windows
-    (`evaluate_nll(...).loss`; every rank evaluates all of them, so the result does not depend on
+    """Mean next-token CE (nats/token) over the first n_batches global batches of validation
+    windows (`evaluate_nll(...).loss`; every rank evaluates all of them, so the result does not depend on
     the world size)."""
     return evaluate_nll(model, windows, stage, n_batches, world_size).loss
 
@@ -83,13 +85,13 @@ def run_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor | None:
 
 
 def summary_fields(result: Evaluation) -> dict:
-    """The validation entries of summary.json: val_loss (nats/token), val_perplexity, and, when
-    the targets' bytes were counted (and are > 0), val_bits_per_byte with the val_tokens /
-    val_bytes it was taken over. A diverged model's NaN loss is recorded as NaN (bits per byte
+    """The validation entries of summary.json: val_loss (nats/token), val_perplexity, val_tokens
+    (the targets scored) and, when the targets' bytes were counted (and are > 0),
+    val_bits_per_byte with the val_bytes it was taken over. A diverged model's NaN loss is recorded as NaN (bits per byte
     too) and a loss above ~709 nats as perplexity inf, so a finished run always writes its summary."""
     finite = math.isfinite(result.nll_sum)
-    out = {"val_loss": result.loss, "val_perplexity": math.exp(result.loss) if result.loss < 709.0 else math.inf}
+    out = {"val_loss": result.loss, "val_perplexity": math.exp(result.loss) if result.loss < 709.0 else math.inf,
+           "val_tokens": result.tokens}
     if result.utf8_bytes:
-        out.update(val_bits_per_byte=result.bits_per_byte if finite else math.nan, val_tokens=result.tokens,
-                   val_bytes=result.utf8_bytes)
+        out.update(val_bits_per_byte=result.bits_per_byte if finite else math.nan, val_bytes=result.utf8_bytes)
     return out

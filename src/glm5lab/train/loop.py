@@ -24,15 +24,18 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import (
-    latest_checkpoint, latest_pointer, load_trainer_state, rng_state, save_checkpoint, set_rng_state,
+    ResumeError, check_complete, latest_pointer, load_trainer_state, resume_candidates, rng_state, save_checkpoint,
+    set_rng_state,
 )
+from glm5lab.config import ConfigError
 from glm5lab.environment import git_commit
+from glm5lab.hf import CheckpointError
 from glm5lab.optim import build_optimizer, indexer_parameter_names
 from glm5lab.train import dist
 from glm5lab.train.balance import update_router_bias
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
-from glm5lab.train.evaluation import evaluate, evaluate_nll, run_byte_lengths, summary_fields
+from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fields
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
 
@@ -176,7 +179,12 @@ class MetricsLog:
 
 
 def train(args: TrainArgs) -> dict:
-    """Run (or resume) training; returns the summary dict also written to `summary.json`."""
+    """Run (or resume) training; returns the summary dict also written to `summary.json`.
+
+    Everything that can be refused is checked before the run folder is created (arguments, model,
+    stage lengths, data), so a failed start leaves no folder behind. Raises ValueError (bad
+    arguments, data too short for a stage, a resume with another plan), FileExistsError (--out
+    holds a run and --resume was not given), ResumeError (no checkpoint verifies), TrainingDiverged."""
     _check_args(args)
     if args.init:
         args.init = _init_folder(Path(args.init))
@@ -185,27 +193,98 @@ def train(args: TrainArgs) -> dict:
     _check_run_dir(run_dir, args.resume)
     model = build_model(args)
     stages = resolve_stages(args, model.config)
-    checkpoint = latest_checkpoint(run_dir) if args.resume else (Path(args.init) if args.init else None)
+    check_stage_lengths(stages, model.config, warn=_notice if ctx.is_main else lambda message: None)
     if args.resume:
+        resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
         _check_same_plan(run_dir, args, stages, model.config)
+        resumed = _resume_weights(run_dir, model, report=_notice if ctx.is_main else lambda message: None)
+    else:
+        resumed = None
+    checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
     data = prepare_data(args, model.config, checkpoint=checkpoint)
-    resumed = _resume_weights(run_dir, model) if args.resume else None
+    check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
     shard = dist.shard_model(model, ctx)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = build_optimizer(model, args.optimizer, lr=stages[0].lr, weight_decay=args.weight_decay)
     start = {"step": 0, "stage": 0, "in_stage": 0}
     if resumed is not None:
-        dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
-        set_rng_state(resumed["rng"])
         start = resumed["position"]
         if start["stage"] >= len(stages):
-            raise ValueError(f"--resume: the run in {run_dir} is already complete ({start['step']} steps); "
-                             "its summary is summary.json")
+            raise ValueError(f"--resume: the run in {run_dir} is already complete ({start['step']} steps; its "
+                             "summary is summary.json): nothing to continue. To train again, choose another "
+                             f"--out DIR or remove {run_dir}")
+        dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
+        set_rng_state(resumed["rng"])
+        if ctx.is_main:
+            _notice(resume_message(run_dir, resumed["folder"], start, stages))
+            _check_same_threads(run_dir, ctx)
     if ctx.is_main and not args.resume:
         _write_run_files(run_dir, args, model.config, stages, ctx)
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
     loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
     loop.run(start)
     return loop.finish()
+
+
+def _notice(message: str) -> None:
+    """One line on stderr for the user (`glm5lab train: ...`), above the progress bar."""
+    import sys
+
+    print(f"glm5lab train: {message}", file=sys.stderr, flush=True)
+
+
+def _check_same_threads(run_dir: Path, ctx) -> None:
+    """Say so when a CPU run resumes with another torch thread count than it started with: the
+    continuation is then not bit-identical to an uninterrupted run (reductions keep one partial
+    sum per thread; docs/reproducibility.md)."""
+    started = json.loads((run_dir / "run.json").read_text()).get("torch_threads")
+    now = torch.get_num_threads()
+    if ctx.device.type == "cpu" and started is not None and started != now:
+        _notice(f"this run started with {started} torch threads and continues with {now}: its weights will not be "
+                f"bit-identical to an uninterrupted run's (pass --threads {started} to keep them so)")
+
+
+def resume_message(run_dir: Path, folder: Path, start: dict, stages: list[Stage]) -> str:
+    """Where a resumed run continues: global step of the total, stage and step within it."""
+    total = sum(s.steps for s in stages)
+    stage = stages[start["stage"]]
+    return (f"resuming {run_dir} from checkpoint {folder.name}: step {start['step']} of {total}, stage "
+            f"{stage.name} (stage {start['stage'] + 1} of {len(stages)}) at its step {start['in_stage']} of {stage.steps}")
+
+
+def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
+    """Refuse a stage whose seq_len cannot carry its MTP depth (depth j at position t predicts token
+    t + j + 1, so depth D needs at least D + 1 input tokens; `task_losses` would silently drop the
+    deeper depths); `warn(message)` when a DSA stage's seq_len is not above index_topk (top-k then
+    keeps every key: attention is exactly dense, DSA is not exercised). Raises ValueError."""
+    for stage in stages:
+        depth = stage.mtp_depth if cfg.num_nextn_predict_layers else 0
+        if stage.seq_len < depth + 1:
+            raise ValueError(f"--seq-len {stage.seq_len} is too short for stage {stage.name!r}, which trains MTP "
+                             f"depth {depth} (depth j predicts the token j + 1 ahead): it needs --seq-len >= {depth + 1}")
+        if stage.use_dsa and cfg.use_dsa and stage.seq_len <= cfg.index_topk:
+            warn(f"warning: --seq-len {stage.seq_len} is not above the model's index_topk {cfg.index_topk}: in stage "
+                 f"{stage.name!r} DSA selects every key (attention stays dense); use --seq-len > {cfg.index_topk} "
+                 "to train sparse attention")
+
+
+def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
+    """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's
+    global batch (batch_size x world_size), or whose held-out split holds no window. The message
+    names --data (`named`; else the default corpus), the token counts and what to change.
+    Raises ValueError."""
+    where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
+    for stage in stages:
+        width, batch = stage.seq_len + 1, stage.batch_size * world_size
+        if len(data.train_tokens) // width < batch:
+            raise ValueError(f"{where}: its training split holds {len(data.train_tokens):,} tokens, "
+                             f"{len(data.train_tokens) // width} windows of --seq-len {stage.seq_len} + 1; stage "
+                             f"{stage.name!r} needs a batch of {batch} windows ({batch * width:,} tokens): give more "
+                             "text, or a smaller --seq-len or --batch-size")
+        if len(data.val_tokens) < width:
+            raise ValueError(f"{where}: its held-out split (about 5% of the text, by document) holds "
+                             f"{len(data.val_tokens):,} tokens, fewer than one window of --seq-len {stage.seq_len} "
+                             f"+ 1 = {width} tokens: give more text (at least about {20 * width:,} tokens in all), "
+                             "or a smaller --seq-len")
 
 
 def _check_args(args: TrainArgs) -> None:
@@ -249,33 +328,65 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse an --out that is a file, cannot be created, or (without --resume) holds a run; the
+    folder itself is created later, by `_write_run_files`, once everything else has been checked."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a folder")
-    if not resume:
+    if resume:
+        return
+    if (run_dir / "checkpoints").exists():
+        done = (run_dir / "summary.json").is_file()
+        what = "a finished run (summary.json)" if done else "a run"
+        cont = "" if done else "continue it with --resume and the arguments it started with, "
+        raise FileExistsError(f"{run_dir} already holds {what}: {cont}train into another folder with --out DIR, "
+                              f"or remove this one (rm -r {run_dir}) to start again")
+    _check_creatable(run_dir)
+
+
+def _check_creatable(run_dir: Path) -> None:
+    """Raise ValueError when the folder cannot be created; it is created to find out, then the
+    folders this made are removed again (nothing is left behind by a start that fails later)."""
+    missing = [p for p in (run_dir.absolute(), *run_dir.absolute().parents) if not p.exists()]
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None
+    for folder in missing:  # deepest first
+        folder.rmdir()
+
+
+def _resume_weights(run_dir: Path, model, report) -> dict:
+    """Load into `model` the weights of the newest checkpoint that verifies (`resume_candidates`:
+    `latest` first, then older ones), `report(message)` for each one skipped, and return its
+    trainer state with "folder" added. Raises ResumeError listing why each candidate failed;
+    ValueError when a checkpoint holds another model config (that is not corruption: no fallback)."""
+    failures = []
+    for folder in resume_candidates(run_dir):
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None
-    if not resume and (run_dir / "checkpoints").exists():
-        raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
-
-
-def _resume_weights(run_dir: Path, model) -> dict:
-    """Load the latest checkpoint's weights into `model`; return its trainer state."""
-    folder = latest_checkpoint(run_dir)
-    loaded = GLM5ForCausalLM.from_pretrained(folder, mtp=model.config.num_nextn_predict_layers > 0)
-    if loaded.config != model.config:
-        diff = sorted(k for k, v in loaded.config.to_dict().items() if model.config.to_dict()[k] != v)
-        raise ValueError(f"--resume: the checkpoint {folder} was trained with another model config (fields "
-                         f"{diff} differ); resume with the run's own --preset/--config")
-    model.load_state_dict(loaded.state_dict())
-    return load_trainer_state(folder)
+            check_complete(folder)
+            loaded = GLM5ForCausalLM.from_pretrained(folder, mtp=model.config.num_nextn_predict_layers > 0)
+            state = load_trainer_state(folder)
+        except (ResumeError, CheckpointError, ConfigError, OSError) as e:
+            failures.append(f"{folder.name}: {e}")
+            report(f"checkpoint {folder} is unusable ({e}); trying the one before it")
+            continue
+        if loaded.config != model.config:
+            diff = sorted(k for k, v in loaded.config.to_dict().items() if model.config.to_dict()[k] != v)
+            raise ValueError(f"--resume: the checkpoint {folder} was trained with another model config (fields "
+                             f"{diff} differ); resume with the run's own --preset/--config")
+        model.load_state_dict(loaded.state_dict())
+        if failures:
+            report(f"resuming from {folder.name}, the newest checkpoint that verifies; steps after it are trained again")
+        return {**state, "folder": folder}
+    raise ResumeError(f"--resume: no checkpoint in {run_dir / 'checkpoints'} can be read: {'; '.join(failures)}; "
+                      "start again without --resume in another --out")
 
 
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     info = {"args": asdict(args), "stages": [s.to_dict() for s in stages], "git_commit": git_commit(),
-            "torch": torch.__version__, "world_size": ctx.world_size, "device": str(ctx.device)}
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "world_size": ctx.world_size,
+            "device": str(ctx.device)}
     (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
     (run_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
 
@@ -285,7 +396,9 @@ class _Loop:
         self.args, self.model, self.shard, self.opt, self.data = args, model, shard, optimizer, data
         self.stages, self.ctx, self.run_dir, self.metrics = stages, ctx, run_dir, metrics
         self.total_steps = sum(s.steps for s in stages)
+        self.stage_by_name = {s.name: s for s in stages}
         self.step = 0
+        self.last_val = None  # (step, Evaluation) of the latest periodic validation
         if args.compile:
             from glm5lab.train.compile import CompiledLosses
 
@@ -299,10 +412,12 @@ class _Loop:
         self.step = start["step"]
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (self.args.progress and self.ctx.is_main),
                    unit="step", dynamic_ncols=True)
-        for index in range(start["stage"], len(self.stages)):
-            first = start["in_stage"] if index == start["stage"] else 0
-            self.run_stage(index, first, bar)
-        bar.close()
+        try:
+            for index in range(start["stage"], len(self.stages)):
+                first = start["in_stage"] if index == start["stage"] else 0
+                self.run_stage(index, first, bar)
+        finally:  # an error or Ctrl-C then prints on its own line, below the bar
+            bar.close()
 
     def run_stage(self, index: int, first: int, bar) -> None:
         stage = self.stages[index]
@@ -314,7 +429,9 @@ class _Loop:
             self.step += 1
             record.update(step=self.step, stage=stage.name, stage_step=i + 1)
             if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
-                record["val_loss"] = self.validate(stage)
+                result = self.validate(stage)
+                record.update(val_loss=result.loss, val_tokens=result.tokens)
+                self.last_val = (self.step, result)
             self.log(record, bar)
             if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
                 self.checkpoint(index, i + 1, stage)
@@ -334,15 +451,17 @@ class _Loop:
         return {**dist.mean_over_ranks(losses.to_log(), self.ctx), "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
                 "step_time_s": dt, "expert_load": loads}
 
-    def validate(self, stage: Stage) -> float:
+    def validate(self, stage: Stage):
+        """The periodic validation: the first eval_batches batches of held-out windows (a subset;
+        `finish` scores the whole split with the same definition, `Evaluation.loss`)."""
         val = pack(self.data.val_tokens, stage.seq_len)
-        return evaluate(self.shard, val, stage, self.args.eval_batches, self.ctx.world_size)
+        return evaluate_nll(self.shard, val, stage, self.args.eval_batches, self.ctx.world_size)
 
     def log(self, record: dict, bar) -> None:
         if self.metrics is not None:
             self.metrics.write(record)
         bar.update(1)
-        bar.set_postfix(stage=record["stage"], loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.set_postfix_str(progress_text(record, self.stage_by_name[record["stage"]], self.last_val), refresh=False)
 
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:
@@ -356,26 +475,21 @@ class _Loop:
 
     def stage_summaries(self) -> list[dict]:
         """Per stage, from the whole metrics.jsonl (so a resumed run reports its full history):
-        steps, tokens, and the first/last LM loss (indexer KL for a stage without LM loss)."""
+        `stage_summary` of its records."""
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
-        out = []
-        for stage in self.stages:
-            key = "lm_loss" if stage.lm_weight else "indexer_kl"
-            seen = [r[key] for r in rows if r["stage"] == stage.name]
-            out.append({"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa,
-                        "trainable": stage.trainable, "tokens": stage.steps * stage.batch_size * stage.seq_len * self.ctx.world_size,
-                        "reported": key, "first": seen[0] if seen else None, "last": seen[-1] if seen else None})
-        return out
+        return [stage_summary(stage, [r for r in rows if r["stage"] == stage.name], self.ctx.world_size)
+                for stage in self.stages]
 
     def finish(self) -> dict:
         """Evaluate the whole validation split (val_loss, perplexity, bits per byte under the run's
-        tokenizer), write summary.json and loss.png (main rank), and tear the process group down."""
+        tokenizer; the periodic subset's final figure beside it as val_subset_loss), write summary.json and loss.png (main rank), and tear the process group down."""
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
         byte_lengths = run_byte_lengths(self.data.tokenizer, self.model.config.vocab_size)
-        result = evaluate_nll(self.shard, val, last, max(self.args.eval_batches, len(val) // last.batch_size),
-                              byte_lengths_V=byte_lengths)  # all of it
-        summary = {**summary_fields(result),
+        result = evaluate_nll(self.shard, val, last, None, byte_lengths_V=byte_lengths)  # every window
+        subset = {} if self.last_val is None else {"val_subset_loss": self.last_val[1].loss,
+                                                   "val_subset_tokens": self.last_val[1].tokens}
+        summary = {**summary_fields(result), **subset,
                    "unigram_val_loss": unigram_loss(self.data.train_tokens, self.data.val_tokens, self.model.config.vocab_size),
                    "steps": self.step, "stages": self.stage_summaries() if self.ctx.is_main else [],
                    "run_dir": str(self.run_dir)}
@@ -386,3 +500,43 @@ class _Loop:
             plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         dist.teardown(self.ctx)
         return summary
+
+
+SMOOTH_STEPS = 20
+"""A stage's first and last figures in summary.json are means over this many steps (fewer in a
+short stage: a fifth of it, at least 1): single steps are noisy."""
+
+
+def stage_summary(stage: Stage, rows: list[dict], world_size: int = 1) -> dict:
+    """One stage of summary.json from its metrics records `rows`: steps, tokens, the loss shown
+    (`reported`: lm_loss, or indexer_kl for a stage without LM objective), its mean over the first
+    and over the last `smooth_steps` steps (None when the stage ran before a resume and its
+    records are missing), and `val_end`, the validation (subset) loss at the stage's last step."""
+    key = "lm_loss" if stage.lm_weight else "indexer_kl"
+    seen = [r[key] for r in rows if r.get(key) is not None]
+    k = max(1, min(SMOOTH_STEPS, stage.steps // 5))
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    end = [r["val_loss"] for r in rows if r.get("stage_step") == stage.steps and r.get("val_loss") is not None]
+    return {"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa, "trainable": stage.trainable,
+            "tokens": stage.steps * stage.batch_size * stage.seq_len * world_size, "reported": key,
+            "smooth_steps": k, "first": mean(seen[:k]), "last": mean(seen[-k:]), "val_end": end[-1] if end else None}
+
+
+def objective_name(stage: Stage) -> str:
+    """The stage's training objective in words: LM, + MTP (weighted depths), + indexer KL."""
+    parts = (["LM"] if stage.lm_weight else []) + (["MTP"] if any(stage.mtp_weights) else []) \
+        + (["KL"] if stage.indexer_weight else [])
+    return "+".join(parts) or "none"
+
+
+def progress_text(record: dict, stage: Stage, last_val: tuple | None) -> str:
+    """The progress bar's postfix: stage, LM loss, the objective when it is not the LM loss alone
+    (named: LM+MTP, KL, LM+MTP+KL), tokens/s, and the latest validation (subset) loss with its step."""
+    parts = [stage.name, f"lm {record['lm_loss']:.3f}" if record.get("lm_loss") is not None else None]
+    name = objective_name(stage)
+    if name != "LM":
+        parts.append(f"{name} {record['loss']:.3f}")
+    parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+    if last_val is not None:
+        parts.append(f"val {last_val[1].loss:.3f} @{last_val[0]}")
+    return " | ".join(p for p in parts if p)
