@@ -255,7 +255,7 @@ ERRORS = [
     (lambda f: f["ckpt"], ["--top-k", "0", "--temperature", "1"], "top_k must be None or an int in 1..vocab_size=512, got 0"),
     (lambda f: f["ckpt"], ["--top-k", "513", "--temperature", "1"], "top_k must be None or an int in 1..vocab_size=512, got 513"),
     # restricting greedy decoding: refused in the CLI's names, before the model folder is even read
-    (lambda f: f["root"] / "missing", ["--top-k", "5"], "--top-k 5 restrict sampling, but --temperature is 0 (greedy, "
+    (lambda f: f["root"] / "missing", ["--top-k", "5"], "--top-k 5 restricts sampling, but --temperature is 0 (greedy, "
      "the default): add --temperature T > 0 (e.g. --temperature 0.8), or drop --top-k"),
     (lambda f: f["ckpt"], ["--top-k", "5", "--top-p", "0.9"], "--top-k 5 and --top-p 0.9 restrict sampling"),
     (lambda f: f["ckpt"], ["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0"),
@@ -343,7 +343,7 @@ def test_request_errors_come_before_the_weights_load(capsys, folders, monkeypatc
     monkeypatch.setattr(cli_generate, "load_model", no_loading)
     for args, message in ((["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0"),
                           (["--top-k", "513", "--temperature", "1"], "top_k must be None or an int in 1..vocab_size=512, got 513"),
-                          (["--top-p", "0.5"], "--top-p 0.5 restrict sampling, but --temperature is 0"),
+                          (["--top-p", "0.5"], "--top-p 0.5 restricts sampling, but --temperature is 0"),
                           (["--stop", "600"], "stop_tokens must be token ids in [0, vocab_size=512), got [600]")):
         rc, out, err = cli(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, *args)
         assert rc == 2 and message in err, err

@@ -229,7 +229,7 @@ def test_compare_puts_a_table_and_overlaid_curves_in_the_report(run, tmp_path, c
     section = text[text.index("## Comparison"):text.index("## Training tokens")]
     assert "**The held-out splits differ** (seed not the same in every run)" in section
     head = next(line for line in section.splitlines() if line.startswith("| run |"))
-    assert head.endswith("| preset | optimizer | seed | weight_decay |")
+    assert head.endswith("| preset | optimizer | seed | --weight-decay |")  # flags: never a clash with "steps"
     assert f"| `{other}` | {summary['val_loss']:.3f} | 0.250 |" in section and "| adamw | 1 | 0.000 |" in section
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![runs compared](compare.png)" in text
     capsys.readouterr()
@@ -238,3 +238,7 @@ def test_compare_puts_a_table_and_overlaid_curves_in_the_report(run, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("glm5lab report: error: ") and "has no run.json" in err and err.count("\n") == 1
     assert not bad.exists()  # refused before anything is written
+    assert main(["report", str(run), "--no-measure", "--out", str(bad), "--compare", str(run)]) == 2
+    assert "already in the comparison" in capsys.readouterr().err and not bad.exists()
+    assert main(["report", str(run), "--no-measure", "--out", str(out)]) == 0
+    assert not (out / "compare.png").exists()  # a plain report leaves no stale comparison figure

@@ -26,6 +26,9 @@ from glm5lab.threads import BUSY_ENV, COMPUTE_COMMANDS, choose_threads, configur
     (None, {"LOCAL_WORLD_SIZE": "2"}, 2, 1.0, (1, "2 processes per node")),
     (None, {"LOCAL_WORLD_SIZE": "4"}, 16, 0.0, (4, "4 processes per node")),
     (None, {"LOCAL_WORLD_SIZE": "4"}, 2, 0.0, (1, "4 processes per node")),
+    (None, {"OMP_NUM_THREADS": "abc"}, 2, 1.0, (1, "load")),  # invalid (libgomp ignores it): the policy decides
+    (None, {"OMP_NUM_THREADS": "0"}, 2, 0.0, (2, "load")),
+    (None, {"LOCAL_WORLD_SIZE": "x"}, 2, 0.0, (2, "load")),
 ])
 def test_choose_threads(requested, env, cpus, busy, expected):
     assert choose_threads(requested=requested, env=env, cpus=cpus, busy=busy) == expected
@@ -97,3 +100,20 @@ def test_cli_sets_threads_before_torch_and_notices_load_once():
     assert out == f"{cpus} {cpus}" and "other processes keep" not in err
     out, err = probe("--threads", "1", OMP_NUM_THREADS=str(cpus), **{BUSY_ENV: "1.0"})  # --threads wins, no notice
     assert out == "1 1" and "other processes keep" not in err
+
+
+@pytest.mark.parametrize("value", ["garbage", "nan", "inf", "-1"])
+def test_a_bad_busy_cpus_value_is_refused_naming_it(value, monkeypatch):
+    from glm5lab.threads import busy_cpus
+
+    monkeypatch.setenv(BUSY_ENV, value)
+    with pytest.raises(ValueError, match=f"{BUSY_ENV}={value!r} is not allowed: a number of busy CPUs >= 0"):
+        busy_cpus(2)
+
+
+def test_a_bad_busy_cpus_value_is_one_error_line_from_the_cli():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {BUSY_ENV: "garbage"}
+    r = subprocess.run([sys.executable, "-m", "glm5lab", "report", "/no/such/run"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == (f"glm5lab report: error: {BUSY_ENV}='garbage' is not allowed: a number "
+                                              "of busy CPUs >= 0 (e.g. 1.0), or unset it\n"), r.stderr

@@ -35,6 +35,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
+    for stale in root.glob(".step-*.tmp-*"):  # left by a save that was killed midway (one writer per run)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{final.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()  # not mkdtemp: the checkpoint folder keeps the usual (umask) permissions
     try:
@@ -77,18 +79,30 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     corrupt, the one before it). Temporary folders of an interrupted save are not candidates.
     Raises ResumeError when the run has neither a `latest` file nor a step-* folder."""
     root = Path(run_dir) / "checkpoints"
+    if not Path(run_dir).is_dir():
+        raise ResumeError(f"--resume: {run_dir} does not exist: there is nothing to resume; start without --resume")
     latest = latest_pointer(run_dir)
     steps = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True) if root.is_dir() else []
     if latest is None and not steps:
-        raise ResumeError(f"--resume: no checkpoint in {root} (no `latest` file); start without --resume")
+        raise ResumeError(f"--resume: no checkpoint in {root} (the run stopped before its first one was complete): "
+                          "start again without --resume")
     return ([latest] if latest is not None else []) + [p for p in steps if p != latest]
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run folder holds a checkpoint a resume could use (a `latest` file or a
+    step-* folder; the temporary folder of a save killed midway does not count)."""
+    root = Path(run_dir) / "checkpoints"
+    return (root / "latest").is_file() or any(p.is_dir() for p in root.glob("step-*"))
+
+
 def check_complete(folder: Path) -> None:
-    """Raise ResumeError when the checkpoint folder lacks config.json or the trainer state."""
+    """Raise ResumeError when the checkpoint folder is missing or lacks config.json or the trainer state."""
+    if not Path(folder).is_dir():
+        raise ResumeError(f"checkpoint folder {folder} does not exist")
     missing = [f for f in ("config.json", STATE_FILE) if not (Path(folder) / f).is_file()]
     if missing:
-        raise ResumeError(f"--resume: checkpoint {folder} is incomplete (missing {', '.join(missing)})")
+        raise ResumeError(f"checkpoint {folder} is incomplete (missing {', '.join(missing)})")
 
 
 def load_trainer_state(folder: Path) -> dict:

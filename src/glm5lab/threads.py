@@ -27,6 +27,7 @@ variable GLM5LAB_BUSY_CPUS (a number of CPUs, e.g. "1.0") replaces the sample.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -70,9 +71,17 @@ def _cpu_ticks() -> tuple[int, int]:
 def busy_cpus(cpus: int | None = None, sample_s: float = SAMPLE_S) -> float | None:
     """CPUs kept busy by other processes now: GLM5LAB_BUSY_CPUS if set, else the busy share of
     all CPUs' ticks over `sample_s` seconds of sleeping, times `cpus` (default usable_cpus());
-    None where /proc/stat cannot be read."""
+    None where /proc/stat cannot be read. Raises ValueError for a GLM5LAB_BUSY_CPUS that is not a
+    finite number >= 0."""
     if os.environ.get(BUSY_ENV):
-        return float(os.environ[BUSY_ENV])
+        text = os.environ[BUSY_ENV]
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{BUSY_ENV}={text!r} is not allowed: a number of busy CPUs >= 0 (e.g. 1.0), or unset it")
+        return value
     try:
         b0, t0 = _cpu_ticks()
         time.sleep(sample_s)
@@ -88,13 +97,18 @@ def choose_threads(*, requested: int | None, env: dict, cpus: int, busy: float |
     LOCAL_WORLD_SIZE); `busy`: CPUs other processes keep busy (None: unknown, taken as 0)."""
     if requested is not None:
         return requested, "--threads"
-    if env.get("OMP_NUM_THREADS"):
+    if _positive_int(env.get("OMP_NUM_THREADS")):  # an invalid value (libgomp ignores it) counts as unset
         return None, "OMP_NUM_THREADS"
-    local_world = int(env.get("LOCAL_WORLD_SIZE") or 1)
+    local_world = _positive_int(env.get("LOCAL_WORLD_SIZE")) or 1
     if local_world > 1:
         return max(1, cpus // local_world), f"{local_world} processes per node"
     taken = int((busy or 0.0) + 0.5)
     return max(1, cpus - taken), "load"
+
+
+def _positive_int(text: str | None) -> int | None:
+    """int(text) when it is a whole number >= 1, else None."""
+    return int(text) if text and text.strip().isdigit() and int(text) >= 1 else None
 
 
 def notice(command: str, threads: int, cpus: int, busy: float) -> str:

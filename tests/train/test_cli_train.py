@@ -43,7 +43,7 @@ def test_summary_of_a_run_without_bits_per_byte_says_not_recorded():
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--data", "/no/such/path"], "/no/such/path"),
     (["--stages", "warmup"], "unknown stage"),
-    (["--resume"], "no checkpoint"),
+    (["--resume"], "does not exist: there is nothing to resume"),
     (["--steps", "1"], "at least one per stage"),
     (["--bias-update-rate", "-1"], "--bias-update-rate -1.0 is not allowed"),
     (["--bias-update-rate", "nan"], "--bias-update-rate nan is not allowed: it must be a finite number"),

@@ -109,11 +109,13 @@ def test_stage_summary_smooths_and_reports_validation_at_the_end():
 
 def test_progress_line_names_lm_loss_objective_and_validation():
     dense, warm, sparse = default_stages()
-    record = {"lm_loss": 4.1234, "loss": 8.0, "tokens_per_s": 912.4}
+    record = {"lm_loss": 4.1234, "loss": 8.0123, "tokens_per_s": 912.4}
     val = (50, SimpleNamespace(loss=4.5678))
-    assert progress_text(record, dense, None) == "dense | lm 4.123 | LM+MTP 8.000 | 912 tok/s"
-    assert progress_text(record, warm, val) == "indexer_warmup | lm 4.123 | KL 8.000 | 912 tok/s | val 4.568 @50"
-    assert progress_text(record, sparse, val).startswith("sparse_adaptation | lm 4.123 | LM+MTP+KL 8.000")
+    assert progress_text(record, dense, None) == "dense | lm 4.123 | LM+MTP 8.012 | 912 tok/s"
+    assert progress_text(record, warm, val) == "indexer_warmup | lm 4.123 | KL 8.012 | 912 tok/s | val 4.568 @50"
+    assert progress_text(record, sparse, val).startswith("sparse_adaptation | lm 4.123 | LM+MTP+KL 8.012")
+    tiny_kl = {**record, "loss": 5.1e-05}
+    assert "| KL 5.1e-05 |" in progress_text(tiny_kl, warm, None)  # 4 significant digits, not 0.000
     plain = Stage("lm", 1, 1e-3, 8, 2, mtp_weights=())
     assert progress_text(record, plain, None) == "lm | lm 4.123 | 912 tok/s"
 
@@ -177,3 +179,23 @@ def test_resume_of_a_finished_run_says_how_to_train_again(corpus):
     with pytest.raises(ValueError, match="already complete .* choose another --out DIR or remove"):
         train(_args(corpus, run, resume=True))
     assert math.isfinite(json.loads((run / "summary.json").read_text())["val_loss"])
+
+
+def test_a_run_killed_in_its_first_save_starts_again_and_stale_temporaries_go(corpus):
+    run = corpus / "run"
+    (run / "checkpoints" / ".step-000003.tmp-dead").mkdir(parents=True)  # kill -9 while writing step 3
+    train(_args(corpus, run))  # no usable checkpoint: not refused, the run starts over
+    assert not list((run / "checkpoints").glob(".step-*")) and (run / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bias_update_rate": 0.0}, "bias_update_rate differs"),
+    ({"stage_plan": _plan(steps=(1, 1, 1), seq_len=16)[:1]}, r"stages \(seq_len \[24\] -> \[16\]\) differs"),
+])
+def test_resume_with_other_settings_is_refused_naming_them(corpus, change, message):
+    run = corpus / "run"
+    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))
+    (run / "summary.json").unlink()
+    with pytest.raises(ValueError, match=message):
+        train(TrainArgs(**{**_args(corpus, run, resume=True).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1],
+                           **change}))

@@ -89,9 +89,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-NAMED_FLAGS = (("stages", "stages", None), ("quick", "quick", False), ("steps", "steps", None),
+NAMED_FLAGS = (("quick", "quick", False), ("stages", "stages", None), ("steps", "steps", None),
                ("optimizer", "", "muon-split"), ("seed", "seed", 0), ("seq_len", "seq", 256), ("batch_size", "batch", 8),
-               ("bias_update_rate", "bias", 1.5e-2))
+               ("bias_update_rate", "bias", 1.5e-2), ("data", "data-", None))
 """The train arguments that change what is trained, in the order they name a default run folder:
 (argument, prefix in the folder name, its default)."""
 
@@ -100,8 +100,9 @@ def default_out(args: argparse.Namespace) -> str:
     """The run folder `glm5lab train` writes to without --out: runs/ + what ran, so runs do not
     collide: the preset (or config-NAME for --config, init-NAME for --init), then each argument of
     NAMED_FLAGS that differs from its default, e.g. runs/small, runs/small-quick,
-    runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1. The same arguments give the same
-    folder, so --resume finds the run it continues. Data, tokenizer and compile do not name it."""
+    runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1, runs/small-data-NAME. The same
+    arguments give the same folder, so --resume finds the run it continues. The tokenizer, compile
+    and the evaluation/checkpoint cadence do not name it."""
     if args.init:
         base = f"init-{_stem(args.init)}"
     elif args.config:
@@ -114,7 +115,7 @@ def default_out(args: argparse.Namespace) -> str:
         if value is None or value == default or value is False:
             continue
         value = "+".join(value) if isinstance(value, list) else "" if value is True else f"{value:g}" \
-            if isinstance(value, float) else str(value)
+            if isinstance(value, float) else _stem(value) if name == "data" else str(value)
         parts.append(f"{prefix}{value}" if prefix and value else prefix or value)
     return "runs/" + "-".join(parts)
 
@@ -135,7 +136,7 @@ def format_summary(summary: dict) -> str:
     for st in summary["stages"]:
         k = st.get("smooth_steps", 1)
         change = ("(resumed after this stage)" if st["first"] is None
-                  else f"{st['first']:.3f} -> {st['last']:.3f} (means of first/last {k} steps)")
+                  else f"{st['first']:.4g} -> {st['last']:.4g} (means of first/last {k} steps)")
         val = "" if st.get("val_end") is None else f"; validation {st['val_end']:.3f} at its end"
         lines.append(f"  {st['stage']:<18} {st['steps']:>5} steps {st['tokens']:>10,} tokens  dsa={st['use_dsa']!s:<5} "
                      f"trains {st['trainable']:<7} {st['reported']:<10} {change}{val}")
@@ -225,9 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default sys.argv[1:]); returns the exit status."""
     args = build_parser().parse_args(argv)
-    if args.command in COMPUTE_COMMANDS:  # before the command body imports torch
-        configure_threads(args.command, args.threads)
     try:
+        if args.command in COMPUTE_COMMANDS:  # before the command body imports torch
+            configure_threads(args.command, args.threads)
         return args.func(args)
     except KeyboardInterrupt:  # commands that keep partial work say so themselves first
         print(f"glm5lab {args.command}: interrupted", file=sys.stderr)

@@ -131,7 +131,8 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
     cannot restrict), in the CLI's names and before anything is loaded. Raises ValueError."""
     given = [f"{flag} {value:g}" for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
     if given and args.temperature == 0:
-        raise ValueError(f"{' and '.join(given)} restrict sampling, but --temperature is 0 (greedy, the default): "
+        verb = "restricts" if len(given) == 1 else "restrict"
+        raise ValueError(f"{' and '.join(given)} {verb} sampling, but --temperature is 0 (greedy, the default): "
                          "add --temperature T > 0 (e.g. --temperature 0.8), or drop "
                          f"{' and '.join(g.split()[0] for g in given)}")
 

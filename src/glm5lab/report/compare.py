@@ -27,16 +27,19 @@ def label(rec) -> str:
 
 
 def differing(runs: list) -> dict[str, list]:
-    """{name: value per run} of run.json arguments (plus "stages": the resolved plan in short and
-    "git": the training commit) that are not equal in every run; ALWAYS and IGNORED left out."""
+    """{name: value per run} of run.json arguments (named as their flags, e.g. "--steps", so they
+    do not clash with the table's own columns), plus "stages" (the resolved plan in short), "git"
+    (the training commit) and "torch threads" (run.json), that are not equal in every run; ALWAYS
+    and IGNORED left out."""
     args = [r.run.get("args", {}) for r in runs]
     out = {}
     for key in sorted(set().union(*args) - IGNORED):
         values = [a.get(key) for a in args]
         if len({json.dumps(v, sort_keys=True) for v in values}) > 1:
-            out[key] = values
+            out[f"--{key.replace('_', '-')}"] = values
     extra = {"stages": [_plan(r.run.get("stages", [])) for r in runs],
-             "git": [str(r.run.get("git_commit", "?"))[:12] for r in runs]}
+             "git": [str(r.run.get("git_commit", "?"))[:12] for r in runs],
+             "torch threads": [r.run.get("torch_threads") for r in runs]}
     out.update({k: v for k, v in extra.items() if len(set(v)) > 1})
     return out
 

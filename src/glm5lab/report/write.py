@@ -26,6 +26,11 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
 
     rec = load_run(Path(run_dir))
     others = [load_run(Path(p)) for p in compare]
+    seen = [rec.run_dir.resolve()]
+    for other in others:
+        if other.run_dir.resolve() in seen:
+            raise ValueError(f"--compare {other.run_dir}: that run is already in the comparison (each run once)")
+        seen.append(other.run_dir.resolve())
     out = Path(out) if out else rec.run_dir / "report"
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
@@ -44,6 +49,8 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     curve = long_context.load_record()
     pngs["long_context"] = long_context.plot(curve, _tmp(out, long_context.PNG_NAME)) if curve else None
     pngs = {k: _publish(p) for k, p in pngs.items()}
+    if not others:  # a plain report after a --compare one: no stale comparison figure beside it
+        (out / "compare.png").unlink(missing_ok=True)
     state_rows = [_state_row(ledger(cfg, dtype=d), d) for d in ("bf16", "fp32")]
     generated = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "version": __version__,
                  "git_commit": git_commit()}

@@ -68,13 +68,6 @@ def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_batches: int 
     return Evaluation(float(torch.stack(sums).sum()), targets.numel(), utf8)
 
 
-def evaluate(model, windows: torch.Tensor, stage: Stage, n_batches: int, world_size: int = 1) -> float:
-    """Mean next-token CE (nats/token) over the first n_batches global batches of validation
-    windows (`evaluate_nll(...).loss`; every rank evaluates all of them, so the result does not depend on
-    the world size)."""
-    return evaluate_nll(model, windows, stage, n_batches, world_size).loss
-
-
 def run_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor | None:
     """`token_byte_lengths` of a run's tokenizer, or None when it is not a byte-level BPE (a
     user's --tokenizer): the run then records no bits per byte rather than failing at its end."""

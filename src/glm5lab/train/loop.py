@@ -24,8 +24,8 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import (
-    ResumeError, check_complete, latest_pointer, load_trainer_state, resume_candidates, rng_state, save_checkpoint,
-    set_rng_state,
+    ResumeError, check_complete, has_checkpoint, latest_pointer, load_trainer_state, resume_candidates, rng_state,
+    save_checkpoint, set_rng_state,
 )
 from glm5lab.config import ConfigError
 from glm5lab.environment import git_commit
@@ -239,7 +239,8 @@ def _check_same_threads(run_dir: Path, ctx) -> None:
     started = json.loads((run_dir / "run.json").read_text()).get("torch_threads")
     now = torch.get_num_threads()
     if ctx.device.type == "cpu" and started is not None and started != now:
-        _notice(f"this run started with {started} torch threads and continues with {now}: its weights will not be "
+        _notice(f"this run started with {started} torch thread{'s' * (started > 1)} and continues with {now}: its "
+                "weights will not be "
                 f"bit-identical to an uninterrupted run's (pass --threads {started} to keep them so)")
 
 
@@ -317,14 +318,23 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
             raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
                              f"{diff[:8]} differ); resume with the run's own --preset/--config")
     saved = json.loads((run_dir / "run.json").read_text())
-    old = {"stages": saved["stages"], **{k: saved["args"].get(k) for k in ("data", "seed", "optimizer", "init")}}
-    new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages],
-                                 **{k: getattr(args, k) for k in ("data", "seed", "optimizer", "init")}}))
-    differ = [k for k in old if old[k] != new[k]]
+    keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
+    old = {"stages": saved["stages"], **{k: saved["args"].get(k, getattr(TrainArgs, k)) for k in keys}}
+    new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
+    differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k])})" for k in old if old[k] != new[k]]
     if differ:
         verb = "differs" if len(differ) == 1 else "differ"
         raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
                          "resume with the arguments the run started with")
+
+
+def _stage_diff(old: list[dict], new: list[dict]) -> str:
+    """Which stage fields differ between two plans, in words (e.g. `seq_len 256 -> 128` for
+    --seq-len, `steps ...` for --steps/--quick)."""
+    if [st["name"] for st in old] != [st["name"] for st in new]:
+        return f"{[st['name'] for st in old]} -> {[st['name'] for st in new]}: --stages"
+    fields = sorted({k for a, b in zip(old, new, strict=True) for k in a if a.get(k) != b.get(k)})
+    return ", ".join(f"{k} {[a.get(k) for a in old]} -> {[b.get(k) for b in new]}" for k in fields)
 
 
 def _check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -334,7 +344,7 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         raise ValueError(f"--out {run_dir} is a file, not a folder")
     if resume:
         return
-    if (run_dir / "checkpoints").exists():
+    if has_checkpoint(run_dir):
         done = (run_dir / "summary.json").is_file()
         what = "a finished run (summary.json)" if done else "a run"
         cont = "" if done else "continue it with --resume and the arguments it started with, "
@@ -460,8 +470,8 @@ class _Loop:
     def log(self, record: dict, bar) -> None:
         if self.metrics is not None:
             self.metrics.write(record)
-        bar.update(1)
         bar.set_postfix_str(progress_text(record, self.stage_by_name[record["stage"]], self.last_val), refresh=False)
+        bar.update(1)  # draws the postfix of this step
 
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:
@@ -532,11 +542,11 @@ def objective_name(stage: Stage) -> str:
 def progress_text(record: dict, stage: Stage, last_val: tuple | None) -> str:
     """The progress bar's postfix: stage, LM loss, the objective when it is not the LM loss alone
     (named: LM+MTP, KL, LM+MTP+KL), tokens/s, and the latest validation (subset) loss with its step."""
-    parts = [stage.name, f"lm {record['lm_loss']:.3f}" if record.get("lm_loss") is not None else None]
+    parts = [stage.name, f"lm {record['lm_loss']:.4g}" if record.get("lm_loss") is not None else None]
     name = objective_name(stage)
     if name != "LM":
-        parts.append(f"{name} {record['loss']:.3f}")
+        parts.append(f"{name} {record['loss']:.4g}")
     parts.append(f"{record['tokens_per_s']:.0f} tok/s")
     if last_val is not None:
-        parts.append(f"val {last_val[1].loss:.3f} @{last_val[0]}")
+        parts.append(f"val {last_val[1].loss:.4g} @{last_val[0]}")
     return " | ".join(p for p in parts if p)
