@@ -9,21 +9,19 @@ with atomic adds in thread order (`aten/src/ATen/native/cpu/IndexKernel.cpp`, fl
 32768 elements). It fails on the `w[expert_P]` gathers the grouped experts used before.
 """
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import latest_checkpoint
+from glm5lab.hf import read_checkpoint
 from glm5lab.model import moe
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from tests.conftest import write_word_corpus
+from tests.train.test_loop import _rows, corpus  # noqa: F401  (fixture)
 
 BATCH, SEQ = 8, 64  # 512 tokens x top-2 over 8 experts: ~128 rows an expert, 2-3 tiles of 64 each
 
@@ -45,33 +43,16 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
-    write_word_corpus(tmp_path / "texts")
-    cfg = ModelConfig.from_preset("tiny", vocab_size=320)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
-    return tmp_path
-
-
-def _final_state(run) -> dict[str, torch.Tensor]:
-    state = {}
-    for f in sorted(latest_checkpoint(run).glob("*.safetensors")):
-        state.update(load_file(f))
-    return state
-
-
 def test_two_seeded_runs_end_with_bit_identical_weights(corpus, two_threads):
     runs = [corpus / "a", corpus / "b"]
     for run in runs:
         train(TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(run), seed=3,
                         progress=False, eval_every=0, checkpoint_every=0, stage_plan=_plan()))
-    a, b = (_final_state(run) for run in runs)
+    a, b = (read_checkpoint(latest_checkpoint(run)) for run in runs)
     assert a.keys() == b.keys() and any(".experts." in k for k in a)
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{len(differ)} of {len(a)} tensors differ between two seeded runs, e.g. {differ[:3]}"
-    rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
-    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
+    assert [r["loss"] for r in _rows(runs[0])] == [r["loss"] for r in _rows(runs[1])]
 
 
 class _RepeatedAccumulation(TorchDispatchMode):

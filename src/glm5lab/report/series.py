@@ -14,7 +14,6 @@ import statistics
 
 from glm5lab.train.plot import stage_spans
 
-DEFAULT_SMOOTH = 10  # steps per end of a stage, for runs whose summary.json does not name it
 BALANCED = 2.0  # max / mean expert load under which the report calls a step balanced
 
 
@@ -49,37 +48,37 @@ def stage_rows(rec) -> tuple[list[str], list[list], str]:
     """(header, rows, note) of the Quality section's stage table: per stage steps, tokens, DSA,
     what trains, the quantity shown (the stage objective: LM loss, or the indexer KL of a stage
     without LM loss), its mean over the first / last k steps, and the validation-subset loss at
-    the stage's last step. A run whose summary.json records single steps gets the means computed
-    from metrics.jsonl (k = DEFAULT_SMOOTH), said in the note."""
+    the stage's last step. A run whose summary.json records single steps gets its stages
+    summarised again from metrics.jsonl by `glm5lab.train.loop.stage_summary` (the definition
+    `glm5lab train` writes), said in the note."""
     stages = rec.summary.get("stages", [])
-    recorded = bool(stages) and all("smooth_steps" in st for st in stages)
-    ks = {st["smooth_steps"] for st in stages} if recorded else {DEFAULT_SMOOTH}
-    k = max(ks)
+    recorded = all("smooth_steps" in st for st in stages)
+    if not recorded:
+        stages = _summarised_again(rec, stages)
+    ks = {st["smooth_steps"] for st in stages} or {1}
     rows = []
     for st in stages:
-        mine = [r for r in rec.metrics if r["stage"] == st["stage"]]
-        values = [r.get(st["reported"]) for r in mine if r.get(st["reported"]) is not None]
-        first, last = (st["first"], st["last"]) if recorded else (_mean(values[:k]), _mean(values[-k:]))
-        val_end = st["val_end"] if "val_end" in st else _val_at_end(mine)
         shown = "indexer KL (its objective)" if st["reported"] == "indexer_kl" else "LM loss"
         rows.append([st["stage"], st["steps"], f"{st['tokens']:,}", st["use_dsa"], st["trainable"], shown,
-                     first, last, val_end] + ([st["smooth_steps"]] if len(ks) > 1 else []))
-    each = "k" if len(ks) > 1 else str(k)
+                     st["first"], st["last"], st["val_end"]] + ([st["smooth_steps"]] if len(ks) > 1 else []))
+    each = "k" if len(ks) > 1 else str(ks.pop())
     header = (["stage", "steps", "tokens", "DSA", "trains", "loss shown", f"first {each} steps (mean)",
-               f"last {each} steps (mean)", "validation subset at stage end"] + (["k"] if len(ks) > 1 else []))
-    note = ("" if recorded else f"This run's summary.json records single steps as first/last; the {k}-step means "
-            "here are computed from metrics.jsonl. ")
-    if any(st["steps"] < k for st in stages):
-        note += f"A stage shorter than {k} steps is averaged over all its steps."
+               f"last {each} steps (mean)", "validation subset at stage end"] + (["k"] if each == "k" else []))
+    note = ("" if recorded else "This run's summary.json records single steps as first/last; the means here are "
+            "recomputed from metrics.jsonl as `glm5lab train` now writes them. ")
     return header, rows, note
 
 
-def _mean(values: list) -> float | None:
-    return sum(values) / len(values) if values else None
+def _summarised_again(rec, stages: list[dict]) -> list[dict]:
+    """summary.json's stages of an older run, each re-summarised from its metrics.jsonl rows with
+    the run.json plan (a stage the plan does not name keeps its single steps, as k = 1)."""
+    from glm5lab.train.loop import stage_summary
+    from glm5lab.train.stages import Stage
 
-
-def _val_at_end(rows: list[dict]) -> float | None:
-    return rows[-1].get("val_loss") if rows else None
+    plans = {d["name"]: Stage.from_dict(d) for d in rec.run.get("stages", [])}
+    world = rec.run.get("world_size", 1)
+    return [stage_summary(plans[st["stage"]], [r for r in rec.metrics if r["stage"] == st["stage"]], world)
+            if st["stage"] in plans else {"smooth_steps": 1, "val_end": None, **st} for st in stages]
 
 
 def imbalance(layer: list[int]) -> float:
