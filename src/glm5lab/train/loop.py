@@ -190,7 +190,7 @@ def train(args: TrainArgs) -> dict:
         args.init = _init_folder(Path(args.init))
     ctx = dist.setup()
     run_dir = Path(args.out)
-    _check_run_dir(run_dir, args.resume)
+    _check_run_dir(run_dir, args.resume, probe=ctx.is_main)
     model = build_model(args)
     stages = resolve_stages(args, model.config)
     check_stage_lengths(stages, model.config, warn=_notice if ctx.is_main else lambda message: None)
@@ -337,9 +337,11 @@ def _stage_diff(old: list[dict], new: list[dict]) -> str:
     return ", ".join(f"{k} {[a.get(k) for a in old]} -> {[b.get(k) for b in new]}" for k in fields)
 
 
-def _check_run_dir(run_dir: Path, resume: bool) -> None:
+def _check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
     """Refuse an --out that is a file, cannot be created, or (without --resume) holds a run; the
-    folder itself is created later, by `_write_run_files`, once everything else has been checked."""
+    folder itself is created later, by `_write_run_files`, once everything else has been checked.
+    probe: whether this process tries the creation (the main rank only: ranks creating and
+    removing the same folder at once would race)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a folder")
     if resume:
@@ -350,7 +352,8 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         cont = "" if done else "continue it with --resume and the arguments it started with, "
         raise FileExistsError(f"{run_dir} already holds {what}: {cont}train into another folder with --out DIR, "
                               f"or remove this one (rm -r {run_dir}) to start again")
-    _check_creatable(run_dir)
+    if probe:
+        _check_creatable(run_dir)
 
 
 def _check_creatable(run_dir: Path) -> None:
