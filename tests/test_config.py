@@ -244,3 +244,50 @@ def test_hf_config_num_experts_alias_and_nulls_that_mean_default():
     assert cfg.n_routed_experts == 8 and cfg.pad_token_id is None and cfg.bos_token_id is None
     del d["n_routed_experts"]
     assert ModelConfig.from_hf({**d, "num_experts": 4, "num_experts_per_tok": 2}).n_routed_experts == 4
+
+
+def _deepseek_v3_keys() -> dict:
+    """The keys of the published DeepSeek-V3 / V3.2-Exp config.json that GLM-5's does not carry."""
+    return {"aux_loss_alpha": 0.001, "seq_aux": True, "pretraining_tp": 1, "ep_size": 1,
+            "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}}
+
+
+@pytest.mark.parametrize("typo, meant", [("num_expert_per_tok", "num_experts_per_tok"),
+                                         ("index_top_k", "index_topk"),
+                                         ("routed_scale_factor", "routed_scaling_factor"),
+                                         ("kv_lora_rnak", "kv_lora_rank")])
+def test_a_misspelt_hf_field_is_refused_naming_the_closest_one(tmp_path, typo, meant):
+    """A misspelt key used to be kept in hf_extra and its field's default used (top-8 of 8 experts
+    for `num_expert_per_tok`); now it is one error naming the key and the field it is closest to."""
+    d = {**ModelConfig.from_preset("tiny").to_hf(), typo: 2}
+    with pytest.raises(ConfigError, match=rf"config field `{typo}` is unknown \(did you mean `{meant}`\?\)"):
+        ModelConfig.from_hf(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=typo):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_every_key_transformers_writes_or_a_published_config_carries_is_accepted():
+    """GlmMoeDsaConfig's own to_dict (every key transformers writes for this model type), the
+    GLM-5 hub config.json and DeepSeek-V3's extras all load; the keys glm5lab does not interpret
+    are kept (hf_extra) and written back."""
+    from transformers import GlmMoeDsaConfig
+
+    theirs = GlmMoeDsaConfig(**{k: v for k, v in ModelConfig.from_preset("tiny").to_hf().items()
+                                if k != "model_type"})
+    d = json.loads(theirs.to_json_string(use_diff=False))
+    assert ModelConfig.from_hf(d) == ModelConfig.from_preset("tiny", hf_extra=ModelConfig.from_hf(d).hf_extra)
+    cfg = ModelConfig.from_hf({**_glm5_hub_config(), **_deepseek_v3_keys()})
+    assert cfg.hf_extra == _deepseek_v3_keys() and cfg.to_hf()["seq_aux"] is True
+
+
+def test_a_misspelt_field_in_a_checkpoint_folder_is_refused(tmp_path):
+    from glm5lab import GLM5ForCausalLM
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    GLM5ForCausalLM(ModelConfig.from_preset("tiny")).save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**d, "num_expert_per_tok": 2}))
+    with pytest.raises(ConfigError, match="`num_expert_per_tok` is unknown.*`num_experts_per_tok`"):
+        GLM5ForCausalLM.from_pretrained(tmp_path)

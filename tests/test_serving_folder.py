@@ -140,3 +140,32 @@ def test_glm5lab_only_mixers_are_not_served_as_glm5(tmp_path):
     n = ModelConfig.from_preset("tiny").num_hidden_layers
     folder = _model(mixer_types=["full"] + ["swa"] * (n - 1), sliding_window=4).save_pretrained(tmp_path / "swa")
     assert transformers.AutoConfig.from_pretrained(folder).architectures != ["GlmMoeDsaForCausalLM"]
+
+
+def _load_report(cls, folder) -> str:
+    """What transformers logs while loading `folder` (its load report goes to its own logger)."""
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = transformers.utils.logging.get_logger("transformers")
+    logger.addHandler(handler)
+    try:
+        cls.from_pretrained(folder)
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue()
+
+
+def test_transformers_load_report_lists_the_mtp_layer_and_the_documented_line_silences_it(checkpoint, monkeypatch):
+    """transformers drops the MTP layer with one UNEXPECTED row per tensor of model.layers.N
+    (docs/serving.md says so); the one line given there silences exactly those rows."""
+    cls = transformers.GlmMoeDsaForCausalLM
+    N = ModelConfig.from_preset("tiny").num_hidden_layers  # noqa: N806
+    rows = [line.split("|")[0].strip() for line in _load_report(cls, checkpoint).splitlines() if "| UNEXPECTED" in line]
+    assert all(r.startswith(f"model.layers.{N}.") for r in rows) and len(rows) == 27  # the count the docs give
+    monkeypatch.setattr(cls, "_keys_to_ignore_on_load_unexpected", None)
+    line = next(x.strip() for x in open("docs/serving.md") if "_keys_to_ignore_on_load_unexpected" in x)
+    exec(line, {"GlmMoeDsaForCausalLM": cls, "AutoConfig": transformers.AutoConfig, "DIR": checkpoint})
+    assert "UNEXPECTED" not in _load_report(cls, checkpoint)

@@ -51,9 +51,17 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     atomic_write_text(root / "latest", final.name + "\n")
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old)
+    prune_checkpoints(run_dir, keep=keep)
     return final
+
+
+def prune_checkpoints(run_dir: Path, *, keep: int = 2) -> None:
+    """Remove all but the newest `keep` RUN/checkpoints/step-* folders (never the one `latest` names)."""
+    root = Path(run_dir) / "checkpoints"
+    latest = latest_pointer(run_dir)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        if old != latest:
+            shutil.rmtree(old)
 
 
 def latest_pointer(run_dir: Path) -> Path | None:

@@ -41,6 +41,24 @@ _MUST_EQUAL = {
 _UNSUPPORTED = {
     "quantization_config": "quantised checkpoints (e.g. GLM-5-FP8) are not supported; use the bf16 one",
 }
+# Keys glm5lab does not interpret but accepts (kept in `hf_extra` and written back): what
+# transformers' PreTrainedConfig writes or reads for every model (fine-tuning and output
+# switches, tokenizer ids, remote-code pointers, the generation defaults older releases stored in
+# config.json), and what the published GLM-5 and DeepSeek-V3 / V3.2 config.json files carry.
+# Any other key is refused: a misspelt field would otherwise be ignored and its default used.
+_HF_COMMON = {
+    "chunk_size_feed_forward", "id2label", "label2id", "num_labels", "is_encoder_decoder", "is_decoder",
+    "output_attentions", "output_hidden_states", "return_dict", "problem_type", "auto_map", "tokenizer_class",
+    "task_specific_params", "finetuning_task", "prefix", "sep_token_id", "decoder_start_token_id",
+    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder", "torchscript", "use_bfloat16",
+    "pruned_heads", "tf_legacy_loss", "_attn_implementation", "attn_implementation", "_commit_hash",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+}
+_PUBLISHED = {"ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp", "partial_rotary_factor"}
 
 
 def _read(path_or_dict) -> dict:
@@ -108,11 +126,32 @@ def _indexer_types(d: dict, n_layers: int) -> list[str] | None:
     return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n_layers)]
 
 
+_INTERPRETED = _DERIVED_OR_RUNTIME | set(_MUST_EQUAL) | set(_UNSUPPORTED)
+
+
+def check_known_keys(d: dict, names: set[str]) -> None:
+    """Refuse a config.json key that is neither a `ModelConfig` field (`names`), nor one transformers'
+    `GlmMoeDsaConfig` writes or reads, nor one the published GLM-5 / DeepSeek config.json files
+    carry. Raises ConfigError naming the key and the closest known field."""
+    import difflib
+
+    known = names | _INTERPRETED | _HF_COMMON | _PUBLISHED
+    unknown = sorted(k for k in d if k not in known)
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(names | _INTERPRETED | _PUBLISHED), n=1, cutoff=0.6)
+        hint = f"did you mean `{close[0]}`?" if close else "see `glm5lab.ModelConfig` for the fields"
+        more = f" (and {len(unknown) - 1} more unknown: {unknown[1:6]})" if len(unknown) > 1 else ""
+        raise ConfigError(f"config field `{key}` is unknown ({hint}){more}: refused rather than ignored, "
+                          "which would use the field's default")
+
+
 def config_from_hf(path_or_dict) -> ModelConfig:
     """Parse an HF config.json (path, folder or dict) into a validated `ModelConfig`.
 
-    Raises ConfigError for another model_type, a quantised checkpoint, or a setting whose math
-    glm5lab does not implement; FileNotFoundError when the file is missing."""
+    Raises ConfigError for another model_type, a quantised checkpoint, a setting whose math
+    glm5lab does not implement, or an unknown key (`check_known_keys`: a misspelt field is not
+    ignored); FileNotFoundError when the file is missing."""
     d = _read(path_or_dict)
     model_type = d.get("model_type")
     if model_type != MODEL_TYPE:
@@ -130,6 +169,7 @@ def config_from_hf(path_or_dict) -> ModelConfig:
             raise ConfigError(f"config fields `num_experts` = {d['num_experts']!r} and `n_routed_experts` = "
                               f"{d['n_routed_experts']!r} disagree (both name the routed expert count)")
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"hf_extra"}
+    check_known_keys(d, names)
     kwargs = {k: d[k] for k in names if k in d}
     kwargs["rope_theta"] = _rope_theta(d)
     n_layers = d.get("num_hidden_layers", ModelConfig.num_hidden_layers)
@@ -139,8 +179,7 @@ def config_from_hf(path_or_dict) -> ModelConfig:
         indexer_types = _indexer_types(d, n_layers)
         if indexer_types is not None:
             kwargs["indexer_types"] = indexer_types
-        known = names | _DERIVED_OR_RUNTIME | set(_MUST_EQUAL) | set(_UNSUPPORTED)
-        kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in known}
+        kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in names | _INTERPRETED}
         return ModelConfig(**kwargs)
     except (TypeError, ValueError, AttributeError) as e:
         if isinstance(e, ConfigError):

@@ -252,8 +252,8 @@ def test_blocked_topk_small_preset_bitwise_over_seeds():
 
 
 def test_select_topk_fast_nan_rows_follow_the_reference():
-    """torch.topk ranks NaN first, `select_topk` by bits (a -NaN below -inf): rows with a NaN are
-    re-ranked, so both choose alike."""
+    """Both rank NaN (either sign) first, torch.topk in no defined order among NaNs: rows with a
+    NaN are re-ranked, so both choose alike (tests/model/test_topk_causal.py: never a future key)."""
     nan = torch.tensor(float("nan"))
     s = torch.tensor([[[0.1, 0.5, 0.0, 0.2, 0.4, 0.6], [0.3, 0.1, 0.2, 0.9, 0.8, 0.7]]])
     s[0, 0, 2] = -(nan.abs())  # -NaN, as inf - inf gives on x86

@@ -39,6 +39,26 @@ def test_summary_of_a_run_without_bits_per_byte_says_not_recorded():
     assert "(perplexity 7.4, 1.234 bits/byte)" in format_summary({**old, "val_bits_per_byte": 1.2344})
 
 
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, rank, printed):
+    """Every torchrun process returns the summary; only RANK 0 prints it (and the Ctrl-C line)."""
+    import glm5lab.train.loop as loop
+    from glm5lab.cli import main
+
+    summary = {"run_dir": "runs/x", "steps": 3, "stages": [], "val_loss": 2.0, "val_perplexity": 7.39,
+               "unigram_val_loss": 3.0}
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(loop, "train", lambda args: summary)
+    assert main(["train", "--preset", "tiny", "--threads", "1"]) == 0
+    assert ("validation loss 2.000" in capsys.readouterr().out) == printed
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop, "train", interrupted)
+    assert main(["train", "--preset", "tiny", "--threads", "1"]) == 130
+    assert ("interrupted" in capsys.readouterr().err) == printed
+
+
 @pytest.mark.parametrize("args, message", [
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--data", "/no/such/path"], "/no/such/path"),

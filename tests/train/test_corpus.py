@@ -27,7 +27,7 @@ def test_text_and_markdown_files_are_one_document_each(tmp_path):
     assert load_documents(md) == [Document("b.md", "# title\n\nbody\n")]
 
 
-def test_folder_is_loaded_recursively_in_sorted_path_order(tmp_path):
+def test_folder_is_loaded_recursively_in_sorted_path_order(tmp_path, capsys):
     _write(tmp_path / "z.txt", "zed")
     _write(tmp_path / "sub" / "b.md", "bee")
     _write(tmp_path / "a" / "deep" / "c.txt", "sea")
@@ -36,6 +36,13 @@ def test_folder_is_loaded_recursively_in_sorted_path_order(tmp_path):
     docs = load_documents(tmp_path)
     assert [d.name for d in docs] == ["a/deep/c.txt", "sub/b.md", "sub/d.jsonl:1", "sub/d.jsonl:2", "z.txt"]
     assert [d.text for d in docs] == ["sea", "bee", "d1", "d2", "zed"]
+    assert f"corpus folder {tmp_path}: reading its 4 .txt/.md/.jsonl files; skipping 1 other file: ignored.json" \
+        in capsys.readouterr().err  # skipped, but never silently
+
+
+def test_a_folder_of_only_corpus_files_says_nothing(tmp_path, capsys):
+    _write(tmp_path / "a.txt", "one")
+    assert len(load_documents(tmp_path)) == 1 and capsys.readouterr().err == ""
 
 
 def test_jsonl_one_document_per_line(tmp_path):

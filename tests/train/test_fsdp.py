@@ -4,12 +4,16 @@ updates, full checkpoints)."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 
+import pytest
+
 from glm5lab import GLM5ForCausalLM
-from tests.train.test_loop import corpus  # noqa: F401  (fixture)
+from glm5lab.train.loop import TrainArgs, train
+from tests.train.test_loop import _plan, corpus  # noqa: F401  (fixture)
 
 DRIVER = """
 import sys
@@ -56,3 +60,21 @@ def test_two_fsdp_processes_match_one_process(corpus, tmp_path):  # noqa: F811
     one_model = GLM5ForCausalLM.from_pretrained(tmp_path / "one" / "checkpoints" / "step-000006").state_dict()
     two_model = GLM5ForCausalLM.from_pretrained(tmp_path / "two" / "checkpoints" / "step-000006").state_dict()
     assert max(float((one_model[k] - two_model[k]).abs().max()) for k in one_model) < 1e-4
+    tokens = [json.loads(line)["tokens"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert tokens == [2 * 2 * 24] * 6  # global targets a step: 2 processes x batch 2 x seq_len 24
+    assert [st["tokens"] for st in two_s["stages"]] == [st["tokens"] for st in one_s["stages"]] == [288, 96, 192]
+    _resume_at_another_process_count_is_refused(tmp_path / "two", corpus, tmp_path / "cut")
+
+
+def _resume_at_another_process_count_is_refused(two, corpus, cut):
+    """The 2-process run, stopped after step 4, resumed in one process: refused naming both counts
+    (it would continue at half the global batch), before any weights are read."""
+    shutil.copytree(two, cut)
+    (cut / "summary.json").unlink()
+    (cut / "checkpoints" / "latest").write_text("step-000004\n")
+    args = TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(cut), progress=False,
+                     eval_every=2, eval_batches=1, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 2), batch=2),
+                     resume=True)
+    with pytest.raises(ValueError, match=r"trained with 2 processes \(a global batch of 2 x 2\) and this resume "
+                       r"runs 1 process .*resume with torchrun --nproc-per-node 2"):
+        train(args)

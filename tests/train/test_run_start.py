@@ -39,10 +39,34 @@ def test_failed_starts_leave_no_folder(tmp_path, capsys, monkeypatch):
                           (["--bias-update-rate", "-1"], "--bias-update-rate -1.0 is not allowed"),
                           (["--preset", "tiny", "--seq-len", "3"], "--seq-len 3 is too short for stage 'dense', "
                            "which trains MTP depth 3 (depth j predicts the token j + 1 ahead): it needs --seq-len >= 4"),
+                          (["--preset", "tiny", "--seq-len", "5000"], "--seq-len 5000 (stage 'dense') is longer "
+                           "than the model's max_position_embeddings 2048: use --seq-len <= 2048"),
                           (["--stages", "dense,nope"], "unknown stage")):
         assert main(["train", "--out", str(out), "--no-progress", *argv]) == 2
         assert message in capsys.readouterr().err
         assert not out.exists()
+
+
+def test_a_run_folder_inside_the_data_folder_is_refused(tmp_path, capsys):
+    """--out inside --data (or equal to it) would be read as text by the next run on that data."""
+    data = tmp_path / "mydata"
+    data.mkdir()
+    (data / "a.txt").write_text("some text\n")
+    for out in (data, data / "runs" / "x", tmp_path / "mydata" / ".." / "mydata" / "run"):
+        assert main(["train", "--preset", "tiny", "--data", str(data), "--out", str(out), "--no-progress"]) == 2
+        assert f"--out {out} is inside --data {data}" in capsys.readouterr().err
+    assert sorted(p.name for p in data.iterdir()) == ["a.txt"]
+
+
+def test_a_misspelt_config_field_is_refused_before_any_folder(tmp_path, capsys):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({**ModelConfig.from_preset("tiny").to_hf(), "num_expert_per_tok": 2}))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--out", str(out), "--no-progress"]) == 2
+    assert "`num_expert_per_tok` is unknown (did you mean `num_experts_per_tok`?)" in capsys.readouterr().err
+    assert main(["ledger", "--config", str(cfg)]) == 2
+    assert "did you mean `num_experts_per_tok`?" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_data_too_short_names_data_and_leaves_no_folder(corpus, capsys):
@@ -110,7 +134,7 @@ def test_stage_summary_smooths_and_reports_validation_at_the_end():
 def test_progress_line_names_lm_loss_objective_and_validation():
     dense, warm, sparse = default_stages()
     record = {"lm_loss": 4.1234, "loss": 8.0123, "tokens_per_s": 912.4}
-    val = (50, SimpleNamespace(loss=4.5678))
+    val = (50, 4.5678, 128)
     assert progress_text(record, dense, None) == "dense | lm 4.123 | LM+MTP 8.012 | 912 tok/s"
     assert progress_text(record, warm, val) == "indexer_warmup | lm 4.123 | KL 8.012 | 912 tok/s | val 4.568 @50"
     assert progress_text(record, sparse, val).startswith("sparse_adaptation | lm 4.123 | LM+MTP+KL 8.012")
@@ -166,6 +190,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(corpus, capsys
 def test_resume_with_every_checkpoint_corrupt_names_each_file(corpus):
     run = corpus / "run"
     train(_args(corpus, run))
+    (run / "summary.json").unlink()  # stopped before its summary: a resume would finish it
     for step in ("step-000006", "step-000009"):
         _corrupt(run / "checkpoints" / step / "trainer_state.pt")
     with pytest.raises(ResumeError, match=r"step-000009: .*trainer_state.pt cannot be read \(truncated or corrupt.*"

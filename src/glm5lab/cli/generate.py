@@ -296,7 +296,7 @@ def format_stats(stats, speculative: bool = False) -> str:
             f"({stats.decode_seconds:.3f} s), prefill {stats.prefill_seconds:.3f} s ({stats.prompt_tokens} "
             "prompt tokens)")
     if stats.compile_seconds:
-        line += f", compile {stats.compile_seconds:.1f} s (not in the tok/s)"
+        line += f", compile {stats.compile_seconds:.1f} s (apart: in neither the decode seconds nor the tok/s)"
     if stats.acceptance_length is not None:
         rates = " ".join(f"{r:.2f}" for r in stats.acceptance_rate)
         line += (f"; acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} verify steps, "

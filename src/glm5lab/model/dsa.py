@@ -122,7 +122,9 @@ def _visible(q_offset, B: int, T: int, S: int, device) -> torch.Tensor:
 def select_topk(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     """The min(k, S) best keys of each query, ties broken by position (earlier first).
 
-    scores_BTS must hold -inf exactly at the keys after each query (as `scores` returns). The
+    scores_BTS must hold -inf exactly at the keys after each query (as `scores` returns); the
+    scores of visible keys may hold anything: NaN (either sign) ranks first, as torch.topk ranks
+    it, and a visible -inf before the -inf keys after the query, so those are never selected. The
     choice is that of a stable descending sort, computed as torch.topk over distinct int64 keys
     (`_ranking_keys`: the score's order-preserving bits, then the position), so it is
     deterministic on every device and O(S log K) rather than a full sort. Slots beyond the
@@ -141,7 +143,8 @@ def select_topk_fast(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     ranking keys, ~3x faster on CPU): where the k+1 best scores of a row are all distinct, the
     stable sort's prefix is exactly torch.topk's (a strictly decreasing run has one order); the
     rows with an equal pair among them (a tie at or above the boundary, -0.0 == +0.0, or -inf
-    slots of a query with fewer than k+1 causal keys) or a NaN are re-ranked by `select_topk`. One host
+    slots of a query with fewer than k+1 causal keys) or a NaN (first in both; torch.topk orders
+    NaNs among themselves arbitrarily) are re-ranked by `select_topk`. One host
     synchronisation (whether any row tied): not for compiled graphs. Raises ValueError for k < 1."""
     if k < 1:
         raise ValueError(f"index_topk must be >= 1, got {k}")
@@ -149,7 +152,7 @@ def select_topk_fast(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     if S <= k:
         return select_topk(scores_BTS, k, q_offset=q_offset)
     vals_BTK1, idx_BTK1 = _topk_grouped(scores_BTS, k + 1)
-    # torch.topk ranks NaN first; `select_topk` ranks by bits (-NaN last): re-rank rows with a NaN
+    # both rank NaN first, but torch.topk orders NaNs among themselves arbitrarily: re-rank rows with a NaN
     tied_BT = (vals_BTK1[..., 1:] == vals_BTK1[..., :-1]).any(-1) | vals_BTK1[..., :1].isnan()[..., 0]
     idx_BTK = idx_BTK1[..., :k]
     if bool(tied_BT.any()):
@@ -210,10 +213,18 @@ def boundary_ties(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
 def _ranking_keys(scores_BTS: torch.Tensor) -> torch.Tensor:
     """int64 [B, T, S], all distinct per row, ordered as (score, -position): fp32 bits made
     order-preserving (negative floats get their magnitude bits flipped; -0.0 counts as +0.0),
-    shifted left past the position field, plus (S - 1 - position)."""
+    shifted left past the position field, plus (S - 1 - position).
+
+    NaN of either sign ranks above +inf, as torch.topk (and so transformers) ranks it: by its
+    bits a NaN with the sign bit set (what inf * 0 gives on x86) would sort below -inf, after
+    the -inf keys that follow the query, and those would fill the query's valid slots. With
+    every NaN first, the -inf keys after the query rank below every visible key (a visible -inf
+    ties with them and wins by position), so the valid slots hold visible keys only."""
     S = scores_BTS.shape[-1]
-    bits = (scores_BTS.float() + 0.0).view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    scores_BTS = scores_BTS.float()
+    bits = (scores_BTS + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = ordered.masked_fill(scores_BTS.isnan(), torch.iinfo(torch.int32).max).to(torch.int64)
     shift = max(1, (S - 1).bit_length())
     later_first = torch.arange(S - 1, -1, -1, device=scores_BTS.device)
     return (ordered << shift) | later_first

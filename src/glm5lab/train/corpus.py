@@ -109,7 +109,8 @@ def _extract_texts(archive: Path, dest: Path) -> None:
 def load_documents(path: Path) -> list[Document]:
     """Load documents from a `.txt`/`.md` file (one document), a `.jsonl` file (one document per
     line, string field `text`), or a folder (every such file inside, recursively, in sorted path
-    order; names are paths relative to the folder).
+    order; names are paths relative to the folder; files of other types are skipped and named in
+    one line on stderr, never silently).
 
     Text is decoded as UTF-8 (a leading BOM is dropped; newlines normalised to "\\n").
     Raises FileNotFoundError if `path` does not exist; ValueError for an unsupported suffix, a
@@ -122,9 +123,15 @@ def load_documents(path: Path) -> list[Document]:
                                 f"{'/'.join(SUFFIXES)} files")
     if path.is_file():
         return _load_file(path, path.name)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+    every = sorted(p for p in path.rglob("*") if p.is_file())
+    files = [p for p in every if p.suffix in SUFFIXES]
     if not files:
         raise ValueError(f"folder {path} holds no {'/'.join(SUFFIXES)} files (searched recursively)")
+    skipped = [p.relative_to(path).as_posix() for p in every if p.suffix not in SUFFIXES]
+    if skipped:
+        shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
+        print(f"glm5lab: corpus folder {path}: reading its {len(files)} {'/'.join(SUFFIXES)} files; skipping "
+              f"{len(skipped)} other file{'s' * (len(skipped) > 1)}: {shown}", file=sys.stderr, flush=True)
     return [doc for f in files for doc in _load_file(f, f.relative_to(path).as_posix())]
 
 

@@ -39,6 +39,12 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_main_process() -> bool:
+    """Whether this process speaks for the run (RANK 0, or no torchrun): usable before `setup` and
+    after `teardown`, when no process group exists."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def setup() -> DistContext:
     cuda = torch.cuda.is_available()
     if world_size() == 1:

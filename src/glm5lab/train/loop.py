@@ -24,12 +24,13 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import (
-    ResumeError, check_complete, has_checkpoint, latest_pointer, load_trainer_state, resume_candidates, rng_state,
-    save_checkpoint, set_rng_state,
+    ResumeError, check_complete, has_checkpoint, latest_pointer, load_trainer_state, prune_checkpoints,
+    resume_candidates, rng_state, save_checkpoint, set_rng_state,
 )
 from glm5lab.config import ConfigError
 from glm5lab.environment import git_commit
 from glm5lab.hf import CheckpointError
+from glm5lab.io_utils import atomic_write_text
 from glm5lab.optim import build_optimizer, indexer_parameter_names
 from glm5lab.train import dist
 from glm5lab.train.balance import update_router_bias
@@ -99,11 +100,18 @@ def resolve_stages(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
     return stages
 
 
-def build_model(args: TrainArgs) -> GLM5ForCausalLM:
-    """Random init from the preset/config (seeded), or the weights of `args.init`.
-    Raises ValueError before allocating anything when the model cannot fit in this machine's memory."""
+def model_config(args: TrainArgs) -> ModelConfig:
+    """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset.
+    Raises ConfigError (unknown field or preset, bad value) and ValueError when the model cannot
+    fit in this machine's memory (`_check_fits`), before anything is allocated."""
     cfg = ModelConfig.from_hf(args.init or args.config) if (args.init or args.config) else ModelConfig.from_preset(args.preset)
     _check_fits(cfg)
+    return cfg
+
+
+def build_model(args: TrainArgs, cfg: ModelConfig | None = None) -> GLM5ForCausalLM:
+    """Random init from `cfg` (default `model_config(args)`; seeded), or the weights of `args.init`."""
+    cfg = cfg or model_config(args)
     if args.init:
         return GLM5ForCausalLM.from_pretrained(args.init)
     torch.manual_seed(args.seed)
@@ -177,6 +185,13 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def last_validation(self) -> tuple[int, float, int] | None:
+        """(step, val_loss, val_tokens) of the latest periodic validation logged, or None: what a
+        resumed run shows and reports as the subset's final figure (JSON floats round-trip exactly)."""
+        rows = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        last = next((r for r in reversed(rows) if r.get("val_loss") is not None), None)
+        return None if last is None else (last["step"], last["val_loss"], last.get("val_tokens"))
+
 
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns the summary dict also written to `summary.json`.
@@ -191,12 +206,14 @@ def train(args: TrainArgs) -> dict:
     ctx = dist.setup()
     run_dir = Path(args.out)
     _check_run_dir(run_dir, args.resume, probe=ctx.is_main)
-    model = build_model(args)
-    stages = resolve_stages(args, model.config)
-    check_stage_lengths(stages, model.config, warn=_notice if ctx.is_main else lambda message: None)
+    cfg = model_config(args)
+    stages = resolve_stages(args, cfg)
+    check_stage_lengths(stages, cfg, warn=_notice if ctx.is_main else lambda message: None)
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
-        _check_same_plan(run_dir, args, stages, model.config)
+        _check_same_plan(run_dir, args, stages, cfg, ctx.world_size)
+    model = build_model(args, cfg)
+    if args.resume:
         resumed = _resume_weights(run_dir, model, report=_notice if ctx.is_main else lambda message: None)
     else:
         resumed = None
@@ -208,12 +225,9 @@ def train(args: TrainArgs) -> dict:
     start = {"step": 0, "stage": 0, "in_stage": 0}
     if resumed is not None:
         start = resumed["position"]
-        if start["stage"] >= len(stages):
-            raise ValueError(f"--resume: the run in {run_dir} is already complete ({start['step']} steps; its "
-                             "summary is summary.json): nothing to continue. To train again, choose another "
-                             f"--out DIR or remove {run_dir}")
-        dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
-        set_rng_state(resumed["rng"])
+        if start["stage"] < len(stages):  # else trained to the end, stopped before summary.json: finish it
+            dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
+            set_rng_state(resumed["rng"])
         if ctx.is_main:
             _notice(resume_message(run_dir, resumed["folder"], start, stages))
             _check_same_threads(run_dir, ctx)
@@ -221,6 +235,8 @@ def train(args: TrainArgs) -> dict:
         _write_run_files(run_dir, args, model.config, stages, ctx)
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
     loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
+    if metrics is not None and args.resume:
+        loop.last_val = metrics.last_validation()
     loop.run(start)
     return loop.finish()
 
@@ -245,8 +261,12 @@ def _check_same_threads(run_dir: Path, ctx) -> None:
 
 
 def resume_message(run_dir: Path, folder: Path, start: dict, stages: list[Stage]) -> str:
-    """Where a resumed run continues: global step of the total, stage and step within it."""
+    """Where a resumed run continues: global step of the total, stage and step within it (or,
+    for a run trained to its end that stopped before its summary, what is left to do)."""
     total = sum(s.steps for s in stages)
+    if start["stage"] >= len(stages):
+        return (f"resuming {run_dir} from checkpoint {folder.name}: training ended at step {start['step']} of "
+                f"{total}; what is left: the final evaluation, loss.png and summary.json")
     stage = stages[start["stage"]]
     return (f"resuming {run_dir} from checkpoint {folder.name}: step {start['step']} of {total}, stage "
             f"{stage.name} (stage {start['stage'] + 1} of {len(stages)}) at its step {start['in_stage']} of {stage.steps}")
@@ -255,9 +275,14 @@ def resume_message(run_dir: Path, folder: Path, start: dict, stages: list[Stage]
 def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
     """Refuse a stage whose seq_len cannot carry its MTP depth (depth j at position t predicts token
     t + j + 1, so depth D needs at least D + 1 input tokens; `task_losses` would silently drop the
-    deeper depths); `warn(message)` when a DSA stage's seq_len is not above index_topk (top-k then
-    keeps every key: attention is exactly dense, DSA is not exercised). Raises ValueError."""
+    deeper depths) or that is longer than the model's positions (`max_position_embeddings`);
+    `warn(message)` when a DSA stage's seq_len is not above index_topk (top-k then keeps every key:
+    attention is exactly dense, DSA is not exercised). Raises ValueError."""
     for stage in stages:
+        if stage.seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"--seq-len {stage.seq_len} (stage {stage.name!r}) is longer than the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}: use --seq-len <= "
+                             f"{cfg.max_position_embeddings}, or a model config with more positions")
         depth = stage.mtp_depth if cfg.num_nextn_predict_layers else 0
         if stage.seq_len < depth + 1:
             raise ValueError(f"--seq-len {stage.seq_len} is too short for stage {stage.name!r}, which trains MTP "
@@ -293,6 +318,12 @@ def _check_args(args: TrainArgs) -> None:
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"--{name.replace('_', '-')} {value} is not allowed: it must be a finite number >= 0")
+    if args.data is not None:
+        data, out = Path(args.data).resolve(), Path(args.out).resolve()
+        if out == data or data in out.parents:
+            raise ValueError(f"--out {args.out} is inside --data {args.data}: the run's files (metrics.jsonl, "
+                             "checkpoints) would be read as text by the next run on that data; choose an --out "
+                             "outside it")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
     if args.compile and dist.world_size() > 1:
@@ -306,9 +337,11 @@ def _init_folder(path: Path) -> str:
     return str(latest if latest is not None and not any(path.glob("*.safetensors")) else path)
 
 
-def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig) -> None:
+def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig,
+                     world_size: int = 1) -> None:
     """A resumed run must continue the plan it started with: same model config (checked first, before
-    any data is read), stages, data, seed, optimizer."""
+    any data is read), stages, data, seed, optimizer, and process count (a batch is per process, so
+    another count would change the global batch; the checkpoint is not resharded)."""
     saved_cfg = run_dir / "config.json"
     if saved_cfg.is_file():
         ours = model_config.to_dict()
@@ -318,6 +351,13 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
             raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
                              f"{diff[:8]} differ); resume with the run's own --preset/--config")
     saved = json.loads((run_dir / "run.json").read_text())
+    started = saved.get("world_size", 1)
+    if started != world_size:
+        batch = stages[0].batch_size
+        raise ValueError(f"--resume: the run in {run_dir} was trained with {_procs(started)} (a global batch of "
+                         f"{started} x {batch}) and this resume runs {_procs(world_size)} (it would continue at "
+                         f"{world_size} x {batch}); resume with {_launch(started)} (resuming at another process "
+                         "count is not supported yet)")
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
     old = {"stages": saved["stages"], **{k: saved["args"].get(k, getattr(TrainArgs, k)) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
@@ -326,6 +366,14 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
         verb = "differs" if len(differ) == 1 else "differ"
         raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
                          "resume with the arguments the run started with")
+
+
+def _procs(n: int) -> str:
+    return f"{n} process{'es' * (n > 1)}"
+
+
+def _launch(n: int) -> str:
+    return "one process (no torchrun)" if n == 1 else f"torchrun --nproc-per-node {n}"
 
 
 def _stage_diff(old: list[dict], new: list[dict]) -> str:
@@ -344,6 +392,9 @@ def _check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
     removing the same folder at once would race)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a folder")
+    if resume and (run_dir / "summary.json").is_file():
+        raise ValueError(f"--resume: the run in {run_dir} is already complete (its summary is summary.json): "
+                         f"nothing to continue. To train again, choose another --out DIR or remove {run_dir}")
     if resume:
         return
     if has_checkpoint(run_dir):
@@ -411,7 +462,7 @@ class _Loop:
         self.total_steps = sum(s.steps for s in stages)
         self.stage_by_name = {s.name: s for s in stages}
         self.step = 0
-        self.last_val = None  # (step, Evaluation) of the latest periodic validation
+        self.last_val = None  # (step, loss, tokens) of the latest periodic validation
         if args.compile:
             from glm5lab.train.compile import CompiledLosses
 
@@ -444,7 +495,7 @@ class _Loop:
             if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
                 result = self.validate(stage)
                 record.update(val_loss=result.loss, val_tokens=result.tokens)
-                self.last_val = (self.step, result)
+                self.last_val = (self.step, result.loss, result.tokens)
             self.log(record, bar)
             if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
                 self.checkpoint(index, i + 1, stage)
@@ -461,8 +512,8 @@ class _Loop:
                                           self.args.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = window.shape[0] * (window.shape[1] - 1) * self.ctx.world_size
-        return {**dist.mean_over_ranks(losses.to_log(), self.ctx), "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
-                "step_time_s": dt, "expert_load": loads}
+        return {**dist.mean_over_ranks(losses.to_log(), self.ctx), "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                "tokens_per_s": tokens / dt, "step_time_s": dt, "expert_load": loads}
 
     def validate(self, stage: Stage):
         """The periodic validation: the first eval_batches batches of held-out windows (a subset;
@@ -495,22 +546,25 @@ class _Loop:
 
     def finish(self) -> dict:
         """Evaluate the whole validation split (val_loss, perplexity, bits per byte under the run's
-        tokenizer; the periodic subset's final figure beside it as val_subset_loss), write summary.json and loss.png (main rank), and tear the process group down."""
+        tokenizer; the periodic subset's final figure beside it as val_subset_loss), write loss.png
+        and then summary.json atomically (main rank), and tear the process group down. A run
+        stopped anywhere before summary.json exists is finished by --resume, bit-identically."""
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
         byte_lengths = run_byte_lengths(self.data.tokenizer, self.model.config.vocab_size)
         result = evaluate_nll(self.shard, val, last, None, byte_lengths_V=byte_lengths)  # every window
-        subset = {} if self.last_val is None else {"val_subset_loss": self.last_val[1].loss,
-                                                   "val_subset_tokens": self.last_val[1].tokens}
+        subset = {} if self.last_val is None else {"val_subset_loss": self.last_val[1],
+                                                   "val_subset_tokens": self.last_val[2]}
         summary = {**summary_fields(result), **subset,
                    "unigram_val_loss": unigram_loss(self.data.train_tokens, self.data.val_tokens, self.model.config.vocab_size),
                    "steps": self.step, "stages": self.stage_summaries() if self.ctx.is_main else [],
                    "run_dir": str(self.run_dir)}
-        if self.ctx.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.ctx.is_main:  # summary.json last: it marks the run complete (a stop before it: --resume finishes)
             from glm5lab.train.plot import plot_losses
 
             plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+            prune_checkpoints(self.run_dir)  # again: a stop during the last save's pruning left some
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         dist.teardown(self.ctx)
         return summary
 
@@ -521,7 +575,9 @@ short stage: a fifth of it, at least 1): single steps are noisy."""
 
 
 def stage_summary(stage: Stage, rows: list[dict], world_size: int = 1) -> dict:
-    """One stage of summary.json from its metrics records `rows`: steps, tokens, the loss shown
+    """One stage of summary.json from its metrics records `rows`: steps, tokens (the target tokens
+    the records say were trained on, over every process; a record without `tokens`, from before they
+    were logged, counts the plan's batch x seq_len x `world_size`), the loss shown
     (`reported`: lm_loss, or indexer_kl for a stage without LM objective), its mean over the first
     and over the last `smooth_steps` steps (None when the stage ran before a resume and its
     records are missing), and `val_end`, the validation (subset) loss at the stage's last step."""
@@ -530,8 +586,10 @@ def stage_summary(stage: Stage, rows: list[dict], world_size: int = 1) -> dict:
     k = max(1, min(SMOOTH_STEPS, stage.steps // 5))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     end = [r["val_loss"] for r in rows if r.get("stage_step") == stage.steps and r.get("val_loss") is not None]
+    planned = stage.batch_size * stage.seq_len * world_size
+    tokens = sum(r.get("tokens", planned) for r in rows) + planned * max(0, stage.steps - len(rows))
     return {"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa, "trainable": stage.trainable,
-            "tokens": stage.steps * stage.batch_size * stage.seq_len * world_size, "reported": key,
+            "tokens": tokens, "reported": key,
             "smooth_steps": k, "first": mean(seen[:k]), "last": mean(seen[-k:]), "val_end": end[-1] if end else None}
 
 
@@ -544,12 +602,13 @@ def objective_name(stage: Stage) -> str:
 
 def progress_text(record: dict, stage: Stage, last_val: tuple | None) -> str:
     """The progress bar's postfix: stage, LM loss, the objective when it is not the LM loss alone
-    (named: LM+MTP, KL, LM+MTP+KL), tokens/s, and the latest validation (subset) loss with its step."""
+    (named: LM+MTP, KL, LM+MTP+KL), tokens/s, and the latest validation (subset) loss with its step
+    (last_val: (step, loss, tokens) or None)."""
     parts = [stage.name, f"lm {record['lm_loss']:.4g}" if record.get("lm_loss") is not None else None]
     name = objective_name(stage)
     if name != "LM":
         parts.append(f"{name} {record['loss']:.4g}")
     parts.append(f"{record['tokens_per_s']:.0f} tok/s")
     if last_val is not None:
-        parts.append(f"val {last_val[1].loss:.4g} @{last_val[0]}")
+        parts.append(f"val {last_val[1]:.4g} @{last_val[0]}")
     return " | ".join(p for p in parts if p)

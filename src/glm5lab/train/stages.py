@@ -74,7 +74,7 @@ def default_stages(*, seq_len: int = 256, batch_size: int = 8, quick: bool = Fal
     """Dense pre-training, then (when the model has an indexer) indexer warm-up and sparse
     adaptation. The warm-up runs MTP depth 1 at weight 0 so the MTP layer's indexer is warmed up
     too. Sized so `glm5lab train` on the `small` preset takes about 12 minutes on 2 CPU
-    cores (BENCHMARKS.md); `quick` is a ~1 minute smoke run of the same three stages."""
+    cores (BENCHMARKS.md); `quick` is a 17-step smoke run of the same three stages (its time: `glm5lab train -h`)."""
     scale = 0.04 if quick else 1.0
     n = lambda steps: max(2, round(steps * scale))  # noqa: E731
     mtp = (mtp_weight,) * mtp_depth

@@ -1,0 +1,113 @@
+"""A run stopped between its last training step and summary.json (issue 24): at every point of
+the final save (the model files, the trainer state, the rename into place, the `latest` pointer,
+the pruning of older checkpoints) and of the finish (the final evaluation, loss.png, the summary
+write), `--resume` does what is left and ends exactly as the uninterrupted run: the same
+metrics.jsonl losses, the same summary.json (the subset's final figure restored from
+metrics.jsonl), the same final weights bit for bit, the same checkpoint folders, a loss.png."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import glm5lab.checkpoint as checkpoint_module
+import glm5lab.train.loop as loop_module
+import glm5lab.train.plot as plot_module
+from glm5lab import GLM5ForCausalLM
+from glm5lab.train.loop import train
+from tests.train.test_loop import _args, _rows, corpus  # noqa: F401 (fixture)
+
+FINAL = "step-000009"
+KEYS = ("loss", "lm_loss", "mtp_losses", "indexer_kl", "grad_norm", "val_loss", "val_tokens", "expert_load",
+        "tokens", "step", "stage", "stage_step", "lr")
+
+
+def _kill_at(point: str, monkeypatch) -> None:
+    """Make the run raise KeyboardInterrupt (Ctrl-C) at `point` of the final save or the finish."""
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def when(condition, real):
+        return lambda *a, **kw: stop() if condition(*a, **kw) else real(*a, **kw)
+
+    final_tmp = lambda path, *a, **kw: f".{FINAL}.tmp" in str(path)  # noqa: E731
+    if point == "model files":
+        monkeypatch.setattr(GLM5ForCausalLM, "save_pretrained",
+                            when(lambda self, path, **kw: final_tmp(path), GLM5ForCausalLM.save_pretrained))
+    elif point == "trainer state":
+        monkeypatch.setattr(checkpoint_module, "atomic_write", when(final_tmp, checkpoint_module.atomic_write))
+    elif point == "latest pointer":  # the folder is renamed into place, `latest` still names step 6
+        monkeypatch.setattr(checkpoint_module, "atomic_write_text",
+                            when(lambda path, text: FINAL in text, checkpoint_module.atomic_write_text))
+    elif point == "pruning":  # `latest` names step 9; the older folder is half deleted
+        def half_prune(run_dir, keep=2):
+            victim = sorted((run_dir / "checkpoints").glob("step-*"))[0]
+            if (run_dir / "checkpoints" / "latest").read_text().strip() == FINAL and victim.name != FINAL:
+                (victim / "model.safetensors").unlink()
+                stop()
+            real_prune(run_dir, keep=keep)
+        real_prune = checkpoint_module.prune_checkpoints
+        monkeypatch.setattr(checkpoint_module, "prune_checkpoints", half_prune)
+    elif point == "final evaluation":
+        monkeypatch.setattr(loop_module, "evaluate_nll",
+                            when(lambda *a, **kw: a[3] is None, loop_module.evaluate_nll))
+    elif point == "loss.png":
+        def half_plot(metrics, out):
+            out.write_bytes(b"\x89PNG half")
+            stop()
+        monkeypatch.setattr(plot_module, "plot_losses", half_plot)
+    elif point == "summary":
+        monkeypatch.setattr(loop_module, "atomic_write_text",
+                            when(lambda path, text: path.name == "summary.json", loop_module.atomic_write_text))
+    else:
+        raise AssertionError(point)
+
+
+def _state(run):
+    return GLM5ForCausalLM.from_pretrained(run / "checkpoints" / FINAL).state_dict()
+
+
+@pytest.mark.parametrize("point", ["model files", "trainer state", "latest pointer", "pruning", "final evaluation",
+                                   "loss.png", "summary"])
+def test_a_run_stopped_before_its_summary_is_finished_by_resume_bit_identically(corpus, monkeypatch, capsys,
+                                                                                 point):
+    full, killed = corpus / "full", corpus / "killed"
+    train(_args(corpus, full))
+    with monkeypatch.context() as m:
+        _kill_at(point, m)
+        with pytest.raises(KeyboardInterrupt):
+            train(_args(corpus, killed))
+    assert not (killed / "summary.json").exists()
+    with pytest.raises(FileExistsError, match="continue it with --resume"):  # a fresh start is still refused
+        train(_args(corpus, killed))
+    capsys.readouterr()
+    summary = train(_args(corpus, killed, resume=True))
+    if point in ("final evaluation", "loss.png", "summary", "pruning"):  # nothing left to train
+        assert "training ended at step 9 of 9; what is left: the final evaluation" in capsys.readouterr().err
+    expected = json.loads((full / "summary.json").read_text())
+    assert json.loads((killed / "summary.json").read_text()) == {**expected, "run_dir": str(killed)}
+    assert summary == {**expected, "run_dir": str(killed)}
+    assert [[r.get(k) for k in KEYS] for r in _rows(killed)] == [[r.get(k) for k in KEYS] for r in _rows(full)]
+    a, b = _state(full), _state(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    listing = lambda run: sorted(p.name for p in (run / "checkpoints").iterdir())  # noqa: E731
+    assert listing(killed) == listing(full)
+    assert (killed / "loss.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="already complete"):
+        train(_args(corpus, killed, resume=True))
+
+
+def test_the_subset_figure_of_a_run_finished_by_resume_comes_from_metrics(corpus, monkeypatch):
+    """The periodic validation's last figure is what metrics.jsonl logged at the last step, even
+    when the process that finishes the run never ran a validation itself."""
+    killed = corpus / "killed"
+    with monkeypatch.context() as m:
+        _kill_at("final evaluation", m)
+        with pytest.raises(KeyboardInterrupt):
+            train(_args(corpus, killed))
+    last = [r for r in _rows(killed) if r.get("val_loss") is not None][-1]
+    shutil.copy(killed / "metrics.jsonl", corpus / "metrics.before")
+    summary = train(_args(corpus, killed, resume=True))
+    assert (summary["val_subset_loss"], summary["val_subset_tokens"]) == (last["val_loss"], last["val_tokens"])
+    assert (killed / "metrics.jsonl").read_text() == (corpus / "metrics.before").read_text()
