@@ -47,6 +47,16 @@ def time_interleaved(cases: dict[str, Callable[[], object]], *, device, warmup: 
     return out
 
 
+def counting_compile(fn: Callable[[], dict], spent: list[float], key=lambda r: r["stats"]["compile_seconds"]):
+    """`fn`, appending each call's compile seconds (`key` of its result) to `spent`: what a
+    `time_interleaved` run compiled, its untimed warm-up calls included."""
+    def run():
+        result = fn()
+        spent.append(key(result))
+        return result
+    return run
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 

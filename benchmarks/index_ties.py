@@ -32,7 +32,7 @@ from common import markdown_table, print_json_line, resolve_checkpoint
 import glm5lab.model.mla as mla
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.environment import env_facts
-from glm5lab.model.dsa import boundary_ties
+from glm5lab.model.topk import boundary_ties
 from glm5lab.train.data import held_out_prompts
 
 

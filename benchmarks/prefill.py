@@ -249,9 +249,8 @@ def main(argv=None) -> dict | None:
             raise SystemExit("--index-topk applies to the random bench model only, not to --model")
         folder = (resolve_checkpoint(args.model) if args.model
                   else save_random_model(ModelConfig.from_preset("bench", **overrides), tmp, seed=args.seed))
-        from glm5lab.hf_config import config_from_hf
 
-        cfg = config_from_hf(folder)
+        cfg = ModelConfig.from_hf(folder)
         too_long = [T for T in args.length_list if T > cfg.max_position_embeddings]
         if too_long:
             raise SystemExit(f"lengths {too_long} exceed max_position_embeddings={cfg.max_position_embeddings}")

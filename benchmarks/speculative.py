@@ -42,13 +42,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (markdown_table, median, model_dtype, print_json_line, resolve_checkpoint, setup_device,
-                    time_interleaved, verdict, weight_bytes_read)
+from common import (counting_compile, markdown_table, median, model_dtype, print_json_line, resolve_checkpoint,
+                    setup_device, time_interleaved, verdict, weight_bytes_read)
 
 import glm5lab
 from glm5lab import GLM5ForCausalLM
 from glm5lab.environment import env_facts, load_average
-from glm5lab.infer import compiled
 from glm5lab.train.data import held_out_prompts
 
 GOALS = {"speedup": 1.6, "acceptance_length": 2.5, "draft_steps": 3}
@@ -142,9 +141,10 @@ def main(argv=None) -> dict:
         suffix, flag = ("", False) if mode == "eager" else (" compiled", True)
         cases[f"plain{suffix}"] = make_case(model, prompts, n, None, compile=flag)
         cases.update({f"k={k}{suffix}": make_case(model, prompts, n, k, compile=flag) for k in args.k_list})
-    compiling = compiled.compile_seconds["total"]
+    spent = []
+    cases = {name: counting_compile(case, spent, key=lambda r: r["compile_s"]) for name, case in cases.items()}
     runs = time_interleaved(cases, device=device, warmup=args.warmup, repeats=args.repeats)
-    env["compile_s"] = compiled.compile_seconds["total"] - compiling
+    env["compile_s"] = sum(spent)
     sampled = make_case(model, prompts, n, GOALS["draft_steps"], temperature=1.0, seed=args.sample_seed)()
     env["load_average_end"] = load_average()
     res, mismatches = summarise(runs)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import markdown_table, print_json_line, save_random_model
 
-from glm5lab.presets import preset
+from glm5lab import ModelConfig
 from glm5lab.threads import busy_cpus, choose_threads, usable_cpus
 
 GLM5LAB = [sys.executable, "-m", "glm5lab"]
@@ -126,7 +126,7 @@ def main() -> None:
     cpus, trained = usable_cpus(), (ROOT / args.model / "checkpoints").is_dir()
     cases = [c for c in args.cases.split(",") if c and (c != "speculative" or trained)]
     tmp = tempfile.TemporaryDirectory()
-    model = ROOT / args.model if trained else save_random_model(preset("small"), f"{tmp.name}/model")
+    model = ROOT / args.model if trained else save_random_model(ModelConfig.from_preset("small"), f"{tmp.name}/model")
     machines = {"no": ["as is"], "yes": ["busy"], "both": ["as is", "busy"]}[args.busy]
     rows, records, t_start = [], [], time.perf_counter()
     for machine in machines:

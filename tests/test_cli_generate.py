@@ -126,16 +126,20 @@ def test_compile_gives_the_same_tokens_and_reports_the_compile_time(capsys, fold
     st = d["stats"]
     assert st["compile_seconds"] >= 0 and st["decode_tokens_per_second"] > 0
     # compile time is reported apart: the decode seconds are the ones the tok/s divides by
-    assert st["decode_tokens_per_second"] == pytest.approx((st["new_tokens"] - st["rows"]) / st["decode_seconds"])
+    decoded = st["new_tokens"] - st["rows"] - st["compile_tokens"]  # the first token comes from the prefill
+    assert st["compile_tokens"] >= 1 if st["compile_seconds"] else st["compile_tokens"] == 0
+    assert st["decode_tokens_per_second"] == pytest.approx(decoded / st["decode_seconds"])
 
 
 def test_the_stats_line_reports_compile_time_apart_from_decode():
     from glm5lab.cli.generate import format_stats
     from glm5lab.infer.generate import GenerateStats
 
-    line = format_stats(GenerateStats(prompt_tokens=4, new_tokens=11, decode_seconds=0.5, compile_seconds=20.0))
-    assert line.startswith("11 new tokens, decode 20.0 tok/s (0.500 s), prefill")
-    assert line.endswith("compile 20.0 s (apart: in neither the decode seconds nor the tok/s)")
+    line = format_stats(GenerateStats(prompt_tokens=4, new_tokens=11, decode_seconds=0.5, compile_seconds=20.0,
+                                      compile_tokens=1))
+    assert line.startswith("11 new tokens, decode 18.0 tok/s (0.500 s), prefill")  # 11 - 1 (prefill) - 1 (compiled)
+    assert line.endswith("compile 20.0 s (the rounds that compiled, 1 token: apart, in neither the decode seconds "
+                         "nor the tok/s)")
 
 
 def test_speculative_json_stats(capsys, folders, reference):
@@ -270,9 +274,9 @@ ERRORS = [
     (lambda f: f["root"] / "missing", ["--top-k", "5"], "--top-k 5 restricts sampling, but --temperature is 0 (greedy, "
      "the default): add --temperature T > 0 (e.g. --temperature 0.8), or drop --top-k"),
     (lambda f: f["ckpt"], ["--top-k", "5", "--top-p", "0.9"], "--top-k 5 and --top-p 0.9 restrict sampling"),
-    (lambda f: f["ckpt"], ["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0"),
-    (lambda f: f["ckpt"], ["--prefill-chunk", "0"], "prefill_chunk must be None or an int >= 1, got 0"),
-    (lambda f: f["ckpt"], ["--speculative", "mtp", "--draft-steps", "0"], "draft_steps must be an int >= 1, got 0"),
+    (lambda f: f["ckpt"], ["--max-new-tokens", "0"], "max_new_tokens = 0 is not allowed: an integer >= 1"),
+    (lambda f: f["ckpt"], ["--prefill-chunk", "0"], "prefill_chunk = 0 is not allowed: an integer >= 1"),
+    (lambda f: f["ckpt"], ["--speculative", "mtp", "--draft-steps", "0"], "draft_steps = 0 is not allowed: an integer >= 1"),
     (lambda f: f["ckpt"], ["--draft-steps", "2"], "--draft-steps applies only with --speculative"),
     # prompts that overflow with a single new token: the library stops the run before it starts
     # (rather than decoding 2000 tokens)
@@ -353,7 +357,7 @@ def test_request_errors_come_before_the_weights_load(capsys, folders, monkeypatc
         raise AssertionError("weights were loaded before the request was checked")
 
     monkeypatch.setattr(cli_generate, "load_model", no_loading)
-    for args, message in ((["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1, got 0"),
+    for args, message in ((["--max-new-tokens", "0"], "max_new_tokens = 0 is not allowed: an integer >= 1"),
                           (["--top-k", "513", "--temperature", "1"], "top_k must be None or an int in 1..vocab_size=512, got 513"),
                           (["--top-p", "0.5"], "--top-p 0.5 restricts sampling, but --temperature is 0"),
                           (["--stop", "600"], "stop_tokens must be token ids in [0, vocab_size=512), got [600]")):

@@ -279,6 +279,16 @@ def test_every_key_transformers_writes_or_a_published_config_carries_is_accepted
     assert ModelConfig.from_hf(d) == ModelConfig.from_preset("tiny", hf_extra=ModelConfig.from_hf(d).hf_extra)
     cfg = ModelConfig.from_hf({**_glm5_hub_config(), **_deepseek_v3_keys()})
     assert cfg.hf_extra == _deepseek_v3_keys() and cfg.to_hf()["seq_aux"] is True
+    glm5_2 = {"index_share_for_mtp_iteration": True, "expert_dtype": "fp4"}  # GLM-5.2 and its FP4 releases
+    assert ModelConfig.from_hf({**_glm5_hub_config(), **glm5_2}).hf_extra == {"ep_size": 1, **glm5_2}
+
+
+def test_the_hint_searches_every_accepted_key():
+    d = ModelConfig.from_preset("tiny").to_hf()
+    with pytest.raises(ConfigError, match=r"`tokenizer_clas` is unknown \(did you mean `tokenizer_class`\?\)"):
+        ModelConfig.from_hf({**d, "tokenizer_clas": "X"})
+    with pytest.raises(ConfigError, match="`hf_extra` is unknown"):  # glm5lab's own field, not a config.json key
+        ModelConfig.from_hf({**d, "hf_extra": {}})
 
 
 def test_a_misspelt_field_in_a_checkpoint_folder_is_refused(tmp_path):

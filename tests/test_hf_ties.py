@@ -18,7 +18,8 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.model.attention import TopK
-from glm5lab.model.dsa import LightningIndexer, boundary_ties, select_topk
+from glm5lab.model.dsa import LightningIndexer
+from glm5lab.model.topk import boundary_ties, select_topk
 from tests.conftest import HF_LOGITS_ATOL
 
 T = 40

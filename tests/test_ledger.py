@@ -215,7 +215,7 @@ def test_ledger_dict_is_json_and_render_states_the_convention():
     assert "744B = incl. embedding+output, excl. MTP" in " ".join(text.split())
 
 
-@pytest.mark.parametrize("kw, match", [({"dtype": "int4"}, "dtype 'int4'"), ({"context": 0}, "context 0"),
+@pytest.mark.parametrize("kw, match", [({"dtype": "int4"}, "dtype = 'int4' is not allowed: one of fp32, bf16, fp16, fp8"), ({"context": 0}, "context 0"),
                                        ({"context": 2049}, "max_position_embeddings=2048")])
 def test_bad_arguments_raise(kw, match):
     with pytest.raises(ValueError, match=match):

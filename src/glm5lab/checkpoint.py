@@ -25,8 +25,9 @@ from glm5lab.tokenizer import save_for_transformers
 STATE_FILE = "trainer_state.pt"
 
 
-class ResumeError(RuntimeError):
-    """No usable checkpoint to resume from; the message says where it looked."""
+class ResumeError(ValueError):
+    """No usable checkpoint to resume from; the message says where it looked (a user error:
+    `glm5lab train` prints it as one `error:` line and exits with 2)."""
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep: int = 2) -> Path:

@@ -6,7 +6,7 @@ glm5lab's own switches for what the report ablates; they are written into config
 (transformers keeps unknown keys as attributes and ignores them).
 
 Conversion to and from config.json lives in `glm5lab.hf_config`; named presets in
-`glm5lab.presets`. Every check (construction, `replace`, `from_preset`, `from_hf`) raises
+`glm5lab.presets` (both plain data and functions: they import nothing of this module). Every check (construction, `replace`, `from_preset`, `from_hf`) raises
 `ConfigError` naming the field, the value and what is allowed: every field's type is checked
 (integers must be `int`, not 64.0; switches real bools; floats finite), then its range.
 """
@@ -14,8 +14,10 @@ Conversion to and from config.json lives in `glm5lab.hf_config`; named presets i
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
+
+from glm5lab import hf_config, presets
+from glm5lab.validate import ConfigError, finite, int_at_least, is_int, refuse
 
 ATTENTION_TYPES = ("mla", "gqa")
 MIXER_TYPES = ("attention", "swa", "gdn", "simple_gdn")
@@ -30,12 +32,8 @@ BOOL_FIELDS = ("norm_topk_prob", "attention_bias", "tie_word_embeddings", "use_d
                "indexer_rope_interleave", "use_qk_norm")
 
 
-class ConfigError(ValueError):
-    """A config value is out of its allowed range; the message names field, value and the rule."""
-
-
 def _fail(name: str, value, allowed: str):
-    raise ConfigError(f"config field `{name}` = {value!r} is not allowed: {allowed}")
+    refuse(f"config field `{name}`", value, allowed, ConfigError)
 
 
 @dataclass
@@ -230,7 +228,7 @@ class ModelConfig:
     def _check_linear(self):
         for name in ("linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
+            if value is not None and (not is_int(value) or value < 1):
                 _fail(name, value, "None (derive) or an integer >= 1")
         _integers(self, 1, "linear_conv_kernel_dim")
         hv, hk, _, _ = self.gdn_dims
@@ -252,7 +250,7 @@ class ModelConfig:
 
     def _check_window(self):
         w = self.sliding_window
-        if w is not None and (not _is_int(w) or w < 1):
+        if w is not None and (not is_int(w) or w < 1):
             _fail("sliding_window", w, "None or an integer >= 1")
         if "swa" in self.mixer_types and w is None:
             _fail("sliding_window", w, "an integer >= 1 when any of mixer_types is 'swa'")
@@ -305,12 +303,14 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
-        """The named preset (see `glm5lab.presets.PRESETS`), with `overrides` applied.
+        """The named preset (see `glm5lab.presets.PRESETS`), with `overrides` (fields) applied
+        and validated as `replace` does.
 
-        Raises ConfigError for an unknown name, listing the known ones."""
-        from glm5lab.presets import preset
-
-        return preset(name, **overrides)
+        Raises ConfigError for an unknown name (listing the known ones) or a bad override."""
+        if name not in presets.PRESETS:
+            raise ConfigError(f"unknown preset {name!r}: choose one of {', '.join(presets.PRESETS)}")
+        cfg = cls(**presets.PRESETS[name]())
+        return cfg.replace(**overrides) if overrides else cfg
 
     @classmethod
     def from_hf(cls, path_or_dict) -> "ModelConfig":
@@ -318,16 +318,19 @@ class ModelConfig:
 
         Accepts the GLM-5 one unchanged, with its aliases (`index_topk_freq`,
         `index_skip_topk_offset`, `index_topk_pattern`, `rope_theta`/`rope_parameters`).
-        Raises ConfigError for another `model_type` or an unsupported setting."""
-        from glm5lab.hf_config import config_from_hf
-
-        return config_from_hf(path_or_dict)
+        Raises ConfigError for another `model_type`, an unsupported setting or an unknown key
+        (`glm5lab.hf_config.fields_from_hf`); FileNotFoundError when the file is missing."""
+        kwargs = hf_config.fields_from_hf(path_or_dict, {f.name: f.default for f in dataclasses.fields(cls)})
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"config.json has a value of the wrong type: {e}") from None
 
     def to_hf(self) -> dict:
         """The HF `config.json` dict (`model_type` `glm_moe_dsa`) for this config."""
-        from glm5lab.hf_config import config_to_hf
-
-        return config_to_hf(self)
+        return hf_config.config_to_hf(self)
 
 
 @dataclass(frozen=True)
@@ -400,25 +403,14 @@ _DERIVED_FROM = {
 }
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _integers(cfg, lo: int, *names):
     for name in names:
-        value = getattr(cfg, name)
-        if not _is_int(value) or value < lo:
-            hint = f" (write {int(value)}, not {value})" if isinstance(value, float) and value.is_integer() else ""
-            _fail(name, value, f"an integer >= {lo}{hint}")
+        int_at_least(f"config field `{name}`", getattr(cfg, name), lo, error=ConfigError)
 
 
 def _numbers(cfg, *, positive: bool, names):
     for name in names:
-        value = getattr(cfg, name)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value < 0 or (positive and value == 0):
-            _fail(name, value, f"a finite number {'> 0' if positive else '>= 0'}")
-        setattr(cfg, name, float(value))
+        setattr(cfg, name, finite(f"config field `{name}`", getattr(cfg, name), positive=positive, error=ConfigError))
 
 
 def _check_token_ids(cfg):
@@ -426,7 +418,7 @@ def _check_token_ids(cfg):
         value = getattr(cfg, name)
         many = name == "eos_token_id" and isinstance(value, (list, tuple))
         ids = list(value) if many else [value]
-        if value is not None and not all(_is_int(i) and i >= 0 for i in ids):
+        if value is not None and not all(is_int(i) and i >= 0 for i in ids):
             lists = ", or a list of integers >= 0" if name == "eos_token_id" else ""
             _fail(name, value, f"an integer >= 0 or None{lists}")
         if many:

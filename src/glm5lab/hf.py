@@ -28,8 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glm5lab.config import ModelConfig
-from glm5lab.hf_config import config_from_hf, save_config
+from glm5lab.hf_config import save_config
 from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
+from glm5lab.validate import int_at_least
 
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 _CKPT_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -196,7 +197,7 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
         olds = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
         hint = f" (an interrupted save left the previous checkpoint at {olds[0]}: rename it back)" if olds else ""
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist{hint}")
-    cfg = config_from_hf(folder)
+    cfg = ModelConfig.from_hf(folder)
     tensors = read_checkpoint(folder)
     if cfg.num_nextn_predict_layers and not _has_mtp_weights(tensors, cfg):
         if mtp is True:
@@ -259,8 +260,7 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     at the sibling `.NAME.old-XXXX` (a killed save may leave such hidden siblings to delete).
     Old and new checkpoint coexist on disk during the swap. A new or empty `path` simply
     receives the files. Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
-    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is not allowed: an integer >= 1")
+    int_at_least("max_shard_bytes", max_shard_bytes, 1)
     state = model.state_dict()
     on_meta = [k for k, v in state.items() if v.is_meta]
     if on_meta:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
-from glm5lab.config import ConfigError, ModelConfig
+from glm5lab.validate import ConfigError, finite, int_at_least
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
@@ -58,7 +57,11 @@ _HF_COMMON = {
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
 }
-_PUBLISHED = {"ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp", "partial_rotary_factor"}
+_PUBLISHED = {"ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp", "partial_rotary_factor",
+              "index_share_for_mtp_iteration", "expert_dtype"}
+"""DeepSeek-V3's extras, GLM-4.5's `partial_rotary_factor`, GLM-5.2's `index_share_for_mtp_iteration`
+(the MTP layer reuses the main model's top-k in its serving stacks) and the FP4 releases'
+`expert_dtype`: accepted, kept, not interpreted."""
 
 
 def _read(path_or_dict) -> dict:
@@ -78,7 +81,7 @@ def _read(path_or_dict) -> dict:
     return d
 
 
-def _rope_theta(d: dict) -> float:
+def _rope_theta(d: dict, default: float) -> float:
     """`rope_parameters.rope_theta` (or `rope_scaling.`, or top-level `rope_theta`; they must agree)."""
     key = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
     params = d.get(key) or {}
@@ -92,18 +95,14 @@ def _rope_theta(d: dict) -> float:
     found = {name: v for name, v in ((f"{key}.rope_theta", params.get("rope_theta", _ABSENT)),
                                      ("rope_theta", d.get("rope_theta", _ABSENT))) if v is not _ABSENT}
     for name, theta in found.items():
-        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
-            raise ConfigError(f"config field `{name}` = {theta!r} is not allowed: a finite number > 0")
+        finite(f"config field `{name}`", theta, positive=True, error=ConfigError)
     if len(set(found.values())) > 1:
         raise ConfigError(f"config fields {' and '.join(f'`{k}` = {v!r}' for k, v in found.items())} disagree")
-    return float(next(iter(found.values()), ModelConfig.rope_theta))
+    return float(next(iter(found.values()), default))
 
 
 def _hf_int(d: dict, key: str, default: int, lo: int) -> int:
-    value = d.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ConfigError(f"config field `{key}` = {value!r} is not allowed: an integer >= {lo}")
-    return value
+    return int_at_least(f"config field `{key}`", d.get(key, default), lo, error=ConfigError)
 
 
 def _indexer_types(d: dict, n_layers: int) -> list[str] | None:
@@ -139,15 +138,16 @@ def check_known_keys(d: dict, names: set[str]) -> None:
     unknown = sorted(k for k in d if k not in known)
     if unknown:
         key = unknown[0]
-        close = difflib.get_close_matches(key, sorted(names | _INTERPRETED | _PUBLISHED), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, sorted(known - {"hf_extra"}), n=1, cutoff=0.6)
         hint = f"did you mean `{close[0]}`?" if close else "see `glm5lab.ModelConfig` for the fields"
         more = f" (and {len(unknown) - 1} more unknown: {unknown[1:6]})" if len(unknown) > 1 else ""
         raise ConfigError(f"config field `{key}` is unknown ({hint}){more}: refused rather than ignored, "
                           "which would use the field's default")
 
 
-def config_from_hf(path_or_dict) -> ModelConfig:
-    """Parse an HF config.json (path, folder or dict) into a validated `ModelConfig`.
+def fields_from_hf(path_or_dict, defaults: dict) -> dict:
+    """The `ModelConfig` fields of an HF config.json (path, folder or dict), `defaults` being
+    ModelConfig's field defaults ({name: default}); `ModelConfig.from_hf` builds the config.
 
     Raises ConfigError for another model_type, a quantised checkpoint, a setting whose math
     glm5lab does not implement, or an unknown key (`check_known_keys`: a misspelt field is not
@@ -168,26 +168,22 @@ def config_from_hf(path_or_dict) -> ModelConfig:
         if d["n_routed_experts"] != d["num_experts"]:
             raise ConfigError(f"config fields `num_experts` = {d['num_experts']!r} and `n_routed_experts` = "
                               f"{d['n_routed_experts']!r} disagree (both name the routed expert count)")
-    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"hf_extra"}
+    names = set(defaults) - {"hf_extra"}
     check_known_keys(d, names)
     kwargs = {k: d[k] for k in names if k in d}
-    kwargs["rope_theta"] = _rope_theta(d)
-    n_layers = d.get("num_hidden_layers", ModelConfig.num_hidden_layers)
-    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers < 1:
-        raise ConfigError(f"config field `num_hidden_layers` = {n_layers!r} is not allowed: an integer >= 1")
+    kwargs["rope_theta"] = _rope_theta(d, defaults["rope_theta"])
+    n_layers = _hf_int(d, "num_hidden_layers", defaults["num_hidden_layers"], 1)
     try:
         indexer_types = _indexer_types(d, n_layers)
-        if indexer_types is not None:
-            kwargs["indexer_types"] = indexer_types
-        kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in names | _INTERPRETED}
-        return ModelConfig(**kwargs)
-    except (TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, ConfigError):
-            raise
+    except (TypeError, AttributeError) as e:
         raise ConfigError(f"config.json has a value of the wrong type: {e}") from None
+    if indexer_types is not None:
+        kwargs["indexer_types"] = indexer_types
+    kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in names | _INTERPRETED}
+    return kwargs
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg) -> dict:
     """The config.json dict transformers' `GlmMoeDsaConfig` reads (plus glm5lab's switches), with
     the IndexCache schedule also as `index_topk_pattern` ("F"/"S" per layer, what vLLM and SGLang
     read) and `architectures` naming glm5lab's own class when GLM-5 cannot run the config."""
@@ -208,7 +204,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return d
 
 
-def save_config(cfg: ModelConfig, folder: Path) -> None:
+def save_config(cfg, folder: Path) -> None:
     """Write `folder/config.json` atomically."""
     from glm5lab.io_utils import atomic_write_text
 

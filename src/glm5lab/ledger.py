@@ -26,8 +26,8 @@ from __future__ import annotations
 import textwrap
 
 from glm5lab.config import LayerSpec, ModelConfig
+from glm5lab.validate import DTYPES, dtype_name
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 COMPONENTS = ("embedding", "attention", "indexer", "dense_ffn", "routed_experts", "shared_experts",
               "router", "norms", "eh_proj", "output")
 CONVENTIONS = {
@@ -294,9 +294,7 @@ def flops(cfg: ModelConfig, *, context: int | None = None) -> dict:
 
 
 def _dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} is not allowed: one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
+    return DTYPES[dtype_name(dtype)][1]
 
 
 def _context(cfg: ModelConfig, context: int | None) -> int:
@@ -309,10 +307,8 @@ def _context(cfg: ModelConfig, context: int | None) -> int:
 def report_note(cfg: ModelConfig) -> str:
     """`REPORT_NOTE` when `cfg` has the parameter counts of a `REPORT_SHAPES` preset (GLM-5 or
     GLM-4.5, under every convention), else `GENERAL_NOTE`."""
-    from glm5lab.presets import PRESETS
-
     counts = conventions(cfg)
-    return REPORT_NOTE if any(counts == conventions(PRESETS[n]()) for n in REPORT_SHAPES) else GENERAL_NOTE
+    return REPORT_NOTE if any(counts == conventions(ModelConfig.from_preset(n)) for n in REPORT_SHAPES) else GENERAL_NOTE
 
 
 def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, name: str = "") -> dict:

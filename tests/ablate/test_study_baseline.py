@@ -9,10 +9,9 @@ import math
 import pytest
 import torch
 
-from glm5lab import GLM5ForCausalLM
+from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.ablate import study_baseline as sb
 from glm5lab.ablate.runner import StudyArgs, run_study
-from glm5lab.presets import preset
 
 ARMS = (sb.GLM5, sb.ADAMW, sb.MUON)
 
@@ -79,7 +78,7 @@ def test_dense_gpt_matches_the_activated_parameters(size):
     assert (dense.vocab_size, dense.hidden_size, dense.tie_word_embeddings) == \
         (glm5.vocab_size, glm5.hidden_size, glm5.tie_word_embeddings)
     if size == "cpu":
-        assert glm5 == preset("small") and (dense.num_hidden_layers, dense.intermediate_size) == (4, 688)
+        assert glm5 == ModelConfig.from_preset("small") and (dense.num_hidden_layers, dense.intermediate_size) == (4, 688)
 
 
 def test_every_arm_sees_the_same_batches():

@@ -134,7 +134,7 @@ def test_compile_refuses_recurrent_models_and_bad_values():
         glm5lab.generate(_model(), [1, 2, 3], 2, compile="yes")
     model = _small_model()
     cache = KVCache.for_model(model, 1, 8)
-    with pytest.raises(TypeError, match="compiled must be True or False"):
+    with pytest.raises(TypeError, match="compiled must be True, False or a glm5lab.infer.compiled.CompiledSteps"):
         decode_step(model, torch.tensor([1]), cache, compiled="yes")
     assert cache.lengths.tolist() == [0]
 
@@ -187,3 +187,19 @@ def test_compiled_decode_makes_no_cuda_synchronisation():
             tok = decode_step(model, tok, cache, compiled=True).argmax(-1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_compile_seconds_belong_to_the_caller_that_compiled():
+    """A `CompiledSteps` counts the compile seconds of its own calls (none kept module-wide): the
+    first decode at a new capacity compiles and is counted there, a second object reusing the
+    graph counts nothing; both run through the cache's `writing` context (lengths grow by 1 each)."""
+    from glm5lab.infer.compiled import CompiledSteps
+
+    model = _small_model()
+    first, second = CompiledSteps(model), CompiledSteps(model)
+    capacity = 3 * compiled.CAPACITY_BUCKET  # a capacity no other test compiles for
+    cache = KVCache.for_model(model, 1, capacity)
+    prefill(model, torch.tensor([[5, 6, 7]]), cache)
+    decode_step(model, torch.tensor([1]), cache, compiled=first)
+    decode_step(model, torch.tensor([2]), cache, compiled=second)
+    assert first.seconds > 0 and second.seconds == 0 and cache.lengths.tolist() == [5]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from glm5lab.model.attention import (
-    attention_causal, attention_latent_gathered, attention_latent_masked, attention_reference, causal_mask,
-    causal_mask_rows, topk_mask,
+    attention_causal, attention_latent_gathered, attention_latent_masked, attention_reference, topk_mask,
 )
-from glm5lab.model.dsa import select_topk
+from glm5lab.model.topk import select_topk
+from glm5lab.model.visibility import visible
 from tests.conftest import assert_close, grads as _grads
 
 K = 5
@@ -30,9 +30,9 @@ def _latent_reference(q, kv, v_dim, mask_BTS):
 @pytest.mark.parametrize("H", [1, 3])
 def test_latent_gathered_and_masked_equal_reference(T, H):
     q, kv = _q_kv(2, T, T, H, 11, seed=T)
-    scores = torch.randn(2, T, T).masked_fill(~causal_mask(T, T, 0, "cpu"), float("-inf"))
+    scores = torch.randn(2, T, T).masked_fill(~visible(0, T, T)[0], float("-inf"))
     topk = select_topk(scores, K)
-    mask = causal_mask(T, T, 0, "cpu")[None] & topk_mask(topk, T)
+    mask = visible(0, T, T)[0][None] & topk_mask(topk, T)
     ref = _latent_reference(q, kv, 7, mask)
     ref_grads = _grads(ref, q, kv)
     for out in (attention_latent_gathered(q, kv, v_dim=7, scale=0.3, topk=topk),
@@ -47,7 +47,7 @@ def test_latent_kernels_with_per_row_offsets():
     """Decoding rows at different lengths: query t of row b sits at offsets[b] + t."""
     offsets, T, S = torch.tensor([3, 9]), 2, 11
     q, kv = _q_kv(2, T, S, 3, 9, seed=5)
-    mask = causal_mask_rows(offsets, T, S)
+    mask = visible(offsets, T, S)
     scores = torch.randn(2, T, S).masked_fill(~mask, float("-inf"))
     topk = select_topk(scores, K, q_offset=offsets)
     assert topk.valid_BTK[0].sum(-1).tolist() == [4, 5] and topk.valid_BTK[1].all()
@@ -64,7 +64,7 @@ def test_sdpa_causal_equals_reference(T, S, offset):
     q = torch.randn(1, T, 4, 6, generator=g, requires_grad=True)
     k = torch.randn(1, S, 2, 6, generator=g, requires_grad=True)
     v = torch.randn(1, S, 2, 3, generator=g, requires_grad=True)
-    ref = attention_reference(q, k, v, scale=0.5, mask_BTS=causal_mask(T, S, offset, "cpu")[None])
+    ref = attention_reference(q, k, v, scale=0.5, mask_BTS=visible(offset, T, S)[0][None])
     out = attention_causal(q, k, v, scale=0.5, q_offset=offset)
     assert_close(out, ref)
     for a, b in zip(_grads(out, q, k, v), _grads(ref, q, k, v), strict=True):
@@ -74,10 +74,10 @@ def test_sdpa_causal_equals_reference(T, S, offset):
 def test_garbage_selection_fails():
     """The tie is strict enough to notice a wrong key choice."""
     q, kv = _q_kv(1, 9, 9, 2, 4)
-    scores = torch.randn(1, 9, 9).masked_fill(~causal_mask(9, 9, 0, "cpu"), float("-inf"))
+    scores = torch.randn(1, 9, 9).masked_fill(~visible(0, 9, 9)[0], float("-inf"))
     topk = select_topk(scores, 3)
     wrong = topk._replace(idx_BTK=(topk.idx_BTK.flip(-1) + 1) % 9)
-    ref = _latent_reference(q, kv, 3, causal_mask(9, 9, 0, "cpu")[None] & topk_mask(topk, 9))
+    ref = _latent_reference(q, kv, 3, visible(0, 9, 9)[0][None] & topk_mask(topk, 9))
     with pytest.raises(AssertionError):
         assert_close(attention_latent_gathered(q, kv, v_dim=3, scale=0.3, topk=wrong), ref)
 

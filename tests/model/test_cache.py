@@ -112,7 +112,7 @@ def decode(model, ids_BN, chunks, *, impl="auto", capacity=None, cache=None):
 
 # ---------------------------------------------------------------- 1. cached == full recompute
 
-SCHEDULES = {  # tiny: index_topk = 8, ABSORBED_MAX_QUERIES = 16
+SCHEDULES = {  # tiny: index_topk = 8, DECODE_MAX_TOKENS = 16
     "prefill12-then-steps": [12, 1, 1, 1, 1],
     "prefill7(topk-1)-then-steps": [7, 1, 1, 1, 1],
     "prefill8(topk)-then-steps": [8, 1, 1, 1],
@@ -282,7 +282,7 @@ def test_dsa_topk_engages_in_cached_decode(tiny, dense):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dense_model_cached_equals_full_recompute(dense, impl):
     ids = rand_ids(21, 2, 24)
-    got, _ = decode(dense, ids, [18, 1, 3, 2], impl=impl)  # 18 > ABSORBED_MAX_QUERIES: expanded K/V under auto
+    got, _ = decode(dense, ids, [18, 1, 3, 2], impl=impl)  # 18 > DECODE_MAX_TOKENS: expanded K/V under auto
     assert_close(got, full(dense, ids))
 
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from glm5lab import ModelConfig
-from glm5lab.model.attention import causal_mask
-from glm5lab.model.dsa import LightningIndexer, select_topk
+from glm5lab.model.visibility import visible
+from glm5lab.model.dsa import LightningIndexer
+from glm5lab.model.topk import select_topk
 from glm5lab.model.rope import rope_angles
 
 
@@ -16,7 +17,7 @@ def test_topk_ties_break_by_position_and_invalid_slots_are_marked():
                        [0.0, 3.0, 0.0, -1, -1],
                        [0.0, 0.0, 0.0, 0.0, -1],
                        [5.0, 0.0, 5.0, 0.0, 5.0]]])
-    s = s.masked_fill(~causal_mask(5, 5, 0, "cpu"), float("-inf"))
+    s = s.masked_fill(~visible(0, 5, 5)[0], float("-inf"))
     topk = select_topk(s, 3)
     assert topk.idx_BTK[0, 1, :2].tolist() == [0, 1]
     assert topk.idx_BTK[0, 2].tolist() == [1, 0, 2]
@@ -26,7 +27,7 @@ def test_topk_ties_break_by_position_and_invalid_slots_are_marked():
 
 
 def test_topk_is_min_k_and_s_and_refuses_k_below_one():
-    s = torch.zeros(1, 2, 2).masked_fill(~causal_mask(2, 2, 0, "cpu"), float("-inf"))
+    s = torch.zeros(1, 2, 2).masked_fill(~visible(0, 2, 2)[0], float("-inf"))
     assert select_topk(s, 10).idx_BTK.shape == (1, 2, 2)
     with pytest.raises(ValueError, match="index_topk must be >= 1"):
         select_topk(s, 0)
@@ -57,7 +58,7 @@ def test_indexer_matches_transformers(interleaved):
     scores = ours.scores(x, q_lat, ours.keys(x, cos, sin), cos, sin)
     ours_idx = select_topk(scores, cfg.index_topk)
     rope = GlmMoeDsaRotaryEmbedding(hf_cfg)
-    mask = torch.where(causal_mask(T, T, 0, "cpu"), 0.0, float("-inf"))[None].expand(B, T, T)
+    mask = torch.where(visible(0, T, T)[0], 0.0, float("-inf"))[None].expand(B, T, T)
     their_idx = theirs(x, q_lat, rope(x, pos[None]), mask, pos[None])
     for b in range(B):
         for t in range(cfg.index_topk, T):  # rows with more causal keys than K: a real choice

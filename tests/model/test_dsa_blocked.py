@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.model.attention import TopK, attention_latent_gathered, attention_reference, causal_mask, topk_mask
-from glm5lab.model.dsa import LightningIndexer, select_topk, select_topk_fast
+from glm5lab.model.attention import TopK, attention_latent_gathered, attention_reference, topk_mask
+from glm5lab.model.visibility import visible
+from glm5lab.model.dsa import LightningIndexer
+from glm5lab.model.topk import select_topk, select_topk_fast
 from glm5lab.model.dsa_blocked import index_score_blocks, index_topk_blocked
 from glm5lab.model.rope import rope_angles
 
@@ -105,7 +107,7 @@ def _tie_heavy(B, T, S, seed):
     g = torch.Generator().manual_seed(seed)
     s = torch.randint(-3, 4, (B, T, S), generator=g).float() / 2  # 7 values: ties everywhere
     s[s == 0.5] = -0.0
-    return s.masked_fill(~causal_mask(T, S, S - T, "cpu"), float("-inf"))
+    return s.masked_fill(~visible(S - T, T, S)[0], float("-inf"))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -229,12 +231,12 @@ def test_select_topk_fast_on_long_rows_with_ties(S, decimals):
     with a tail that fills no group), scores rounded to 2 or 0 decimals (at 0 every row ties at
     the boundary and is re-ranked), -inf keys of a chunk's early queries: the values are
     torch.topk's, the choice the stable sort's."""
-    from glm5lab.model.dsa import _topk_grouped
+    from glm5lab.model.topk import _topk_grouped
 
     g = torch.Generator().manual_seed(7)
     s = torch.randn(2, 5, S, generator=g)
     s = s if decimals is None else s.round(decimals=decimals)
-    s = s.masked_fill(~causal_mask(5, S, S - 5, "cpu"), float("-inf"))
+    s = s.masked_fill(~visible(S - 5, 5, S)[0], float("-inf"))
     vals, idx = _topk_grouped(s, 10)
     assert torch.equal(vals, s.topk(10, dim=-1).values) and torch.equal(s.gather(-1, idx), vals)
     ref, fast = select_topk(s, 9, q_offset=S - 5), select_topk_fast(s, 9, q_offset=S - 5)

@@ -14,6 +14,7 @@ from glm5lab.model import mla
 from glm5lab.model.cache import KVCache
 from glm5lab.model.mla import ROUTES, MLAttention, attention_route
 from glm5lab.model.rope import rope_angles
+from glm5lab.model.step import DECODE_MAX_TOKENS, is_decode_sized
 from tests.conftest import assert_close, grads, uncached_step
 
 K = 6
@@ -140,8 +141,9 @@ ROUTE_TABLE = [  # (reference, absorbed, sparse, T, S, route), index_topk = K: 4
 
 @pytest.mark.parametrize("reference, absorbed, sparse, T, S, route", ROUTE_TABLE)
 def test_attention_route_follows_the_table(reference, absorbed, sparse, T, S, route):
-    assert mla.ABSORBED_MAX_QUERIES == 16 and mla.GATHER_MIN_KEYS_PER_TOPK == 4  # the table's 16 and 4
-    assert attention_route(reference=reference, absorbed=absorbed, sparse=sparse, T=T, S=S, index_topk=K) == route
+    assert DECODE_MAX_TOKENS == 16 and mla.GATHER_MIN_KEYS_PER_TOPK == 4  # the table's 16 and 4
+    assert attention_route(reference=reference, absorbed=absorbed, sparse=sparse, decode_sized=is_decode_sized(T), S=S,
+                           index_topk=K) == route
 
 
 def test_route_table_covers_every_route():
@@ -208,8 +210,8 @@ def test_every_route_equals_the_reference_forward_and_backward(scenario, cached,
     topk = step.topk
     S = step.extent
     assert (topk is not None) == (scenario == "dsa" and S > K)
-    assert natural == attention_route(reference=False, absorbed=False, sparse=topk is not None, T=T, S=S,
-                                      index_topk=K)
+    assert natural == attention_route(reference=False, absorbed=False, sparse=topk is not None,
+                                      decode_sized=is_decode_sized(T), S=S, index_topk=K)
     ref_grads = grads(ref, *params)
     routes = [r for r in ROUTES if r != "latent_gathered" or topk is not None]  # gathering needs a top-k
     assert natural in routes

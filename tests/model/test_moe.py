@@ -7,10 +7,27 @@ import pytest
 import torch
 
 from glm5lab import ModelConfig
+from glm5lab.model.dispatch import LocalDispatcher
 from glm5lab.model.moe import (
     MoE, Router, experts_gathered, experts_grouped, experts_grouped_mm, experts_loop, grouped_mm_runs,
 )
 from tests.conftest import assert_close, grads
+
+
+def _moe(kernel, x, idx, w, weights, **kw):
+    """dispatch -> `kernel` over the rows grouped by expert -> combine: y [N, D]."""
+    x_AD, counts_E, sent = LocalDispatcher().dispatch(x, idx, w, weights[0].shape[0])
+    return LocalDispatcher().combine(kernel(x_AD, counts_E, *weights, **kw), sent, x.dtype)
+
+
+def _by_hand(x, idx, w, weights):
+    """y_n = sum_k w_nk FFN_{idx_nk}(x_n), token by token: what dispatch, experts and combine compute."""
+    gate, up, down = weights
+    rows = []
+    for n in range(x.shape[0]):
+        rows.append(sum(w[n, k] * ((torch.nn.functional.silu(x[n] @ gate[e].T) * (x[n] @ up[e].T)) @ down[e].T)
+                        for k, e in enumerate(idx[n].tolist())))
+    return torch.stack(rows)
 
 
 def _cfg(**changes):
@@ -76,8 +93,9 @@ def test_grouped_equals_loop_forward_and_backward(N, E, K, tile):
     w = torch.rand(N, K, generator=g, requires_grad=True)
     weights = [torch.randn(E, I, D, generator=g, requires_grad=True), torch.randn(E, I, D, generator=g, requires_grad=True),
                torch.randn(E, D, I, generator=g, requires_grad=True)]
-    ref = experts_loop(x, idx, w, *weights)
-    out = experts_grouped(x, idx, w, *weights, tile=tile)
+    ref = _moe(experts_loop, x, idx, w, weights)
+    out = _moe(experts_grouped, x, idx, w, weights, tile=tile)
+    assert_close(ref, _by_hand(x, idx, w, weights))  # the reference pipeline is the formula
     assert_close(out, ref)
     for a, b in zip(grads(out, x, w, *weights), grads(ref, x, w, *weights), strict=True):
         assert_close(a, b)
@@ -94,10 +112,10 @@ def _expert_inputs(g, N, E, K, D=6, I=5):
 
 def _assert_gathered_equals_loop(x, idx, w, weights):
     """Both sync-free decode paths (gathered weights, torch._grouped_mm) equal the loop, fwd+bwd."""
-    ref = experts_loop(x, idx, w, *weights)
+    ref = _moe(experts_loop, x, idx, w, weights)
     ref_grads = grads(ref, x, w, *weights)
     for fast in (experts_gathered, experts_grouped_mm) if grouped_mm_runs(x, weights[0]) else (experts_gathered,):
-        out = fast(x, idx, w, *weights)
+        out = _moe(fast, x, idx, w, weights)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert_close(out, ref)
         for a, b in zip(grads(out, x, w, *weights), ref_grads, strict=True):
@@ -130,7 +148,7 @@ def test_tie_to_the_loop_catches_a_wrong_expert(fast):
     idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
     weights = [torch.randn(4, 12, 8, generator=g), torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 12, generator=g)]
     with pytest.raises(AssertionError):
-        assert_close(fast(x, (idx + 1) % 4, w, *weights), experts_loop(x, idx, w, *weights))
+        assert_close(_moe(fast, x, (idx + 1) % 4, w, weights), _moe(experts_loop, x, idx, w, weights))
 
 
 def test_moe_block_matches_transformers_and_records_load():

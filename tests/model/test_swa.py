@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from glm5lab import ConfigError, GLM5ForCausalLM, KVCache, ModelConfig
-from glm5lab.model.attention import causal_mask_rows, window_mask
+from glm5lab.model.visibility import visible, visible_count
 from tests.conftest import assert_close
 
 W = 4
@@ -21,13 +21,18 @@ def _model(**overrides) -> GLM5ForCausalLM:
 @pytest.mark.parametrize("offset", [0, 3, 9])
 def test_window_mask_sees_exactly_min_pos_plus_one_and_window_keys(offset):
     T, S = 6, offset + 6
-    mask = window_mask(T, S, offset, W, "cpu")
+    mask = visible(offset, T, S, window=W)[0]
     pos = torch.arange(T) + offset
     assert mask.sum(-1).tolist() == torch.clamp(pos + 1, max=W).tolist()
     for t in range(T):
         assert mask[t].nonzero()[:, 0].tolist() == list(range(max(0, int(pos[t]) - W + 1), int(pos[t]) + 1))
-    rows = causal_mask_rows(torch.tensor([offset, offset]), T, S, window=W)
+    rows = visible(torch.tensor([offset, offset]), T, S, window=W)
     assert torch.equal(rows, mask.expand(2, T, S))
+    for window in (None, W):  # the count is the mask's, per row, also past the keys (S < position + 1)
+        for offsets in (offset, torch.tensor([offset, max(0, offset - 2)])):
+            for keys in (S, S - 2):
+                assert torch.equal(visible_count(offsets, T, keys, window=window),
+                                   visible(offsets, T, keys, window=window).sum(-1))
 
 
 def test_one_swa_layer_reads_only_its_window():

@@ -13,7 +13,8 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.infer.steps import decode_step, prefill
 from glm5lab.model.cache import KVCache
-from glm5lab.model.dsa import LightningIndexer, select_topk, select_topk_fast
+from glm5lab.model.dsa import LightningIndexer
+from glm5lab.model.topk import select_topk, select_topk_fast
 from glm5lab.model.dsa_blocked import index_topk_blocked
 from glm5lab.model.rope import rope_angles
 
@@ -164,7 +165,9 @@ def test_model_logits_do_not_depend_on_the_future_under_infinite_index_queries(s
     finally:
         handle.remove()
     assert torch.isfinite(a).all()
-    assert torch.equal(a, b)
+    # equal up to the rounding of batched expert matmuls, whose row groups hold the later tokens
+    # too (fp32, 1e-5: a future key that is attended moves these logits by ~0.1)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 def test_cached_decode_with_infinite_index_queries_matches_full_recompute():

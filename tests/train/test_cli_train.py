@@ -58,6 +58,20 @@ def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, rank
     assert main(["train", "--preset", "tiny", "--threads", "1"]) == 130
     assert ("interrupted" in capsys.readouterr().err) == printed
 
+    def refused(args):  # every rank refuses the same arguments: one line, from rank 0
+        raise ValueError("--resume: refused")
+    monkeypatch.setattr(loop, "train", refused)
+    assert main(["train", "--preset", "tiny", "--threads", "1"]) == 2
+    assert ("glm5lab train: error: --resume: refused" in capsys.readouterr().err) == printed
+
+
+def test_a_resume_with_nothing_to_resume_is_a_user_error(tmp_path):
+    """ResumeError is a user error: one `error:` line and exit status 2, not a class name and 1."""
+    for out in (tmp_path / "missing", tmp_path):
+        r = _run("--preset", "tiny", "--out", str(out), "--resume", "--no-progress", "--threads", "1",
+                 env_cache=tmp_path / "cache")
+        assert r.returncode == 2 and r.stderr.startswith("glm5lab train: error: --resume:"), r.stderr
+
 
 @pytest.mark.parametrize("args, message", [
     (["--preset", "nope"], "unknown preset 'nope'"),

@@ -42,7 +42,8 @@ def test_folder_is_loaded_recursively_in_sorted_path_order(tmp_path, capsys):
 
 def test_a_folder_of_only_corpus_files_says_nothing(tmp_path, capsys):
     _write(tmp_path / "a.txt", "one")
-    assert len(load_documents(tmp_path)) == 1 and capsys.readouterr().err == ""
+    _write(tmp_path / "B.TXT", "two")  # suffixes in any case
+    assert [d.text for d in load_documents(tmp_path)] == ["two", "one"] and capsys.readouterr().err == ""
 
 
 def test_jsonl_one_document_per_line(tmp_path):

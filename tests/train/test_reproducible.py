@@ -96,10 +96,10 @@ def test_no_training_step_accumulates_in_thread_order():
 
 
 def test_the_audit_catches_a_gather_by_advanced_indexing(monkeypatch):
-    def experts_indexed(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI):  # `experts_gathered` with w[idx]
-        h_NKI = F.silu(torch.einsum("nd,nkid->nki", x_ND, gate_EID[idx_NK])) * torch.einsum(
-            "nd,nkid->nki", x_ND, up_EID[idx_NK])
-        return (torch.einsum("nki,nkdi->nkd", h_NKI, down_EDI[idx_NK]) * w_NK[..., None]).sum(1)
+    def experts_indexed(x_AD, counts_E, gate_EID, up_EID, down_EDI):  # `experts_gathered` with w[e_A]
+        e_A = torch.repeat_interleave(torch.arange(counts_E.shape[0]), counts_E)
+        h_AI = F.silu(torch.einsum("ad,aid->ai", x_AD, gate_EID[e_A])) * torch.einsum("ad,aid->ai", x_AD, up_EID[e_A])
+        return torch.einsum("ai,adi->ad", h_AI, down_EDI[e_A])
 
     monkeypatch.setattr(moe, "experts_grouped", experts_indexed)
     torch.manual_seed(0)

@@ -32,6 +32,12 @@ def test_default_run_folder_says_what_ran(argv, out):
     assert default_out(build_parser().parse_args(["train", *argv])) == out
 
 
+def test_default_run_folder_of_data_dot_names_the_folder(tmp_path, monkeypatch):
+    (tmp_path / "mytexts").mkdir()
+    monkeypatch.chdir(tmp_path / "mytexts")
+    assert default_out(build_parser().parse_args(["train", "--data", "."])) == "runs/small-data-mytexts"
+
+
 def test_failed_starts_leave_no_folder(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"

@@ -57,7 +57,6 @@ from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.workbench import BatchFn
 from glm5lab.config import ModelConfig
 from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
-from glm5lab.presets import preset
 from glm5lab.train.batches import BatchStream, pack
 from glm5lab.train.loop import TrainArgs
 from glm5lab.train.stages import Stage, default_stages
@@ -91,7 +90,7 @@ SIZES = {  # steps: the GLM-5 arm's total, split 300/40/80 as default_stages; va
 
 def glm5_config(s: dict) -> ModelConfig:
     """The small preset, or (model "gpu") the preset scaled up by GPU_SHAPE."""
-    return preset("small") if s["model"] == "small" else preset("small", **GPU_SHAPE)
+    return ModelConfig.from_preset("small") if s["model"] == "small" else ModelConfig.from_preset("small", **GPU_SHAPE)
 
 
 def activated(cfg: ModelConfig) -> int:

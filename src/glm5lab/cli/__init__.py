@@ -36,10 +36,11 @@ from glm5lab.cli.ablate import add_ablate_parser
 from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
 from glm5lab.config import ConfigError, ModelConfig
-from glm5lab.ledger import DTYPE_BYTES, ledger, render
+from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
 from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
 from glm5lab.threads import configure as configure_threads
+from glm5lab.validate import DTYPES
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
 DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attention, MoE, multi-token "
@@ -128,6 +129,8 @@ def _stem(path: str) -> str:
     """A folder's name, or a file's stem; config.json: the name of the folder holding it; a
     run's checkpoint RUN/checkpoints/step-N: RUN-step-N."""
     p = Path(path)
+    if p.name in ("", ".", ".."):  # --data . : the folder's own name
+        p = p.resolve()
     if p.name == "config.json" and p.parent.name:
         p = p.parent
     if p.parent.name == "checkpoints" and p.parent.parent.name:
@@ -209,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", metavar="NAME", help=f"a named config: one of {', '.join(PRESETS)} (default glm5)")
     src.add_argument("--config", metavar="PATH", help="an HF config.json, or a checkpoint folder holding one")
-    p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16",
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                    help="element type of the cached state, for its bytes (default bf16)")
     p.add_argument("--context", type=int, metavar="N",
                    help="context length in tokens for state bytes and FLOPs (default: the model's "
@@ -241,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout closed early (`glm5lab generate ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except USER_ERRORS as e:
-        print(f"glm5lab {args.command}: error: {_one_line(e)}", file=sys.stderr)
+    except USER_ERRORS as e:  # every torchrun rank checks the same arguments: rank 0 says it
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"glm5lab {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # a run that diverged, or a checkpoint that cannot be resumed
+    except RuntimeError as e:  # a run that diverged, a checkpoint whose weights do not match its config
         print(f"glm5lab {args.command}: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
 

@@ -17,11 +17,11 @@ import json
 import sys
 from pathlib import Path
 
+from glm5lab import validate
 from glm5lab.config import ModelConfig
 from glm5lab.infer import DEFAULT_PREFILL_CHUNK
 
 REPLACEMENT_CHAR = "\ufffd"
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_DRAFT_STEPS = 3
 
 
@@ -62,7 +62,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--draft-steps", dest="draft_steps", type=int, metavar="N",
                    help=f"tokens drafted per round with --speculative (default {DEFAULT_DRAFT_STEPS})")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=list(DTYPES),
+    p.add_argument("--dtype", choices=["fp32", "bf16"],
                    help="weight and cache dtype (default: fp32 on cpu, bf16 on cuda)")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
                    help=f"prefill the prompt in pieces of N tokens (default {DEFAULT_PREFILL_CHUNK}; the result "
@@ -106,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"glm5lab generate: using {folder}", file=sys.stderr)
     stream = None if args.json else Stream(tokenizer, sys.stdout)
     try:
-        model = load_model(folder, torch_dtype=getattr(torch, DTYPES[dtype]), device=device,
+        model = load_model(folder, torch_dtype=validate.torch_dtype(dtype), device=device,
                            speculative=bool(args.speculative))
         out = generate(model, prompt_ids, args.max_new_tokens, **options, compile=args.compile,
                        on_tokens=None if stream is None else (lambda rows: stream.add(rows[0])))
@@ -145,7 +145,7 @@ def choose_device(device: str | None, dtype: str | None) -> tuple[str, str]:
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available (this torch build or machine has none); "
                          "use --device cpu")
-    return device, dtype or ("bf16" if device == "cuda" else "fp32")
+    return device, dtype or validate.default_dtype(device)
 
 
 def resolve_model_dir(path: str) -> tuple[Path, bool]:
@@ -296,7 +296,9 @@ def format_stats(stats, speculative: bool = False) -> str:
             f"({stats.decode_seconds:.3f} s), prefill {stats.prefill_seconds:.3f} s ({stats.prompt_tokens} "
             "prompt tokens)")
     if stats.compile_seconds:
-        line += f", compile {stats.compile_seconds:.1f} s (apart: in neither the decode seconds nor the tok/s)"
+        tokens = getattr(stats, "compile_tokens", 0)
+        line += (f", compile {stats.compile_seconds:.1f} s (the rounds that compiled, {tokens} token"
+                 f"{'' if tokens == 1 else 's'}: apart, in neither the decode seconds nor the tok/s)")
     if stats.acceptance_length is not None:
         rates = " ".join(f"{r:.2f}" for r in stats.acceptance_rate)
         line += (f"; acceptance length {stats.acceptance_length:.2f} over {stats.verify_steps} verify steps, "

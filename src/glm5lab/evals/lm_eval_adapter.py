@@ -51,10 +51,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from glm5lab.infer.generate import generate
 from glm5lab.model.model import GLM5ForCausalLM
 from glm5lab.tokenizer import EOT, load_tokenizer
+from glm5lab.validate import default_dtype, torch_dtype
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 GEN_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "until", "max_gen_toks")
 
 
@@ -84,11 +84,8 @@ def _resolve_device(device) -> torch.device:
 
 
 def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not allowed: one of {sorted(DTYPES)}")
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
+    """"auto" (`default_dtype`), or float32 / bfloat16 (fp32 / bf16). Raises ValueError otherwise."""
+    return torch_dtype(default_dtype(device) if dtype == "auto" else dtype)
 
 
 @register_model("glm5lab")

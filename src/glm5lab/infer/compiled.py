@@ -7,7 +7,9 @@ gpt-fast's recipe: a preallocated cache (`KVCache`), a step whose shapes depend 
 S_max) and never on how full the cache is (`GLM5ForCausalLM.step(static=True)`: keys are read
 over all S_max slots, the ones past each row's length masked, so it is the same function as the
 eager step), positions and lengths as tensors, and every check and host-side count made outside
-the graph (`reserve` before, `commit` after, both host-only). The graph is compiled once per
+the graph, by the cache context every step uses, eager or compiled (`KVCache.writing`: `reserve`
+before, `commit` after, both host-only). `CompiledSteps` wraps the graphs for one caller and
+returns its compile seconds; the model itself only knows static shapes (`step(static=True)`). The graph is compiled once per
 (function, B, T, S_max, dtype, device) and reused across calls and `generate` calls;
 `glm5lab.generate(compile=True)` rounds S_max up to `CAPACITY_BUCKET` so that prompts of
 similar lengths share graphs. One generation compiles at most 3 graphs whatever its length
@@ -82,46 +84,52 @@ def _verify_graph(model, cache, ids_BT, attn_impl):
 
 
 def _mtp_graph(model, cache, hidden_BTD, ids_BT, attn_impl, with_logits):
-    return model.mtp_step(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits, static=True)
+    return model.mtp_forward(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits, static=True)
 
 
 GRAPHS = {"decode": _decode_graph, "verify": _verify_graph, "mtp": _mtp_graph}
 _compiled: dict[tuple[str, str | None], object] = {}
-"""The `torch.compile` wrappers, made on first use (dynamo keeps their graphs per code object:
-a process-wide cache, as torch.compile's own)."""
-compile_seconds = {"total": 0.0}
-"""Wall seconds spent in calls that compiled a graph (`run` measures it: a call that compiles is
-one whose dynamo frame count grew), for reporting compile time apart from steady-state speed."""
+"""The `torch.compile` wrappers, made on first use: process-wide, as dynamo keeps their graphs
+per code object (torch.compile's own cache)."""
 
 
-def run(name: str, model, cache, *args):
-    """Call compiled graph `name` ("decode" | "verify" | "mtp") with (model, *args) over `cache`:
-    reserve the new tokens first, commit them after (host side, no synchronisation unless the
-    host bound reaches the capacity). args: decode (ids_B1, attn_impl) -> logits [B, V];
-    verify (ids_BT, attn_impl) -> (logits [B, T, V], hidden [B, T, D]); mtp (hidden_BTD,
-    ids_BT, attn_impl, with_logits) -> (h' [B, T, D], logits [B, T, V] | None). Raises
-    CacheOverflowError past the capacity, ValueError for a recurrent (GDN) model."""
-    check_attention_only(cache.specs, "compiled=True")
-    ids = args[0] if name != "mtp" else args[1]
-    T = ids.shape[1]
-    cache.reserve(T)
-    t0, frames = time.perf_counter(), graphs_compiled()  # a first call's set-up counts as compiling too
-    mode = compile_mode(ids.device)
-    fn = _compiled.get((name, mode))
-    if fn is None:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        options = CPU_OPTIONS if ids.device.type == "cpu" else None
-        fn = _compiled[(name, mode)] = torch.compile(GRAPHS[name], fullgraph=True, dynamic=False, mode=mode,
-                                                     options=options)
-    if mode == "reduce-overhead":
-        _mark_static(cache)
-    out = fn(model, cache, *args)
-    if graphs_compiled() != frames:
-        compile_seconds["total"] += time.perf_counter() - t0
-    cache.commit(T)
-    if mode == "reduce-overhead":  # CUDA-graph outputs are overwritten by the next replay: keep copies
-        out = tuple(o.clone() if o is not None else None for o in out) if isinstance(out, tuple) else out.clone()
-    return out
+class CompiledSteps:
+    """The compiled steps of one model, for one caller (a `generate` call, a benchmark): `run`
+    calls a graph inside the cache's `writing` context, the same context the eager steps use.
+    `seconds`: wall seconds this object's calls spent compiling (a call whose dynamo graph count
+    grew), reported apart from steady-state speed. Raises ValueError at construction for a model
+    with recurrent (Gated DeltaNet) layers (`check_attention_only`, checked once here)."""
+
+    def __init__(self, model, what: str = "compile=True"):
+        check_attention_only(model.layer_specs, what)
+        self.model, self.seconds = model, 0.0
+
+    def run(self, name: str, cache, *args):
+        """Graph `name` ("decode" | "verify" | "mtp") over `cache`. args: decode (ids_B1,
+        attn_impl) -> logits [B, V]; verify (ids_BT, attn_impl) -> (logits [B, T, V], hidden
+        [B, T, D]); mtp (hidden_BTD, ids_BT, attn_impl, with_logits) -> (h' [B, T, D], logits
+        [B, T, V] | None). Raises CacheOverflowError past the capacity."""
+        ids = args[0] if name != "mtp" else args[1]
+        mode = compile_mode(ids.device)
+        with cache.writing(ids.shape[1]):
+            t0, frames = time.perf_counter(), graphs_compiled()  # a first call's set-up counts as compiling too
+            fn = _compiled.get((name, mode)) or _compile(name, mode, ids.device)
+            if mode == "reduce-overhead":
+                _mark_static(cache)
+            out = fn(self.model, cache, *args)
+            if graphs_compiled() != frames:
+                self.seconds += time.perf_counter() - t0
+        if mode == "reduce-overhead":  # CUDA-graph outputs are overwritten by the next replay: keep copies
+            out = tuple(o.clone() if o is not None else None for o in out) if isinstance(out, tuple) else out.clone()
+        return out
+
+
+def _compile(name: str, mode: str | None, device: torch.device):
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    options = CPU_OPTIONS if device.type == "cpu" else None
+    fn = _compiled[(name, mode)] = torch.compile(GRAPHS[name], fullgraph=True, dynamic=False, mode=mode,
+                                                 options=options)
+    return fn
 
 
 def _mark_static(cache) -> None:

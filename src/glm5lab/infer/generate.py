@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK, compiled as compiled_steps
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer.compiled import CompiledSteps, capacity_for
 from glm5lab.infer.sampling import BatchGenerator, Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
 from glm5lab.infer.steps import decode_step, draft, prefill, verify
 from glm5lab.model.cache import KVCache
+from glm5lab.validate import int_at_least
 
 SPECULATIVE = (None, "mtp")
 
@@ -51,7 +53,10 @@ class GenerateStats:
     acceptance_rate: list[float] | None = None
     verify_steps: int = 0
     compile_seconds: float = 0.0
-    """Seconds spent compiling graphs (compile=True, first calls only); not part of decode_seconds."""
+    """Seconds of the decode rounds whose steps compiled a graph (compile=True, first calls only,
+    their forwards included); not part of decode_seconds."""
+    compile_tokens: int = 0
+    """Tokens those rounds emitted; not counted in decode_tokens_per_second."""
 
     rows: int = 1
 
@@ -59,8 +64,9 @@ class GenerateStats:
     def decode_tokens_per_second(self) -> float:
         """Tokens from decode forwards per second: each row's first token comes from the prefill's
         logits, so it is not counted (as benchmarks/decode.py times N-1 tokens after the first).
-        Compilation time is not counted (`compile_seconds`, apart from decode_seconds)."""
-        decoded, seconds = self.new_tokens - self.rows, self.decode_seconds
+        Rounds that compiled are not counted, their seconds nor their tokens (`compile_seconds`,
+        `compile_tokens`)."""
+        decoded, seconds = self.new_tokens - self.rows - self.compile_tokens, self.decode_seconds
         return decoded / seconds if seconds > 0 and decoded > 0 else 0.0
 
     def as_dict(self) -> dict:
@@ -112,8 +118,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     _check_model(model, on_tokens)
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
-    if compile:
-        compiled_steps.check_attention_only(model.layer_specs)
+    compiled = CompiledSteps(model) if compile else None  # refuses a recurrent model before any work
     if stop_when is not None and not callable(stop_when):
         raise TypeError(f"stop_when must be None or a callable (row index, tokens) -> bool, got {stop_when!r}")
     prompts, sampling, stops = check_request(model.config, input_ids, max_new_tokens, temperature=temperature,
@@ -127,14 +132,14 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     else:
         generator.seed()
     run = _Run(model, prompts, max_new_tokens, sampling, BatchGenerator(generator, len(prompts)), stops, on_tokens,
-               attn_impl, device, stop_when, compile)
-    compiling_before = compiled_steps.compile_seconds["total"]
+               attn_impl, device, stop_when, compiled)
     if speculative == "mtp":
         run.speculative(draft_steps, prefill_chunk)
     else:
         run.plain(prefill_chunk)
-    run.stats.compile_seconds = compiled_steps.compile_seconds["total"] - compiling_before
-    run.stats.decode_seconds -= run.stats.compile_seconds  # reported apart: decode_seconds is decoding only
+    if compiled is not None:  # reported apart: decode_seconds is decoding only
+        run.stats.compile_seconds = compiled.seconds
+        run.stats.decode_seconds -= compiled.seconds
     return GenerateOutput(run.emitted, run.stats)
 
 
@@ -156,7 +161,7 @@ def check_request(config, input_ids, max_new_tokens: int, *, temperature: float 
 
 class _Run:
     """State of one generate call: rows still running (`alive`, global row ids), their emitted
-    tokens, statistics. Finished rows leave the batch (`keep`); compiled, they stay in it, frozen
+    tokens, statistics. Finished rows leave the batch; compiled, they stay in it, frozen (`settle`)
     (`finished`: the batch shape of the compiled graphs is static)."""
 
     def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device, stop_when,
@@ -193,9 +198,11 @@ class _Run:
         probs = distribution(logits_NV, self.sampling)
         return draw(probs, self.sampling, self.generator), probs
 
-    def emit(self, new: list[list[int]]) -> list[bool]:
+    def emit(self, new: list[list[int]], compiled_since: float | None = None) -> list[bool]:
         """Append each alive row's new tokens, cut at a stop token, `stop_when` or max_new_tokens;
-        stream them. Returns, per alive row, whether it is finished."""
+        stream them. Returns, per alive row, whether it is finished. compiled_since: the compile
+        seconds before the round that made these tokens; if that round compiled, its tokens
+        count as `compile_tokens`."""
         shown, done = [[] for _ in self.prompts], []
         for b, toks in zip(self.alive_rows, new, strict=True):
             if b in self.finished:  # compiled: a finished row stays in the batch, frozen
@@ -214,12 +221,27 @@ class _Run:
                 self.finished.add(b)
             done.append(b in self.finished)
         self.stats.new_tokens += sum(map(len, shown))
+        if compiled_since is not None and self.compiled.seconds != compiled_since:
+            self.stats.compile_tokens += sum(map(len, shown))
         if self.on_tokens is not None:
             self.on_tokens(shown)
         return done
 
-    def keep(self, done: list[bool], caches, tensors):
-        """Drop finished rows from the caches and from each per-row tensor; returns the tensors."""
+    def settle(self, done: list[bool], caches, tensors, bases=None):
+        """The finished-row policy, once: eager, finished rows leave the caches and each per-row
+        tensor (returned); compiled, they stay in the batch (its shape is static), frozen: each
+        cache in `caches` goes back to its length in `bases` (the lengths before this round) on
+        those rows, and the tensors are returned as they are."""
+        if not any(done):
+            return tensors
+        if self.compiled is None:
+            return self._keep(done, caches, tensors)
+        done_N = torch.tensor(done, device=self.device)
+        for cache, base_N in zip(caches, bases or (), strict=False):
+            cache.rewind(torch.where(done_N, base_N, cache.lengths))
+        return tensors
+
+    def _keep(self, done: list[bool], caches, tensors):
         rows = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long, device=self.device)
         self.alive = self.alive[rows]
         self.alive_rows = [b for b, d in zip(self.alive_rows, done, strict=True) if not d]
@@ -232,21 +254,21 @@ class _Run:
     def capacity(self, tokens: int) -> int:
         """Slots per row: `tokens`, rounded up to the compiled steps' bucket when compiled."""
         limit = self.model.config.max_position_embeddings
-        return compiled_steps.capacity_for(tokens, limit) if self.compiled else tokens
+        return capacity_for(tokens, limit) if self.compiled is not None else tokens
 
     def plain(self, chunk):
         capacity = self.capacity(int(self.lens.max()) + self.max_new)
         cache = KVCache.for_model(self.model, len(self.prompts), capacity)
         logits_BV = self.prefill(cache, chunk, keep_hidden=False).logits_BV
-        t0 = time.perf_counter()
+        t0, since = time.perf_counter(), None
         while True:
             tok_N, _ = self.choose(logits_BV)
-            done = self.emit([[t] for t in tok_N.tolist()])
+            done = self.emit([[t] for t in tok_N.tolist()], since)
             if all(done):
                 break
-            if any(done) and not self.compiled:
-                (tok_N,) = self.keep(done, [cache], [tok_N])
-            logits_BV = decode_step(self.model, tok_N, cache, attn_impl=self.attn_impl, compiled=self.compiled)
+            (tok_N,) = self.settle(done, [cache], [tok_N])  # compiled: frozen rows decode on, unread
+            since = self.compiled.seconds if self.compiled is not None else None
+            logits_BV = decode_step(self.model, tok_N, cache, attn_impl=self.attn_impl, compiled=self.compiled or False)
         self.stats.decode_seconds = time.perf_counter() - t0
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -266,21 +288,22 @@ class _Run:
         pend_ids[torch.arange(B, device=self.device), self.lens - 1] = last_N
         pend_h, pend_n = h_BPD, self.lens.clone()
         done = self.emit([[t] for t in last_N.tolist()])
+        base_N = mtp_base_N = None
         while not all(done):
-            if any(done) and not self.compiled:
-                last_N, pend_h, pend_ids, pend_n = self.keep(done, [cache, mtp_cache],
-                                                             [last_N, pend_h, pend_ids, pend_n])
+            last_N, pend_h, pend_ids, pend_n = self.settle(done, [cache, mtp_cache], [last_N, pend_h, pend_ids, pend_n],
+                                                           bases=None if base_N is None else [base_N, mtp_base_N])
             # compiled: rows finished earlier are frozen in the batch, not counted
-            running_N = torch.tensor([not d for d in done], device=self.device) if self.compiled else None
+            running_N = torch.tensor([not d for d in done], device=self.device) if self.compiled is not None else None
             mtp_base_N = mtp_cache.lengths
+            since = self.compiled.seconds if self.compiled is not None else None
             first = acceptance.steps == 0  # the prompt's pairs: chunked like the prefill, eager
             drafts_Nk, q_NkV = draft(self.model, pend_h, pend_ids, mtp_cache, k, lengths=pend_n,
                                      sampling=self.sampling, generator=self.generator,
                                      chunk=self.chunk if first else None, attn_impl=self.attn_impl,
-                                     compiled=self.compiled and not first)
+                                     compiled=self.compiled if self.compiled is not None and not first else False)
             base_N = cache.lengths.clone()
             logits_NkV, hidden_NkD = verify(self.model, torch.cat([last_N[:, None], drafts_Nk], dim=1), cache,
-                                            attn_impl=self.attn_impl, compiled=self.compiled)
+                                            attn_impl=self.attn_impl, compiled=self.compiled or False)
             p_NkV = distribution(logits_NkV, self.sampling)
             n_acc_N, next_N = accept_drafts(p_NkV, q_NkV, drafts_Nk, self.sampling, self.generator)
             acceptance.add(n_acc_N if running_N is None else n_acc_N[running_N])
@@ -288,11 +311,7 @@ class _Run:
             new_Nk1 = torch.cat([drafts_Nk, torch.zeros_like(next_N[:, None])], dim=1)
             new_Nk1[torch.arange(len(next_N), device=self.device), n_acc_N] = next_N
             pend_h, pend_ids, pend_n, last_N = hidden_NkD, new_Nk1, n_acc_N + 1, next_N
-            done = self.emit([row[:n + 1] for row, n in zip(new_Nk1.tolist(), n_acc_N.tolist())])
-            if self.compiled and any(done):  # frozen rows: their caches stop growing
-                done_N = torch.tensor(done, device=self.device)
-                cache.rewind(torch.where(done_N, base_N, cache.lengths))
-                mtp_cache.rewind(torch.where(done_N, mtp_base_N, mtp_cache.lengths))
+            done = self.emit([row[:n + 1] for row, n in zip(new_Nk1.tolist(), n_acc_N.tolist())], since)
         self.stats.decode_seconds = time.perf_counter() - t0
         if acceptance.steps:
             self.stats.acceptance_length = acceptance.acceptance_length
@@ -348,17 +367,14 @@ def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
 
 
 def _check_args(cfg, prompts, max_new, speculative, draft_steps, prefill_chunk) -> None:
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new!r}")
+    int_at_least("max_new_tokens", max_new, 1)
     if speculative not in SPECULATIVE:
         raise ValueError(f"speculative={speculative!r} is not allowed: None or 'mtp'")
-    if isinstance(draft_steps, bool) or not isinstance(draft_steps, int) or draft_steps < 1:
-        raise ValueError(f"draft_steps must be an int >= 1, got {draft_steps!r}")
+    int_at_least("draft_steps", draft_steps, 1)
     if speculative == "mtp" and not cfg.num_nextn_predict_layers:
         raise ValueError("speculative='mtp' needs an MTP layer; this model has num_nextn_predict_layers=0")
-    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                      or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+    if prefill_chunk is not None:
+        int_at_least("prefill_chunk", prefill_chunk, 1)
     need = max(map(len, prompts)) + max_new + (draft_steps + 1 if speculative else 0)
     if need > cfg.max_position_embeddings:
         raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) + max_new_tokens={max_new}"

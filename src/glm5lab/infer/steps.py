@@ -19,15 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK, compiled as compiled_steps
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer.compiled import CompiledSteps
 from glm5lab.infer.sampling import Sampling, distribution, draw
 from glm5lab.model.cache import KVCache
+from glm5lab.model.step import is_decode_sized
+from glm5lab.validate import int_at_least
 
 GREEDY = Sampling(0.0, None, None)
-COMPILED_MAX_TOKENS = 16
-"""`draft(compiled=True)` compiles the MTP layer's forwards of at most this many pairs (the
-steady state: k+1 pending pairs, then single chained drafts); a longer one (the prompt's pairs
-in the first round) runs eager, as a prefill does."""
 
 
 @dataclass
@@ -61,7 +60,9 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
     ragged = lengths is not None and bool((lens_B != P).any())
     hidden, last_h_BD = [], None
     for c0 in range(0, P, chunk):
-        h_BCD = model.step(input_ids[:, c0:c0 + chunk], cache, logits_to_keep=1, attn_impl=attn_impl).hidden_states
+        ids_BC = input_ids[:, c0:c0 + chunk]
+        with cache.writing(ids_BC.shape[1]):
+            h_BCD = model.step(ids_BC, cache, logits_to_keep=1, attn_impl=attn_impl).hidden_states
         if keep_hidden:
             hidden.append(h_BCD)
         last_h_BD = _keep_last(h_BCD, last_B - c0, last_h_BD)
@@ -71,38 +72,41 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
 
 
 def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
-                compiled: bool = False) -> torch.Tensor:
+                compiled: bool | CompiledSteps = False) -> torch.Tensor:
     """One new token per row: token_ids int64 [B] (or [B, 1]) at each row's next position.
     Returns the logits after it, [B, V]. No host synchronisation (attention models).
     compiled: run the `torch.compile` graph of this step (`glm5lab.infer.compiled`: static
     shapes over the cache's whole capacity; compiled on the first call per batch size and
-    capacity, attention models only); the eager step is its reference twin."""
+    capacity, attention models only; a `CompiledSteps` adds its compile seconds to its own
+    count); the eager step is its reference twin. Both run inside `cache.writing`."""
     ids_B1 = token_ids[:, None] if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 else token_ids
     _check_ids(model, ids_B1, cache, "token_ids", T=1)
-    _check_compiled(compiled)
-    if compiled:
-        return compiled_steps.run("decode", model, cache, ids_B1, attn_impl)
-    return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl).logits[:, -1]
+    steps = _compiled_steps(model, compiled)
+    if steps is not None:
+        return steps.run("decode", cache, ids_B1, attn_impl)
+    with cache.writing(1):
+        return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl).logits[:, -1]
 
 
 def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
-           compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           compiled: bool | CompiledSteps = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A speculative verification: each row's T = k+1 tokens [last accepted, d_1..d_k] in one
     cached forward. Returns (logits [B, T, V], final hidden states [B, T, D]). Roll the cache
     back to the accepted tokens with `cache.truncate`. No host synchronisation. compiled: as
     `decode_step` (one graph per T)."""
     _check_ids(model, token_ids, cache, "token_ids")
-    _check_compiled(compiled)
-    if compiled:
-        return compiled_steps.run("verify", model, cache, token_ids, attn_impl)
-    out = model.step(token_ids, cache, attn_impl=attn_impl)
+    steps = _compiled_steps(model, compiled)
+    if steps is not None:
+        return steps.run("verify", cache, token_ids, attn_impl)
+    with cache.writing(token_ids.shape[1]):
+        out = model.step(token_ids, cache, attn_impl=attn_impl)
     return out.logits, out.hidden_states
 
 
 def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCache, steps: int, *,
           lengths: torch.Tensor | None = None, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
           chunk: int | None = None, attn_impl: str = "auto",
-          compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          compiled: bool | CompiledSteps = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`steps` draft tokens per row from the shared MTP layer, and their distributions.
 
     hidden [B, L, D] and token_ids [B, L]: each row's pending pairs (h_t, x_{t+1}) (the main
@@ -112,11 +116,10 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     chained entries are rolled back at the end (vLLM/SGLang's chaining). chunk: pairs per
     forward (None: all L). Returns (drafts int64 [B, steps], q fp32 [B, steps, V]) drawn with
     `sampling` / `generator`. No host synchronisation. compiled: the MTP layer's forwards of at
-    most `COMPILED_MAX_TOKENS` pairs run as `torch.compile` graphs (as `decode_step`; a longer
-    pending run, the first round's whole prompt, stays eager). Raises ValueError for bad
+    decode-sized (`glm5lab.model.step.DECODE_MAX_TOKENS`) runs of pairs run as `torch.compile` graphs
+    (as `decode_step`; a longer pending run, the first round's whole prompt, stays eager). Raises ValueError for bad
     shapes/steps."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    int_at_least("steps", steps, 1)
     if not model.config.num_nextn_predict_layers:
         raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0): nothing to draft with")
     B, L = _check_ids(model, token_ids, mtp_cache, "token_ids", mtp=True)
@@ -127,7 +130,7 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a glm5lab.infer.sampling.Sampling, got {sampling!r}")
     _check_chunk(chunk)
-    _check_compiled(compiled)
+    compiled = _compiled_steps(model, compiled)
     pend_B = torch.full((B,), L, dtype=torch.long, device=token_ids.device) if lengths is None else lengths
     # the L pending slots (padding included) and the chained drafts after the valid ones fit, or nothing is written
     mtp_cache.reserve_rows(torch.clamp(pend_B + steps - 1, min=L), L + steps - 1)
@@ -152,11 +155,12 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     return torch.stack(drafts, dim=1), torch.stack(qs, dim=1)
 
 
-def _mtp(model, hidden_BTD, ids_BT, cache, attn_impl, *, with_logits: bool, compiled: bool):
-    """One MTP-layer forward of `draft`: the compiled graph for a few pairs, else eager."""
-    if compiled and ids_BT.shape[1] <= COMPILED_MAX_TOKENS:
-        return compiled_steps.run("mtp", model, cache, hidden_BTD, ids_BT, attn_impl, with_logits)
-    return model.mtp_step(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits)
+def _mtp(model, hidden_BTD, ids_BT, cache, attn_impl, *, with_logits: bool, compiled: CompiledSteps | None):
+    """One MTP-layer forward of `draft`: the compiled graph for a decode-sized run, else eager."""
+    if compiled is not None and is_decode_sized(ids_BT.shape[1]):
+        return compiled.run("mtp", cache, hidden_BTD, ids_BT, attn_impl, with_logits)
+    with cache.writing(ids_BT.shape[1]):
+        return model.mtp_forward(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits)
 
 
 def _keep_last(h_BCD: torch.Tensor, at_B: torch.Tensor, kept_BD: torch.Tensor | None) -> torch.Tensor:
@@ -168,14 +172,18 @@ def _keep_last(h_BCD: torch.Tensor, at_B: torch.Tensor, kept_BD: torch.Tensor | 
     return pick_BD if kept_BD is None else torch.where(((at_B >= 0) & (at_B < C))[:, None], pick_BD, kept_BD)
 
 
-def _check_compiled(compiled) -> None:
+def _compiled_steps(model, compiled) -> CompiledSteps | None:
+    """The `CompiledSteps` a step runs through (a new one for True), or None (eager)."""
+    if isinstance(compiled, CompiledSteps):
+        return compiled
     if not isinstance(compiled, bool):
-        raise TypeError(f"compiled must be True or False, got {compiled!r}")
+        raise TypeError(f"compiled must be True, False or a glm5lab.infer.compiled.CompiledSteps, got {compiled!r}")
+    return CompiledSteps(model, "compiled=True") if compiled else None
 
 
 def _check_chunk(chunk) -> None:
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be None or an int >= 1, got {chunk!r}")
+    if chunk is not None:
+        int_at_least("chunk", chunk, 1)
 
 
 def _check_ids(model, ids: torch.Tensor, cache: KVCache, name: str, *, T: int | None = None,

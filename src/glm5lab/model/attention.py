@@ -5,8 +5,8 @@ E v width, K selected keys per query (DSA top-k).
 
 Every kernel takes q_BTHD, k_BSGD, v_BSGE (the latent kernels: q_BTHX and one kv_BSX) and
 returns o_BTHE in q's dtype; softmax runs in fp32.
-Query i sits at absolute position `q_offset + i`; key j at position j. Causality is "key
-position <= query position".
+Query i sits at absolute position `q_offset + i`; key j at position j; which keys a query sees
+is `glm5lab.model.visibility.visible`.
 
 - `attention_reference`: explicit scores + boolean mask. The obvious version; the twin every
   other kernel is tested against.
@@ -22,43 +22,11 @@ position <= query position".
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-
-class TopK(NamedTuple):
-    """Selected keys per query. idx_BTK: int64 key positions (always in range [0, S)); slots
-    past the number of causal keys hold arbitrary in-range positions and have valid_BTK False."""
-
-    idx_BTK: torch.Tensor
-    valid_BTK: torch.Tensor
-
-
-def causal_mask(T: int, S: int, q_offset: int, device) -> torch.Tensor:
-    """Bool [T, S]: True where key position <= query position (q_offset + row)."""
-    q_pos = torch.arange(T, device=device)[:, None] + q_offset
-    return torch.arange(S, device=device)[None, :] <= q_pos
-
-
-def causal_mask_rows(offsets_B: torch.Tensor, T: int, S: int, *, window: int | None = None) -> torch.Tensor:
-    """Bool [B, T, S] for sequences that each start at their own offset (cached decoding):
-    query t of row b sits at position offsets_B[b] + t and sees keys 0..that position. Slots past
-    it (other rows' tokens, stale entries of a rolled-back cache) are masked. `window`: also mask
-    keys more than window-1 positions back (sliding-window attention)."""
-    q_pos_BT1 = (offsets_B[:, None] + torch.arange(T, device=offsets_B.device))[..., None]
-    keys_S = torch.arange(S, device=offsets_B.device)
-    mask_BTS = keys_S <= q_pos_BT1
-    return mask_BTS if window is None else mask_BTS & (keys_S > q_pos_BT1 - window)
-
-
-def window_mask(T: int, S: int, q_offset: int, window: int, device) -> torch.Tensor:
-    """Bool [T, S]: causal and at most `window` keys back, so query position p sees exactly the
-    min(p + 1, window) keys p-window+1..p (sliding-window attention, Beltagy et al. 2020)."""
-    q_pos = torch.arange(T, device=device)[:, None] + q_offset
-    keys = torch.arange(S, device=device)[None, :]
-    return (keys <= q_pos) & (keys > q_pos - window)
+from glm5lab.model.topk import TopK
+from glm5lab.model.visibility import visible
 
 
 def topk_mask(topk: TopK, S: int) -> torch.Tensor:
@@ -97,7 +65,7 @@ def attention_causal(q_BTHD, k_BSGD, v_BSGE, *, scale: float, q_offset: int = 0)
     if T == S and q_offset == 0:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G != H)
     else:
-        mask = causal_mask(T, S, q_offset, q.device)
+        mask = visible(q_offset, T, S, device=q.device)[0]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G != H)
     return o.transpose(1, 2)
 

@@ -40,7 +40,7 @@ class DecoderLayer(nn.Module):
         n_kls = len(step.indexer_kls)
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), step)
         h_BTD = self.post_attention_layernorm(x_BTD)
-        h_BTD = self.mlp(h_BTD, impl=step.moe_impl) if isinstance(self.mlp, MoE) else self.mlp(h_BTD)
+        h_BTD = self.mlp(h_BTD, step)
         return x_BTD + h_BTD, step.indexer_kls[n_kls:]
 
 

@@ -23,11 +23,14 @@ DeepSeek-V3.2 (indexer-key cache), FlashMLA's paged layout (one latent per token
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import Step
+from glm5lab.validate import int_at_least
 
 
 class CacheOverflowError(ValueError):
@@ -51,9 +54,8 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], batch: int, capacity: int, *,
                  dtype: torch.dtype, device):
-        for name, value in (("batch", batch), ("capacity", capacity)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"cache {name} must be an int >= 1, got {value!r}")
+        int_at_least("cache batch", batch, 1)
+        int_at_least("cache capacity", capacity, 1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"cache dtype must be a floating torch.dtype (the model's, or a narrower one to "
                              f"store in), got {dtype!r}")
@@ -106,20 +108,23 @@ class KVCache:
         """int64 [B, T]: the absolute positions of each row's next T tokens."""
         return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
 
-    def begin(self, T: int, cos: torch.Tensor, sin: torch.Tensor, *, static: bool = False, **options) -> Step:
-        """The `Step` of one forward writing T new tokens per row (cos/sin: RoPE angles of
-        `positions(T)`; options: see `Step`). Keys are read from slots 0..extent_bound+T-1. Raises
-        CacheOverflowError when a row would pass `capacity` (the only case that asks the device
-        for the exact lengths).
-
-        static: the compiled steps' form (`glm5lab.infer.compiled`): keys are read from all
-        `capacity` slots (static shapes: the slots past each row's length are masked, so the
-        result is the same function) and nothing is checked or counted on the host; the caller
-        calls `reserve(T)` before and `commit(T)` after the forward."""
-        if static:
-            return Step(T=T, extent=self.capacity, cos=cos, sin=sin, offsets=self.lengths, cache=self, **options)
+    @contextlib.contextmanager
+    def writing(self, T: int):
+        """The context of one forward writing T new tokens per row, eager or compiled: `reserve(T)`
+        before (CacheOverflowError past `capacity`, nothing written), `commit(T)` after (not when
+        the forward raised). Host-side only: no device read unless the bound reaches the capacity."""
         self.reserve(T)
-        return Step(T=T, extent=self.extent_bound + T, cos=cos, sin=sin, offsets=self.lengths, cache=self, **options)
+        yield self
+        self.commit(T)
+
+    def begin(self, T: int, cos: torch.Tensor, sin: torch.Tensor, *, static: bool = False, **options) -> Step:
+        """The `Step` of a forward inside `writing(T)` (cos/sin: RoPE angles of `positions(T)`;
+        options: see `Step`). Keys are read from slots 0..extent_bound+T-1, or, `static` (static
+        shapes, what `torch.compile` traces: `glm5lab.infer.compiled`), from all `capacity` slots:
+        the slots past each row's length are masked, so the result is the same function. Reads
+        and writes no host-side state."""
+        extent = self.capacity if static else self.extent_bound + T
+        return Step(T=T, extent=extent, cos=cos, sin=sin, offsets=self.lengths, cache=self, static=static, **options)
 
     def reserve(self, T: int) -> None:
         """Raise CacheOverflowError unless every row can take T more tokens; asks the device for

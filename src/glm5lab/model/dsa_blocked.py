@@ -26,7 +26,10 @@ differently at the edge tiles of one shape than of another (seen with 1100 ident
 last key block's copies score 1 ulp higher, so the blocked choice takes them first; the
 reference, over its own tiles, is not tile-invariant either). Two keys whose scores are within
 such rounding can then swap. Exact ties of the computed scores (keys whose ReLUs are all 0) are
-broken by position in both.
+broken by position in both. Past fp32's range (query and key values near 1e19, which the
+indexer's LayerNorm'd keys do not reach) a dot product can overflow to inf in one tiling and to
+NaN (inf - inf) in the other, and the two then rank that key apart (NaN first, -inf last); no
+choice ever holds a key after its query (tests/model/test_topk_causal.py).
 
 Source: DeepSeek-V3.2 (the lightning indexer; its released GPU kernels, DeepGEMM's indexer
 logits and TileLang's `fp8_mqa_logits` example, likewise score tile by tile), transformers'
@@ -39,8 +42,8 @@ from collections.abc import Iterator
 
 import torch
 
-from glm5lab.model.attention import TopK
-from glm5lab.model.dsa import _valid_slots, select_topk_fast
+from glm5lab.model.topk import TopK, check_k, select_topk_fast, valid_slots
+from glm5lab.model.visibility import visible
 
 QUERY_BLOCK = 64
 KEY_BLOCK = 1024
@@ -108,11 +111,9 @@ def _score_blocks(q_BTIJ, w_BTI, k_BSJ, scale: float, q_offset, query_block: int
 def _mask_future(scores_BtV: torch.Tensor, q_offset, t0: int, *, first: int) -> None:
     """-inf in place at keys after each query, for the columns from `first` on (every query of
     the block sees the keys before it: first = the earliest row's offset + t0 + 1)."""
-    B, t, V = scores_BtV.shape
-    q_pos_Bt1 = (torch.arange(t, device=scores_BtV.device) + t0
-                 + (q_offset[:, None] if torch.is_tensor(q_offset) else q_offset)).reshape(-1, t, 1)
+    t, V = scores_BtV.shape[1:]
     keys_c = torch.arange(first, V, device=scores_BtV.device)
-    scores_BtV[..., first:].masked_fill_(keys_c > q_pos_Bt1, float("-inf"))
+    scores_BtV[..., first:].masked_fill_(~visible(q_offset + t0, t, keys_c), float("-inf"))
 
 
 def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, k: int, *, scale: float,
@@ -121,8 +122,7 @@ def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
     in `select_topk`'s order (its twin `select_topk_fast` per query block). Arguments as
     `index_score_blocks`. Returns a TopK with idx [B, T, min(k, S)] int64; no gradient. Raises
     ValueError for k < 1, bad block sizes or shapes that do not agree."""
-    if k < 1:
-        raise ValueError(f"index_topk must be >= 1, got {k}")
+    check_k(k)
     B, T = q_BTIJ.shape[:2]
     S = k_BSJ.shape[1]
     K = min(k, S)
@@ -136,4 +136,4 @@ def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
                 # holds there are the -inf keys V..K-1 in position order
                 idx_BTK[:, t0:t0 + scores_BtV.shape[1], chosen.shape[-1]:] = torch.arange(
                     chosen.shape[-1], K, device=idx_BTK.device)
-    return TopK(idx_BTK, _valid_slots((B, T, S), k, q_offset, q_BTIJ.device))
+    return TopK(idx_BTK, valid_slots((B, T, S), k, q_offset, q_BTIJ.device))

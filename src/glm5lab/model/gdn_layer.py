@@ -29,6 +29,7 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import LayerStep
+from glm5lab.validate import int_at_least
 from glm5lab.model.gdn import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
@@ -51,11 +52,6 @@ class RMSNormGated(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * x32.to(x.dtype) * F.silu(z.float())).to(x.dtype)
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_forward_args(module, x_BTD, step):
@@ -96,7 +92,7 @@ class GatedDeltaNet(nn.Module):
         for name, val in (("num_heads", num_heads), ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
                           ("conv_kernel", conv_kernel), ("num_k_heads", num_k_heads),
                           ("chunk_size", chunk_size)):
-            _positive_int(name, val)
+            int_at_least(name, val, 1)
         if num_heads % num_k_heads:
             raise ValueError(f"num_k_heads={num_k_heads} must divide num_heads={num_heads}")
         self.hidden_size, self.chunk_size = cfg.hidden_size, chunk_size
@@ -162,7 +158,7 @@ class SimpleGDN(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, val in (("num_heads", num_heads), ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim),
                           ("num_kv_heads", num_kv_heads), ("chunk_size", chunk_size)):
-            _positive_int(name, val)
+            int_at_least(name, val, 1)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
         if decay not in DECAY_KINDS:

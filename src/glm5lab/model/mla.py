@@ -23,20 +23,19 @@ from torch import nn
 
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.attention import (
-    TopK, attention_causal, attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference,
-    causal_mask, topk_mask,
+    attention_causal, attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference,
+    topk_mask,
 )
 from glm5lab.model.dsa import LightningIndexer
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.step import LayerStep
+from glm5lab.model.topk import TopK
+from glm5lab.model.visibility import visible
 
 ATTN_IMPLS = ("auto", "naive", "absorbed")
 """Model-level choice of attention kernels (`GLM5ForCausalLM.forward(attn_impl=)`): "naive" sets
 `Step.reference` (every mixer runs its reference), "absorbed" sets `Step.absorbed` (MLA only)."""
-ABSORBED_MAX_QUERIES = 16
-"""Forwards of at most this many new tokens per row (decode, speculative verification) attend
-in the latent space: per token only the 576-wide latent is read, never per-head K/V."""
 GATHER_MIN_KEYS_PER_TOPK = 4
 """Longer forwards gather the top-k keys once the keys exceed 4 x index_topk; below that a
 masked SDPA over all keys is faster on CPU. Measured (issue 14, bench shapes: 8 heads, 576-wide
@@ -46,19 +45,22 @@ exactly the same function."""
 ROUTES = ("reference", "expanded", "latent_masked", "latent_gathered")
 
 
-def attention_route(*, reference: bool, absorbed: bool, sparse: bool, T: int, S: int, index_topk: int) -> str:
-    """The kernel of one MLA attention call: the route table. T queries per row, S keys
-    (the cache extent, or T uncached); `sparse`: DSA selected top-k keys for this call.
+def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_sized: bool, S: int,
+                    index_topk: int) -> str:
+    """The kernel of one MLA attention call: the route table. decode_sized: at most
+    `DECODE_MAX_TOKENS` (16) queries per row (`Step.decode_sized`: decode, verification: per token
+    only the 576-wide latent is read, never per-head K/V); S keys (the cache extent, or T
+    uncached); `sparse`: DSA selected top-k keys for this call.
 
-        reference  absorbed  top-k  T (queries)  S (keys)       route
-        yes        -         any    any          any            reference
-        no         yes       yes    any          any            latent_gathered
-        no         yes       no     any          any            latent_masked
-        no         no        yes    <= 16        any            latent_gathered
-        no         no        yes    > 16         > 4 x topk     latent_gathered
-        no         no        yes    > 16         <= 4 x topk    latent_masked (mask: visible & top-k)
-        no         no        no     <= 16        any            latent_masked
-        no         no        no     > 16         any            expanded
+        reference  absorbed  top-k  decode-sized  S (keys)       route
+        yes        -         any    any           any            reference
+        no         yes       yes    any           any            latent_gathered
+        no         yes       no     any           any            latent_masked
+        no         no        yes    yes           any            latent_gathered
+        no         no        yes    no            > 4 x topk     latent_gathered
+        no         no        yes    no            <= 4 x topk    latent_masked (mask: visible & top-k)
+        no         no        no     yes           any            latent_masked
+        no         no        no     no            any            expanded
 
     reference: per-head K/V expanded from the latent, explicit boolean mask, written-out softmax
     (`attention_reference`; transformers' eager path). expanded: the same K/V through SDPA
@@ -72,7 +74,7 @@ def attention_route(*, reference: bool, absorbed: bool, sparse: bool, T: int, S:
         return "reference"
     if absorbed:
         return "latent_gathered" if sparse else "latent_masked"
-    if T <= ABSORBED_MAX_QUERIES:
+    if decode_sized:
         return "latent_gathered" if sparse else "latent_masked"
     if sparse:
         return "latent_gathered" if S > GATHER_MIN_KEYS_PER_TOPK * index_topk else "latent_masked"
@@ -144,8 +146,8 @@ class MLAttention(nn.Module):
                 raise ValueError("a 'shared' DSA layer needs the top-k of an earlier 'own' layer in the same forward")
             return step.topk
         with torch.no_grad():
-            step.step.topk = self.indexer.topk(x_BTD, q_lat_BTQ, index_keys_BSJ, step.cos, step.sin, step.index_topk,
-                                               q_offset=step.offsets)
+            step.publish_topk(self.indexer.topk(x_BTD, q_lat_BTQ, index_keys_BSJ, step.cos, step.sin, step.index_topk,
+                                                q_offset=step.offsets, blocked=not (step.decode_sized or step.static)))
         return step.topk
 
     def index_keys(self, x_BTD, step: LayerStep) -> torch.Tensor | None:
@@ -174,11 +176,11 @@ class MLAttention(nn.Module):
         latent_BSX = step.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
         topk = self.select(x_BTD, q_lat, self.index_keys(x_BTD, step), step)
         S = latent_BSX.shape[1]
-        route = attention_route(reference=step.reference, absorbed=step.absorbed, sparse=topk is not None, T=T, S=S,
-                                index_topk=step.index_topk)
+        route = attention_route(reference=step.reference, absorbed=step.absorbed, sparse=topk is not None,
+                                decode_sized=step.decode_sized, S=S, index_topk=step.index_topk)
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
         if step.indexer_loss and self.spec.indexer == "own":
-            step.indexer_kls.append(self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), step.cos,
+            step.add_indexer_kl(self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), step.cos,
                                                     step.sin, topk=topk, step_reference=step.reference))
         return self.o_proj(o_BTHV.reshape(B, T, -1))
 
@@ -220,7 +222,7 @@ class MLAttention(nn.Module):
             return self.indexer_kl_sparse(x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, topk)
         q_nope, q_pe, c_BTC, k_pe_BTR = projected
         T = x_BTD.shape[1]
-        keep_BTS = causal_mask(T, T, 0, x_BTD.device)[None]
+        keep_BTS = visible(0, T, T, device=x_BTD.device)
         if topk is not None:
             keep_BTS = keep_BTS & topk_mask(topk, T)
         with torch.no_grad():

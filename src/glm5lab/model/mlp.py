@@ -12,5 +12,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, step=None):
+        """x [..., D] -> [..., D]; `step` (a decoder block's `LayerStep`) is not needed here."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -25,6 +25,7 @@ from glm5lab.model.mtp import MTPLayer, mtp_unroll
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import rope_angles
 from glm5lab.model.step import Step
+from glm5lab.validate import int_at_least
 
 
 @dataclass
@@ -114,22 +115,25 @@ class GLM5ForCausalLM(nn.Module):
             cache.check_layers(self.layer_specs, "KVCache.for_model(model, ...)")
             if cache.batch != input_ids.shape[0]:
                 raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache was built for {cache.batch}")
-        return self.step(input_ids, cache, mtp_depth=mtp_depth, attn_impl=attn_impl, moe_impl=moe_impl,
-                         use_dsa=use_dsa, indexer_loss=indexer_loss, logits_to_keep=logits_to_keep)
+        options = dict(mtp_depth=mtp_depth, attn_impl=attn_impl, moe_impl=moe_impl, use_dsa=use_dsa,
+                       indexer_loss=indexer_loss, logits_to_keep=logits_to_keep)
+        if cache is None:
+            return self.step(input_ids, None, **options)
+        with cache.writing(input_ids.shape[1]):
+            return self.step(input_ids, cache, **options)
 
     def step(self, input_ids: torch.Tensor, cache: KVCache | None, *, mtp_depth: int = 0, attn_impl: str = "auto",
              moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
              logits_to_keep: int = 0, static: bool = False) -> CausalLMOutput:
         """`forward` without its checks of the ids' values and shapes (the caller made them once:
         `glm5lab.infer.prefill` / `decode_step` / `verify`); no host synchronisation on the way.
+        With a cache, call it inside `cache.writing(T)` (which reserves and commits the tokens).
         Options as `forward`; raises ValueError for an unknown option value. static (with a
-        cache): the form `torch.compile` traces (`glm5lab.infer.compiled`): keys over the whole
-        capacity, no host-side state read or written; the caller reserves and commits
-        (`KVCache.begin(static=True)`)."""
+        cache): static shapes, keys over the whole capacity (`KVCache.begin`), the form
+        `torch.compile` traces (`glm5lab.infer.compiled`)."""
         cfg, T = self.config, input_ids.shape[1]
         options = self._options(attn_impl, moe_impl, use_dsa, indexer_loss)
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep must be an int >= 0 (0 = all positions), got {logits_to_keep!r}")
+        int_at_least("logits_to_keep (0 = all positions)", logits_to_keep, 0)
         positions = cache.positions(T) if cache is not None else torch.arange(T, device=input_ids.device)
         cos_TR2, sin_TR2 = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         step = (cache.begin(T, cos_TR2, sin_TR2, static=static, **options) if cache is not None
@@ -138,8 +142,6 @@ class GLM5ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x_BTD, layer_kls = layer(x_BTD, step.layer(i))
             kls.extend(layer_kls)
-        if cache is not None and not static:
-            cache.commit(T)
         h_BTD = self.model.norm(x_BTD)
         out = CausalLMOutput(logits=self.lm_head(h_BTD[:, -logits_to_keep:]), hidden_states=h_BTD)
         if mtp_depth:
@@ -162,8 +164,8 @@ class GLM5ForCausalLM(nn.Module):
                     index_topk=self.config.index_topk, indexer_loss=indexer_loss)
 
     def mtp_step(self, hidden_BTD: torch.Tensor, next_ids: torch.Tensor, *, cache: KVCache,
-                 attn_impl: str = "auto", moe_impl: str = "auto", with_logits: bool = True,
-                 static: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 attn_impl: str = "auto", moe_impl: str = "auto", with_logits: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached application of the MTP layer (the speculative draft head): for each row's T
         new pairs (h_t, x_{t+1}), returns (h' [B, T, D], logits [B, T, V]) predicting x_{t+2};
         h' is the MTP block's output after `shared_head.norm`, what the logits are computed from.
@@ -175,15 +177,19 @@ class GLM5ForCausalLM(nn.Module):
         t is pair t (positions follow the cache, as in vLLM/SGLang's MTP drafting).
         with_logits=False skips the output head (logits None). No host synchronisation. Raises
         ValueError without an MTP layer or for shapes that disagree, CacheOverflowError past
-        capacity. static: as `step` (the compiled form: the caller checked, reserves and commits)."""
-        if not static:
-            self._check_mtp_step(hidden_BTD, next_ids, cache)
+        capacity. `mtp_forward` is the same inside the caller's `cache.writing(T)`, unchecked."""
+        self._check_mtp_step(hidden_BTD, next_ids, cache)
+        with cache.writing(next_ids.shape[1]):
+            return self.mtp_forward(hidden_BTD, next_ids, cache=cache, attn_impl=attn_impl, moe_impl=moe_impl,
+                                    with_logits=with_logits)
+
+    def mtp_forward(self, hidden_BTD: torch.Tensor, next_ids: torch.Tensor, *, cache: KVCache, attn_impl: str = "auto",
+                    moe_impl: str = "auto", with_logits: bool = True, static: bool = False):
+        """`mtp_step` without checks, inside the caller's `cache.writing(T)`; static: as `step`."""
         cfg, T = self.config, next_ids.shape[1]
         cos, sin = rope_angles(cache.positions(T), cfg.qk_rope_head_dim, cfg.rope_theta)
         step = cache.begin(T, cos, sin, static=static, **self._options(attn_impl, moe_impl, None, False))
         h_BTD, _ = self.model.mtp_layers[0](hidden_BTD, self.model.embed_tokens(next_ids), step.layer(0))
-        if not static:
-            cache.commit(T)
         return h_BTD, (self.lm_head(h_BTD) if with_logits else None)
 
     def _check_mtp_step(self, hidden_BTD: torch.Tensor, next_ids: torch.Tensor, cache: KVCache) -> None:

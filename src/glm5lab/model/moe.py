@@ -9,17 +9,18 @@ bias are fp32 tensors that no model cast rounds, see `glm5lab.model.precision`):
     group-limited: keep the `topk_group` groups with the largest sum of their top-2 choices
     idx = top-K of choice;  w = s[idx] / (sum s[idx] + 1e-20) if norm_topk_prob;  w *= routed_scaling_factor
 Ties go to the lower expert index. The bias is a buffer (not trained by backprop); aux-loss-free
-balancing nudges it from outside using `MoE.last_load`.
+balancing nudges it from outside using `MoE.pop_load`.
 
-Experts: four implementations with one signature, tied by `tests/model/test_moe.py`:
-`experts_loop` (reference: one matmul per expert over its tokens), `experts_grouped` (sort
-the N*K assignments by expert into fixed-size tiles, one expert per tile, three batched matmuls,
-no Python loop: training and prefill), `experts_grouped_mm` (the sorted assignments through
-`torch._grouped_mm` with device-side group offsets: no padding, no copy of expert weights, no
-host synchronisation: decoding a few tokens where the op exists) and `experts_gathered` (each
-assignment multiplies by its expert's gathered weights: static shapes, no host
-synchronisation, the decode path where `_grouped_mm` does not run). Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse
-grouped matmul.
+A forward: route -> dispatch -> local experts -> combine. The dispatcher
+(`glm5lab.model.dispatch`) sorts the N*K assignments by expert once; the expert kernels take the
+A rows grouped by expert and their counts, with one signature, tied by `tests/model/test_moe.py`:
+`experts_loop` (reference: one matmul per expert over its rows), `experts_grouped` (the rows
+laid into fixed-size tiles, one expert per tile, three batched matmuls, no Python loop:
+training and prefill), `experts_grouped_mm` (`torch._grouped_mm` with device-side group
+offsets: no padding, no copy of expert weights, no host synchronisation: decoding where the op
+runs) and `experts_gathered` (each row multiplies by its expert's gathered weights: static
+shapes, no host synchronisation: decoding where `_grouped_mm` does not run, compiled graphs).
+Source: DeepSeek-V3 section 2.1.2; MegaBlocks (Gale et al. 2022) block-sparse grouped matmul.
 
 Gathers with repeated indices (a token's K assignments, an expert's tiles) use `index_select`,
 whose backward sums in a fixed order (`index_add_`), not advanced indexing (`w[idx]`), whose
@@ -34,20 +35,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5lab.config import ModelConfig
+from glm5lab.model.dispatch import LocalDispatcher
 from glm5lab.model.mlp import MLP
 from glm5lab.model.precision import KeepFP32, compute_dtype, fp32_compute
+from glm5lab.model.step import LayerStep
 
 EXPERT_IMPLS = ("auto", "grouped", "grouped_mm", "gathered", "loop")
-GATHER_MAX_TOKENS = 16
 GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1
-"""`auto` runs the sync-free decode path (`experts_grouped_mm` where `torch._grouped_mm` runs,
-`grouped_mm_runs`; else `experts_gathered`) for a forward of at most GATHER_MAX_TOKENS
-tokens (a decode step of up to 16 rows, a verification of k+1 tokens for a few rows: padding
-every hit expert to a 64-row tile would compute at least 4x the rows needed) or at most this
-many (token, expert) assignments per expert; else `experts_grouped`. All compute the same
-function. Measured on the bench model's decode (batch 1, 2 of 8 experts, CPU fp32, BENCHMARKS.md):
-grouped_mm 233 us per MoE call = the per-expert loop (224 us, which syncs), gathered 428-570 us
-(it copies the chosen experts' weights)."""
+"""`auto` runs a sync-free kernel (`Experts.kernel`) for decode-sized forwards (`Step.decode_sized`:
+padding every hit expert to a 64-row tile would compute at least 4x the rows needed) or at most
+this many rows per expert; else `experts_grouped`. The measurements: BENCHMARKS.md ("MoE
+decode path")."""
 
 
 def _topk_by_position(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -98,57 +96,45 @@ def _expert_ffn(x, gate_IxD, up_IxD, down_DxI):
     return (F.silu(x @ gate_IxD.mT) * (x @ up_IxD.mT)) @ down_DxI.mT
 
 
-def experts_loop(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
-    """Reference: y_n = sum_k w_nk * FFN_{idx_nk}(x_n), one expert at a time (the experts some
-    token chose, in index order). Returns y_ND in x's dtype."""
-    y_ND = torch.zeros_like(x_ND)
-    for e in idx_NK.unique().tolist():
-        tok, slot = torch.where(idx_NK == e)
-        h = _expert_ffn(x_ND[tok], gate_EID[e], up_EID[e], down_EDI[e])
-        y_ND = y_ND.index_add(0, tok, (h * w_NK[tok, slot, None]).to(x_ND.dtype))
-    return y_ND
+def experts_loop(x_AD, counts_E, gate_EID, up_EID, down_EDI) -> torch.Tensor:
+    """Reference: each expert's FFN over its rows, one expert at a time. x_AD: A rows grouped by
+    expert (`counts_E`, int64 [E]: rows per expert, in expert order, as `dispatch` lays them
+    out). Returns y_AD in x's dtype. Reads the counts on the host."""
+    bounds = [0, *counts_E.cumsum(0).tolist()]
+    return torch.cat([_expert_ffn(x_AD[a:b], gate_EID[e], up_EID[e], down_EDI[e])
+                      for e, (a, b) in enumerate(zip(bounds, bounds[1:]))]).to(x_AD.dtype)
 
 
-def experts_gathered(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
-    """Same result as `experts_loop` with static shapes and no host synchronisation: every
-    (token, expert) assignment gathers its expert's three matrices ([N, K, I, D] each, so memory
-    grows with N*K: meant for a few tokens) and the K outputs of a token are summed with their
-    weights. The decode path (`auto` for few assignments); compiles without graph breaks."""
-    N, K = idx_NK.shape
-    g_NKID, u_NKID, d_NKDI = (w.index_select(0, idx_NK.reshape(-1)).view(N, K, *w.shape[1:])
-                              for w in (gate_EID, up_EID, down_EDI))
-    h_NKI = F.silu(torch.einsum("nd,nkid->nki", x_ND, g_NKID)) * torch.einsum("nd,nkid->nki", x_ND, u_NKID)
-    y_NKD = torch.einsum("nki,nkdi->nkd", h_NKI, d_NKDI)
-    return (y_NKD * w_NK[..., None]).sum(1).to(x_ND.dtype)
+def _expert_of_rows(counts_E: torch.Tensor, A: int) -> torch.Tensor:
+    """int64 [A]: the expert of each row (sync-free: the output size is given)."""
+    return torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E, output_size=A)
 
 
-def experts_grouped_mm(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI) -> torch.Tensor:
-    """Same result as `experts_loop`, with static shapes and no host synchronisation: the N*K
-    assignments are sorted by expert (stable), each expert's rows form one group of
-    `torch._grouped_mm` (group ends = the cumulative counts, an int32 device tensor), three
-    grouped matmuls read each chosen expert's weights once in place (no copy, no padding), then
-    rows are weighted and scatter-added back to their tokens. Differentiable. Needs
-    `grouped_mm_runs` (RuntimeError otherwise, from torch)."""
-    N, K = idx_NK.shape
-    e_A = idx_NK.reshape(-1)
-    order_A = torch.argsort(e_A, stable=True)
-    tok_A = order_A // K
-    counts_E = torch.zeros(gate_EID.shape[0], dtype=torch.int32, device=x_ND.device)
-    offs_E = counts_E.scatter_add_(0, e_A, torch.ones_like(e_A, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
-    x_AD = x_ND.index_select(0, tok_A)  # each token K times: index_select's backward sums them in order
+def experts_gathered(x_AD, counts_E, gate_EID, up_EID, down_EDI) -> torch.Tensor:
+    """`experts_loop` with static shapes and no host synchronisation: every row gathers its
+    expert's three matrices ([A, I, D] each, so memory grows with A: meant for a few tokens).
+    The decode path where `torch._grouped_mm` does not run (and in compiled graphs)."""
+    e_A = _expert_of_rows(counts_E, x_AD.shape[0])
+    g_AID, u_AID, d_ADI = (w.index_select(0, e_A) for w in (gate_EID, up_EID, down_EDI))
+    h_AI = F.silu(torch.einsum("ad,aid->ai", x_AD, g_AID)) * torch.einsum("ad,aid->ai", x_AD, u_AID)
+    return torch.einsum("ai,adi->ad", h_AI, d_ADI)
+
+
+def experts_grouped_mm(x_AD, counts_E, gate_EID, up_EID, down_EDI) -> torch.Tensor:
+    """`experts_loop` with static shapes and no host synchronisation: each expert's rows form
+    one group of `torch._grouped_mm` (group ends = the cumulative counts, an int32 device
+    tensor); three grouped matmuls read each expert's weights once in place (no copy, no
+    padding). Differentiable. Needs `grouped_mm_runs` (RuntimeError otherwise, from torch)."""
+    offs_E = counts_E.to(torch.int32).cumsum(0, dtype=torch.int32)
     h_AI = F.silu(torch._grouped_mm(x_AD, gate_EID.mT, offs=offs_E)) * torch._grouped_mm(x_AD, up_EID.mT, offs=offs_E)
-    y_AD = torch._grouped_mm(h_AI, down_EDI.mT, offs=offs_E) * w_NK.reshape(-1)[order_A, None]
-    return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
+    return torch._grouped_mm(h_AI, down_EDI.mT, offs=offs_E)
 
 
 def grouped_mm_runs(x: torch.Tensor, gate_EID: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs for these shapes, device and dtype: rows of D and I
-    values must be multiples of 16 bytes (its stride rule); CPU in fp32/bf16/fp16, CUDA in bf16
-    on compute capability 9.0+ (its kernels' requirement); not while torch.compile traces (its
-    fake-tensor rule, written for CUDA, refuses fp32 in torch 2.13: the gathered path then
-    compiles instead)."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether `torch._grouped_mm` runs for these shapes, device and dtype in eager mode: rows of
+    D and I values must be multiples of 16 bytes (its stride rule); CPU in fp32/bf16/fp16, CUDA
+    in bf16 on compute capability 9.0+ (its kernels' requirement). (Compiled graphs, `Step.static`,
+    do not use it: its fake-tensor rule, written for CUDA, refuses fp32 in torch 2.13.)"""
     I, D = gate_EID.shape[1:]
     if not hasattr(torch, "_grouped_mm") or (I * x.element_size()) % 16 or (D * x.element_size()) % 16:
         return False
@@ -158,36 +144,29 @@ def grouped_mm_runs(x: torch.Tensor, gate_EID: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def experts_grouped(x_ND, idx_NK, w_NK, gate_EID, up_EID, down_EDI, *, tile: int = 64) -> torch.Tensor:
-    """Same result as `experts_loop` with no Python loop (block-sparse grouped matmul, as
-    MegaBlocks): the N*K assignments are sorted by expert and laid into tiles of `tile` rows, each
-    tile holding one expert's tokens (an expert's last tile is zero-padded, so at most E*(tile-1)
-    rows are wasted, whatever the routing skew); every tile multiplies by its expert's weights
-    in three `bmm`, then rows are weighted and scatter-added back to their tokens. Under
-    torch.compile the tile count (`n_tiles`, a host read) is the one data-dependent size; it traces
-    without a graph break as an unbacked SymInt where dynamo's `capture_scalar_outputs` is on
-    (`glm5lab.train.compile`)."""
-    N, K = idx_NK.shape
-    E, D = gate_EID.shape[0], x_ND.shape[1]
-    e_A = idx_NK.reshape(-1)
-    order_A = torch.argsort(e_A, stable=True)
-    e_sorted_A, tok_A = e_A[order_A], order_A // K
-    # a scatter-add, not bincount: its [E] output has a static shape, so torch.compile keeps one graph
-    counts_E = torch.zeros(E, dtype=torch.long, device=x_ND.device).scatter_add_(0, e_A, torch.ones_like(e_A))
+def experts_grouped(x_AD, counts_E, gate_EID, up_EID, down_EDI, *, tile: int = 64) -> torch.Tensor:
+    """`experts_loop` with no Python loop (block-sparse grouped matmul, as MegaBlocks): the rows
+    are laid into tiles of `tile` rows, each tile holding one expert's rows (an expert's last
+    tile is zero-padded, so at most E*(tile-1) rows are wasted, whatever the routing skew); every
+    tile multiplies by its expert's weights in three `bmm`. Under torch.compile the tile count
+    (`n_tiles`, a host read) is the one data-dependent size; it traces without a graph break as
+    an unbacked SymInt where dynamo's `capture_scalar_outputs` is on (`glm5lab.train.compile`)."""
+    A, D = x_AD.shape
+    E = counts_E.shape[0]
+    e_A = _expert_of_rows(counts_E, A)
     tiles_E = (counts_E + tile - 1) // tile
     first_row_E = (tiles_E.cumsum(0) - tiles_E) * tile
-    rank_A = torch.arange(N * K, device=x_ND.device) - (counts_E.cumsum(0) - counts_E)[e_sorted_A]
-    row_A = first_row_E[e_sorted_A] + rank_A
+    rank_A = torch.arange(A, device=x_AD.device) - (counts_E.cumsum(0) - counts_E)[e_A]
+    row_A = first_row_E[e_A] + rank_A
     n_tiles = int(tiles_E.sum())
-    expert_P = torch.repeat_interleave(torch.arange(E, device=x_ND.device), tiles_E, output_size=n_tiles)
-    # index_select, not w[expert_P]: backward sums an expert's tiles (a token's K rows) in a fixed order.
+    expert_P = torch.repeat_interleave(torch.arange(E, device=x_AD.device), tiles_E, output_size=n_tiles)
+    # index_select, not w[expert_P]: backward sums an expert's tiles in a fixed order.
     # Gathered from the transposed views (gate/up [P, D, I], down [P, I, D]) so that bmm's weight
     # gradient is contiguous and index_add_ takes its fast path; a strided one made this 1.7x slower
     gate_PDI, up_PDI, down_PID = (w.mT.index_select(0, expert_P) for w in (gate_EID, up_EID, down_EDI))
-    x_PMD = x_ND.new_zeros(n_tiles * tile, D).index_put((row_A,), x_ND.index_select(0, tok_A)).view(n_tiles, tile, D)
+    x_PMD = x_AD.new_zeros(n_tiles * tile, D).index_put((row_A,), x_AD).view(n_tiles, tile, D)
     h_PMI = F.silu(torch.bmm(x_PMD, gate_PDI)) * torch.bmm(x_PMD, up_PDI)
-    y_AD = torch.bmm(h_PMI, down_PID).view(-1, D)[row_A] * w_NK.reshape(-1)[order_A, None]
-    return torch.zeros_like(x_ND).index_add(0, tok_A, y_AD.to(x_ND.dtype))
+    return torch.bmm(h_PMI, down_PID).view(-1, D)[row_A]
 
 
 class Experts(nn.Module):
@@ -201,22 +180,31 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(E, I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
-    def forward(self, x_ND, idx_NK, w_NK, *, impl: str = "auto"):
+    def kernel(self, impl: str, x_AD: torch.Tensor, *, decode_sized: bool = False, static: bool = False) -> str:
+        """The expert kernel of one call: `impl` unless "auto". auto: for a decode-sized forward
+        (`Step.decode_sized`), or at most GATHER_MAX_ASSIGNMENTS_PER_EXPERT rows per expert, a
+        sync-free kernel (`grouped_mm` where it runs and the call is not `static`, else
+        `gathered`); else `grouped`. All compute the same function."""
         if impl not in EXPERT_IMPLS:
             raise ValueError(f"experts impl {impl!r} is not allowed: one of {EXPERT_IMPLS}")
-        if impl == "auto":
-            few = (idx_NK.shape[0] <= GATHER_MAX_TOKENS
-                   or idx_NK.numel() <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0])
-            impl = ("grouped_mm" if grouped_mm_runs(x_ND, self.gate_proj) else "gathered") if few else "grouped"
+        if impl != "auto":
+            return impl
+        if not (decode_sized or x_AD.shape[0] <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0]):
+            return "grouped"
+        return "grouped_mm" if not static and grouped_mm_runs(x_AD, self.gate_proj) else "gathered"
+
+    def forward(self, x_AD, counts_E, *, impl: str = "auto", decode_sized: bool = False, static: bool = False):
+        """y_AD: each row through its expert (rows grouped by expert, `counts_E` per expert)."""
         fn = {"grouped": experts_grouped, "grouped_mm": experts_grouped_mm, "gathered": experts_gathered,
-              "loop": experts_loop}[impl]
-        return fn(x_ND, idx_NK, w_NK, self.gate_proj, self.up_proj, self.down_proj)
+              "loop": experts_loop}[self.kernel(impl, x_AD, decode_sized=decode_sized, static=static)]
+        return fn(x_AD, counts_E, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
-    """Routed experts + always-on shared expert. Each forward in training mode (`module.training`)
-    adds the number of tokens routed to each expert to `load` (int64 [E], no grad; the MTP layer
-    runs once per depth, so it counts every depth); `pop_load()` returns and resets it, for
+    """Routed experts + always-on shared expert: route -> dispatch -> local experts -> combine
+    (`glm5lab.model.dispatch`). Each forward in training mode (`module.training`) adds the
+    number of tokens routed to each expert to `load` (int64 [E], no grad; the MTP layer runs
+    once per depth, so it counts every depth); `pop_load()` returns and resets it, for
     aux-loss-free balancing and logging. Forwards in eval mode (validation, inference) count
     nothing, so they never steer the router bias."""
 
@@ -226,6 +214,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         width = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = MLP(cfg.hidden_size, width) if width else None
+        self.dispatcher = LocalDispatcher()
         self.load: torch.Tensor | None = None
 
     def pop_load(self) -> torch.Tensor:
@@ -234,15 +223,17 @@ class MoE(nn.Module):
         self.load = None
         return load
 
-    def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, step: LayerStep | None = None, *, impl: str | None = None) -> torch.Tensor:
+        """out_BTD. The expert kernel: `impl`, else the step's `moe_impl` (auto: `Experts.kernel`
+        with the step's decode_sized/static; no step: neither)."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         w_NK, idx_NK, _ = self.gate(x_ND)
+        x_AD, counts_E, sent = self.dispatcher.dispatch(x_ND, idx_NK, w_NK, self.experts.gate_proj.shape[0])
         if self.training:
-            idx_A = idx_NK.reshape(-1).detach()
-            counts_E = torch.zeros(self.experts.gate_proj.shape[0], dtype=torch.long, device=idx_A.device)
-            counts_E.scatter_add_(0, idx_A, torch.ones_like(idx_A))
-            self.load = counts_E if self.load is None else self.load + counts_E
-        y_ND = self.experts(x_ND, idx_NK, w_NK, impl=impl)
+            self.load = sent.load_E if self.load is None else self.load + sent.load_E
+        y_AD = self.experts(x_AD, counts_E, impl=impl or (step.moe_impl if step is not None else "auto"),
+                            decode_sized=step is not None and step.decode_sized, static=step is not None and step.static)
+        y_ND = self.dispatcher.combine(y_AD, sent, x_ND.dtype)
         if self.shared_experts is not None:
             y_ND = y_ND + self.shared_experts(x_ND)
         return y_ND.view_as(x_BTD)

@@ -17,8 +17,13 @@ entries straight back instead of storing them. What a mixer reads:
     reference      run the reference kernels (written-out softmax, token-by-token delta rule)
     absorbed       MLA only: force latent-space (absorbed) attention
     use_dsa, index_topk   DSA on for this forward; keys kept per query
+    decode_sized   T <= DECODE_MAX_TOKENS: the kernels for a few new tokens (see below)
+    static         a compiled graph's forward: static shapes, no host synchronisation
     topk           the last "own" layer's selection (read by "shared" layers: IndexCache)
     indexer_loss, indexer_kls   training: the indexer KL of each layer that ran one
+
+A layer reads the step and never assigns to it: what it hands to later layers goes through
+`publish_topk` (an "own" DSA layer's selection) and `add_indexer_kl`.
 
 Source: gpt-fast's `input_pos`-driven cached forward (one code path, no-cache = position 0);
 transformers' per-forward `position_embeddings` handed to every layer.
@@ -30,16 +35,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from glm5lab.model.attention import TopK, causal_mask, causal_mask_rows, window_mask
+from glm5lab.model.topk import TopK
+from glm5lab.model.visibility import visible
+
+DECODE_MAX_TOKENS = 16
+"""A forward of at most this many new tokens per row is decode-sized (a decode step, a
+speculative verification of k+1 tokens, the draft head's steady-state steps). Decided here once
+(`Step.decode_sized`, `is_decode_sized`) and read by the kernels: MLA attends in the latent space
+(`glm5lab.model.mla.attention_route`), DSA selects with the sync-free reference rather than the
+blocked kernel, MoE takes the sync-free expert path, and `draft(compiled=True)` compiles only
+such forwards. Longer forwards (prefill chunks, training) take the kernels that pay off per
+token. The measurements behind 16: BENCHMARKS.md."""
+
+
+def is_decode_sized(T: int) -> bool:
+    """Whether a forward of T new tokens per row is decode-sized (`DECODE_MAX_TOKENS`)."""
+    return T <= DECODE_MAX_TOKENS
 
 if TYPE_CHECKING:
-    from glm5lab.model.cache import KVCache
     from glm5lab.model.recurrent_state import RecurrentState
 
 
 class Step:
     """One forward of T new tokens per row (see the module docstring). Build with `uncached` or
-    `KVCache.begin`; `layer(i)` is layer i's view.
+    `KVCache.begin` (`cache`: that `KVCache`, whose buffers the layers read and write; this module
+    does not import it); `layer(i)` is layer i's view.
 
     A plain class, not a dataclass, on purpose: wrappers that copy a module's inputs (FSDP2's
     `cast_forward_inputs` rebuilds dataclasses, lists and dicts it finds in them) must pass the
@@ -47,13 +67,16 @@ class Step:
     copy. The RoPE angles therefore also stay fp32 under a bf16 FSDP2 policy."""
 
     def __init__(self, *, T: int, extent: int, cos: torch.Tensor, sin: torch.Tensor, offsets: int | torch.Tensor = 0,
-                 cache: KVCache | None = None, reference: bool = False, absorbed: bool = False, use_dsa: bool = False,
-                 index_topk: int = 0, moe_impl: str = "auto", indexer_loss: bool = False, topk: TopK | None = None):
+                 cache=None, reference: bool = False, absorbed: bool = False, use_dsa: bool = False,
+                 index_topk: int = 0, moe_impl: str = "auto", indexer_loss: bool = False, topk: TopK | None = None,
+                 static: bool = False):
         self.T, self.extent, self.cos, self.sin, self.offsets, self.cache = T, extent, cos, sin, offsets, cache
         self.reference, self.absorbed, self.use_dsa, self.index_topk = reference, absorbed, use_dsa, index_topk
         self.moe_impl, self.indexer_loss = moe_impl, indexer_loss
-        self.topk = topk  # the last "own" layer's selection (given: for a lone "shared" layer in tests)
-        self.indexer_kls: list[torch.Tensor] = []
+        self.decode_sized = is_decode_sized(T)
+        self.static = static or torch.compiler.is_compiling()  # traced: no host reads, static shapes
+        self._topk = topk  # the last "own" layer's selection (given: for a lone "shared" layer in tests)
+        self._indexer_kls: list[torch.Tensor] = []
         self._shared: dict = {}  # per-forward tensors shared by the layers (masks by window, write slots)
 
     @classmethod
@@ -74,17 +97,28 @@ class Step:
     def cached(self) -> bool:
         return self.cache is not None
 
+    @property
+    def topk(self) -> TopK | None:
+        """The selection the last "own" DSA layer published (IndexCache: "shared" layers reuse it)."""
+        return self._topk
+
+    def publish_topk(self, topk: TopK) -> None:
+        """An "own" DSA layer's selection, for the "shared" layers after it in this forward."""
+        self._topk = topk
+
+    @property
+    def indexer_kls(self) -> list[torch.Tensor]:
+        """The indexer KLs of the layers that ran one so far (training, `indexer_loss`)."""
+        return list(self._indexer_kls)  # a copy: add_indexer_kl appends
+
+    def add_indexer_kl(self, kl: torch.Tensor) -> None:
+        self._indexer_kls.append(kl)
+
     def mask(self, window: int | None = None) -> torch.Tensor:
         """Bool [B|1, T, S]: key visible to query (causal; with `window`, its last `window` keys
         only). Built once per forward and window, shared by the layers."""
         if window not in self._shared:
-            device = self.cos.device
-            if not self.cached:
-                m = (causal_mask(self.T, self.T, 0, device) if window is None
-                     else window_mask(self.T, self.T, 0, window, device))[None]
-            else:
-                m = causal_mask_rows(self.offsets, self.T, self.extent, window=window)
-            self._shared[window] = m
+            self._shared[window] = visible(self.offsets, self.T, self.extent, window=window, device=self.cos.device)
         return self._shared[window]
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,16 +139,21 @@ class Step:
 
 class LayerStep:
     """One layer's view of a `Step`: `write` its new entries, read back all S of them. Every
-    option of the step is readable here (`step.cos`, `step.use_dsa`, ... via attribute access).
-    A plain class for the same reason as `Step`."""
+    option and method of the step is readable here (`step.cos`, `step.use_dsa`,
+    `step.publish_topk(...)`, ... via attribute access); assigning to it raises AttributeError (a
+    layer hands results on through the step's methods). A plain class for the same reason as `Step`."""
 
     def __init__(self, step: Step, buffers: dict[str, torch.Tensor], recurrent: RecurrentState | None = None):
-        self.step, self.buffers, self.recurrent = step, buffers, recurrent
+        for name, value in (("step", step), ("buffers", buffers), ("recurrent", recurrent)):
+            object.__setattr__(self, name, value)
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.step, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a layer's step is read-only (setting {name!r}); use Step.publish_topk / add_indexer_kl")
 
     def write(self, name: str, new_BT: torch.Tensor) -> torch.Tensor:
         """Store new_BT ([B, T, ...]) at the step's slots; return buffer `name` [B, S, ...] in

@@ -124,10 +124,10 @@ def load_documents(path: Path) -> list[Document]:
     if path.is_file():
         return _load_file(path, path.name)
     every = sorted(p for p in path.rglob("*") if p.is_file())
-    files = [p for p in every if p.suffix in SUFFIXES]
+    files = [p for p in every if p.suffix.lower() in SUFFIXES]
     if not files:
         raise ValueError(f"folder {path} holds no {'/'.join(SUFFIXES)} files (searched recursively)")
-    skipped = [p.relative_to(path).as_posix() for p in every if p.suffix not in SUFFIXES]
+    skipped = [p.relative_to(path).as_posix() for p in every if p.suffix.lower() not in SUFFIXES]
     if skipped:
         shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
         print(f"glm5lab: corpus folder {path}: reading its {len(files)} {'/'.join(SUFFIXES)} files; skipping "
@@ -136,13 +136,13 @@ def load_documents(path: Path) -> list[Document]:
 
 
 def _load_file(path: Path, name: str) -> list[Document]:
-    if path.suffix not in SUFFIXES:
+    if path.suffix.lower() not in SUFFIXES:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not valid UTF-8 ({e}); corpus files must be UTF-8 text") from e
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         return _parse_jsonl(text, path, name)
     if not text.strip():
         raise ValueError(f"{path} is empty: every document must hold some text")

@@ -1,0 +1,40 @@
+"""Which keys a query may see: the one causal (and sliding-window) rule.
+
+Legend: B rows, T queries, S keys. Query t of row b sits at absolute position offsets[b] + t
+(offsets: an int for every row, or int64 [B], one per row: cached rows of different lengths);
+key s at position s. A key is visible when
+
+    key position <= query position   (and, with a `window`, > query position - window)
+
+so a query at position p sees min(p + 1, window) keys. Attention masks (`Step.mask`), the
+lightning indexer's scores and the blocked indexer's masking (`glm5lab.model.dsa`,
+`dsa_blocked`) and the top-k's valid slots (`glm5lab.model.topk`) all use these two functions.
+Source: the causal mask of every decoder; sliding windows as Longformer (Beltagy et al. 2020).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def query_positions(offsets, T: int, device=None) -> torch.Tensor:
+    """int64 [B|1, T]: the position of each query (offsets: int or int64 [B])."""
+    device = offsets.device if torch.is_tensor(offsets) else device
+    return (torch.arange(T, device=device) + (offsets[:, None] if torch.is_tensor(offsets) else offsets)).reshape(-1, T)
+
+
+def visible(offsets, T: int, keys, *, window: int | None = None, device=None) -> torch.Tensor:
+    """Bool [B|1, T, S]: key visible to query. keys: an int S (positions 0..S-1) or an int64 [S]
+    of key positions (a block of columns)."""
+    q_pos_BT1 = query_positions(offsets, T, device)[..., None]
+    keys_S = torch.arange(keys, device=q_pos_BT1.device) if isinstance(keys, int) else keys
+    mask_BTS = keys_S <= q_pos_BT1
+    return mask_BTS if window is None else mask_BTS & (keys_S > q_pos_BT1 - window)
+
+
+def visible_count(offsets, T: int, S: int, *, window: int | None = None, device=None) -> torch.Tensor:
+    """int64 [B|1, T]: how many of the keys 0..S-1 each query sees (`visible(...).sum(-1)`,
+    without the [B, T, S] mask)."""
+    q_pos_BT = query_positions(offsets, T, device)
+    count_BT = (q_pos_BT + 1).clamp(min=0, max=S)
+    return count_BT if window is None else count_BT - (q_pos_BT + 1 - window).clamp(min=0, max=S)
