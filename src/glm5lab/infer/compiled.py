@@ -43,13 +43,12 @@ RECOMPILE_LIMIT = 64
 """Graphs per compiled function (one per B, T, S_max, ...): above dynamo's default of 8, which a
 benchmark over batch sizes and contexts passes; a guard failure past it is an error (fullgraph).
 Set process-wide (`torch._dynamo.config.recompile_limit`, raised, never lowered) when the first
-compiled step is made: a `config.patch` around every call would cost about 80 us a token."""
+compiled step is made: a `config.patch` around every call would cost time on every token."""
 
 
 CPU_OPTIONS = {"cpp_wrapper": True}
-"""Inductor options on CPU: the graph's wrapper in C++ rather than Python (measured on the
-`small` model's decode step, 1 thread: 1.55 ms against 1.87 ms with the Python wrapper; its
-first compilation takes about 30 s instead of about 7 s; later processes hit inductor's cache)."""
+"""Inductor options on CPU: the graph's wrapper in C++ rather than Python (a faster step, a
+slower first compilation; later processes hit inductor's cache: BENCHMARKS.md, "Kernel choices")."""
 
 
 def compile_mode(device: torch.device) -> str | None:

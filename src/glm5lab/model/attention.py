@@ -110,9 +110,9 @@ def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk:
     ([query_block * K, X], 9 MiB at K = 256, X = 576: it stays in cache, in one reused buffer
     when no gradient is needed), then SDPA with each query as a batch entry and its H heads as
     SDPA's queries over its K latents (the whole X-wide latent as value, as
-    `attention_latent_masked`: the fused kernel; 0.84 vs 1.09 ms per 16 queries for two bmm and
-    a softmax at the bench shapes). The one-shot gather it replaces copied [T, K, X] per call (151
-    MB per 256-query chunk), then read it back twice from memory. Backward (training) flows
+    `attention_latent_masked`: the fused kernel, faster than two bmm and a softmax: BENCHMARKS.md,
+    "Kernel choices"). The one-shot gather it replaces copied [T, K, X] per call, then read it
+    back twice from memory. Backward (training) flows
     through `index_select` and SDPA."""
     B, T, H, X = q_BTHX.shape
     S, K = kv_BSX.shape[1], topk.idx_BTK.shape[-1]

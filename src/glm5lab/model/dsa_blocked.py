@@ -48,9 +48,7 @@ from glm5lab.model.visibility import visible
 QUERY_BLOCK = 64
 KEY_BLOCK = 1024
 """64 queries x 1024 keys: with 4-16 heads the block's dots (1-4 MiB fp32) stay in L2, where the
-ReLU and the head sum cost ~25% of the matmul (measured at the bench preset's 4 x 128 heads, 1
-thread: 13.9 ms vs 10.9 ms for the matmul alone per 64 queries x 32K keys; key blocks of 512 to
-4096 within 10%)."""
+ReLU and the head sum cost a fraction of the matmul (BENCHMARKS.md, "Kernel choices")."""
 
 
 def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, *, scale: float, q_offset=0,

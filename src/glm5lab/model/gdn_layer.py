@@ -233,12 +233,12 @@ class SimpleGDN(nn.Module):
         B, T, _ = x_BTD.shape
         H, r = self.n_heads, self.n_heads // self.n_kv
         state = step.recurrent
-        q, k, v = self.project(x_BTD)
-        q, k = l2_normalize(q), l2_normalize(k).repeat_interleave(r, dim=2)
-        v = v.repeat_interleave(r, dim=2)
-        g, beta = self.gates(x_BTD)
-        o_BTHV, S_BHKV = _run_rule(q, k, v, g, beta.to(q.dtype), step.reference,
+        q_BTHK, k_BTGK, v_BTGV = self.project(x_BTD)
+        q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTGK).repeat_interleave(r, dim=2)
+        v_BTHV = v_BTGV.repeat_interleave(r, dim=2)
+        g_BTH, beta_BTH = self.gates(x_BTD)
+        o_BTHV, S_BHKV = _run_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH.to(q_BTHK.dtype), step.reference,
                                    None if state is None else state.recurrent_BHKV, self.chunk_size)
         if state is not None:
-            state.advance(S_BHKV, conv_BCX=None, k_BTHK=k, v_BTHV=v, g_BTH=g, beta_BTH=beta)
+            state.advance(S_BHKV, conv_BCX=None, k_BTHK=k_BTHK, v_BTHV=v_BTHV, g_BTH=g_BTH, beta_BTH=beta_BTH)
         return self.o_proj(o_BTHV.reshape(B, T, H * self.v_dim))

@@ -1,7 +1,7 @@
 """Grouped-query attention: the baseline the report compares MLA with (GLM-4.5, the GQA-8 proxy).
 
-Legend: B batch, T positions, H query heads, G KV heads, X q/k head width (`qk_head_dim` =
-no-RoPE N + RoPE R; RoPE covers the last R dims), V value width.
+Legend: B batch, T new positions, S keys (the cache extent; T uncached), H query heads, G KV
+heads, X q/k head width (`qk_head_dim` = no-RoPE N + RoPE R; RoPE covers the last R dims), V value width.
 Cache per token per layer: G * (X + V) values (GQA-8 in the report: 8 * (128 + 128) = 2048).
 Source: Ainslie et al. 2023 (GQA); GLM-4.5 (qkv bias, optional per-head QK RMSNorm).
 """
@@ -44,17 +44,17 @@ class GQAttention(nn.Module):
         `is_causal` for an uncached full-attention call). The layer's `window` (an "swa"
         layer) limits each query to its last `window` keys. GQA layers never select keys."""
         B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).view(B, T, self.n_heads, self.x_dim)
-        k = self.k_proj(x_BTD).view(B, T, self.n_kv, self.x_dim)
-        v = self.v_proj(x_BTD).view(B, T, self.n_kv, self.v_dim)
+        q_BTHX = self.q_proj(x_BTD).view(B, T, self.n_heads, self.x_dim)
+        k_BTGX = self.k_proj(x_BTD).view(B, T, self.n_kv, self.x_dim)
+        v_BTGV = self.v_proj(x_BTD).view(B, T, self.n_kv, self.v_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rope(q, step.cos, step.sin), self._rope(k, step.cos, step.sin)
-        k, v = step.write("k", k), step.write("v", v)
+            q_BTHX, k_BTGX = self.q_norm(q_BTHX), self.k_norm(k_BTGX)
+        q_BTHX, k_BTGX = self._rope(q_BTHX, step.cos, step.sin), self._rope(k_BTGX, step.cos, step.sin)
+        k_BSGX, v_BSGV = step.write("k", k_BTGX), step.write("v", v_BTGV)
         if step.reference:
-            o = attention_reference(q, k, v, scale=self.scale, mask_BTS=step.mask(self.window))
+            o_BTHV = attention_reference(q_BTHX, k_BSGX, v_BSGV, scale=self.scale, mask_BTS=step.mask(self.window))
         elif not step.cached and self.window is None:
-            o = attention_causal(q, k, v, scale=self.scale)
+            o_BTHV = attention_causal(q_BTHX, k_BSGX, v_BSGV, scale=self.scale)
         else:
-            o = attention_masked(q, k, v, scale=self.scale, mask_BTS=step.mask(self.window))
-        return self.o_proj(o.reshape(B, T, -1))
+            o_BTHV = attention_masked(q_BTHX, k_BSGX, v_BSGV, scale=self.scale, mask_BTS=step.mask(self.window))
+        return self.o_proj(o_BTHV.reshape(B, T, -1))

@@ -38,9 +38,7 @@ ATTN_IMPLS = ("auto", "naive", "absorbed")
 `Step.reference` (every mixer runs its reference), "absorbed" sets `Step.absorbed` (MLA only)."""
 GATHER_MIN_KEYS_PER_TOPK = 4
 """Longer forwards gather the top-k keys once the keys exceed 4 x index_topk; below that a
-masked SDPA over all keys is faster on CPU. Measured (issue 14, bench shapes: 8 heads, 576-wide
-latents, top-256, 256 queries, 1 thread): the query-blocked gather takes 27-29 ms whatever S,
-the masked SDPA ~28 ms per 1K keys (22 ms at S = 768, 31 ms at 1024, 61 ms at 2048). Both compute
+masked SDPA over all keys is faster on CPU (BENCHMARKS.md, "Kernel choices"). Both compute
 exactly the same function."""
 ROUTES = ("reference", "expanded", "latent_masked", "latent_gathered")
 

@@ -56,7 +56,7 @@ def select_topk(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
 
 def select_topk_fast(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     """`select_topk`'s choice, in its order, from one fp32 torch.topk of k+1 per query (no int64
-    ranking keys, ~3x faster on CPU): where the k+1 best scores of a row are all distinct, the
+    ranking keys, faster on CPU: BENCHMARKS.md, "Kernel choices"): where the k+1 best scores of a row are all distinct, the
     stable sort's prefix is exactly torch.topk's (a strictly decreasing run has one order); the
     rows with an equal pair among them (a tie at or above the boundary, -0.0 == +0.0, or -inf
     slots of a query with fewer than k+1 causal keys) or a NaN (first in both; torch.topk orders
@@ -86,10 +86,9 @@ def _topk_grouped(scores_BTS: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     fills no group. Every score outside them is <= the k-th largest group maximum, itself one of
     the shortlist's k best, so the values are torch.topk's exactly and the indices are wherever
     those values are distinct (an outside score can only equal the k-th: `select_topk_fast`
-    re-ranks such rows anyway). CPU, 64 rows, k = 257, 1 thread: 3.9 vs 7.5 ms at 32K keys, 2.9
-    vs 6.4 at 16K, 2.3 vs 3.5 at 8K (torch.topk copies each row into (value, index) pairs and
-    heap-sorts them, so its cost follows the row length). Rows shorter than 8192 keys use
-    torch.topk itself."""
+    re-ranks such rows anyway). torch.topk copies each row into (value, index) pairs and
+    heap-sorts them, so its cost follows the row length; the shortlist's gain is in BENCHMARKS.md
+    ("Kernel choices"). Rows shorter than 8192 keys use torch.topk itself."""
     *lead, S = scores_BTS.shape
     g = 8 if S < 49152 else 16
     if S < GROUPED_TOPK_MIN_KEYS or S // g < k:
