@@ -4,9 +4,9 @@ optimizer share, compile time.
 In one process, on one config and the same initial weights, timed interleaved (see common.py):
 - ours, full step: the step `glm5lab train` runs: forward with MTP (depth 3, weights 0.3), the
   stage's losses (`glm5lab.train.losses.stage_losses`: CE + MTP, + the indexer KL with --dsa),
-  then `glm5lab.train.loop.optimizer_step` (backward, non-finite check, grad clip, the `MuonAdamW`
-  Muon Split step, router bias update) with `TrainArgs`' defaults (optimizer, weight decay, clip,
-  bias rate);
+  then `glm5lab.train.step.optimizer_step` (backward, non-finite check, grad clip, the `MuonAdamW`
+  Muon Split step, router bias update) with `TrainHyper`'s defaults, `glm5lab train`'s (optimizer,
+  weight decay, clip, bias rate);
 - ours, full step, compiled: the same with the losses' forward and backward through torch.compile
   (`glm5lab.train.compile.CompiledLosses`, inductor: what `glm5lab train --compile` runs);
 - ours, like for like: forward without MTP, CE, backward, `torch.optim.AdamW` step; and the same
@@ -78,12 +78,11 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.environment import env_facts, load_average
 from glm5lab.hf import load_transformers_twin
 from glm5lab.ledger import flops
-from glm5lab.optim import build_optimizer
 from glm5lab.train.balance import moe_layers
 from glm5lab.train.compile import CompiledLosses
 from glm5lab.train.losses import cross_entropy, stage_losses
-from glm5lab.train.loop import TrainArgs, optimizer_step, set_trainable
 from glm5lab.train.stages import Stage, default_stages
+from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
 
 GOALS = {"speedup": 3.0, "mfu": 0.40, "muon_split_share": 0.15}
 """Targets: like-for-like tokens/s >= 3x transformers' (its default experts implementation);
@@ -91,8 +90,8 @@ full step >= 40% of the matmul peak; the Muon Split optimizer step <= 15% of the
 GLM5_ROUTING_GOALS = {**GOALS, "speedup_vs_loop": 3.0}
 """--routing glm5 adds: like-for-like tokens/s >= 3x transformers' per-expert loop
 (experts_implementation="eager"), the baseline the 256-expert shape was added for."""
-TRAIN = TrainArgs()
-"""`glm5lab train`'s defaults: the full step's optimizer, weight decay, grad clip and router bias rate."""
+TRAIN = TrainHyper()
+"""`glm5lab train`'s step settings: the full step's optimizer, weight decay, grad clip and router bias rate."""
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": TRAIN.weight_decay}
 PARITY_RTOL = 1e-5
 """fp32 CPU: ours and transformers, same weights, on the first window cut to index_topk tokens
@@ -216,7 +215,7 @@ class TimedOptimizer:
 def ours_full_step(model, opt, stage: Stage, autocast, device, losses_fn=None):
     """One step of `glm5lab train` (`_Loop.train_step`): the stage's losses under autocast
     (losses_fn(window, stage); default eager `stage_losses`, or a `CompiledLosses`), then the
-    library's `optimizer_step` with TrainArgs' grad clip and bias rate; the optimizer's own step
+    library's `optimizer_step` with TRAIN's grad clip and bias rate; the optimizer's own step
     is timed apart (`TimedOptimizer`)."""
     set_trainable(model, stage)
     timed_opt, steps = TimedOptimizer(opt, device), itertools.count(1)
@@ -226,7 +225,7 @@ def ours_full_step(model, opt, stage: Stage, autocast, device, losses_fn=None):
         with autocast():
             losses = losses_fn(window, stage)
         before = timed_opt.seconds
-        optimizer_step(model, timed_opt, losses, stage, next(steps), TRAIN.grad_clip, TRAIN.bias_update_rate)
+        optimizer_step(model, timed_opt, losses, stage, next(steps), TRAIN)
         return losses.total.detach(), timed_opt.seconds - before
     return step
 
@@ -274,7 +273,7 @@ def build_cases(args, device):
                 else contextlib.nullcontext)
 
     def full(model, losses_fn=None):
-        opt = build_optimizer(model, TRAIN.optimizer, lr=full_stage.lr, weight_decay=TRAIN.weight_decay)
+        opt = TRAIN.build_optimizer(model, full_stage.lr)
         return Case(ours_full_step(model, opt, full_stage, autocast, device, losses_fn), windows)
 
     def plain(model, loss_fn):

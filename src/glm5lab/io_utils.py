@@ -1,9 +1,9 @@
 """Atomic writes of files and folders, so an interrupted run never leaves a half-written file or
 a half-replaced folder under the final name.
 
-A file is written to a temp file in the same folder, fsynced, then renamed over the target. A
-folder is built in full in a hidden sibling, then swapped in with two renames (see
-`replace_folder`).
+A file is written to a temp file in the same folder, fsynced, then renamed over the target
+(several files: every temp file first, then the renames: `atomic_write_all`). A folder is built
+in full in a hidden sibling, then swapped in with two renames (see `replace_folder`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,20 +19,33 @@ from pathlib import Path
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call `write(tmp_path)` and atomically move the result to `path` (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    atomic_write_all({path: write})
+
+
+def atomic_write_all(writes: dict[Path, Callable[[str], None]]) -> None:
+    """All or nothing: for each (path, write), `write(tmp_path)` into a temp file beside `path`
+    (parents created), fsynced, with the mode of the file it replaces (new files: 0666 less the
+    umask); only when every write succeeded are the temp files renamed over their paths. Raises
+    what a write raises (OSError, ...) after removing the temp files; no path has changed then."""
+    tmps = {}
     try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp (and safetensors) make 0600; give the usual mode
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for path, write in writes.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmps[path] = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            write(tmps[path])
+            # mkstemp (and safetensors) make 0600: give the replaced file's mode, or the usual one
+            os.chmod(tmps[path], stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask())
+            with open(tmps[path], "rb") as f:
+                os.fsync(f.fileno())
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         raise
+    for path, tmp in tmps.items():
+        os.replace(tmp, path)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

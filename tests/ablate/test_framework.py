@@ -119,7 +119,8 @@ def test_study_args_and_cli_errors_are_clear(tmp_path, capsys):
         StudyArgs("mla", scale="tpu")
     with pytest.raises(KeyError, match="has no size 'gpu'"):
         StudyArgs("mla", scale="gpu").sizes({"quick": 1, "cpu": 2})
-    assert StudyArgs("mla", seeds=2).seed_list(3) == [0, 1] and StudyArgs("mla").seed_list(3) == [0, 1, 2]
+    assert StudyArgs("mla", seeds=2).seed_list({"seeds": 3}) == [0, 1]
+    assert StudyArgs("mla").seed_list({"seeds": 3}) == [0, 1, 2]
     with pytest.raises(ValueError, match="study 'gqa' is not known"):
         StudyArgs("gqa")
     with pytest.raises(ValueError, match="--seeds 0"):
@@ -131,3 +132,17 @@ def test_study_args_and_cli_errors_are_clear(tmp_path, capsys):
     assert "is a file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["ablate", "nope"])
+
+
+def test_studies_state_their_one_difference_from_train():
+    """The studies train with `glm5lab train`'s step settings but for the router bias rate, stated
+    once (`fit.STUDY_HYPER`); the baseline study's arms use train's own (`study_baseline.TRAIN`)."""
+    import dataclasses
+
+    from glm5lab.ablate import study_baseline
+    from glm5lab.ablate.fit import STUDY_HYPER
+    from glm5lab.train.step import TrainHyper
+
+    assert STUDY_HYPER.bias_update_rate == 1e-3 != TrainHyper().bias_update_rate
+    assert dataclasses.replace(STUDY_HYPER, bias_update_rate=TrainHyper().bias_update_rate) == TrainHyper()
+    assert study_baseline.TRAIN == TrainHyper()

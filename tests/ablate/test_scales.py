@@ -20,10 +20,11 @@ def _params(cfg) -> int:
 def gpu_configs(size: str = "gpu") -> dict:
     """study -> (its model configs at `size`, training length, longest length it feeds a model)."""
     mla, dsa, mtp, ic = (m.SIZES[size] for m in (study_mla, study_dsa, study_mtp, study_indexcache))
-    swa, fz = study_efficient.SIZES[size]
+    fz = study_efficient.SIZES[size]
+    swa = fz["base"]
     return {"mla": (list(study_mla.configs(mla).values()), mla["T"], mla["T"]),
             "dsa": ([study_dsa.config(dsa)], dsa["T"], dsa["T"] * max(dsa["scales"])),
-            "swa": ([study_swa.base_config(swa)], swa.seq_len, max(*swa.lengths, 2 * fz.seq_len)),
+            "swa": ([study_swa.base_config(swa)], swa["seq_len"], max(*swa["lengths"], 2 * fz["seq_len"])),
             "mtp": ([study_mtp.config(mtp, d) for d in study_mtp.DEPTHS], mtp["T"],
                     max(mtp["T"], mtp["prompt_len"] + mtp["max_new"])),
             "indexcache": ([study_indexcache.config(ic)], ic["T"], ic["T"] * max(4, ic["long"]))}
@@ -40,9 +41,10 @@ def test_gpu_sizes_are_50_to_100m_params_at_2k_tokens(study):
 
 
 def test_swa_and_efficient_gpu_lengths():
-    sz, fz = study_efficient.SIZES["gpu"]
-    assert sz == study_swa.GPU and sz.window < sz.seq_len and max(sz.lengths) >= 4 * sz.window
-    assert 2 * fz.seq_len <= study_swa.base_config(sz).max_position_embeddings
+    fz = study_efficient.SIZES["gpu"]
+    sz = fz["base"]
+    assert sz == study_swa.SIZES["gpu"] and sz["window"] < sz["seq_len"] and max(sz["lengths"]) >= 4 * sz["window"]
+    assert 2 * fz["seq_len"] <= study_swa.base_config(sz).max_position_embeddings
 
 
 @pytest.mark.parametrize("size", ["quick", "cpu", "gpu", "gpu-quick"])

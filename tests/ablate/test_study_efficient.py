@@ -10,7 +10,9 @@ from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.runner import StudyArgs, run_study
 from glm5lab.ablate.study_efficient import VARIANTS, build_variants, layer_plan
-from glm5lab.ablate.study_swa import QUICK, base_config
+from glm5lab.ablate.study_swa import SIZES, base_config
+
+QUICK = SIZES["quick"]
 
 
 def test_efficient_quick_writes_changes_beside_the_report(tmp_path, study_corpus):
@@ -35,7 +37,7 @@ def test_efficient_quick_writes_changes_beside_the_report(tmp_path, study_corpus
 def test_variants_load_the_base_as_documented():
     torch.manual_seed(0)
     base = GLM5ForCausalLM(base_config(QUICK)).eval()
-    searched = ["swa", "swa"] + ["full"] * (QUICK.layers - 2)
+    searched = ["swa", "swa"] + ["full"] * (QUICK["layers"] - 2)
     models = build_variants(base, QUICK, searched, seed=0)
     assert list(models) == list(VARIANTS)
     replaced = layer_plan(QUICK)
@@ -52,6 +54,6 @@ def test_variants_load_the_base_as_documented():
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             assert torch.equal(getattr(s[i].self_attn, name).weight, getattr(b[i].self_attn, name).weight)
         assert g[i].self_attn.k_proj.weight.shape != b[i].self_attn.k_proj.weight.shape  # GDN: new, wider
-    for i in range(QUICK.layers):  # everything else is copied, not shared
+    for i in range(QUICK["layers"]):  # everything else is copied, not shared
         assert torch.equal(g[i].mlp.gate_proj.weight, b[i].mlp.gate_proj.weight)
         assert g[i].mlp.gate_proj.weight.data_ptr() != b[i].mlp.gate_proj.weight.data_ptr()

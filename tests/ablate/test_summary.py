@@ -138,17 +138,26 @@ def test_refuses_runs_and_roots_it_cannot_use(root, tmp_path, capsys):
     assert "--root / --write are for `glm5lab ablate summary`" in capsys.readouterr().err
 
 
-def test_writes_are_all_or_nothing_and_keep_the_file(root, tmp_path):
+def test_writes_are_all_or_nothing_and_keep_the_file(root, tmp_path, monkeypatch):
+    import tempfile
+
     one = _copy(root, tmp_path)
     a, b = tmp_path / "a.md", tmp_path / "b.md"
     a.write_bytes(f"x\r\n{BEGIN}\r\nold\r\n{END}\r\nend\r\n".encode())
     a.chmod(0o600)
     b.write_text(f"{BEGIN}{END}")
-    (tmp_path / ".b.md.summary-tmp").mkdir()  # the second temporary file cannot be written
-    with pytest.raises(OSError):
-        write_summary(one, [a, b])
-    assert b"old" in a.read_bytes() and not (tmp_path / ".a.md.summary-tmp").exists()
-    (tmp_path / ".b.md.summary-tmp").rmdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def full_disk(*args, prefix="", **kwargs):  # the second temporary file cannot be written
+        if prefix.startswith(".b.md"):
+            raise OSError(28, "No space left on device")
+        return real_mkstemp(*args, prefix=prefix, **kwargs)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(tempfile, "mkstemp", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            write_summary(one, [a, b])
+    assert b"old" in a.read_bytes() and not list(tmp_path.glob(".a.md.*"))
     link = tmp_path / "link.md"
     link.symlink_to(b)
     write_summary(one, [a, link])

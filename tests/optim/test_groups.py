@@ -9,7 +9,7 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.optim import OPTIMIZERS, RULES, build_optimizer, param_group_table
 from glm5lab.model.dsa import LightningIndexer
 from glm5lab.optim.groups import Rule, _match_one
-from glm5lab.train.loop import set_trainable
+from glm5lab.train.step import set_trainable
 from glm5lab.train.stages import Stage
 
 GQA = {"attention_types": ["gqa"] * 4, "index_n_heads": 0, "index_head_dim": 0, "use_dsa": False,

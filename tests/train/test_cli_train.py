@@ -112,3 +112,24 @@ def test_quick_run_on_the_default_corpus(tmp_path):
     assert summary["val_loss"] < summary["unigram_val_loss"] + 0.5
     assert 0 < summary["val_bits_per_byte"] < 8 and summary["val_bytes"] > summary["val_tokens"]  # BPE: > 1 byte/token
     assert [s["stage"] for s in summary["stages"]] == ["dense", "indexer_warmup", "sparse_adaptation"]
+
+
+def test_help_states_the_defaults_the_run_uses():
+    """The "(default X" in each train flag's help is `TrainArgs`' default, itself `TrainHyper`'s
+    for the step's settings: the help cannot drift from the one copy of the defaults."""
+    import re
+
+    from glm5lab.cli import build_parser
+    from glm5lab.train.loop import TrainArgs
+    from glm5lab.train.step import TrainHyper
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    checked = []
+    for action in train._actions:
+        default = getattr(TrainArgs, action.dest, None)
+        said = re.search(r"(?:^|\()default ([^\s,;)]+)", action.help or "")
+        if said and default is not None and not isinstance(default, bool):
+            assert said.group(1) == str(default) or float(said.group(1)) == default, action.dest
+            checked.append(action.dest)
+    assert {"optimizer", "bias_update_rate", "seq_len", "batch_size", "seed"} <= set(checked)
+    assert TrainArgs().hyper == TrainHyper()

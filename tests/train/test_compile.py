@@ -17,7 +17,8 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.train import compile as train_compile
 from glm5lab.train.compile import CompiledLosses
-from glm5lab.train.loop import TrainArgs, optimizer_step, set_trainable, train
+from glm5lab.train.loop import TrainArgs, train
+from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
 from tests.train.test_loop import _args, _rows, corpus, train_killed_at  # noqa: F401  (fixture)
@@ -68,12 +69,11 @@ def _assert_same_losses(compiled, eager):
 
 
 def _two_steps(model, losses_fn, stage, windows):
-    """Two steps of the loop (losses, then `optimizer_step`: backward, clip, Muon Split, router
-    bias update); returns the StepLosses of each and the gradients of the first."""
-    from glm5lab.optim import build_optimizer
-
+    """Two steps of the loop (losses, then `optimizer_step` with `glm5lab train`'s settings:
+    backward, clip, Muon Split, router bias update); returns the StepLosses of each and the
+    gradients of the first."""
     set_trainable(model, stage)
-    opt = build_optimizer(model, "muon-split", lr=stage.lr, weight_decay=0.1)
+    opt = TrainHyper().build_optimizer(model, stage.lr)
     grads = {}
 
     def keep_first_grads(*_):
@@ -83,7 +83,7 @@ def _two_steps(model, losses_fn, stage, windows):
     out = []
     for step, w in enumerate(windows, start=1):
         losses = losses_fn(w, stage)
-        optimizer_step(model, opt, losses, stage, step, 1.0, 1.5e-2)
+        optimizer_step(model, opt, losses, stage, step, TrainHyper())
         out.append(losses)
     return out, grads
 

@@ -11,7 +11,8 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import ResumeError
 from glm5lab.train.balance import update_router_bias
-from glm5lab.train.loop import TrainArgs, TrainingDiverged, _Loop, resolve_stages, train
+from glm5lab.train.loop import TrainArgs, _Loop, resolve_stages, train
+from glm5lab.train.step import TrainingDiverged, clip_and_check
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
 from tests.conftest import write_word_corpus
@@ -146,17 +147,17 @@ def test_warmup_trains_only_the_indexer(corpus):
 
 def train_killed_at(step: int, args: TrainArgs, monkeypatch) -> None:
     """Run `train(args)` and kill it (KeyboardInterrupt) when the loop reaches `step`."""
-    real_step = _Loop.train_step
+    real_batch = _Loop.batch
 
-    def dying_step(self, stage, stream, i):
+    def dying_batch(self, index, stage, i):
         if self.step == step:
             raise KeyboardInterrupt
-        return real_step(self, stage, stream, i)
+        return real_batch(self, index, stage, i)
 
-    monkeypatch.setattr(_Loop, "train_step", dying_step)
+    monkeypatch.setattr(_Loop, "batch", dying_batch)
     with pytest.raises(KeyboardInterrupt):
         train(args)
-    monkeypatch.setattr(_Loop, "train_step", real_step)
+    monkeypatch.setattr(_Loop, "batch", real_batch)
 
 
 def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monkeypatch):
@@ -209,15 +210,15 @@ def test_init_keeps_the_checkpoint_tokenizer_on_other_data(corpus):
 def test_resume_with_another_model_config_is_refused(corpus):
     run = corpus / "run"
     plan = _plan(steps=(4, 1, 1))[:1]
-    real_step = _Loop.train_step
+    real_batch = _Loop.batch
 
-    def dying_step(self, stage, stream, i):
+    def dying_batch(self, index, stage, i):
         if self.step == 3:
             raise KeyboardInterrupt
-        return real_step(self, stage, stream, i)
+        return real_batch(self, index, stage, i)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_Loop, "train_step", dying_step)
+        mp.setattr(_Loop, "batch", dying_batch)
         with pytest.raises(KeyboardInterrupt):
             train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan}))
     other = ModelConfig.from_preset("tiny", vocab_size=320, hidden_size=32)
@@ -240,15 +241,15 @@ def test_resume_with_another_model_config_is_refused(corpus):
 
 def test_nan_stops_the_run_naming_step_and_tensor_and_keeps_the_last_checkpoint(corpus, monkeypatch):
     run = corpus / "run"
-    real_step = _Loop.train_step
+    real_batch = _Loop.batch
 
-    def poisoned(self, stage, stream, i):
+    def poisoned(self, index, stage, i):
         if self.step == 4:
             with torch.no_grad():
                 self.model.model.layers[1].self_attn.o_proj.weight[0, 0] = float("nan")
-        return real_step(self, stage, stream, i)
+        return real_batch(self, index, stage, i)
 
-    monkeypatch.setattr(_Loop, "train_step", poisoned)
+    monkeypatch.setattr(_Loop, "batch", poisoned)
     with pytest.raises(TrainingDiverged, match=r"step 5: loss is not finite.*`model.layers.1.self_attn.o_proj.weight`"):
         train(_args(corpus, run))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000004"  # end of the dense stage
@@ -257,7 +258,6 @@ def test_nan_stops_the_run_naming_step_and_tensor_and_keeps_the_last_checkpoint(
 
 
 def test_nonfinite_gradient_is_named():
-    from glm5lab.train.loop import clip_and_check
     from glm5lab.train.losses import StepLosses
 
     model = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))

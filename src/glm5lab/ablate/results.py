@@ -15,13 +15,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glm5lab.io_utils import atomic_write, atomic_write_text
+
 
 @dataclass
 class StudyResult:
     """study: its name. table: markdown (may hold several tables). raw: JSON-able numbers, per
     variant and seed. settings: JSON-able sizes and model configs. seeds: the seeds run.
-    plot: writes the PNG to the path it is given. notes: one line each, in particular every place
-    where our result is the opposite of the report's or inconclusive."""
+    plot: writes the PNG to the path it is given (`save_png`).
+    notes: one line each, in particular every place where our result is the opposite of the
+    report's or inconclusive."""
 
     study: str
     table: str
@@ -34,33 +37,24 @@ class StudyResult:
 
 def write_result(result: StudyResult, out: Path, *, quick: bool, elapsed_s: float) -> Path:
     """Write table.md, results.json and <study>.png into `out` (created); returns out/table.md.
-    Each file is written to a temporary name and renamed, so a reader never sees half a file."""
+    Each file is written to a temporary name and renamed (`io_utils`), so a reader never sees
+    half a file."""
     import torch
 
     from glm5lab.environment import git_commit
 
-    out.mkdir(parents=True, exist_ok=True)
     header = (f"# Ablation `{result.study}`{' (--quick)' if quick else ''}\n\n"
               f"Seeds {result.seeds} (n = {len(result.seeds)}). Per-arm cells: mean ± sd [95% t-interval] over "
               "the seeds; differences: mean [95% interval], paired by seed, with the verdict of "
               "`glm5lab.ablate.stats` (reproduced / opposite / inconclusive at n seeds).\n\n")
     notes = "".join(f"- {n}\n" for n in result.notes)
-    _atomic_text(out / "table.md", header + result.table.rstrip() + "\n" + (f"\nNotes:\n{notes}" if notes else ""))
+    atomic_write_text(out / "table.md", header + result.table.rstrip() + "\n" + (f"\nNotes:\n{notes}" if notes else ""))
     info = {"study": result.study, "quick": quick, "seeds": result.seeds, "settings": result.settings,
             "raw": result.raw, "notes": result.notes, "elapsed_s": round(elapsed_s, 1),
             "git_commit": git_commit(), "torch": torch.__version__}
-    _atomic_text(out / "results.json", json.dumps(info, indent=2, default=_jsonable) + "\n")
-    png = out / f"{result.study}.png"
-    tmp = png.with_name(png.stem + ".tmp.png")
-    result.plot(tmp)
-    tmp.replace(png)
+    atomic_write_text(out / "results.json", json.dumps(info, indent=2, default=_jsonable) + "\n")
+    atomic_write(out / f"{result.study}.png", lambda tmp: result.plot(Path(tmp)))  # `save_png` names the format
     return out / "table.md"
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _jsonable(x):
@@ -95,3 +89,13 @@ def figure():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_png(fig, path, dpi: int = 110) -> None:
+    """Lay `fig` out, write it to `path` as PNG (whatever the name: `write_result` passes a
+    temporary one) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=dpi)
+    plt.close(fig)

@@ -1,7 +1,9 @@
 """`glm5lab ablate STUDY`: run one study, write its folder, return the table.
 
-Each study is a module `glm5lab.ablate.study_<name>` with `run(args: StudyArgs, bench: Workbench)
--> StudyResult` and `DEFAULT_SEEDS`, and its sizes in `SIZES`, keyed by `StudyArgs.size_key`:
+Each study is the module `STUDIES` names, with `run(args: StudyArgs, bench: Workbench) ->
+StudyResult`, `readme_row(info)` (`summary`) and its sizes in `SIZES`: a dict keyed by
+`StudyArgs.size_key`, each entry a dict of that size's numbers, its "seeds" (how many seeds run
+unless --seeds: `StudyArgs.seed_list`) among them:
   "quick"      `--quick`: the smoke size, under two minutes on 2 CPU cores (the test suite runs it);
   "cpu"        the default: every study's default run together fits in about an hour on 2 cores
                (BENCHMARKS.md has the times);
@@ -18,15 +20,30 @@ import importlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+
+class Study(NamedTuple):
+    """module: the study's module, imported by this name when it runs (`study_module`); what: its
+    line in `glm5lab ablate -h` (the registry is read without importing torch)."""
+
+    module: str
+    what: str
+
 
 STUDIES = {
-    "mla": "GQA-8 vs MLA vs MLA + Muon Split vs MLA-256 + Muon Split at matched tokens (3 seeds)",
-    "dsa": "dense vs indexer warm-up only vs full sparse adaptation, retrieval by context length",
-    "swa": "full attention vs 1:1 SWA interleave vs searched SWA, no extra training",
-    "efficient": "SWA interleave, searched SWA, Gated DeltaNet, SimpleGDN after equal further training",
-    "mtp": "MTP acceptance length vs draft steps 1..4; training unroll depth 1 vs 3",
-    "indexcache": "IndexCache retention 1, 1/2, 1/4 (searched and uniform): quality and attention time",
-    "baseline": "the small preset vs a dense GPT (MHA, SwiGLU; AdamW and Muon) at matched activated params and tokens",
+    "mla": Study("glm5lab.ablate.study_mla",
+                 "GQA-8 vs MLA vs MLA + Muon Split vs MLA-256 + Muon Split at matched tokens (3 seeds)"),
+    "dsa": Study("glm5lab.ablate.study_dsa",
+                 "dense vs indexer warm-up only vs full sparse adaptation, retrieval by context length"),
+    "swa": Study("glm5lab.ablate.study_swa", "full attention vs 1:1 SWA interleave vs searched SWA, no extra training"),
+    "efficient": Study("glm5lab.ablate.study_efficient",
+                       "SWA interleave, searched SWA, Gated DeltaNet, SimpleGDN after equal further training"),
+    "mtp": Study("glm5lab.ablate.study_mtp", "MTP acceptance length vs draft steps 1..4; training unroll depth 1 vs 3"),
+    "indexcache": Study("glm5lab.ablate.study_indexcache",
+                        "IndexCache retention 1, 1/2, 1/4 (searched and uniform): quality and attention time"),
+    "baseline": Study("glm5lab.ablate.study_baseline", "the small preset vs a dense GPT (MHA, SwiGLU; AdamW and "
+                      "Muon) at matched activated params and tokens"),
 }
 SCALES = ("cpu", "gpu")
 SIZE_KEYS = ("quick", "cpu", "gpu", "gpu-quick")
@@ -83,9 +100,9 @@ models and lengths; see the module docstring)."""
             return Path(self.out)
         return Path("runs/ablate") / (self.study + ("-gpu" if self.scale == "gpu" else "") + ("-quick" if self.quick else ""))
 
-    def seed_list(self, default: int) -> list[int]:
-        """Seeds 0..n-1: n = --seeds, else the study's `default`."""
-        return list(range(self.seeds if self.seeds is not None else default))
+    def seed_list(self, size: dict) -> list[int]:
+        """Seeds 0..n-1: n = --seeds, else the "seeds" of the study's `size` (its SIZES entry)."""
+        return list(range(self.seeds if self.seeds is not None else size["seeds"]))
 
     def say(self, message: str) -> None:
         """Print one progress line, prefixed with the study, unless progress is off."""
@@ -103,7 +120,11 @@ def run_study(args: StudyArgs) -> tuple[Path, str]:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
     t0 = time.perf_counter()
-    module = importlib.import_module(f"glm5lab.ablate.study_{args.study}")
-    result = module.run(args, Workbench.load(data=args.data))
+    result = study_module(args.study).run(args, Workbench.load(data=args.data))
     path = write_result(result, out, quick=args.quick, elapsed_s=time.perf_counter() - t0)
     return path, path.read_text()
+
+
+def study_module(study: str):
+    """The module of `study` (one of STUDIES). Raises KeyError for an unknown study."""
+    return importlib.import_module(STUDIES[study].module)

@@ -22,7 +22,7 @@ makes. Three arms on the text `glm5lab train` trains on: its tokenizer at the pr
                      (warm-up fraction, linear decay to lr/10): AdamW at peak 2e-3 (`ADAMW_LR`;
                      betas 0.9/0.95 as nanoGPT), Muon ("muon" = "muon-split" on GQA) at the dense
                      stage's 3e-3. Every arm: `glm5lab train`'s weight decay, clipping, router
-                     bias rate (`TRAIN`).
+                     bias rate (`TRAIN`, `glm5lab train`'s `TrainHyper`).
 
 Every arm of a seed sees the same batches in the same order (`text_batches`: global step k is
 batch k of one `BatchStream` over the training split, seeded by the seed) and starts from
@@ -51,17 +51,16 @@ import torch
 from glm5lab import ledger
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import labelled_nll
-from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
-from glm5lab.ablate.workbench import BatchFn
+from glm5lab.ablate.workbench import SPLIT_SEED, BatchFn
 from glm5lab.config import ModelConfig
 from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
 from glm5lab.train.batches import BatchStream, pack
-from glm5lab.train.loop import TrainArgs
 from glm5lab.train.stages import Stage, default_stages
+from glm5lab.train.step import TrainHyper
 
-DEFAULT_SEEDS = 2
 GLM5, ADAMW, MUON = "GLM-5 small", "dense GPT + AdamW", "dense GPT + Muon"
 OPTIMIZERS = {GLM5: "muon-split", ADAMW: "adamw", MUON: "muon"}
 COMPARISONS = ((GLM5, ADAMW), (GLM5, MUON), (MUON, ADAMW))
@@ -73,8 +72,9 @@ ADAMW_LR = {"small": 2e-3, "gpu": 6e-4}
 first 128 validation windows, nats/token): 1e-3 5.476, 2e-3 5.341, 3e-3 5.403, 6e-3 5.602.
 gpu: nanoGPT's value for GPT-2 small (124M). Muon is not tuned: both Muon arms keep `glm5lab
 train`'s 3e-3 (the same probe gave the dense GPT + Muon 5.058 at 1.5e-3 and 4.795 at 6e-3)."""
-TRAIN = {k: getattr(TrainArgs(), k) for k in ("weight_decay", "grad_clip", "bias_update_rate")}
-"""`glm5lab train`'s defaults, passed to `fit` for every arm (the router bias rate only acts on MoE)."""
+TRAIN = TrainHyper()
+"""`glm5lab train`'s step settings, passed to `fit` for every arm with the arm's optimizer (the
+router bias rate only acts on MoE)."""
 GPU_SHAPE = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
                  q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
                  intermediate_size=2048, moe_intermediate_size=256, n_routed_experts=16, mlp_layer_types=None,
@@ -82,8 +82,8 @@ GPU_SHAPE = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, n
                  indexer_types=["full", "full", "shared", "full", "shared", "full", "shared", "full"])
 SIZES = {  # steps: the GLM-5 arm's total, split 300/40/80 as default_stages; val_windows None = all
     "quick": dict(model="small", T=128, batch=2, steps=5, val_windows=4, seeds=2),
-    "cpu": dict(model="small", T=256, batch=8, steps=168, val_windows=None, seeds=DEFAULT_SEEDS),
-    "gpu": dict(model="gpu", T=2048, batch=8, steps=2100, val_windows=None, seeds=DEFAULT_SEEDS),
+    "cpu": dict(model="small", T=256, batch=8, steps=168, val_windows=None, seeds=2),
+    "gpu": dict(model="gpu", T=2048, batch=8, steps=2100, val_windows=None, seeds=2),
     "gpu-quick": dict(model="gpu", T=2048, batch=1, steps=2, val_windows=1, seeds=1),
 }
 
@@ -173,7 +173,7 @@ def train_and_score(cfg: ModelConfig, stages: list[Stage], optimizer: str, batch
 
     torch.manual_seed(seed)
     model = GLM5ForCausalLM(cfg).to(device)
-    records = fit(model, stages, batches, optimizer=optimizer, seed=seed, **TRAIN)
+    records = fit(model, stages, batches, hyper=dataclasses.replace(TRAIN, optimizer=optimizer), seed=seed)
     t0 = time.perf_counter()
     scores = score(model, val_BT, byte_lengths, use_dsa=stages[-1].use_dsa)
     seconds = sum(r["seconds"] for r in records)
@@ -188,10 +188,10 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
     from glm5lab.train.data import prepare_data
 
     s = args.sizes(SIZES)
-    seeds, plan = args.seed_list(s["seeds"]), plans(s)
+    seeds, plan = args.seed_list(s), plans(s)
     cfgs = {GLM5: glm5_config(s)}
     cfgs[ADAMW] = cfgs[MUON] = dense_gpt_config(cfgs[GLM5])
-    data = prepare_data(TrainArgs(data=args.data), cfgs[GLM5])
+    data = prepare_data(cfgs[GLM5].vocab_size, args.data, SPLIT_SEED)
     windows = pack(data.train_tokens, s["T"])
     val = pack(data.val_tokens, s["T"])[:s["val_windows"]]
     byte_lengths = token_byte_lengths(data.tokenizer, cfgs[GLM5].vocab_size)
@@ -204,7 +204,8 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
             args.say(f"seed {seed}: {arm} val bpb {r['val_bpb']:.3f} ({r['val_loss']:.3f} nats/token), "
                      f"{r['train_seconds']:.0f} s, {r['tokens_per_s']:.0f} tok/s")
     settings = {"size": s, "scale": args.size_key, "device": str(args.device), "threads": torch.get_num_threads(),
-                "optimizers": OPTIMIZERS, "train": TRAIN,
+                "optimizers": OPTIMIZERS,
+                "train": {k: v for k, v in dataclasses.asdict(TRAIN).items() if k != "optimizer"},
                 "stages": {a: [st.to_dict() for st in p] for a, p in plan.items()},
                 "matched_convention": MATCHED, "params": {a: ledger.conventions(c) for a, c in cfgs.items()},
                 "flops_per_token": {a: ledger.flops(c, context=s["T"])["prefill"]["total"] for a, c in cfgs.items()},
@@ -323,6 +324,4 @@ def plot(raw: dict, path) -> None:
         ax.set_xticks(list(x), [a.replace(" + ", "\n+ ") for a in arms], fontsize=8)
         ax.set(ylabel=label, title=label)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path)

@@ -32,27 +32,26 @@ from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import mqar_accuracy
 from glm5lab.ablate.models import study_config
 from glm5lab.ablate.report_figures import CONTEXTS, DSA, DSA_128K
-from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_equivalent, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 3
 RECOVERY_MARGIN = 2.0
 """Points of MQAR accuracy within which full adaptation counts as recovering dense (the report's
 -0.35 at 128K is recovery, -7.86 for warm-up only is not: the margin is a quarter of the latter)."""
 ARMS = ("dense", "warm-up only", "full adaptation")
 EVAL_DSA = {"base (before)": False, "dense": False, "warm-up only": True, "full adaptation": True}
-SIZES = {  # T: training length; topk: index_topk; W, A: warm-up and adaptation steps
+SIZES = {  # T: training length; topk: index_topk; W, A: warm-up and adaptation steps; seeds: unless --seeds
     "quick": dict(layers=2, hidden=64, T=32, topk=8, pairs=2, batch=8, task_rows=6, base_steps=30, W=6, A=10,
-                  lr=3e-3, adapt_lr=1e-3, eval_rows=16, scales=(1, 2, 4)),
+                  lr=3e-3, adapt_lr=1e-3, eval_rows=16, scales=(1, 2, 4), seeds=1),
     "cpu": dict(layers=2, hidden=128, T=64, topk=16, pairs=4, batch=16, task_rows=12, base_steps=1200, W=100,
-                A=300, lr=3e-3, adapt_lr=1e-3, eval_rows=128, scales=(1, 2, 4, 8)),
+                A=300, lr=3e-3, adapt_lr=1e-3, eval_rows=128, scales=(1, 2, 4, 8), seeds=3),
     "gpu": dict(layers=12, hidden=768, T=2048, topk=256, pairs=32, batch=16, task_rows=8, base_steps=3000, W=200,
-                A=800, lr=2e-3, adapt_lr=5e-4, eval_rows=128, scales=(1, 2, 4)),
+                A=800, lr=2e-3, adapt_lr=5e-4, eval_rows=128, scales=(1, 2, 4), seeds=3),
     "gpu-quick": dict(layers=4, hidden=768, T=2048, topk=256, pairs=32, batch=1, task_rows=1, base_steps=1, W=1,
-                      A=1, lr=2e-3, adapt_lr=5e-4, eval_rows=1, scales=(1, 2)),
+                      A=1, lr=2e-3, adapt_lr=5e-4, eval_rows=1, scales=(1, 2), seeds=1),
 }
 """gpu: a ~60M-parameter base at 2K tokens (top-256, 1/8 of the keys), MQAR up to 8K (1/32): an
 estimated 2-3 GPU-hours per seed on one H100-class GPU, not measured; gpu-quick: the gpu widths and
@@ -113,7 +112,7 @@ def _last(records: list[dict]) -> dict:
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train the base and the three arms per seed, score MQAR by length (module docstring); the StudyResult."""
     s = args.sizes(SIZES)
-    seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
+    seeds = args.seed_list(s)
     lengths = [s["T"] * k for k in s["scales"]]
     raw = {row: {str(n): [] for n in lengths} for row in EVAL_DSA}
     losses = {}
@@ -223,9 +222,7 @@ def plot(raw: dict, lengths: list[int], path) -> None:
           title="report (GLM-4.7-Flash)")
     a.legend(fontsize=8)
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def readme_row(info: dict) -> dict:

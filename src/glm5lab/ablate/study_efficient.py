@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -33,61 +32,49 @@ from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import labelled_loss
-from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
 from glm5lab.ablate.runner import StudyArgs
-from glm5lab.ablate.study_swa import DEFAULT as SWA_DEFAULT
-from glm5lab.ablate.study_swa import GPU as SWA_GPU
-from glm5lab.ablate.study_swa import GPU_QUICK as SWA_GPU_QUICK
-from glm5lab.ablate.study_swa import QUICK as SWA_QUICK
-from glm5lab.ablate.study_swa import Sizes, base_config, retrieval, search_pattern, task_batches, train_base
+from glm5lab.ablate.study_swa import SIZES as SWA_SIZES
+from glm5lab.ablate.study_swa import base_config, retrieval, search_pattern, task_batches, train_base
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.search_swa import interleave_pattern
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 3
 VARIANTS = ("full attention", "SWA interleave", "searched SWA", "Gated DeltaNet", "SimpleGDN")
 TASKS = ("mqar", "niah")
 
 
-@dataclass(frozen=True)
-class Further:
-    """The further training every variant gets: steps at seq_len tokens per row (batch rows as the
-    base), lr peak (10% warm-up, linear decay to lr / 10). val_rows: validation text rows."""
-
-    steps: int
-    seq_len: int
-    lr: float
-    val_rows: int
-
-
-QUICK = Further(steps=3, seq_len=32, lr=1e-3, val_rows=8)
-DEFAULT = Further(steps=200, seq_len=128, lr=1e-3, val_rows=64)
-GPU = Further(steps=1000, seq_len=4096, lr=1e-3, val_rows=64)
-GPU_QUICK = Further(steps=2, seq_len=2048, lr=1e-3, val_rows=1)
-SIZES = {"quick": (SWA_QUICK, QUICK), "cpu": (SWA_DEFAULT, DEFAULT), "gpu": (SWA_GPU, GPU),
-         "gpu-quick": (SWA_GPU_QUICK, GPU_QUICK)}
-"""(base sizes of `study_swa`, further training). gpu: the swa study's 2K base, then 1000 further
-steps at 4K, scored at 4K and 8K (an estimated 2-3 GPU-hours per seed, not measured)."""
+SIZES = {
+    "quick": dict(base=SWA_SIZES["quick"], steps=3, seq_len=32, lr=1e-3, val_rows=8, seeds=1),
+    "cpu": dict(base=SWA_SIZES["cpu"], steps=200, seq_len=128, lr=1e-3, val_rows=64, seeds=3),
+    "gpu": dict(base=SWA_SIZES["gpu"], steps=1000, seq_len=4096, lr=1e-3, val_rows=64, seeds=3),
+    "gpu-quick": dict(base=SWA_SIZES["gpu-quick"], steps=2, seq_len=2048, lr=1e-3, val_rows=1, seeds=1),
+}
+"""base: the base's sizes (`study_swa.SIZES`; its seeds unused). Then the further training every
+variant gets: steps at seq_len tokens per row (batch rows as the base), lr peak (10% warm-up,
+linear decay to lr / 10). val_rows: validation text rows. seeds: unless --seeds. gpu: the swa
+study's 2K base, then 1000 further steps at 4K, scored at 4K and 8K (an estimated 2-3 GPU-hours
+per seed, not measured)."""
 
 
-def layer_plan(sz: Sizes) -> list[int]:
+def layer_plan(sz: dict) -> list[int]:
     """The layers that become GDN / SimpleGDN: the SWA layers of the 1:1 interleave."""
-    return [i for i, m in enumerate(interleave_pattern(sz.layers)) if m == "swa"]
+    return [i for i, m in enumerate(interleave_pattern(sz["layers"])) if m == "swa"]
 
 
-def build_variants(base: GLM5ForCausalLM, sz: Sizes, searched: list[str], *, seed: int) -> dict:
+def build_variants(base: GLM5ForCausalLM, sz: dict, searched: list[str], *, seed: int) -> dict:
     """The five models of the module docstring, each with its own copy of the weights.
     Raises RuntimeError if a GDN / SimpleGDN model would load anything but its mixers' new
     parameters wrongly (missing keys outside the replaced layers, or unexpected keys)."""
     cfg, state = base.config, base.state_dict()
-    swa = interleave_pattern(sz.layers)
+    swa = interleave_pattern(sz["layers"])
     out = {"full attention": copy.deepcopy(base)}
     for name, mixers in (("SWA interleave", swa), ("searched SWA", searched)):
-        out[name] = _loaded(cfg.replace(mixer_types=list(mixers), sliding_window=sz.window), state, strict=True)
+        out[name] = _loaded(cfg.replace(mixer_types=list(mixers), sliding_window=sz["window"]), state, strict=True)
     replaced = layer_plan(sz)
     for name, mixer in (("Gated DeltaNet", "gdn"), ("SimpleGDN", "simple_gdn")):
-        mixers = [mixer if i in replaced else "attention" for i in range(sz.layers)]
+        mixers = [mixer if i in replaced else "attention" for i in range(sz["layers"])]
         torch.manual_seed(seed)
         keep = state if mixer == "simple_gdn" else {k: v for k, v in state.items()
                                                      if not any(k.startswith(_mixer_prefix(i)) for i in replaced)}
@@ -109,55 +96,58 @@ def _loaded(cfg, state: dict, *, strict: bool, new_in: list[int] = ()) -> GLM5Fo
     return model.eval()
 
 
-def further_stage(sz: Sizes, fz: Further) -> Stage:
+def further_stage(sz: dict, fz: dict) -> Stage:
     """The further-training Stage every variant gets (10% warm-up, decay to lr / 10)."""
-    return Stage("further", fz.steps, fz.lr, fz.seq_len, sz.batch, lr_end=fz.lr / 10,
-                 warmup_steps=max(1, fz.steps // 10), mtp_weights=())
+    return Stage("further", fz["steps"], fz["lr"], fz["seq_len"], sz["batch"], lr_end=fz["lr"] / 10,
+                 warmup_steps=max(1, fz["steps"] // 10), mtp_weights=())
 
 
-def score(model, bench: Workbench, sz: Sizes, fz: Further, *, seed: int) -> dict:
-    """{length: `retrieval`} at fz.seq_len and 2 x fz.seq_len, and "val_loss": mean CE (nats/token) on
-    fz.val_rows validation text rows of fz.seq_len tokens."""
-    ids, labels = bench.val_text(fz.seq_len, fz.val_rows)
+def score(model, bench: Workbench, sz: dict, fz: dict, *, seed: int) -> dict:
+    """{length: `retrieval`} at fz["seq_len"] and 2 x fz["seq_len"], and "val_loss": mean CE (nats/token) on
+    fz["val_rows"] validation text rows of fz["seq_len"] tokens."""
+    ids, labels = bench.val_text(fz["seq_len"], fz["val_rows"])
     out = {n: retrieval(model, bench, sz, n, seed=seed) for n in eval_lengths(fz)}
     out["val_loss"] = labelled_loss(model, ids, labels)
     return out
 
 
-def eval_lengths(fz: Further) -> tuple[int, int]:
+def eval_lengths(fz: dict) -> tuple[int, int]:
     """Evaluation lengths in tokens: 2T and 4T (both above the window)."""
-    return fz.seq_len, 2 * fz.seq_len
+    return fz["seq_len"], 2 * fz["seq_len"]
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Base, search, five variants, equal further training, scores (module docstring); the StudyResult."""
-    sz, fz = args.sizes(SIZES)
-    seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
+    fz = args.sizes(SIZES)
+    sz, seeds = fz["base"], args.seed_list(fz)
     raw: dict = {v: {} for v in VARIANTS}
     patterns, curves = {}, {}
     for seed in seeds:
-        args.say(f"seed {seed}: training the full-attention base ({sz.steps} steps of {sz.batch} x {sz.seq_len})")
+        args.say(f"seed {seed}: training the full-attention base ({sz['steps']} steps of {sz['batch']} x "
+                 f"{sz['seq_len']})")
         base, _ = train_base(bench, sz, seed=seed, device=args.device)
         found = search_pattern(base, bench, sz, seed=seed)
         patterns[seed] = found.mixer_types
         args.say(f"seed {seed}: searched SWA layers {list(found.swa_layers)}")
-        batches = task_batches(bench, sz, fz.seq_len, seed=10_000 + seed)
+        batches = task_batches(bench, sz, fz["seq_len"], seed=10_000 + seed)
         for name, model in build_variants(base, sz, found.mixer_types, seed=seed).items():
             model.to(args.device)
-            args.say(f"seed {seed}: {name}: {fz.steps} further steps of {sz.batch} x {fz.seq_len}")
+            args.say(f"seed {seed}: {name}: {fz['steps']} further steps of {sz['batch']} x {fz['seq_len']}")
             records = fit(model, [further_stage(sz, fz)], batches, seed=seed)
             curves.setdefault(name, {})[seed] = [round(r["lm_loss"], 4) for r in records]
             raw[name][seed] = score(model, bench, sz, fz, seed=seed)
-    settings = {"scale": args.size_key, "device": str(args.device), "base_sizes": asdict(sz), "further": asdict(fz), "base_config": base_config(sz).to_hf(),
+    settings = {"scale": args.size_key, "device": str(args.device), "base_sizes": sz,
+                "further": {k: v for k, v in fz.items() if k != "base"}, "base_config": base_config(sz).to_hf(),
                 "further_stage": further_stage(sz, fz).to_dict(),
-                "base_tokens": sz.steps * sz.batch * sz.seq_len, "further_tokens": fz.steps * sz.batch * fz.seq_len,
-                "replaced_layers": layer_plan(sz), "interleave": interleave_pattern(sz.layers),
+                "base_tokens": sz["steps"] * sz["batch"] * sz["seq_len"],
+                "further_tokens": fz["steps"] * sz["batch"] * fz["seq_len"],
+                "replaced_layers": layer_plan(sz), "interleave": interleave_pattern(sz["layers"]),
                 "searched": patterns, "eval_lengths": list(eval_lengths(fz)), "further_curves_lm": curves}
     table, notes = _table(raw, sz, fz, seeds, patterns)
     return StudyResult("efficient", table, raw, settings, seeds, lambda p: _plot(raw, fz, seeds, p), notes)
 
 
-def _retrieval_change(raw: dict, v: str, fz: Further, seeds, task: str | None = None) -> float:
+def _retrieval_change(raw: dict, v: str, fz: dict, seeds, task: str | None = None) -> float:
     """Mean over seeds and eval lengths (and tasks, unless given) of (variant - full), in points."""
     tasks = (task,) if task else TASKS
     return 100 * statistics.fmean(raw[v][s][n][t] - raw["full attention"][s][n][t]
@@ -168,7 +158,7 @@ def _loss_change(raw: dict, v: str, seeds) -> float:
     return statistics.fmean(raw[v][s]["val_loss"] - raw["full attention"][s]["val_loss"] for s in seeds)
 
 
-def comparison(raw: dict, v: str, fz: Further, seeds) -> dict:
+def comparison(raw: dict, v: str, fz: dict, seeds) -> dict:
     """Variant v against full attention: per seed, the mean retrieval change (points, over the
     eval lengths and tasks), paired by seed, judged against the sign of the report's mean change
     (`glm5lab.ablate.stats.compare`)."""
@@ -180,11 +170,11 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     lengths = eval_lengths(fz)
     abs_rows = [[v, *[interval([raw[v][s][n][t] for s in seeds]).text() for t in TASKS for n in lengths],
                  interval([raw[v][s]["val_loss"] for s in seeds]).text()] for v in VARIANTS]
-    text = (f"After {fz.steps} equal further steps of {sz.batch} x {fz.seq_len} tokens (base: {sz.steps} steps at "
-            f"{sz.seq_len}; window {sz.window}; seeds {seeds}). Accuracy in [0, 1], loss in nats/token, "
+    text = (f"After {fz['steps']} equal further steps of {sz['batch']} x {fz['seq_len']} tokens (base: "
+            f"{sz['steps']} steps at {sz['seq_len']}; window {sz['window']}; seeds {seeds}). Accuracy in [0, 1], loss in nats/token, "
             "mean ± sd [95% t]:\n\n"
             + markdown_table(["variant", *[f"{t.upper()} {n}" for t in TASKS for n in lengths],
-                              f"val loss {fz.seq_len}"], abs_rows))
+                              f"val loss {fz['seq_len']}"], abs_rows))
     ours = {v: _retrieval_change(raw, v, fz, seeds) for v in VARIANTS[1:]}
     rep = {v: rf.mean(rf.EFFICIENT[v]) for v in VARIANTS[1:]}
     rank = lambda d: {v: i + 1 for i, v in enumerate(sorted(d, key=lambda k: -d[k]))}  # noqa: E731
@@ -205,7 +195,7 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     return text, _notes(ours, rep, raw, seeds, verdicts, fz)
 
 
-def pairwise(raw: dict, a: str, b: str, fz: Further, seeds) -> dict:
+def pairwise(raw: dict, a: str, b: str, fz: dict, seeds) -> dict:
     """Variant a against variant b: per seed, a's mean retrieval change minus b's (points), paired
     by seed, judged against the sign of the report's difference of their mean changes."""
     per_seed = {s: _retrieval_change(raw, a, fz, [s]) - _retrieval_change(raw, b, fz, [s]) for s in seeds}
@@ -213,7 +203,7 @@ def pairwise(raw: dict, a: str, b: str, fz: Further, seeds) -> dict:
     return compare(per_seed, dict.fromkeys(seeds, 0.0), sign)
 
 
-def _notes(ours, rep, raw, seeds, verdicts: dict, fz: Further) -> list[str]:
+def _notes(ours, rep, raw, seeds, verdicts: dict, fz: dict) -> list[str]:
     """Verdicts (the rule of `glm5lab.ablate.stats`) for every variant vs full attention that is
     not reproduced, and for the report's two pairwise orderings; the ordering of the means is
     printed as a description only."""
@@ -254,9 +244,7 @@ def _plot(raw, fz, seeds, path) -> None:
         a.set_xticks([i + 0.3 for i in range(len(names))], names, rotation=20, fontsize=8)
         a.set(ylabel="change vs full attention (points)", title=title)
         a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_png(fig, path, dpi=100)
 
 
 def readme_row(info: dict) -> dict:
@@ -264,11 +252,11 @@ def readme_row(info: dict) -> dict:
     retrieval change vs full attention with its verdict, and the two pairwise verdicts."""
     from glm5lab.ablate.summary import int_keys
 
-    raw, seeds, fz = int_keys(info["raw"]), info["seeds"], Further(**info["settings"]["further"])
+    raw, seeds, fz = int_keys(info["raw"]), info["seeds"], info["settings"]["further"]
     names = VARIANTS[1:]
     pairs = (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet"))
     return {"report": "change vs full at 128K (mean of 4): " + ", ".join(f"{v} {rf.mean(rf.EFFICIENT[v]):+.1f}" for v in names),
-            "ours": f"change in retrieval after {fz.steps} equal further steps: "
+            "ours": f"change in retrieval after {fz['steps']} equal further steps: "
                     + ", ".join(f"{v} {_retrieval_change(raw, v, fz, seeds):+.1f}" for v in names),
             "verdict": "; ".join(f"{v} vs full: {compare_text(comparison(raw, v, fz, seeds), 1)}" for v in names) + "; "
                        + "; ".join(f"{a} vs {b}: {compare_text(pairwise(raw, a, b, fz, seeds), 1)}" for a, b in pairs)}

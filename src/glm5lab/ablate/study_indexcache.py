@@ -34,7 +34,7 @@ from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import mqar_accuracy
 from glm5lab.ablate.models import study_config
 from glm5lab.ablate.report_figures import DSA_ATTENTION_SPEEDUP, INDEXCACHE
-from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
@@ -42,18 +42,19 @@ from glm5lab.evals.search_indexcache import attention_time, calibration_loss, se
 from glm5lab.evals.variants import model_variant
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 3
 RETENTIONS = (1.0, 0.5, 0.25)
 METHODS = ("searched", "uniform")
-SIZES = {  # T: training length; topk: index_topk; long: timing length (T * long)
+SIZES = {  # T: training length; topk: index_topk; long: timing length (T * long); seeds: unless --seeds
     "quick": dict(layers=4, hidden=64, T=32, topk=8, pairs=2, batch=8, task_rows=6, base_steps=16, W=4, A=8,
-                  lr=3e-3, adapt_lr=1e-3, calib_rows=4, eval_rows=16, long=4, time_rows=2, repeats=2),
+                  lr=3e-3, adapt_lr=1e-3, calib_rows=4, eval_rows=16, long=4, time_rows=2, repeats=2, seeds=1),
     "cpu": dict(layers=6, hidden=128, T=64, topk=16, pairs=4, batch=16, task_rows=12, base_steps=800, W=60,
-                A=200, lr=3e-3, adapt_lr=1e-3, calib_rows=16, eval_rows=128, long=8, time_rows=4, repeats=5),
+                A=200, lr=3e-3, adapt_lr=1e-3, calib_rows=16, eval_rows=128, long=8, time_rows=4, repeats=5,
+                seeds=3),
     "gpu": dict(layers=12, hidden=768, T=2048, topk=256, pairs=32, batch=16, task_rows=8, base_steps=3000, W=200,
-                A=800, lr=2e-3, adapt_lr=5e-4, calib_rows=8, eval_rows=64, long=4, time_rows=2, repeats=5),
+                A=800, lr=2e-3, adapt_lr=5e-4, calib_rows=8, eval_rows=64, long=4, time_rows=2, repeats=5,
+                seeds=3),
     "gpu-quick": dict(layers=4, hidden=768, T=2048, topk=256, pairs=32, batch=1, task_rows=1, base_steps=1, W=1,
-                      A=1, lr=2e-3, adapt_lr=5e-4, calib_rows=1, eval_rows=1, long=2, time_rows=1, repeats=1),
+                      A=1, lr=2e-3, adapt_lr=5e-4, calib_rows=1, eval_rows=1, long=2, time_rows=1, repeats=1, seeds=1),
 }
 """gpu: a ~60M-parameter 12-layer DSA model at 2K tokens (top-256), timed at 8K: an estimated 2-3
 GPU-hours per seed on one H100-class GPU, not measured; gpu-quick: the gpu widths and lengths
@@ -137,7 +138,7 @@ def attention_ms(models: list, ids_BT: torch.Tensor, repeats: int) -> list[float
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train the DSA model per seed, search and time the patterns (module docstring); the StudyResult."""
     s = args.sizes(SIZES)
-    seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
+    seeds = args.seed_list(s)
     raw, losses = {}, {}
     for seed in seeds:
         model, losses[str(seed)] = train(bench, s, seed, args.device)
@@ -235,9 +236,7 @@ def plot(raw: dict, long: int, path) -> None:
           ylabel=f"attention speedup at {long}T (x)", title="attention time (report: no figures)")
     a.legend()
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def readme_row(info: dict) -> dict:

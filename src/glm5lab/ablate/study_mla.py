@@ -24,21 +24,21 @@ paired by seed and judged by `glm5lab.ablate.stats` (reproduced / opposite / inc
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
 
-from glm5lab.ablate.fit import fit
+from glm5lab.ablate.fit import STUDY_HYPER, fit
 from glm5lab.ablate.measure import labelled_loss, mqar_accuracy
 from glm5lab.ablate.models import study_config, variant_config
 from glm5lab.ablate.report_figures import MLA, MLA_BENCHMARKS, mean
-from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 3
 VARIANTS = {  # report row -> (variant_config shape, optimizer)
     "GQA-8": ("gqa-8", "muon"),
     "MLA": ("mla", "muon"),
@@ -49,9 +49,9 @@ SIZES = {
     "quick": dict(layers=1, hidden=64, T=32, batch=8, task_rows=4, pairs=2, steps=5, lr=3e-3, val_rows=8,
                   eval_rows=16, seeds=1),
     "cpu": dict(layers=2, hidden=128, T=64, batch=16, task_rows=8, pairs=4, steps=600, lr=3e-3, val_rows=64,
-                eval_rows=256, seeds=DEFAULT_SEEDS),
+                eval_rows=256, seeds=3),
     "gpu": dict(layers=12, hidden=768, T=2048, batch=16, task_rows=8, pairs=32, steps=3000, lr=2e-3, val_rows=64,
-                eval_rows=256, seeds=DEFAULT_SEEDS),
+                eval_rows=256, seeds=3),
     "gpu-quick": dict(layers=4, hidden=768, T=2048, batch=2, task_rows=1, pairs=32, steps=1, lr=2e-3, val_rows=1,
                       eval_rows=1, seeds=1),
 }
@@ -103,7 +103,7 @@ def train_and_score(bench: Workbench, cfg, optimizer: str, s: dict, seed: int, d
     torch.manual_seed(seed)
     model = GLM5ForCausalLM(cfg).to(device)
     batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=seed)
-    records = fit(model, [stage(s)], batches, optimizer=optimizer, seed=seed)
+    records = fit(model, [stage(s)], batches, hyper=dataclasses.replace(STUDY_HYPER, optimizer=optimizer), seed=seed)
     val_ids, val_labels = bench.val_text(s["T"], s["val_rows"])
     return {"val_loss": labelled_loss(model, val_ids, val_labels),
             "mqar_accuracy": mqar_accuracy(model, bench, s["eval_rows"], s["T"], s["pairs"], seed=EVAL_SEED),
@@ -114,7 +114,7 @@ def train_and_score(bench: Workbench, cfg, optimizer: str, s: dict, seed: int, d
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train every variant for every seed at matched tokens, score them (module docstring); the StudyResult."""
     s = args.sizes(SIZES)
-    seeds = args.seed_list(s["seeds"])
+    seeds = args.seed_list(s)
     cfgs = configs(s)
     raw = {row: {} for row in VARIANTS}
     for seed in seeds:
@@ -261,9 +261,7 @@ def plot(raw: dict, path) -> None:
         ax.set_xticks(list(x), [r.replace(" + ", "\n+ ") for r in rows], fontsize=8)
         ax.set_xlabel("variant")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def readme_row(info: dict) -> dict:

@@ -28,16 +28,15 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from glm5lab.ablate.fit import fit
+from glm5lab.ablate.fit import STUDY_HYPER, fit
 from glm5lab.ablate.models import study_config, variant_config
 from glm5lab.ablate.report_figures import MTP
-from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 3
 DEPTHS = (1, 3)
 DRAFT_STEPS = (1, 2, 3, 4)
 MODES = {"greedy": 0.0, "T=1": 1.0}  # decoding mode -> temperature
@@ -46,9 +45,9 @@ SIZES = {
     "quick": dict(layers=1, hidden=64, T=32, batch=8, steps=6, lr=3e-3, prompts=2, prompt_len=16, max_new=8,
                   val_rows=8, seeds=1),
     "cpu": dict(layers=2, hidden=128, T=128, batch=16, steps=600, lr=3e-3, prompts=16, prompt_len=32,
-                max_new=64, val_rows=32, seeds=DEFAULT_SEEDS),
+                max_new=64, val_rows=32, seeds=3),
     "gpu": dict(layers=12, hidden=768, T=2048, batch=16, steps=3000, lr=2e-3, prompts=64, prompt_len=256,
-                max_new=256, val_rows=64, seeds=DEFAULT_SEEDS),
+                max_new=256, val_rows=64, seeds=3),
     "gpu-quick": dict(layers=4, hidden=768, T=2048, batch=1, steps=1, lr=2e-3, prompts=1, prompt_len=64,
                       max_new=8, val_rows=1, seeds=1),
 }
@@ -107,7 +106,7 @@ def run_seed(bench: Workbench, s: dict, seed: int, say, device="cpu") -> dict:
     for depth in DEPTHS:
         torch.manual_seed(seed)
         model = GLM5ForCausalLM(config(s, depth)).to(device)
-        records = fit(model, [stage(s, depth)], batches, optimizer="muon-split", seed=seed)
+        records = fit(model, [stage(s, depth)], batches, seed=seed)
         res = {"acceptance_length": {mode: {str(k): acceptance(model, rows, s, k, t) for k in DRAFT_STEPS}
                                      for mode, t in MODES.items()},
                "val_ce_by_depth": mtp_depth_losses(model, bench, s),
@@ -121,10 +120,10 @@ def run_seed(bench: Workbench, s: dict, seed: int, say, device="cpu") -> dict:
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train depth 1 and depth 3 per seed, measure acceptance for k = 1..4 (module docstring); the StudyResult."""
     s = args.sizes(SIZES)
-    seeds = args.seed_list(s["seeds"])
+    seeds = args.seed_list(s)
     raw = {str(seed): run_seed(bench, s, seed, args.say, args.device) for seed in seeds}
     settings = {"scale": args.size_key, "device": str(args.device), "size": s, "tokens_per_model": s["steps"] * s["batch"] * s["T"],
-                "stages": {str(d): stage(s, d).to_dict() for d in DEPTHS}, "optimizer": "muon-split",
+                "stages": {str(d): stage(s, d).to_dict() for d in DEPTHS}, "optimizer": STUDY_HYPER.optimizer,
                 "eval": {"prompts": s["prompts"], "prompt_len": s["prompt_len"], "max_new_tokens": s["max_new"],
                          "draft_steps": list(DRAFT_STEPS), "temperatures": MODES, "sample_seed": SAMPLE_SEED,
                          "prompt_source": "validation split windows"},
@@ -207,9 +206,7 @@ def plot(raw: dict, path) -> None:
     ax.set(xlabel="draft steps k", ylabel="mean acceptance length (tokens / verify forward)", xticks=DRAFT_STEPS,
            title="MTP speculative decoding: acceptance length vs draft steps")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def readme_row(info: dict) -> dict:

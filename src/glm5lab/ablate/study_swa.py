@@ -13,14 +13,13 @@ hard for full attention too): MQAR per-query accuracy and NIAH (single needle, n
 exact match, both teacher forced (`glm5lab.ablate.measure`); score = 100 x their mean.
 
 GQA rather than MLA: the same base then serves SimpleGDN (fed from GQA q/k/v/o) in
-`study_efficient`, which imports this module's base helpers (`Sizes`, `train_base`,
+`study_efficient`, which imports this module's base helpers (`SIZES`, `train_base`,
 `retrieval`, `search_pattern`), so both studies start from the same recipe.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -29,7 +28,7 @@ from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.fit import fit
 from glm5lab.ablate.measure import mqar_accuracy, niah_accuracy
 from glm5lab.ablate.models import study_config, variant_config
-from glm5lab.ablate.results import StudyResult, figure, markdown_table
+from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import BatchFn, Workbench
@@ -38,68 +37,49 @@ from glm5lab.evals.search_swa import interleave_pattern, mqar_scorer, niah_score
 from glm5lab.evals.tasks import derive_seed
 from glm5lab.train.stages import Stage
 
-DEFAULT_SEEDS = 3
 VARIANTS = ("full", "1:1 SWA", "searched SWA")
 NIAH_COMPLETION = 3  # single NIAH, value_len 2: completion = value + [end]; a row is context + 2 ids
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """layers, hidden: the base model. seq_len: T, base training length (tokens). window: w, keys
-    per query on an SWA layer. batch: rows per step, of which mqar_rows MQAR (`pairs` key-value
-    pairs) and niah_rows NIAH, the rest text. steps, lr: base training (linear warm-up over 5%,
-    decay to lr / 10). eval_rows: rows per task and length; search_rows: rows per task of the
-    search score. lengths: evaluation lengths (tokens per row)."""
-
-    layers: int
-    hidden: int
-    seq_len: int
-    window: int
-    batch: int
-    mqar_rows: int
-    niah_rows: int
-    pairs: int
-    steps: int
-    lr: float
-    eval_rows: int
-    search_rows: int
-    lengths: tuple[int, ...]
-
-
-QUICK = Sizes(layers=4, hidden=64, seq_len=32, window=16, batch=8, mqar_rows=3, niah_rows=3, pairs=2, steps=8,
-              lr=3e-3, eval_rows=8, search_rows=8, lengths=(16, 32, 64))
-DEFAULT = Sizes(layers=6, hidden=128, seq_len=64, window=16, batch=16, mqar_rows=5, niah_rows=5, pairs=3,
-                steps=1200, lr=5e-3, eval_rows=64, search_rows=32, lengths=(16, 32, 64, 128))
-GPU = Sizes(layers=12, hidden=768, seq_len=2048, window=512, batch=16, mqar_rows=4, niah_rows=4, pairs=16,
-            steps=3000, lr=2e-3, eval_rows=64, search_rows=16, lengths=(512, 1024, 2048, 4096))
-GPU_QUICK = Sizes(layers=4, hidden=768, seq_len=2048, window=512, batch=3, mqar_rows=1, niah_rows=1, pairs=16,
-                  steps=2, lr=2e-3, eval_rows=1, search_rows=1, lengths=(512, 2048))
-SIZES = {"quick": QUICK, "cpu": DEFAULT, "gpu": GPU, "gpu-quick": GPU_QUICK}
-"""gpu: a ~76M-parameter 12-layer base at 2K tokens, window 512, retrieval up to 4K; 3000 steps of
+SIZES = {
+    "quick": dict(layers=4, hidden=64, seq_len=32, window=16, batch=8, mqar_rows=3, niah_rows=3, pairs=2, steps=8,
+                  lr=3e-3, eval_rows=8, search_rows=8, lengths=(16, 32, 64), seeds=1),
+    "cpu": dict(layers=6, hidden=128, seq_len=64, window=16, batch=16, mqar_rows=5, niah_rows=5, pairs=3, steps=1200,
+                lr=5e-3, eval_rows=64, search_rows=32, lengths=(16, 32, 64, 128), seeds=3),
+    "gpu": dict(layers=12, hidden=768, seq_len=2048, window=512, batch=16, mqar_rows=4, niah_rows=4, pairs=16,
+                steps=3000, lr=2e-3, eval_rows=64, search_rows=16, lengths=(512, 1024, 2048, 4096), seeds=3),
+    "gpu-quick": dict(layers=4, hidden=768, seq_len=2048, window=512, batch=3, mqar_rows=1, niah_rows=1, pairs=16,
+                      steps=2, lr=2e-3, eval_rows=1, search_rows=1, lengths=(512, 2048), seeds=1),
+}
+"""layers, hidden: the base model. seq_len: T, base training length (tokens). window: w, keys
+per query on an SWA layer. batch: rows per step, of which mqar_rows MQAR (`pairs` key-value
+pairs) and niah_rows NIAH, the rest text. steps, lr: base training (linear warm-up over 5%,
+decay to lr / 10). eval_rows: rows per task and length; search_rows: rows per task of the
+search score. lengths: evaluation lengths (tokens per row). seeds: unless --seeds.
+gpu: a ~76M-parameter 12-layer base at 2K tokens, window 512, retrieval up to 4K; 3000 steps of
 16 x 2048 tokens (about 98M tokens: an estimated 1-2 GPU-hours per seed on one H100-class GPU,
 not measured). gpu-quick: the same widths and lengths with 4 layers, 2 steps and one row per score (a CPU
 smoke run)."""
 
 
-def base_config(sz: Sizes):
+def base_config(sz: dict):
     """The full-attention GQA base: study_config(layers, hidden) as "gqa-8" (8 query heads, 2 KV
     heads, DSA off), no MTP layer, positions up to 4 x seq_len (what `study_efficient` scores) and at
     least 4096."""
-    cfg = study_config(hidden_size=sz.hidden, num_hidden_layers=sz.layers, num_nextn_predict_layers=0,
-                       max_position_embeddings=max(4096, 4 * sz.seq_len, max(sz.lengths)))
+    cfg = study_config(hidden_size=sz["hidden"], num_hidden_layers=sz["layers"], num_nextn_predict_layers=0,
+                       max_position_embeddings=max(4096, 4 * sz["seq_len"], max(sz["lengths"])))
     return variant_config(cfg, "gqa-8")
 
 
-def task_batches(bench: Workbench, sz: Sizes, seq_len: int, *, seed: int) -> BatchFn:
-    """Batches of `sz.batch` rows of `seq_len` tokens: text, `sz.mqar_rows` MQAR and `sz.niah_rows`
+def task_batches(bench: Workbench, sz: dict, seq_len: int, *, seed: int) -> BatchFn:
+    """Batches of `sz["batch"]` rows of `seq_len` tokens: text, `sz["mqar_rows"]` MQAR and `sz["niah_rows"]`
     single-needle NIAH rows (noise haystack), fresh every step (seeded)."""
-    mixed = bench.mixed(seq_len, sz.batch - sz.niah_rows, task_rows=sz.mqar_rows, num_kv_pairs=sz.pairs, seed=seed)
+    mixed = bench.mixed(seq_len, sz["batch"] - sz["niah_rows"], task_rows=sz["mqar_rows"], num_kv_pairs=sz["pairs"],
+                        seed=seed)
 
     def batch(stage_index: int, stage: Stage, i: int):
         ids_BT, labels_BT = mixed(stage_index, stage, i)
-        if not sz.niah_rows:
+        if not sz["niah_rows"]:
             return ids_BT, labels_BT
-        examples = make_niah_batch(bench.tasks, sz.niah_rows, seq_len - NIAH_COMPLETION + 1, "single",
+        examples = make_niah_batch(bench.tasks, sz["niah_rows"], seq_len - NIAH_COMPLETION + 1, "single",
                                    seed=derive_seed(seed, stage_index * 1_000_003 + i, "ablate-niah"))
         pairs = [training_pair(e) for e in examples]
         return (torch.cat([ids_BT, torch.stack([p[0] for p in pairs])]),
@@ -108,49 +88,51 @@ def task_batches(bench: Workbench, sz: Sizes, seq_len: int, *, seed: int) -> Bat
     return batch
 
 
-def base_stage(sz: Sizes) -> Stage:
+def base_stage(sz: dict) -> Stage:
     """The base training Stage at size `sz` (warm-up 5%, linear decay to lr / 10)."""
-    return Stage("base", sz.steps, sz.lr, sz.seq_len, sz.batch, lr_end=sz.lr / 10,
-                 warmup_steps=max(1, sz.steps // 20), mtp_weights=())
+    return Stage("base", sz["steps"], sz["lr"], sz["seq_len"], sz["batch"], lr_end=sz["lr"] / 10,
+                 warmup_steps=max(1, sz["steps"] // 20), mtp_weights=())
 
 
-def train_base(bench: Workbench, sz: Sizes, *, seed: int, device="cpu") -> tuple[GLM5ForCausalLM, list[dict]]:
+def train_base(bench: Workbench, sz: dict, *, seed: int, device="cpu") -> tuple[GLM5ForCausalLM, list[dict]]:
     """A freshly initialised (torch seed `seed`, on the CPU, then moved to `device`) base trained
-    by `fit` (muon-split) on `task_batches(.., sz.seq_len, seed=seed)`; returns (model in eval
+    by `fit` (muon-split) on `task_batches(.., sz["seq_len"], seed=seed)`; returns (model in eval
     mode, per-step records)."""
     torch.manual_seed(seed)
     model = GLM5ForCausalLM(base_config(sz)).to(device)
-    records = fit(model, [base_stage(sz)], task_batches(bench, sz, sz.seq_len, seed=seed), seed=seed)
+    records = fit(model, [base_stage(sz)], task_batches(bench, sz, sz["seq_len"], seed=seed), seed=seed)
     return model, records
 
 
-def retrieval(model, bench: Workbench, sz: Sizes, length: int, *, seed: int) -> dict[str, float]:
+def retrieval(model, bench: Workbench, sz: dict, length: int, *, seed: int) -> dict[str, float]:
     """{"mqar": per-query accuracy, "niah": exact match, "score": 100 x their mean} on
-    `sz.eval_rows` fresh rows each of `length` tokens (the same rows for every model given seed)."""
-    mqar = mqar_accuracy(model, bench, sz.eval_rows, length, sz.pairs, seed=derive_seed(seed, length, "swa-eval-mqar"))
-    niah = niah_accuracy(model, bench, sz.eval_rows, length - NIAH_COMPLETION + 1,
+    `sz["eval_rows"]` fresh rows each of `length` tokens (the same rows for every model given seed)."""
+    mqar = mqar_accuracy(model, bench, sz["eval_rows"], length, sz["pairs"],
+                         seed=derive_seed(seed, length, "swa-eval-mqar"))
+    niah = niah_accuracy(model, bench, sz["eval_rows"], length - NIAH_COMPLETION + 1,
                          seed=derive_seed(seed, length, "swa-eval-niah"))
     return {"mqar": mqar, "niah": niah, "score": 50.0 * (mqar + niah)}
 
 
-def search_pattern(model, bench: Workbench, sz: Sizes, *, seed: int):
-    """`search_swa` (beam 8, 2 layers per round, half the layers SWA, window sz.window) scored by the
-    mean of MQAR and NIAH token accuracy at length sz.seq_len on search-only rows."""
+def search_pattern(model, bench: Workbench, sz: dict, *, seed: int):
+    """`search_swa` (beam 8, 2 layers per round, half the layers SWA, window sz["window"]) scored by the
+    mean of MQAR and NIAH token accuracy at length sz["seq_len"] on search-only rows."""
     s = derive_seed(seed, 0, "swa-search")
-    mqar = mqar_scorer(bench.tasks, sz.search_rows, sz.seq_len, sz.pairs, seed=s)
-    niah = niah_scorer(bench.tasks, sz.search_rows, sz.seq_len - NIAH_COMPLETION + 1, seed=s)
-    return search_swa(model, lambda m: 0.5 * (mqar(m) + niah(m)), window=sz.window, target_fraction=0.5,
+    mqar = mqar_scorer(bench.tasks, sz["search_rows"], sz["seq_len"], sz["pairs"], seed=s)
+    niah = niah_scorer(bench.tasks, sz["search_rows"], sz["seq_len"] - NIAH_COMPLETION + 1, seed=s)
+    return search_swa(model, lambda m: 0.5 * (mqar(m) + niah(m)), window=sz["window"], target_fraction=0.5,
                       beam=8, per_round=2)
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train the base per seed, search, score full / 1:1 / searched (module docstring); the StudyResult."""
     sz = args.sizes(SIZES)
-    seeds = args.seed_list(1 if args.quick else DEFAULT_SEEDS)
+    seeds = args.seed_list(sz)
     raw: dict = {v: {} for v in VARIANTS}
     searches, curves = {}, {}
     for seed in seeds:
-        args.say(f"seed {seed}: training the full-attention base ({sz.steps} steps of {sz.batch} x {sz.seq_len})")
+        args.say(f"seed {seed}: training the full-attention base ({sz['steps']} steps of {sz['batch']} x "
+                 f"{sz['seq_len']})")
         model, records = train_base(bench, sz, seed=seed, device=args.device)
         curves[seed] = [round(r["lm_loss"], 4) for r in records]
         found = search_pattern(model, bench, sz, seed=seed)
@@ -158,16 +140,16 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                           "search_score": found.score, "full_score": found.full_score,
                           "evaluations": found.evaluations}
         args.say(f"seed {seed}: searched SWA layers {list(found.swa_layers)} ({found.evaluations} evaluations)")
-        patterns = {"full": (None, None), "1:1 SWA": (interleave_pattern(sz.layers), sz.window),
-                    "searched SWA": (found.mixer_types, sz.window)}
+        patterns = {"full": (None, None), "1:1 SWA": (interleave_pattern(sz["layers"]), sz["window"]),
+                    "searched SWA": (found.mixer_types, sz["window"])}
         for name, (mixers, window) in patterns.items():
             m = model if mixers is None else with_mixers(model, mixers, window)
-            raw[name][seed] = {n: retrieval(m, bench, sz, n, seed=seed) for n in sz.lengths}
-    settings = {"scale": args.size_key, "device": str(args.device), "sizes": asdict(sz), "base_config": base_config(sz).to_hf(), "stage": base_stage(sz).to_dict(),
-                "base_tokens": sz.steps * sz.batch * sz.seq_len, "patterns": {
-                    "1:1 SWA": interleave_pattern(sz.layers), "searched SWA": searches},
+            raw[name][seed] = {n: retrieval(m, bench, sz, n, seed=seed) for n in sz["lengths"]}
+    settings = {"scale": args.size_key, "device": str(args.device), "sizes": sz, "base_config": base_config(sz).to_hf(), "stage": base_stage(sz).to_dict(),
+                "base_tokens": sz["steps"] * sz["batch"] * sz["seq_len"], "patterns": {
+                    "1:1 SWA": interleave_pattern(sz["layers"]), "searched SWA": searches},
                 "search": "search_swa beam 8, per_round 2, target_fraction 0.5, score = mean(MQAR, NIAH) token "
-                          f"accuracy at {sz.seq_len} tokens", "train_curves_lm": curves}
+                          f"accuracy at {sz['seq_len']} tokens", "train_curves_lm": curves}
     table, notes = _table(raw, sz, searches, seeds)
     return StudyResult("swa", table, raw, settings, seeds, lambda p: _plot(raw, sz, seeds, p), notes)
 
@@ -185,30 +167,31 @@ def comparison(raw: dict, v: str, beyond: list[int], seeds: list[int]) -> dict:
     return {"report": d_rep, **compare(per_seed, dict.fromkeys(seeds, 0.0), 1 if d_rep > 0 else -1)}
 
 
-def _table(raw: dict, sz: Sizes, searches: dict, seeds: list[int]) -> tuple[str, list[str]]:
-    beyond = [n for n in sz.lengths if n > sz.window]
-    headers = (["variant"] + [f"ours {n}" for n in sz.lengths] + [f"report {c}" for c in rf.CONTEXTS]
+def _table(raw: dict, sz: dict, searches: dict, seeds: list[int]) -> tuple[str, list[str]]:
+    beyond = [n for n in sz["lengths"] if n > sz["window"]]
+    headers = (["variant"] + [f"ours {n}" for n in sz["lengths"]] + [f"report {c}" for c in rf.CONTEXTS]
                + ["report vs full (> 4K)", "ours vs full (> w), paired [95% t]: verdict"])
     rows = []
     for v in VARIANTS:
-        ours = [interval([raw[v][s][n]["score"] for s in seeds]).text(1) for n in sz.lengths]
+        ours = [interval([raw[v][s][n]["score"] for s in seeds]).text(1) for n in sz["lengths"]]
         if v == "full":
             rows.append([v, *ours, *rf.SWA[v], "-", "-"])
             continue
         c = comparison(raw, v, beyond, seeds)
         rows.append([v, *ours, *rf.SWA[v], f"{c['report']:+.1f}", compare_text(c, 1)])
     text = (f"Retrieval score (100 x mean of MQAR accuracy and NIAH exact match) by context length in tokens; "
-            f"ours: window w = {sz.window}, trained at T = {sz.seq_len}, no extra training; "
+            f"ours: window w = {sz['window']}, trained at T = {sz['seq_len']}, no extra training; "
             f"report: 4K..128K. Mean ± sd [95% t-interval] over seeds {seeds}; the change vs full is each seed's mean "
             f"over the lengths above the window, paired by seed (`glm5lab.ablate.stats`).\n\n"
             + markdown_table(headers, rows))
-    detail = [[v, task, *[interval([raw[v][s][n][task] for s in seeds]).text() for n in sz.lengths]]
+    detail = [[v, task, *[interval([raw[v][s][n][task] for s in seeds]).text() for n in sz["lengths"]]]
               for v in VARIANTS for task in ("mqar", "niah")]
-    text += "\nPer task (accuracy in [0, 1], mean ± sd [95% t]):\n\n" + markdown_table(["variant", "task", *map(str, sz.lengths)], detail)
+    text += ("\nPer task (accuracy in [0, 1], mean ± sd [95% t]):\n\n"
+             + markdown_table(["variant", "task", *map(str, sz["lengths"])], detail))
     pats = [[s, "".join("S" if m == "swa" else "F" for m in searches[s]["mixer_types"]), searches[s]["swa_layers"],
              searches[s]["evaluations"]] for s in seeds]
     text += "\nSearched patterns (F full, S SWA; 1:1 SWA = " + "".join(
-        "S" if m == "swa" else "F" for m in interleave_pattern(sz.layers)) + "):\n\n" + markdown_table(
+        "S" if m == "swa" else "F" for m in interleave_pattern(sz["layers"])) + "):\n\n" + markdown_table(
         ["seed", "pattern", "SWA layers", "search evaluations"], pats)
     return text, _notes(raw, sz, seeds)
 
@@ -217,12 +200,12 @@ def _per_seed(raw_v: dict, seeds, n: int) -> dict:
     return {s: raw_v[s][n]["score"] for s in seeds}
 
 
-def _notes(raw: dict, sz: Sizes, seeds: list[int]) -> list[str]:
+def _notes(raw: dict, sz: dict, seeds: list[int]) -> list[str]:
     """The report's two shapes, each judged by the verdict rule (paired by seed): 1:1 SWA
     collapses beyond the window (its score at T minus at w; the report's 94.87 -> 12.61 is
     negative), and searched SWA beats 1:1 SWA at every length above the window (report: positive
     at every length above 4K)."""
-    T, w = sz.seq_len, sz.window
+    T, w = sz["seq_len"], sz["window"]
     full, one, srch = (_mean(raw[v], seeds, T) for v in VARIANTS)
     notes = [f"at T = {T} (> w = {w}): full {full:.1f}, 1:1 SWA {one:.1f}, searched SWA {srch:.1f}; searched keeps "
              f"{_pct(srch, full)} of full (report at 32K: {_pct(rf.SWA['searched SWA'][3], rf.SWA['full'][3])}, "
@@ -230,7 +213,7 @@ def _notes(raw: dict, sz: Sizes, seeds: list[int]) -> list[str]:
     collapse = compare(_per_seed(raw["1:1 SWA"], seeds, T), _per_seed(raw["1:1 SWA"], seeds, w), -1)
     notes.append(f"1:1 SWA beyond the window, score at T = {T} minus at w = {w}, paired [95% t]: "
                  f"{compare_text(collapse, 1)} (report: 94.87 at 4K -> 12.61 at 32K).")
-    for n in (n for n in sz.lengths if n > w):
+    for n in (n for n in sz["lengths"] if n > w):
         c = compare(_per_seed(raw["searched SWA"], seeds, n), _per_seed(raw["1:1 SWA"], seeds, n), 1)
         notes.append(f"searched SWA vs 1:1 SWA at {n} tokens, paired [95% t]: {compare_text(c, 1)} "
                      "(report: searched above 1:1 at every length above 4K).")
@@ -246,24 +229,22 @@ def _pct(a: float, b: float) -> str:
     return f"{100 * a / b:.0f}%" if b else "n/a (full is 0)"
 
 
-def _plot(raw: dict, sz: Sizes, seeds: list[int], path) -> None:
+def _plot(raw: dict, sz: dict, seeds: list[int], path) -> None:
     plt = figure()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
     for v in VARIANTS:
-        ax.plot(sz.lengths, [_mean(raw[v], seeds, n) for n in sz.lengths], marker="o", label=v)
+        ax.plot(sz["lengths"], [_mean(raw[v], seeds, n) for n in sz["lengths"]], marker="o", label=v)
         bx.plot(range(len(rf.CONTEXTS)), rf.SWA[v], marker="o", label=v)
-    ax.axvline(sz.window, color="grey", ls=":", label=f"window {sz.window}")
-    ax.axvline(sz.seq_len, color="grey", ls="--", label=f"train length {sz.seq_len}")
+    ax.axvline(sz["window"], color="grey", ls=":", label=f"window {sz['window']}")
+    ax.axvline(sz["seq_len"], color="grey", ls="--", label=f"train length {sz['seq_len']}")
     ax.set(xscale="log", xlabel="context length (tokens)", ylabel="retrieval score (%)",
            title=f"ours (no extra training, {len(seeds)} seed(s))", ylim=(-2, 102))
-    ax.set_xticks(sz.lengths, [str(n) for n in sz.lengths])
+    ax.set_xticks(sz["lengths"], [str(n) for n in sz["lengths"]])
     bx.set_xticks(range(len(rf.CONTEXTS)), rf.CONTEXTS)
     bx.set(xlabel="context length", ylabel="score", title="report (no extra training)", ylim=(-2, 102))
     ax.legend()
     bx.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_png(fig, path, dpi=100)
 
 
 def readme_row(info: dict) -> dict:
@@ -271,9 +252,8 @@ def readme_row(info: dict) -> dict:
     training length per variant, searched and 1:1 vs full, and the 1:1 collapse."""
     from glm5lab.ablate.summary import int_keys
 
-    raw, seeds, sz = int_keys(info["raw"]), info["seeds"], Sizes(**{
-        k: tuple(v) if isinstance(v, list) else v for k, v in info["settings"]["sizes"].items()})
-    beyond, T, w = [n for n in sz.lengths if n > sz.window], sz.seq_len, sz.window
+    raw, seeds, sz = int_keys(info["raw"]), info["seeds"], info["settings"]["sizes"]
+    beyond, T, w = [n for n in sz["lengths"] if n > sz["window"]], sz["seq_len"], sz["window"]
     collapse = compare({s: raw["1:1 SWA"][s][T]["score"] for s in seeds},
                        {s: raw["1:1 SWA"][s][w]["score"] for s in seeds}, -1)
     return {"report": "32K: " + ", ".join(f"{v} {rf.SWA[v][3]:.1f}" for v in VARIANTS),

@@ -13,13 +13,12 @@ by training. `glm5lab ablate summary` rewrites the marked block of each file:
 
 from __future__ import annotations
 
-import importlib
 import json
-import shutil
 from pathlib import Path
 
 from glm5lab.ablate.results import markdown_table
-from glm5lab.ablate.runner import STUDIES
+from glm5lab.ablate.runner import STUDIES, study_module
+from glm5lab.io_utils import atomic_write_all
 
 BEGIN, END = "<!-- ablations:begin -->", "<!-- ablations:end -->"
 
@@ -61,7 +60,7 @@ def row(info: dict) -> dict:
     """The study's `readme_row(info)`: {"report": str, "ours": str, "verdict": str}. Raises
     ValueError naming the file (info["path"], else the study) when its numbers do not have the
     shape the study writes (a results.json from another version, or edited by hand)."""
-    module = importlib.import_module(f"glm5lab.ablate.study_{info['study']}")
+    module = study_module(info["study"])
     try:
         return module.readme_row(info)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
@@ -107,11 +106,11 @@ def replace_block(text: str, block: str, *, where: str = "text") -> str:
 
 def write_summary(root: str | Path = "runs/ablate", files=("README.md", "docs/ablations.md")) -> str:
     """Rewrite the marked block of each file with `summary_table(load_results(root))`; returns
-    the table. All or nothing: every new text is checked and written to a temporary file beside
-    its target first, and only then are they renamed over the targets (symlinks are followed;
-    file modes, UTF-8 and line endings are kept). Raises ValueError as `load_results`,
-    `summary_table` and `replace_block` do, and OSError when a temporary file cannot be written,
-    before any target changes."""
+    the table. All or nothing (`io_utils.atomic_write_all`): every new text is checked and written
+    to a temporary file beside its target first, and only then are they renamed over the targets
+    (symlinks are followed; file modes, UTF-8 and line endings are kept). Raises ValueError as
+    `load_results`, `summary_table` and `replace_block` do, and OSError when a temporary file
+    cannot be written, before any target changes."""
     table = summary_table(load_results(root))
     targets = [Path(f).resolve() for f in files]
     texts = {}
@@ -119,20 +118,8 @@ def write_summary(root: str | Path = "runs/ablate", files=("README.md", "docs/ab
         raw = path.read_bytes().decode("utf-8")
         crlf = "\r\n" in raw
         text = replace_block(raw.replace("\r\n", "\n"), table, where=str(f))
-        texts[path] = text.replace("\n", "\r\n") if crlf else text
-    temps = {}
-    try:
-        for path, text in texts.items():
-            tmp = path.with_name(f".{path.name}.summary-tmp")
-            tmp.write_bytes(text.encode("utf-8"))
-            shutil.copymode(path, tmp)
-            temps[path] = tmp
-    except OSError:
-        for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
-        raise
-    for path, tmp in temps.items():
-        tmp.replace(path)
+        texts[path] = (text.replace("\n", "\r\n") if crlf else text).encode("utf-8")
+    atomic_write_all({path: lambda tmp, data=data: Path(tmp).write_bytes(data) for path, data in texts.items()})
     return table
 
 

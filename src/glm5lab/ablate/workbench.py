@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +26,9 @@ from glm5lab.train.stages import Stage
 Batch = tuple[torch.Tensor, torch.Tensor]
 BatchFn = Callable[[int, Stage, int], Batch]
 """(stage index, stage, step within the stage) -> a batch; a pure function, so runs are seeded."""
+SPLIT_SEED = 0
+"""The document split of every study's corpus (`train.data.split_corpus`): `glm5lab train`'s
+default --seed, so the studies hold out what a default run holds out."""
 
 
 @dataclass
@@ -44,22 +46,20 @@ class Workbench:
              data: str | None = None) -> "Workbench":
         """Tokenize `data` (a text file, a folder of .txt/.md/.jsonl files, or JSONL with a `text`
         field, as `glm5lab train --data`; default: the Shakespeare corpus, fetched on first use),
-        split by document. Raises ValueError when the reserved ids leave fewer than 300 ids for
-        text (a byte-level BPE), FileNotFoundError for a missing `data`."""
-        from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
-        from glm5lab.tokenizer import cached_tokenizer, encode_documents
+        split by document and tokenized as `glm5lab train` does (`prepare_data` at the text ids,
+        split seed SPLIT_SEED). Raises ValueError when the reserved ids leave fewer than 300 ids
+        for text (a byte-level BPE), FileNotFoundError for a missing `data`."""
+        from glm5lab.train.data import prepare_data
 
         reserved = len(MARKERS) + num_keys + num_values
         text_vocab = vocab_size - reserved
         if text_vocab < 300:
             raise ValueError(f"vocab_size = {vocab_size} leaves {text_vocab} text ids after {reserved} task ids: "
                              "at least 300 needed (a byte-level BPE)")
-        source = Path(data) if data else fetch_default_corpus()
-        train_docs, val_docs = split_documents(load_documents(source), seed=0)
-        tok = cached_tokenizer((d.text for d in train_docs), text_vocab, cache_root() / "tokenizers")
+        text = prepare_data(text_vocab, data, SPLIT_SEED)
         tasks = TaskVocab.from_range(vocab_size, text_vocab, num_keys, num_values, filler=range(text_vocab))
-        return cls(vocab_size, tok, encode_documents(tok, train_docs).astype(np.int64),
-                   encode_documents(tok, val_docs).astype(np.int64), tasks)
+        return cls(vocab_size, text.tokenizer, text.train_tokens.astype(np.int64), text.val_tokens.astype(np.int64),
+                   tasks)
 
     def text_windows(self, split: str, seq_len: int) -> torch.Tensor:
         """int64 [N, seq_len + 1] non-overlapping windows of the "train" or "val" split."""

@@ -94,11 +94,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-NAMED_FLAGS = (("quick", "quick", False), ("stages", "stages", None), ("steps", "steps", None),
-               ("optimizer", "", "muon-split"), ("seed", "seed", 0), ("seq_len", "seq", 256), ("batch_size", "batch", 8),
-               ("bias_update_rate", "bias", 1.5e-2), ("data", "data-", None))
+NAMED_FLAGS = (("quick", "quick"), ("stages", "stages"), ("steps", "steps"), ("optimizer", ""), ("seed", "seed"),
+               ("seq_len", "seq"), ("batch_size", "batch"), ("bias_update_rate", "bias"), ("data", "data-"))
 """The train arguments that change what is trained, in the order they name a default run folder:
-(argument, prefix in the folder name, its default)."""
+(argument, prefix in the folder name); one at its `TrainArgs` default does not name it."""
 
 
 def default_out(args: argparse.Namespace) -> str:
@@ -108,6 +107,8 @@ def default_out(args: argparse.Namespace) -> str:
     runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1, runs/small-data-NAME. The same
     arguments give the same folder, so --resume finds the run it continues. The tokenizer, compile
     and the evaluation/checkpoint cadence do not name it."""
+    from glm5lab.train.loop import TrainArgs
+
     if args.init:
         base = f"init-{_stem(args.init)}"
     elif args.config:
@@ -115,9 +116,9 @@ def default_out(args: argparse.Namespace) -> str:
     else:
         base = args.preset or "small"
     parts = [base]
-    for name, prefix, default in NAMED_FLAGS:
+    for name, prefix in NAMED_FLAGS:
         value = getattr(args, name, None)
-        if value is None or value == default or value is False:
+        if value is None or value == getattr(TrainArgs, name) or value is False:
             continue
         value = "+".join(value) if isinstance(value, list) else "" if value is True else f"{value:g}" \
             if isinstance(value, float) else _stem(value) if name == "data" else str(value)

@@ -39,7 +39,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def add_ablate_parser(sub) -> None:
-    studies = "\n".join(f"  {name:<11} {what}" for name, what in STUDIES.items())
+    studies = "\n".join(f"  {name:<11} {study.what}" for name, study in STUDIES.items())
     p = sub.add_parser("ablate", help="re-run one of the report's ablations at CPU scale",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train and score small models for one of the report's comparisons; print a "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from types import SimpleNamespace
 
 from glm5lab.environment import environment, git_commit
+from glm5lab.io_utils import atomic_write_text
 from glm5lab.report import long_context, plots
 from glm5lab.report.collect import load_run
 from glm5lab.report.probe import ProbeSizes, probe
@@ -56,11 +56,8 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
                  "git_commit": git_commit()}
     text = render(rec, render_ledger(ledger(cfg, dtype="bf16", name=str(rec.run_dir))), state_rows, probed,
                   environment(), pngs, generated, _moe_names(cfg), curve, others)
-    final = out / "report.md"
-    tmp = out / "report.md.tmp"
-    tmp.write_text(text)
-    tmp.replace(final)
-    return final
+    atomic_write_text(out / "report.md", text)
+    return out / "report.md"
 
 
 def _tmp(out: Path, name: str) -> Path:
@@ -106,7 +103,8 @@ def _measure(rec, cfg, quick: bool) -> dict:
 
     from glm5lab.train.data import prepare_data
 
-    args = SimpleNamespace(**{"data": None, "seed": 0, "tokenizer": None, **rec.run.get("args", {})})
-    data = prepare_data(args, cfg, checkpoint=rec.checkpoint)
+    args = rec.run.get("args", {})  # an older run.json may lack a key: the run then had its default
+    data = prepare_data(cfg.vocab_size, args.get("data"), args.get("seed", 0), tokenizer=args.get("tokenizer"),
+                        checkpoint=rec.checkpoint)
     result = probe(rec.checkpoint, data.val_tokens, ProbeSizes.quick() if quick else ProbeSizes())
     return {**result, "device": "cpu", "dtype": "fp32", "threads": torch.get_num_threads()}

@@ -1,5 +1,6 @@
-"""From the run's arguments to token arrays: corpus, split, tokenizer, encoding; and back from a
-trained checkpoint to its run's held-out text (`held_out_prompts`)."""
+"""From a corpus to token arrays: split, tokenizer, encoding (`glm5lab train` and the ablation
+studies' one data path); and back from a trained checkpoint to its run's held-out text
+(`held_out_prompts`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from glm5lab.config import ModelConfig
 from glm5lab.tokenizer import cached_tokenizer, encode_documents, load_tokenizer
 from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
 
@@ -23,33 +23,34 @@ class TrainingData:
     source: str
 
 
-def prepare_data(args, cfg: ModelConfig, *, checkpoint: Path | None = None) -> TrainingData:
-    """Documents from `args.data` (a text file, a folder, or JSONL with a `text` field; default:
-    the Shakespeare corpus, fetched and cached), split by document (seeded), tokenized by
-    `args.tokenizer` (a tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE
-    trained on the training split at `cfg.vocab_size` and cached beside the data. A run that
-    continues from a `checkpoint` folder (resume, `--init`) uses the tokenizer.json saved there,
-    so its weights keep the vocabulary they were trained with.
-    Raises ValueError when the tokenizer's vocabulary does not fit `cfg.vocab_size`."""
-    source, train_docs, val_docs = split_corpus(args.data, args.seed)
+def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str | None = None,
+                 checkpoint: Path | None = None) -> TrainingData:
+    """Documents from `data` (a text file, a folder, or JSONL with a `text` field; None: the
+    Shakespeare corpus, fetched and cached), split by document with `seed` (`split_corpus`),
+    tokenized by `tokenizer` (a tokenizer.json or a checkpoint folder holding one), else by a
+    byte-level BPE trained on the training split at `vocab_size` and cached beside the data. A
+    run that continues from a `checkpoint` folder (resume, `--init`) uses the tokenizer.json saved
+    there, so its weights keep the vocabulary they were trained with.
+    Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`."""
+    source, train_docs, val_docs = split_corpus(data, seed)
     saved = checkpoint / "tokenizer.json" if checkpoint is not None else None
-    if args.tokenizer:
-        tokenizer = load_tokenizer(Path(args.tokenizer))
+    if tokenizer:
+        tok = load_tokenizer(Path(tokenizer))
     elif saved is not None and saved.is_file():
-        tokenizer = load_tokenizer(saved)
+        tok = load_tokenizer(saved)
     else:
-        tokenizer = cached_tokenizer((d.text for d in train_docs), cfg.vocab_size, cache_root() / "tokenizers")
-    if tokenizer.get_vocab_size() > cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
-                         f"{cfg.vocab_size}: use a model config with vocab_size >= the tokenizer's")
-    return TrainingData(tokenizer, encode_documents(tokenizer, train_docs), encode_documents(tokenizer, val_docs),
-                        str(source))
+        tok = cached_tokenizer((d.text for d in train_docs), vocab_size, cache_root() / "tokenizers")
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
+                         f"{vocab_size}: use a model config with vocab_size >= the tokenizer's")
+    return TrainingData(tok, encode_documents(tok, train_docs), encode_documents(tok, val_docs), str(source))
 
 
 def split_corpus(data, seed: int) -> tuple[Path, list, list]:
     """(source, train documents, validation documents): the corpus at `data` (None: the default
     corpus, fetched and cached) split by document with `seed` (`split_documents`). The one
-    definition of a run's held-out split: training, its validation loss and `held_out_prompts`."""
+    definition of a held-out split: training, its validation loss, `held_out_prompts` and the
+    ablation studies (`glm5lab.ablate.workbench`, seed 0)."""
     source = Path(data) if data else fetch_default_corpus()
     train_docs, val_docs = split_documents(load_documents(source), seed=seed)
     return source, train_docs, val_docs

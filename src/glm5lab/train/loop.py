@@ -1,9 +1,10 @@
 """The training run: data -> model -> stages -> checkpoints, metrics and a summary.
 
-`train(TrainArgs(...))` is what `glm5lab train` calls. Every step: the stage's batch (a pure
-function of the stage and step, so resume is exact), losses (CE, MTP depths, indexer KL), backward,
-a non-finite check that names the offending tensor, gradient clipping, the optimizer step, then
-the aux-loss-free router bias update. Each step appends one JSON object to `metrics.jsonl`.
+`train(TrainArgs(...))` is what `glm5lab train` calls. The step itself (batch, losses, backward,
+non-finite check, clipping, optimizer, router bias) is `glm5lab.train.step.run_stages`; this
+module keeps what a run adds around it: the run folder, resume (a stage's batch is a pure
+function of the stage and step, so resume is exact), one JSON object per step in `metrics.jsonl`,
+periodic validation, checkpoints, the progress bar and `summary.json`.
 Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2
 (`glm5lab.train.dist`) and each rank reads its slice of every global batch. `compile=True`
 (`--compile`, one process only) runs the losses' forward and backward through torch.compile
@@ -12,11 +13,11 @@ Multi-process: run the same script under `torchrun`; the model is sharded with F
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,23 +32,19 @@ from glm5lab.config import ConfigError
 from glm5lab.environment import git_commit
 from glm5lab.hf import CheckpointError
 from glm5lab.io_utils import atomic_write_text
-from glm5lab.optim import build_optimizer, indexer_parameter_names
 from glm5lab.train import dist
-from glm5lab.train.balance import update_router_bias
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
 from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fields
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
-
-
-class TrainingDiverged(RuntimeError):
-    """A loss or gradient became NaN/inf; the message names the step and the tensor."""
+from glm5lab.train.step import StepDone, TrainHyper, run_stages
 
 
 @dataclass
 class TrainArgs:
-    """Everything a run needs; saved as `run.json` in the run folder."""
+    """Everything a run needs; saved as `run.json` in the run folder. optimizer, weight_decay,
+    grad_clip and bias_update_rate are the step's `TrainHyper` (`hyper`), defaults included."""
 
     preset: str = "small"
     config: str | None = None
@@ -57,15 +54,15 @@ class TrainArgs:
     out: str = "runs/small"
     steps: int | None = None
     stages: list[str] | None = None
-    optimizer: str = "muon-split"
+    optimizer: str = TrainHyper.optimizer
     quick: bool = False
     resume: bool = False
     seed: int = 0
     seq_len: int = 256
     batch_size: int = 8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    bias_update_rate: float = 1.5e-2
+    weight_decay: float = TrainHyper.weight_decay
+    grad_clip: float = TrainHyper.grad_clip
+    bias_update_rate: float = TrainHyper.bias_update_rate
     eval_every: int = 50
     eval_batches: int = 8
     checkpoint_every: int = 100
@@ -73,6 +70,11 @@ class TrainArgs:
     compile: bool = False
     """torch.compile the training step's forward and backward (`glm5lab.train.compile`); one process only."""
     stage_plan: list[dict] = field(default_factory=list)
+
+    @property
+    def hyper(self) -> TrainHyper:
+        """The step's settings of this run."""
+        return TrainHyper(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainHyper)})
 
 
 def resolve_stages(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
@@ -130,46 +132,6 @@ def _check_fits(cfg: ModelConfig) -> None:
                          "preset (small, tiny) or shard it over more machines with torchrun")
 
 
-def set_trainable(model, stage: Stage) -> None:
-    """Every parameter trains (trainable="all"), or only the DSA indexer's, main layers and MTP
-    layer (trainable="indexer"): the optimizer's rule table decides which those are."""
-    indexer = indexer_parameter_names(model) if stage.trainable == "indexer" else set()
-    for name, p in model.named_parameters():
-        p.requires_grad_(stage.trainable == "all" or name in indexer)
-
-
-def clip_and_check(model, losses, step: int, max_norm: float) -> float:
-    """Clip the gradients to `max_norm` (0 = no clipping) and return their total norm before
-    clipping (one pass over the gradients); raise TrainingDiverged naming the step and the first
-    non-finite parameter or gradient when the loss or the norm is NaN/inf."""
-    if not math.isfinite(float(losses.total.detach())):
-        bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-        where = f"non-finite parameter `{bad}`" if bad else "every parameter is finite (activations overflowed)"
-        raise TrainingDiverged(f"step {step}: loss is not finite ({losses.to_log()}); {where}")
-    grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_([p for n, p in model.named_parameters() if p.grad is not None],
-                                          max_norm or float("inf"))
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    if not math.isfinite(norm):
-        bad = next(n for n, g in grads if not torch.isfinite(g).all())
-        raise TrainingDiverged(f"step {step}: non-finite gradient in `{bad}`")
-    return norm
-
-
-def optimizer_step(model, optimizer, losses, stage: Stage, step: int, grad_clip: float,
-                   bias_update_rate: float) -> tuple[float, list[list[int]]]:
-    """Backward of losses.total, the non-finite check and clipping (`clip_and_check`), the
-    optimizer step, then the aux-loss-free router bias update (not while only the indexer trains).
-    Returns (gradient norm before clipping, expert loads). Shared by `glm5lab train` and
-    `glm5lab.ablate.fit`."""
-    losses.total.backward()
-    grad_norm = clip_and_check(model, losses, step, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    frozen_router = stage.trainable != "all"  # indexer warm-up: everything but the indexer stays put
-    return grad_norm, update_router_bias(model, 0.0 if frozen_router else bias_update_rate)
-
-
 class MetricsLog:
     """Append-only JSONL; on resume, lines past the resumed step are dropped first."""
 
@@ -177,7 +139,7 @@ class MetricsLog:
         self.path = path
         if resume_step is not None and path.exists():
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
         elif path.exists():
             path.unlink()
 
@@ -199,7 +161,8 @@ def train(args: TrainArgs) -> dict:
     Everything that can be refused is checked before the run folder is created (arguments, model,
     stage lengths, data), so a failed start leaves no folder behind. Raises ValueError (bad
     arguments, data too short for a stage, a resume with another plan), FileExistsError (--out
-    holds a run and --resume was not given), ResumeError (no checkpoint verifies), TrainingDiverged."""
+    holds a run and --resume was not given), ResumeError (no checkpoint verifies), TrainingDiverged
+    (`glm5lab.train.step`)."""
     _check_args(args)
     if args.init:
         args.init = _init_folder(Path(args.init))
@@ -218,10 +181,10 @@ def train(args: TrainArgs) -> dict:
     else:
         resumed = None
     checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
-    data = prepare_data(args, model.config, checkpoint=checkpoint)
+    data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
     shard = dist.shard_model(model, ctx)  # before the optimizer: FSDP2 replaces the parameters
-    optimizer = build_optimizer(model, args.optimizer, lr=stages[0].lr, weight_decay=args.weight_decay)
+    optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
     if resumed is not None:
         start = resumed["position"]
@@ -447,22 +410,24 @@ def _resume_weights(run_dir: Path, model, report) -> dict:
 
 
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
     info = {"args": asdict(args), "stages": [s.to_dict() for s in stages], "git_commit": git_commit(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "world_size": ctx.world_size,
             "device": str(ctx.device)}
-    (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    atomic_write_text(run_dir / "run.json", json.dumps(info, indent=2) + "\n")  # creates run_dir
+    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_hf(), indent=2) + "\n")
 
 
 class _Loop:
+    """`run_stages` with what a run adds: per-stage `BatchStream`s of this rank's rows, autocast,
+    and after each step its metrics record, periodic validation, progress and checkpoints."""
+
     def __init__(self, args, model, shard, optimizer, data: TrainingData, stages, ctx, run_dir, metrics):
         self.args, self.model, self.shard, self.opt, self.data = args, model, shard, optimizer, data
         self.stages, self.ctx, self.run_dir, self.metrics = stages, ctx, run_dir, metrics
         self.total_steps = sum(s.steps for s in stages)
-        self.stage_by_name = {s.name: s for s in stages}
         self.step = 0
         self.last_val = None  # (step, loss, tokens) of the latest periodic validation
+        self.stream = (None, None)  # (stage index, its BatchStream)
         if args.compile:
             from glm5lab.train.compile import CompiledLosses
 
@@ -474,58 +439,50 @@ class _Loop:
         from tqdm import tqdm
 
         self.step = start["step"]
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (self.args.progress and self.ctx.is_main),
-                   unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=self.total_steps, initial=self.step, disable=not (self.args.progress and self.ctx.is_main),
+                        unit="step", dynamic_ncols=True)
         try:
-            for index in range(start["stage"], len(self.stages)):
-                first = start["in_stage"] if index == start["stage"] else 0
-                self.run_stage(index, first, bar)
+            run_stages(self.model, self.stages, self.batch, self.args.hyper, self.after_step, losses=self.step_losses,
+                       optimizer=self.opt, start=start)
         finally:  # an error or Ctrl-C then prints on its own line, below the bar
-            bar.close()
+            self.bar.close()
 
-    def run_stage(self, index: int, first: int, bar) -> None:
-        stage = self.stages[index]
-        set_trainable(self.model, stage)
-        stream = BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size,
-                             seed=self.args.seed * 1000 + index, rank=self.ctx.rank, world_size=self.ctx.world_size)
-        for i in range(first, stage.steps):
-            record = self.train_step(stage, stream, i)
-            self.step += 1
-            record.update(step=self.step, stage=stage.name, stage_step=i + 1)
-            if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
-                result = self.validate(stage)
-                record.update(val_loss=result.loss, val_tokens=result.tokens)
-                self.last_val = (self.step, result.loss, result.tokens)
-            self.log(record, bar)
-            if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
-                self.checkpoint(index, i + 1, stage)
+    def batch(self, index: int, stage: Stage, i: int) -> torch.Tensor:
+        """This rank's windows [B, T + 1] of step i of stage `index`, on the device: its stage's
+        BatchStream, seeded by the run's seed and the stage index."""
+        if self.stream[0] != index:
+            self.stream = (index, BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size,
+                                              seed=self.args.seed * 1000 + index, rank=self.ctx.rank,
+                                              world_size=self.ctx.world_size))
+        return self.stream[1].batch(i).to(self.ctx.device)
 
-    def train_step(self, stage: Stage, stream: BatchStream, i: int) -> dict:
-        t0 = time.perf_counter()
-        lr = stage.lr_at(i)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        window = stream.batch(i).to(self.ctx.device)
+    def step_losses(self, window: torch.Tensor, stage: Stage):
         with self.ctx.autocast():
-            losses = self.losses(window, stage)
-        grad_norm, loads = optimizer_step(self.model, self.opt, losses, stage, self.step + 1, self.args.grad_clip,
-                                          self.args.bias_update_rate)
-        dt = time.perf_counter() - t0
+            return self.losses(window, stage)
+
+    def after_step(self, done: StepDone) -> None:
+        stage, i, window = done.stage, done.i, done.batch
+        self.step = done.step
         tokens = window.shape[0] * (window.shape[1] - 1) * self.ctx.world_size
-        return {**dist.mean_over_ranks(losses.to_log(), self.ctx), "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "tokens_per_s": tokens / dt, "step_time_s": dt, "expert_load": loads}
+        record = {**dist.mean_over_ranks(done.losses.to_log(), self.ctx), "lr": done.lr, "grad_norm": done.grad_norm,
+                  "tokens": tokens, "tokens_per_s": tokens / done.seconds, "step_time_s": done.seconds,
+                  "expert_load": done.expert_load, "step": self.step, "stage": stage.name, "stage_step": i + 1}
+        if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
+            result = self.validate(stage)
+            record.update(val_loss=result.loss, val_tokens=result.tokens)
+            self.last_val = (self.step, result.loss, result.tokens)
+        if self.metrics is not None:
+            self.metrics.write(record)
+        self.bar.set_postfix_str(progress_text(record, stage, self.last_val), refresh=False)
+        self.bar.update(1)  # draws the postfix of this step
+        if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
+            self.checkpoint(done.index, i + 1, stage)
 
     def validate(self, stage: Stage):
         """The periodic validation: the first eval_batches batches of held-out windows (a subset;
         `finish` scores the whole split with the same definition, `Evaluation.loss`)."""
         val = pack(self.data.val_tokens, stage.seq_len)
         return evaluate_nll(self.shard, val, stage, self.args.eval_batches, self.ctx.world_size)
-
-    def log(self, record: dict, bar) -> None:
-        if self.metrics is not None:
-            self.metrics.write(record)
-        bar.set_postfix_str(progress_text(record, self.stage_by_name[record["stage"]], self.last_val), refresh=False)
-        bar.update(1)  # draws the postfix of this step
 
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:

@@ -16,6 +16,8 @@ import json
 import math
 from pathlib import Path
 
+from glm5lab.io_utils import atomic_write
+
 LM, MTP, KL, VAL, WHOLE = "tab:blue", "tab:orange", "tab:red", "black", "tab:green"  # one colour per quantity
 
 
@@ -170,7 +172,7 @@ def as_floats(values) -> list[float]:
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path:
     """loss.png from `metrics.jsonl` (`draw_losses`; summary.json and run.json beside it, when
-    present, give the whole-split final point and eval_batches). Returns the PNG path."""
+    present, give the whole-split final point and eval_batches), written atomically. Returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,7 +185,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path:
     handles, labels = draw_losses(ax, rows, summary, run.get("args", {}).get("eval_batches"),
                                   title="training run (dotted lines: stage boundaries)")
     ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
-    fig.savefig(png_path, dpi=110, bbox_inches="tight")
+    atomic_write(png_path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return Path(png_path)
 

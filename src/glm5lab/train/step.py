@@ -1,0 +1,133 @@
+"""The training step that `glm5lab train` (`train.loop`: run folder, resume, metrics, progress,
+summary) and `glm5lab ablate` (`ablate.fit`: one record per step) both run, and its settings.
+
+`run_stages`: per stage, which parameters train (`set_trainable`); per step, the stage's lr
+(`Stage.lr_at`), the batch, the losses, backward, the non-finite check and clipping, the optimizer
+step and the aux-loss-free router bias update (`optimizer_step`). `TrainHyper` holds the settings
+and the only copy of their defaults.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from glm5lab.optim import build_optimizer, indexer_parameter_names
+from glm5lab.train.balance import update_router_bias
+from glm5lab.train.losses import StepLosses
+from glm5lab.train.stages import Stage
+
+
+class TrainingDiverged(RuntimeError):
+    """A loss or gradient became NaN/inf; the message names the step and the tensor."""
+
+
+@dataclass(frozen=True)
+class TrainHyper:
+    """The step's settings; their defaults are `glm5lab train`'s (`TrainArgs` takes them from here).
+    optimizer: "adamw", "muon" or "muon-split" (`glm5lab.optim.groups`). weight_decay: on the
+    rows the group table decays. grad_clip: the largest global gradient norm, 0 = no clipping.
+    bias_update_rate: the router bias step per update, b_e += rate * sign(mean load - load_e)
+    (`glm5lab.train.balance`), 0 = off; 1.5e-2 was chosen for the default 420-step run
+    (BENCHMARKS.md)."""
+
+    optimizer: str = "muon-split"
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    bias_update_rate: float = 1.5e-2
+
+    def build_optimizer(self, model, lr: float):
+        """This optimizer over every parameter of `model` (frozen ones too: stages change which
+        train) at `lr`. Raises ValueError for an unknown optimizer name."""
+        return build_optimizer(model, self.optimizer, lr=lr, weight_decay=self.weight_decay)
+
+
+@dataclass
+class StepDone:
+    """A finished step, for `on_step`: stage `index`, `stage`, `i` (0-based in the stage), `step`
+    (global, 1-based), lr, batch, losses, gradient norm before clipping, per-MoE-layer expert
+    loads, wall seconds (from setting the lr to the router update)."""
+
+    index: int
+    stage: Stage
+    i: int
+    step: int
+    lr: float
+    batch: Any
+    losses: StepLosses
+    grad_norm: float
+    expert_load: list[list[int]]
+    seconds: float
+
+
+def set_trainable(model, stage: Stage) -> None:
+    """Every parameter trains (trainable="all"), or only the DSA indexer's, main layers and MTP
+    layer (trainable="indexer"): the optimizer's rule table decides which those are."""
+    indexer = indexer_parameter_names(model) if stage.trainable == "indexer" else set()
+    for name, p in model.named_parameters():
+        p.requires_grad_(stage.trainable == "all" or name in indexer)
+
+
+def clip_and_check(model, losses: StepLosses, step: int, max_norm: float) -> float:
+    """Clip the gradients to `max_norm` (0 = no clipping) and return their total norm before
+    clipping (one pass over the gradients); raise TrainingDiverged naming the step and the first
+    non-finite parameter or gradient when the loss or the norm is NaN/inf."""
+    if not math.isfinite(float(losses.total.detach())):
+        bad = next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        where = f"non-finite parameter `{bad}`" if bad else "every parameter is finite (activations overflowed)"
+        raise TrainingDiverged(f"step {step}: loss is not finite ({losses.to_log()}); {where}")
+    grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_([p for n, p in model.named_parameters() if p.grad is not None],
+                                          max_norm or float("inf"))
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not math.isfinite(norm):
+        bad = next(n for n, g in grads if not torch.isfinite(g).all())
+        raise TrainingDiverged(f"step {step}: non-finite gradient in `{bad}`")
+    return norm
+
+
+def optimizer_step(model, optimizer, losses: StepLosses, stage: Stage, step: int,
+                   hyper: TrainHyper) -> tuple[float, list[list[int]]]:
+    """Backward of losses.total, the non-finite check and clipping to `hyper.grad_clip`
+    (`clip_and_check`), the optimizer step, then the router bias update at
+    `hyper.bias_update_rate` (not while only the indexer trains). Returns (gradient norm before
+    clipping, expert loads)."""
+    losses.total.backward()
+    grad_norm = clip_and_check(model, losses, step, hyper.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    frozen_router = stage.trainable != "all"  # indexer warm-up: everything but the indexer stays put
+    return grad_norm, update_router_bias(model, 0.0 if frozen_router else hyper.bias_update_rate)
+
+
+def run_stages(model, stages: list[Stage], batches: Callable[[int, Stage, int], Any], hyper: TrainHyper,
+               on_step: Callable[[StepDone], None], *, losses: Callable[[Any, Stage], StepLosses],
+               optimizer=None, start: dict | None = None) -> None:
+    """Train `model` in place through `stages`: batches(stage index, stage, i) gives step i's
+    batch, losses(batch, stage) its `StepLosses`, and on_step(StepDone) follows every step.
+    optimizer: default `hyper.build_optimizer` at the first stage's lr. start: where to begin, as
+    a checkpoint's position {"step": global steps done, "stage": stage index, "in_stage": steps
+    done in it} (default the beginning; a stage index past the last trains nothing). Raises
+    TrainingDiverged on a non-finite loss or gradient."""
+    optimizer = hyper.build_optimizer(model, stages[0].lr) if optimizer is None else optimizer
+    start = start or {"step": 0, "stage": 0, "in_stage": 0}
+    step = start["step"]
+    for index in range(start["stage"], len(stages)):
+        stage = stages[index]
+        set_trainable(model, stage)
+        for i in range(start["in_stage"] if index == start["stage"] else 0, stage.steps):
+            t0 = time.perf_counter()
+            lr = stage.lr_at(i)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = batches(index, stage, i)
+            step_losses = losses(batch, stage)
+            step += 1
+            grad_norm, loads = optimizer_step(model, optimizer, step_losses, stage, step, hyper)
+            on_step(StepDone(index, stage, i, step, lr, batch, step_losses, grad_norm, loads,
+                             time.perf_counter() - t0))
