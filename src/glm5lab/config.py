@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from glm5lab import hf_config, presets
-from glm5lab.validate import ConfigError, finite, int_at_least, is_int, refuse
+from glm5lab.validate import ConfigError, finite, int_at_least, is_int, one_of, refuse
 
 ATTENTION_TYPES = ("mla", "gqa")
 MIXER_TYPES = ("attention", "swa", "gdn", "simple_gdn")
@@ -180,8 +180,7 @@ class ModelConfig:
             _fail("hf_extra", self.hf_extra, "a dict of config.json keys")
 
     def _check_shapes(self):
-        if self.hidden_act not in HIDDEN_ACTS:
-            _fail("hidden_act", self.hidden_act, f"one of {HIDDEN_ACTS}")
+        one_of("config field `hidden_act`", self.hidden_act, HIDDEN_ACTS, error=ConfigError)
         if self.qk_rope_head_dim % 2:
             _fail("qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE rotates pairs)")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -234,8 +233,7 @@ class ModelConfig:
         hv, hk, _, _ = self.gdn_dims
         if hv % hk:
             _fail("linear_num_key_heads", hk, f"a divisor of linear_num_value_heads={hv}")
-        if self.simple_gdn_decay not in SIMPLE_GDN_DECAYS:
-            _fail("simple_gdn_decay", self.simple_gdn_decay, f"one of {SIMPLE_GDN_DECAYS}")
+        one_of("config field `simple_gdn_decay`", self.simple_gdn_decay, SIMPLE_GDN_DECAYS, error=ConfigError)
         for i, (mixer, attn) in enumerate(zip(self.mixer_types, self.attention_types, strict=False)):
             if mixer == "simple_gdn" and attn != "gqa":
                 _fail(f"mixer_types[{i}]", mixer, f"'simple_gdn' only on GQA layers (it reuses their q/k/v/o "
@@ -430,6 +428,5 @@ def _check_layer_list(cfg, name, allowed):
     if not isinstance(values, (list, tuple)) or len(values) != cfg.num_hidden_layers:
         _fail(name, values, f"a list of {cfg.num_hidden_layers} entries (one per layer), each one of {allowed}")
     for i, v in enumerate(values):
-        if v not in allowed:
-            _fail(f"{name}[{i}]", v, f"one of {allowed}")
+        one_of(f"config field `{name}[{i}]`", v, allowed, error=ConfigError)
     setattr(cfg, name, list(values))

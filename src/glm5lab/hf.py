@@ -252,14 +252,10 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     the weights exceed `max_shard_bytes`, as folder `path`. The layout is the one transformers'
     GlmMoeDsaForCausalLM and the serving stacks read. Returns `Path(path)`.
 
-    The whole checkpoint is written into a fresh hidden sibling `.NAME.tmp-XXXX`, then swapped
-    in (`glm5lab.io_utils.replace_folder`): other files already in `path` (tokenizer.json,
-    trainer_state.pt, generation_config.json, ...) are carried over, while its old weights,
-    index and config.json are dropped, so no stale shard survives. An interruption at any point
-    leaves the previous checkpoint whole: at `path`, or, for the instant between the two renames,
-    at the sibling `.NAME.old-XXXX` (a killed save may leave such hidden siblings to delete).
-    Old and new checkpoint coexist on disk during the swap. A new or empty `path` simply
-    receives the files. Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
+    Written into a fresh hidden sibling, then swapped in (`glm5lab.io_utils.replace_folder`, which
+    states the crash guarantees): other files in `path` (tokenizer.json, trainer_state.pt, ...) are
+    carried over; its old weights, index and config.json are dropped, so no stale shard survives.
+    Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
     int_at_least("max_shard_bytes", max_shard_bytes, 1)
     state = model.state_dict()
     on_meta = [k for k, v in state.items() if v.is_meta]
@@ -277,20 +273,16 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
 
 def load_transformers_twin(folder, *, dtype: torch.dtype = torch.float32, device=None,
                            attn_implementation: str | None = None, **config_overrides):
-    """transformers' `GlmMoeDsaForCausalLM.from_pretrained(folder)`: the twin of a glm5lab model
-    folder (what `save_pretrained` and `glm5lab train`'s checkpoints write), holding the same
-    weights, for comparisons with transformers (the benchmarks, parity checks).
+    """transformers' `GlmMoeDsaForCausalLM.from_pretrained(folder)` of a glm5lab model folder: the
+    same weights, for comparisons with transformers (the benchmarks, parity checks).
 
-    transformers builds no MTP layer: it drops those weights, and its report of them as unused
-    (expected) is silenced for this call; the logging verbosity and progress-bar setting are
-    restored afterwards. dtype: its floating weights (default fp32); device: where it is moved
-    (None: stays on the CPU); attn_implementation: transformers' attention ("eager", "sdpa", ...;
-    None = its default, sdpa). In transformers 5.24 "eager" and "sdpa" both apply the DSA top-k
-    mask (`GlmMoeDsaAttention.forward`: keys outside the indexer's top-k are masked); other
-    implementations pass the indices to a FlashMLA kernel instead. config_overrides: config
-    fields changed on load (e.g. `index_topk=T` to keep every key: transformers has no dense
-    switch). Returns the model in eval mode (call `.train()` to train it). Raises ImportError
-    without a transformers that has `GlmMoeDsaForCausalLM` (5.24 and later)."""
+    transformers builds no MTP layer and drops those weights; its report of them as unused is
+    silenced for this call (logging verbosity and progress bar restored after). dtype: floating
+    weights (default fp32); device: where it is moved (None: CPU); attn_implementation: "eager",
+    "sdpa" (None: its default, sdpa) both apply the DSA top-k mask in transformers 5.24; others
+    pass the indices to a FlashMLA kernel. config_overrides: config fields changed on load (e.g.
+    `index_topk=T` to keep every key: transformers has no dense switch). Returns the model in eval
+    mode. Raises ImportError without a transformers that has `GlmMoeDsaForCausalLM` (>= 5.24)."""
     from transformers import GlmMoeDsaForCausalLM
     from transformers.utils import logging as hf_logging
 

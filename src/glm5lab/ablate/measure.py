@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.mqar import IGNORE_INDEX
 from glm5lab.evals.niah import make_niah_batch, training_pair
+from glm5lab.validate import one_of
 
 
 @torch.no_grad()
@@ -69,8 +70,7 @@ def niah_accuracy(model, bench: Workbench, n: int, context_length: int, variant:
     """NIAH exact match (every expected value, teacher forced; see the module docstring) on n
     examples of `context_length` prompt tokens. haystack: "noise" (filler ids) or "corpus"
     (validation text). kwargs go to `make_niah` (key_len, value_len, num_keys...)."""
-    if haystack not in ("noise", "corpus"):
-        raise ValueError(f"haystack = {haystack!r} is not allowed: 'noise' or 'corpus'")
+    one_of("haystack", haystack, ("noise", "corpus"))
     hay = bench.val_tokens if haystack == "corpus" else None
     examples = make_niah_batch(bench.tasks, n, context_length, variant, seed=seed, haystack=hay, **kwargs)
     return niah_exact_match(model, examples, use_dsa=use_dsa, batch=batch)

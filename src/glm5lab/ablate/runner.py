@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from glm5lab.validate import int_at_least, one_of
+
 
 class Study(NamedTuple):
     """module: the study's module, imported by this name when it runs (`study_module`); what: its
@@ -66,12 +68,11 @@ models and lengths; see the module docstring)."""
     scale: str = "cpu"
 
     def __post_init__(self):
-        if self.scale not in SCALES:
-            raise ValueError(f"--scale {self.scale!r} is not allowed: one of {', '.join(SCALES)}")
+        one_of("--scale", self.scale, SCALES)
         if self.study not in STUDIES:
             raise ValueError(f"study {self.study!r} is not known: choose one of {', '.join(STUDIES)}")
-        if self.seeds is not None and (isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1):
-            raise ValueError(f"--seeds {self.seeds!r} is not allowed: an integer >= 1")
+        if self.seeds is not None:
+            int_at_least("--seeds", self.seeds, 1)
 
     @property
     def size_key(self) -> str:

@@ -36,6 +36,7 @@ from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
+from glm5lab.validate import one_of
 
 DEPTHS = (1, 3)
 DRAFT_STEPS = (1, 2, 3, 4)
@@ -65,8 +66,7 @@ def config(s: dict, depth: int):
 
 def stage(s: dict, depth: int) -> Stage:
     """One stage: linear warm-up (5%), then lr -> lr/10; CE + 0.3 x CE of each of `depth` MTP depths."""
-    if depth not in DEPTHS:
-        raise ValueError(f"depth = {depth!r} is not allowed: one of {DEPTHS}")
+    one_of("depth", depth, DEPTHS)
     return Stage(f"mtp_depth_{depth}", s["steps"], s["lr"], s["T"], s["batch"], lr_end=s["lr"] / 10,
                  warmup_steps=s["steps"] // 20, mtp_weights=(MTP_WEIGHT,) * depth)
 

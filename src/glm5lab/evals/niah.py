@@ -35,15 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from glm5lab.evals.tasks import (
-    Scores,
-    TaskVocab,
-    check_int,
-    contains,
-    derive_seed,
-    rng,
-    token_ids,
-)
+from glm5lab.evals.tasks import Scores, TaskVocab, check_int, contains, derive_seed, rng, token_ids
+from glm5lab.validate import one_of
 
 IGNORE_INDEX = -100  # F.cross_entropy default ignore_index
 
@@ -104,8 +97,7 @@ def make_niah(vocab: TaskVocab, context_length: int, variant: str = "single", *,
     num_keys * num_values distinct values; depth is outside [0, 1] or has the wrong length;
     haystack is not 1-D or has ids outside [0, vocab_size) or is too short; seed is not an int >= 0.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant = {variant!r} is not allowed: it must be one of {tuple(VARIANTS)}")
+    one_of("variant", variant, VARIANTS)
     dk, dv, dq = VARIANTS[variant]
     nk = check_int("num_keys", dk if num_keys is None else num_keys, 1)
     nv = check_int("num_values", dv if num_values is None else num_values, 1)
@@ -205,8 +197,7 @@ def score_niah(answers: Sequence[NIAHExample] | Sequence[Sequence[Sequence[int]]
     for all NIAH variants). Returns Scores(per_example, mean).
     Raises ValueError if rule is not one of SCORE_RULES, the counts differ, or there are none.
     """
-    if rule not in SCORE_RULES:
-        raise ValueError(f"rule = {rule!r} is not allowed: it must be one of {SCORE_RULES}")
+    one_of("rule", rule, SCORE_RULES)
     expected = [a.answers if isinstance(a, NIAHExample) else a for a in answers]
     if len(expected) != len(generated):
         raise ValueError(f"{len(expected)} answer sets but {len(generated)} generated rows")

@@ -99,19 +99,16 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     speculative: None, or "mtp" to draft `draft_steps` tokens per round with the shared MTP
     layer and verify them in one forward (the output distribution is the target's; greedy
     output equals plain greedy in fp32, and may differ at near-ties in bf16, where a k+1-token
-    verification and a 1-token step round differently). stop_tokens: a row ends after emitting one of these.
-    prefill_chunk: prefill in pieces of this many tokens (default 256; None = the whole prompt
-    in one forward: same result, more memory, slower on CPU as it computes the full causal square). on_tokens:
-    called after each step with the tokens each row just emitted (streaming). stop_when: called
-    as stop_when(b, a copy of row b's tokens so far) after each new token; True ends row b there (stop
-    strings: the lm-eval adapter ends a row once its text holds one).
-    compile: run the decode, verification and MTP draft steps as compiled graphs
-    (`glm5lab.infer.compiled`: static shapes, no host synchronisation; the prefill stays eager).
-    The first call per batch size, cache capacity (rounded up to a multiple of 256) and
-    draft_steps compiles them (seconds to a minute: `stats.compile_seconds`); later calls reuse
-    them. Finished rows then stay in the batch, frozen, until every row is done (the batch shape
-    is static). Same tokens as compile=False; attention models only (ValueError for Gated
-    DeltaNet layers).
+    verification and a 1-token step round differently). stop_tokens: a row ends after emitting
+    one of these. prefill_chunk: prefill in pieces of this many tokens (default 256; None = one
+    forward: same result, more memory, slower on CPU). on_tokens: called after each step with the
+    tokens each row just emitted (streaming). stop_when(b, a copy of row b's tokens so far):
+    called after each new token; True ends row b there (the lm-eval adapter's stop strings).
+    compile: the decode, verification and draft steps as compiled graphs (`glm5lab.infer.compiled`;
+    the prefill stays eager), compiled on the first call per batch size, cache capacity (a multiple
+    of 256) and draft_steps (`stats.compile_seconds`). Finished rows then stay in the batch, frozen
+    (the shape is static). Same tokens as compile=False; attention models only (ValueError for
+    Gated DeltaNet layers).
     Returns GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for
     speculative runs. Raises ValueError (naming the argument) on bad input, and when a prompt
     plus max_new_tokens (+ draft_steps + 1) exceeds max_position_embeddings."""

@@ -121,14 +121,11 @@ def gated_delta_rule_chunked(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV:
     and outputs as `gated_delta_rule_recurrent` (equal up to fp32 rounding).
 
     T need not be a multiple of chunk_size: the tail is padded with k = v = q = 0, g = 0,
-    beta = 0 (a token that neither decays nor writes), so the final state is the state after
-    token T, and the padding is sliced off the output. Per chunk (see the module docstring):
-    solve (I + A) [U0 | W] = [diag(beta) V | diag(beta Gam) K] by one unit lower-triangular
-    solve, then a sequential scan over the N chunks: U = U0 - W S, O = diag(Gam) Q S +
-    ((Q K^T) * D) U, S <- Gam_C S + (K * Gam_C / Gam)^T U. Decay ratios are taken as
-    exp(cumsum difference) with the upper triangle masked before the exp (no overflow, no NaN
-    gradients for very negative g). Raises ValueError for a bad shape (as the recurrent form)
-    or chunk_size < 1."""
+    beta = 0 (a token that neither decays nor writes) and sliced off the output. Per chunk: the
+    module docstring's triangular solve for [U0 | W], then a sequential scan over the N chunks.
+    Decay ratios are exp(cumsum difference) with the upper triangle masked before the exp (no
+    overflow, no NaN gradients for very negative g). Raises ValueError for a bad shape (as the
+    recurrent form) or chunk_size < 1."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K, V = _check_shapes(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state_BHKV)

@@ -25,7 +25,7 @@ from glm5lab.model.mtp import MTPLayer, mtp_unroll
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import rope_angles
 from glm5lab.model.step import Step
-from glm5lab.validate import int_at_least
+from glm5lab.validate import int_at_least, one_of
 
 
 @dataclass
@@ -155,10 +155,8 @@ class GLM5ForCausalLM(nn.Module):
 
     def _options(self, attn_impl: str, moe_impl: str, use_dsa: bool | None, indexer_loss: bool) -> dict:
         """The `Step` options of one forward. Raises ValueError for an unknown impl."""
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attention impl {attn_impl!r} is not allowed: one of {ATTN_IMPLS}")
-        if moe_impl not in EXPERT_IMPLS:
-            raise ValueError(f"experts impl {moe_impl!r} is not allowed: one of {EXPERT_IMPLS}")
+        one_of("attention impl", attn_impl, ATTN_IMPLS)
+        one_of("experts impl", moe_impl, EXPERT_IMPLS)
         return dict(reference=attn_impl == "naive", absorbed=attn_impl == "absorbed", moe_impl=moe_impl,
                     use_dsa=self.config.use_dsa if use_dsa is None else bool(use_dsa),
                     index_topk=self.config.index_topk, indexer_loss=indexer_loss)

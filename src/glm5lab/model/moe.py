@@ -39,6 +39,7 @@ from glm5lab.model.dispatch import LocalDispatcher
 from glm5lab.model.mlp import MLP
 from glm5lab.model.precision import KeepFP32, compute_dtype, fp32_compute
 from glm5lab.model.step import LayerStep
+from glm5lab.validate import one_of
 
 EXPERT_IMPLS = ("auto", "grouped", "grouped_mm", "gathered", "loop")
 GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1
@@ -185,8 +186,7 @@ class Experts(nn.Module):
         (`Step.decode_sized`), or at most GATHER_MAX_ASSIGNMENTS_PER_EXPERT rows per expert, a
         sync-free kernel (`grouped_mm` where it runs and the call is not `static`, else
         `gathered`); else `grouped`. All compute the same function."""
-        if impl not in EXPERT_IMPLS:
-            raise ValueError(f"experts impl {impl!r} is not allowed: one of {EXPERT_IMPLS}")
+        one_of("experts impl", impl, EXPERT_IMPLS)
         if impl != "auto":
             return impl
         if not (decode_sized or x_AD.shape[0] <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0]):

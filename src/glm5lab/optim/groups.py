@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from glm5lab.optim.muon import MuonAdamW
+from glm5lab.validate import one_of
 
 OPTIMIZERS = ("adamw", "muon", "muon-split")
 
@@ -80,8 +81,7 @@ class ParamRule:
 
 
 def _check_optimizer(optimizer: str) -> None:
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not allowed: one of {', '.join(OPTIMIZERS)}")
+    one_of("optimizer", optimizer, OPTIMIZERS)
 
 
 def _match_one(names: list[str], rules=RULES) -> dict[str, Rule]:

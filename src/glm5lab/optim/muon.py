@@ -26,12 +26,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.optimizer import Optimizer, required
 
-from glm5lab.optim.newton_schulz import (
-    NS_COEFFICIENTS,
-    NS_EPS,
-    muon_split,
-    newton_schulz,
-)
+from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, muon_split, newton_schulz
+from glm5lab.validate import int_at_least, one_of
 
 KINDS = ("muon", "muon_split", "adamw")
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -101,15 +97,13 @@ class MuonAdamW(Optimizer):
 
 def _check_group(group: dict) -> None:
     kind, heads = group["kind"], group["heads"]
-    if kind not in KINDS:
-        raise ValueError(f"param group kind {kind!r} is not allowed: one of {KINDS}")
-    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn {group['adjust_lr_fn']!r} is not allowed: one of {ADJUST_LR_FNS}")
+    one_of("param group kind", kind, KINDS)
+    one_of("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
     for name in ("lr", "weight_decay", "momentum", "eps"):
         if group[name] < 0:
             raise ValueError(f"{name} must be >= 0, got {group[name]}")
-    if kind == "muon_split" and (not isinstance(heads, int) or heads < 1):
-        raise ValueError(f"a muon_split group needs an integer heads >= 1, got heads={heads!r}")
+    if kind == "muon_split":
+        int_at_least("muon_split group heads", heads, 1)
     for p in group["params"]:
         _check_param(p, kind, heads)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fie
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
+from glm5lab.validate import finite
 
 
 @dataclass
@@ -278,9 +278,7 @@ def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1
 
 def _check_args(args: TrainArgs) -> None:
     for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
-        value = getattr(args, name)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} {value} is not allowed: it must be a finite number >= 0")
+        finite(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.data is not None:
         data, out = Path(args.data).resolve(), Path(args.out).resolve()
         if out == data or data in out.parents:
