@@ -41,10 +41,9 @@ class ModelConfig:
     """Architecture of a GLM-5-family causal LM (defaults: the published GLM-5, 744B).
 
     Per-layer lists (`attention_types`, `indexer_types`, `mlp_layer_types`, `mixer_types`) have one entry per
-    main layer (`num_hidden_layers`); `None` means "derive the default" and is resolved in
-    `__post_init__`, so after construction they are always lists. The MTP layer (layer index
-    `num_hidden_layers` in the checkpoint) copies the last main layer's attention and MLP kind
-    and always runs its own indexer.
+    main layer (`num_hidden_layers`); `None` means "derive the default" and is resolved in `__post_init__`, so
+    after construction they are always lists. The MTP layer (layer index `num_hidden_layers` in the
+    checkpoint) copies the last main layer's attention and MLP kind and always runs its own indexer.
 
     `mlp_layer_types` wins over `first_k_dense_replace`: when it is given, `first_k_dense_replace`
     is set to its number of leading dense layers (any pattern is allowed, as in transformers; the
@@ -338,9 +337,8 @@ class LayerSpec:
     index: checkpoint layer index (`num_hidden_layers` for the MTP layer).
     attention: "mla" | "gqa", the projection family whose weights the layer holds ("simple_gdn"
       layers hold a GQA layer's q/k/v/o).
-    mixer: "attention" | "swa" | "gdn" | "simple_gdn" (`ModelConfig.mixer_types`).
-    window: keys per query on an "swa" layer, else None.
-    indexer: where the layer's DSA top-k comes from when DSA is on: "own" (its lightning
+    mixer: "attention" | "swa" | "gdn" | "simple_gdn" (`ModelConfig.mixer_types`). window: keys per query on an
+    "swa" layer, else None. indexer: where the layer's DSA top-k comes from when DSA is on: "own" (its lightning
       indexer: an MLA "attention" layer whose `indexer_types` entry is "full"), "shared" (the
       top-k of the last earlier "own" layer, `reuses_from`: IndexCache), "none" (GQA, SWA and
       Gated DeltaNet layers never select keys).
@@ -349,9 +347,8 @@ class LayerSpec:
       full attention, as transformers reads every glm_moe_dsa layer, loads unchanged, and an SWA
       variant of a trained model keeps them) but never run them: no index state, no indexer
       FLOPs, and a later "shared" layer reuses the last "own" layer's top-k, not theirs.
-    index_cache: the KV cache keeps this layer's indexer keys ("own" and the config's `use_dsa`).
-    reuses_from: for a "shared" layer, the index of the "own" layer whose top-k it reuses.
-    mlp: "dense" | "sparse" (MoE).
+    index_cache: the KV cache keeps this layer's indexer keys ("own" and the config's `use_dsa`). reuses_from:
+    for a "shared" layer, the index of the "own" layer whose top-k it reuses. mlp: "dense" | "sparse" (MoE).
     """
 
     index: int

@@ -1,10 +1,9 @@
 """What studies score: held-out loss, MQAR accuracy, NIAH exact match, by teacher forcing.
 
-NIAH is scored without generation: the prompt plus its canonical completion goes through one
-forward, and an example counts as retrieved when the argmax at every completion position is
-the expected id. That is exactly "greedy decoding reproduces the completion", so it equals
-`score_niah(..., rule="all")` on greedy `generate` output cut at the completion length, and it
-also works for mixers without a decode cache (Gated DeltaNet).
+NIAH is scored without generation: the prompt plus its canonical completion goes through one forward, and an
+example counts as retrieved when the argmax at every completion position is the expected id. That is exactly
+"greedy decoding reproduces the completion", so it equals `score_niah(..., rule="all")` on greedy `generate`
+output cut at the completion length, and it also works for mixers without a decode cache (Gated DeltaNet).
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ def labelled_loss(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_d
 @torch.no_grad()
 def labelled_nll(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_dsa: bool | None = None,
                  batch: int = 8) -> tuple[float, int]:
-    """(summed CE in nats, number of scored labels) over the labels != -100 of (ids [N, T],
-    labels [N, T]), fp32, in batches: what `labelled_loss` divides, and what bits per byte
-    (`glm5lab.evals.bpb.bits_per_byte`) needs."""
+    """(summed CE in nats, number of scored labels) over the labels != -100 of (ids [N, T], labels [N, T]), fp32,
+    in batches: what `labelled_loss` divides, and what bits per byte (`glm5lab.evals.bpb.bits_per_byte`) needs."""
     total, count = 0.0, 0
     device = next(model.parameters()).device
     for i in range(0, len(ids_BT), batch):

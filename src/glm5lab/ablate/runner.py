@@ -1,9 +1,8 @@
 """`glm5lab ablate STUDY`: run one study, write its folder, return the table.
 
-Each study is the module `STUDIES` names, with `run(args: StudyArgs, bench: Workbench) ->
-StudyResult`, `readme_row(info)` (`summary`) and its sizes in `SIZES`: a dict keyed by
-`StudyArgs.size_key`, each entry a dict of that size's numbers, its "seeds" (how many seeds run
-unless --seeds: `StudyArgs.seed_list`) among them:
+Each study is the module `STUDIES` names, with `run(args: StudyArgs, bench: Workbench) -> StudyResult`,
+`readme_row(info)` (`summary`) and its sizes in `SIZES`: a dict keyed by `StudyArgs.size_key`, each entry a dict
+of that size's numbers, its "seeds" (how many seeds run unless --seeds: `StudyArgs.seed_list`) among them:
   "quick"      `--quick`: the smoke size, under two minutes on 2 CPU cores (the test suite runs it);
   "cpu"        the default: every study's default run together fits in about an hour on 2 cores
                (BENCHMARKS.md has the times);

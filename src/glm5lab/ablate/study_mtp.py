@@ -9,11 +9,10 @@ targets, no task rows), one stage each, lm weight 1 and MTP weight 0.3 per depth
   depth 3:  (0.3, 0.3, 0.3): the shared layer is unrolled 3 times (z^(j) = f(z^(j-1), e(x_{t+j}))),
             as GLM-5 trains it.
 Score: mean acceptance length (`glm5lab.generate(..., speculative="mtp", draft_steps=k)
-.stats.acceptance_length`: tokens per verification forward = 1 + accepted drafts) for k = 1..4,
-on `prompts` held-out prompts (the first tokens of validation-split windows), `max_new` new
-tokens each, greedy (temperature 0) and sampled (temperature 1, seeded). Also the teacher-forced
-validation CE of MTP depth j = 1..4 (`mtp_depth=4` forward), the draft quality the acceptance
-reflects.
+.stats.acceptance_length`: tokens per verification forward = 1 + accepted drafts) for k = 1..4, on `prompts`
+held-out prompts (the first tokens of validation-split windows), `max_new` new tokens each, greedy
+(temperature 0) and sampled (temperature 1, seeded). Also the teacher-forced validation CE of MTP depth j =
+1..4 (`mtp_depth=4` forward), the draft quality the acceptance reflects.
 
 `generate` drafts by chaining the one shared MTP layer k times (each step feeds its own z and
 drafted token back), so draft steps beyond the training depth (k > 1 for depth 1, k = 4 for

@@ -69,9 +69,8 @@ class Router(KeepFP32):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
     def forward(self, x_ND: torch.Tensor):
-        """x_ND: hidden states [N, D], any floating dtype. Returns (w_NK fp32 combine weights,
-        idx_NK int64 expert ids, scores_NE fp32 sigmoid); every step in fp32 (fp64 in an fp64
-        model), autocast off."""
+        """x_ND: hidden states [N, D], any floating dtype. Returns (w_NK fp32 combine weights, idx_NK int64
+        expert ids, scores_NE fp32 sigmoid); every step in fp32 (fp64 in an fp64 model), autocast off."""
         with fp32_compute(x_ND.device):
             return self._route(x_ND)
 
@@ -202,11 +201,10 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts + always-on shared expert: route -> dispatch -> local experts -> combine
-    (`glm5lab.model.dispatch`). Each forward in training mode (`module.training`) adds the
-    number of tokens routed to each expert to `load` (int64 [E], no grad; the MTP layer runs
-    once per depth, so it counts every depth); `pop_load()` returns and resets it, for
-    aux-loss-free balancing and logging. Forwards in eval mode (validation, inference) count
-    nothing, so they never steer the router bias."""
+    (`glm5lab.model.dispatch`). Each forward in training mode (`module.training`) adds the number of tokens
+    routed to each expert to `load` (int64 [E], no grad; the MTP layer runs once per depth, so it counts every
+    depth); `pop_load()` returns and resets it, for aux-loss-free balancing and logging. Forwards in eval mode
+    (validation, inference) count nothing, so they never steer the router bias."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -3,9 +3,8 @@
 `RULES` is the one declarative list: a regex (full match on the `named_parameters()` name) ->
 kind under Muon, weight decay on/off, for Muon Split the config field holding the head count, and
 whether the parameter belongs to the DSA indexer (what the indexer warm-up stage trains:
-`indexer_parameter_names`).
-Every parameter must match exactly one rule (`param_group_table` raises otherwise, listing the
-names), so a new module cannot silently fall into a default group. Buffers such as the router's
+`indexer_parameter_names`). Every parameter must match exactly one rule (`param_group_table` raises otherwise,
+listing the names), so a new module cannot silently fall into a default group. Buffers such as the router's
 `e_score_correction_bias` are not parameters and never reach the optimizer.
 
 Choices (docs/optim.md): AdamW for embedding, output head, norms and biases; Muon for every other
