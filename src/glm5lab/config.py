@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from glm5lab import hf_config, presets
-from glm5lab.validate import ConfigError, finite, int_at_least, is_int, refuse
+from glm5lab.validate import ConfigError, finite, int_at_least, is_int, one_of, refuse
 
 ATTENTION_TYPES = ("mla", "gqa")
 MIXER_TYPES = ("attention", "swa", "gdn", "simple_gdn")
@@ -41,10 +41,9 @@ class ModelConfig:
     """Architecture of a GLM-5-family causal LM (defaults: the published GLM-5, 744B).
 
     Per-layer lists (`attention_types`, `indexer_types`, `mlp_layer_types`, `mixer_types`) have one entry per
-    main layer (`num_hidden_layers`); `None` means "derive the default" and is resolved in
-    `__post_init__`, so after construction they are always lists. The MTP layer (layer index
-    `num_hidden_layers` in the checkpoint) copies the last main layer's attention and MLP kind
-    and always runs its own indexer.
+    main layer (`num_hidden_layers`); `None` means "derive the default" and is resolved in `__post_init__`, so
+    after construction they are always lists. The MTP layer (layer index `num_hidden_layers` in the
+    checkpoint) copies the last main layer's attention and MLP kind and always runs its own indexer.
 
     `mlp_layer_types` wins over `first_k_dense_replace`: when it is given, `first_k_dense_replace`
     is set to its number of leading dense layers (any pattern is allowed, as in transformers; the
@@ -180,8 +179,7 @@ class ModelConfig:
             _fail("hf_extra", self.hf_extra, "a dict of config.json keys")
 
     def _check_shapes(self):
-        if self.hidden_act not in HIDDEN_ACTS:
-            _fail("hidden_act", self.hidden_act, f"one of {HIDDEN_ACTS}")
+        one_of("config field `hidden_act`", self.hidden_act, HIDDEN_ACTS, error=ConfigError)
         if self.qk_rope_head_dim % 2:
             _fail("qk_rope_head_dim", self.qk_rope_head_dim, "an even number (RoPE rotates pairs)")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -234,8 +232,7 @@ class ModelConfig:
         hv, hk, _, _ = self.gdn_dims
         if hv % hk:
             _fail("linear_num_key_heads", hk, f"a divisor of linear_num_value_heads={hv}")
-        if self.simple_gdn_decay not in SIMPLE_GDN_DECAYS:
-            _fail("simple_gdn_decay", self.simple_gdn_decay, f"one of {SIMPLE_GDN_DECAYS}")
+        one_of("config field `simple_gdn_decay`", self.simple_gdn_decay, SIMPLE_GDN_DECAYS, error=ConfigError)
         for i, (mixer, attn) in enumerate(zip(self.mixer_types, self.attention_types, strict=False)):
             if mixer == "simple_gdn" and attn != "gqa":
                 _fail(f"mixer_types[{i}]", mixer, f"'simple_gdn' only on GQA layers (it reuses their q/k/v/o "
@@ -340,9 +337,8 @@ class LayerSpec:
     index: checkpoint layer index (`num_hidden_layers` for the MTP layer).
     attention: "mla" | "gqa", the projection family whose weights the layer holds ("simple_gdn"
       layers hold a GQA layer's q/k/v/o).
-    mixer: "attention" | "swa" | "gdn" | "simple_gdn" (`ModelConfig.mixer_types`).
-    window: keys per query on an "swa" layer, else None.
-    indexer: where the layer's DSA top-k comes from when DSA is on: "own" (its lightning
+    mixer: "attention" | "swa" | "gdn" | "simple_gdn" (`ModelConfig.mixer_types`). window: keys per query on an
+    "swa" layer, else None. indexer: where the layer's DSA top-k comes from when DSA is on: "own" (its lightning
       indexer: an MLA "attention" layer whose `indexer_types` entry is "full"), "shared" (the
       top-k of the last earlier "own" layer, `reuses_from`: IndexCache), "none" (GQA, SWA and
       Gated DeltaNet layers never select keys).
@@ -351,9 +347,8 @@ class LayerSpec:
       full attention, as transformers reads every glm_moe_dsa layer, loads unchanged, and an SWA
       variant of a trained model keeps them) but never run them: no index state, no indexer
       FLOPs, and a later "shared" layer reuses the last "own" layer's top-k, not theirs.
-    index_cache: the KV cache keeps this layer's indexer keys ("own" and the config's `use_dsa`).
-    reuses_from: for a "shared" layer, the index of the "own" layer whose top-k it reuses.
-    mlp: "dense" | "sparse" (MoE).
+    index_cache: the KV cache keeps this layer's indexer keys ("own" and the config's `use_dsa`). reuses_from:
+    for a "shared" layer, the index of the "own" layer whose top-k it reuses. mlp: "dense" | "sparse" (MoE).
     """
 
     index: int
@@ -430,6 +425,5 @@ def _check_layer_list(cfg, name, allowed):
     if not isinstance(values, (list, tuple)) or len(values) != cfg.num_hidden_layers:
         _fail(name, values, f"a list of {cfg.num_hidden_layers} entries (one per layer), each one of {allowed}")
     for i, v in enumerate(values):
-        if v not in allowed:
-            _fail(f"{name}[{i}]", v, f"one of {allowed}")
+        one_of(f"config field `{name}[{i}]`", v, allowed, error=ConfigError)
     setattr(cfg, name, list(values))

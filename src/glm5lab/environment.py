@@ -1,8 +1,7 @@
 """Facts a measurement is recorded with: the source tree's git commit, the machine, the libraries.
 
-One module for every writer of such facts: training runs (run.json), ablation results
-(results.json), the report, and the benchmarks' JSON lines (`env_facts`). torch is imported
-only inside the functions that need it.
+One module for every writer of such facts: training runs (run.json), ablation results (results.json), the report,
+and the benchmarks' JSON lines (`env_facts`). torch is imported only inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -77,10 +76,9 @@ def load_average() -> list[float] | None:
 
 
 def git_commit(repo: Path | None = None) -> str:
-    """HEAD's hash of the git checkout holding `repo` (default: this package's source); when
-    tracked files differ from it, "+uncommitted:" and the first 12 hex of the sha1 of
-    `git diff HEAD`, so two runs on the same uncommitted tree can be matched. "unknown" outside
-    a checkout or without git."""
+    """HEAD's hash of the git checkout holding `repo` (default: this package's source); when tracked files
+    differ from it, "+uncommitted:" and the first 12 hex of the sha1 of `git diff HEAD`, so two runs on the
+    same uncommitted tree can be matched. "unknown" outside a checkout or without git."""
     repo = _SOURCE if repo is None else Path(repo)
     try:
         commit, diff = _git(repo, "rev-parse", "HEAD"), _git(repo, "diff", "HEAD")

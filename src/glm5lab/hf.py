@@ -71,10 +71,9 @@ def to_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_mtp: bool) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> our state dict. Experts are stacked in index order; MTP keys are
-    renamed (or dropped when `keep_mtp` is False). Raises CheckpointError when an expert index
-    is missing, an expert's shape or dtype differs from expert 0's, or the MTP copies of the
-    embedding/head differ from the main ones."""
+    """Checkpoint tensors -> our state dict. Experts are stacked in index order; MTP keys are renamed (or dropped
+    when `keep_mtp` is False). Raises CheckpointError when an expert index is missing, an expert's shape or dtype
+    differs from expert 0's, or the MTP copies of the embedding/head differ from the main ones."""
     ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
     experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
     out = {}
@@ -156,11 +155,10 @@ def _index_entry(folder: Path, index: Path, name: str) -> Path:
 
 
 def read_checkpoint(folder) -> dict[str, torch.Tensor]:
-    """Every tensor of the (sharded) safetensors checkpoint in `folder`, on CPU, dtypes as stored.
-    The files read: those `model.safetensors.index.json` names, else `model.safetensors`, else
-    every `*.safetensors`. Raises FileNotFoundError (no weights, or a shard the index names is
-    missing), CheckpointError (unreadable shard; corrupt index or one naming a file outside the
-    folder; both `model.safetensors` and an index present)."""
+    """Every tensor of the (sharded) safetensors checkpoint in `folder`, on CPU, dtypes as stored. The files read:
+    those `model.safetensors.index.json` names, else `model.safetensors`, else every `*.safetensors`. Raises
+    FileNotFoundError (no weights, or a shard the index names is missing), CheckpointError (unreadable shard;
+    corrupt index or one naming a file outside the folder; both `model.safetensors` and an index present)."""
     tensors = {}
     for path in _checkpoint_files(Path(folder)):
         if not path.is_file():
@@ -182,16 +180,13 @@ def _has_mtp_weights(tensors, cfg: ModelConfig) -> bool:
 def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = None):
     """Build `cls(config)` from an HF-layout folder and load its weights exactly.
 
-    mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but
-    the weights lack it, e.g. a folder written by transformers, the model is built without it
-    and a warning says so); True = require it (MissingMTPWeights, a CheckpointError, when the
-    weights lack it); False = ignore it.
-    dtype: cast floating weights; default = as stored. Whatever the dtype, the router weight and
-    `e_score_correction_bias` and the indexer's `weights_proj` and `k_norm` stay fp32 with the
-    checkpoint's exact values (`glm5lab.model.precision`; transformers keeps the router's two in
-    fp32 too).
-    Raises FileNotFoundError, ConfigError (config.json), CheckpointError (missing/unexpected
-    keys or shape mismatches, listed)."""
+    mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but the weights lack
+    it, e.g. a folder written by transformers, the model is built without it and a warning says so); True =
+    require it (MissingMTPWeights, a CheckpointError, when the weights lack it); False = ignore it. dtype:
+    cast floating weights; default = as stored. Whatever the dtype, the router weight and
+    `e_score_correction_bias` and the indexer's `weights_proj` and `k_norm` stay fp32 with the checkpoint's exact
+    values (`glm5lab.model.precision`; transformers keeps the router's two in fp32 too). Raises FileNotFoundError,
+    ConfigError (config.json), CheckpointError (missing/unexpected keys or shape mismatches, listed)."""
     folder = Path(path)
     if not folder.is_dir():
         olds = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
@@ -252,14 +247,10 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     the weights exceed `max_shard_bytes`, as folder `path`. The layout is the one transformers'
     GlmMoeDsaForCausalLM and the serving stacks read. Returns `Path(path)`.
 
-    The whole checkpoint is written into a fresh hidden sibling `.NAME.tmp-XXXX`, then swapped
-    in (`glm5lab.io_utils.replace_folder`): other files already in `path` (tokenizer.json,
-    trainer_state.pt, generation_config.json, ...) are carried over, while its old weights,
-    index and config.json are dropped, so no stale shard survives. An interruption at any point
-    leaves the previous checkpoint whole: at `path`, or, for the instant between the two renames,
-    at the sibling `.NAME.old-XXXX` (a killed save may leave such hidden siblings to delete).
-    Old and new checkpoint coexist on disk during the swap. A new or empty `path` simply
-    receives the files. Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
+    Written into a fresh hidden sibling, then swapped in (`glm5lab.io_utils.replace_folder`, which
+    states the crash guarantees): other files in `path` (tokenizer.json, trainer_state.pt, ...) are
+    carried over; its old weights, index and config.json are dropped, so no stale shard survives.
+    Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
     int_at_least("max_shard_bytes", max_shard_bytes, 1)
     state = model.state_dict()
     on_meta = [k for k, v in state.items() if v.is_meta]
@@ -277,20 +268,15 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
 
 def load_transformers_twin(folder, *, dtype: torch.dtype = torch.float32, device=None,
                            attn_implementation: str | None = None, **config_overrides):
-    """transformers' `GlmMoeDsaForCausalLM.from_pretrained(folder)`: the twin of a glm5lab model
-    folder (what `save_pretrained` and `glm5lab train`'s checkpoints write), holding the same
-    weights, for comparisons with transformers (the benchmarks, parity checks).
+    """transformers' `GlmMoeDsaForCausalLM.from_pretrained(folder)` of a glm5lab model folder: the
+    same weights, for comparisons with transformers (the benchmarks, parity checks).
 
-    transformers builds no MTP layer: it drops those weights, and its report of them as unused
-    (expected) is silenced for this call; the logging verbosity and progress-bar setting are
-    restored afterwards. dtype: its floating weights (default fp32); device: where it is moved
-    (None: stays on the CPU); attn_implementation: transformers' attention ("eager", "sdpa", ...;
-    None = its default, sdpa). In transformers 5.24 "eager" and "sdpa" both apply the DSA top-k
-    mask (`GlmMoeDsaAttention.forward`: keys outside the indexer's top-k are masked); other
-    implementations pass the indices to a FlashMLA kernel instead. config_overrides: config
-    fields changed on load (e.g. `index_topk=T` to keep every key: transformers has no dense
-    switch). Returns the model in eval mode (call `.train()` to train it). Raises ImportError
-    without a transformers that has `GlmMoeDsaForCausalLM` (5.24 and later)."""
+    transformers builds no MTP layer and drops those weights; its report of them as unused is silenced for this
+    call (logging verbosity and progress bar restored after). dtype: floating weights (default fp32); device:
+    where it is moved (None: CPU); attn_implementation: "eager", "sdpa" (None: its default, sdpa) both apply the
+    DSA top-k mask in transformers 5.24; others pass the indices to a FlashMLA kernel. config_overrides: config
+    fields changed on load (e.g. `index_topk=T` to keep every key: transformers has no dense switch). Returns the
+    model in eval mode. Raises ImportError without a transformers that has `GlmMoeDsaForCausalLM` (>= 5.24)."""
     from transformers import GlmMoeDsaForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -1,9 +1,8 @@
 """HF `config.json` (model_type `glm_moe_dsa`) <-> `ModelConfig`.
 
-Reference: transformers' `GlmMoeDsaConfig` (>= 5.24), including its derivation of
-`indexer_types` from `index_topk_pattern` or `index_topk_freq`/`index_skip_topk_offset`, and
-the public GLM-5 config.json (which also carries DeepSeek-style keys such as `scoring_func`,
-`topk_method`, `indexer_rope_interleave`).
+Reference: transformers' `GlmMoeDsaConfig` (>= 5.24), including its derivation of `indexer_types` from
+`index_topk_pattern` or `index_topk_freq`/`index_skip_topk_offset`, and the public GLM-5 config.json (which
+also carries DeepSeek-style keys such as `scoring_func`, `topk_method`, `indexer_rope_interleave`).
 """
 
 from __future__ import annotations

@@ -56,12 +56,11 @@ def replace_folder(folder: Path, write: Callable[[Path], None], *, replaces: Cal
     """Make `folder` hold what `write(tmp)` writes into an empty folder, plus every entry of the
     existing `folder` that `write` did not write and `replaces(name)` does not claim.
 
-    `write` fills a fresh hidden sibling `.NAME.tmp-XXXX`; the entries to keep are hard-linked
-    (copied where linking fails) into it; then the old folder is renamed to `.NAME.old-XXXX`,
-    the new one to `folder`, and the old one removed. An interruption before the first rename
-    leaves the old folder untouched (and a `.NAME.tmp-*` sibling to delete); between the two
-    renames the old folder is whole at `.NAME.old-*` and `folder` is absent. A symlinked
-    `folder` is replaced at its target. Raises NotADirectoryError when `folder` is a file."""
+    `write` fills a fresh hidden sibling `.NAME.tmp-XXXX`; the entries to keep are hard-linked (copied where
+    linking fails) into it; then the old folder is renamed to `.NAME.old-XXXX`, the new one to `folder`, and the
+    old one removed. An interruption before the first rename leaves the old folder untouched (and a `.NAME.tmp-*`
+    sibling to delete); between the two renames the old folder is whole at `.NAME.old-*` and `folder` is absent. A
+    symlinked `folder` is replaced at its target. Raises NotADirectoryError when `folder` is a file."""
     folder = Path(folder).resolve()
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{folder} exists and is not a folder")

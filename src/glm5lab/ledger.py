@@ -8,17 +8,15 @@ Derivations and the printed figures for GLM-5 / GLM-4.5: `docs/ledger.md`.
 Units: parameters are element counts; state in cached values and bytes; FLOPs per token with
 2 FLOPs per multiply-add (biases, norms, softmax and activations are not counted).
 
-Counting conventions (`CONVENTIONS`): {with, without} the embedding + output head x {with,
-without} the MTP layer. "Activated" = the parameters one token passes through: every non-expert
-parameter (the whole embedding matrix included, as DeepSeek and GLM count it), the router and
-the shared expert, and `num_experts_per_tok` routed experts per MoE layer. The GLM-5 report says
-its 744B / 40B include MTP and exclude embedding and output; that convention gives 752B / 40.5B.
-744B is the count with embedding and output and without MTP (= transformers'
-`GlmMoeDsaForCausalLM`, whose MTP layer is not built).
+Counting conventions (`CONVENTIONS`): {with, without} the embedding + output head x {with, without} the MTP
+layer. "Activated" = the parameters one token passes through: every non-expert parameter (the whole embedding
+matrix included, as DeepSeek and GLM count it), the router and the shared expert, and `num_experts_per_tok`
+routed experts per MoE layer. The GLM-5 report says its 744B / 40B include MTP and exclude embedding and
+output; that convention gives 752B / 40.5B. 744B is the count with embedding and output and without MTP (=
+transformers' `GlmMoeDsaForCausalLM`, whose MTP layer is not built).
 
-Sources: the GLM-5 report's appendix table; transformers' `GlmMoeDsaForCausalLM` (module
-structure, mirrored by `glm5lab.model`); DeepSeek-V2 section 2.1 (MLA, absorbed decode);
-DeepSeek-V3.2 (DSA lightning indexer).
+Sources: the GLM-5 report's appendix table; transformers' `GlmMoeDsaForCausalLM` (module structure, mirrored
+by `glm5lab.model`); DeepSeek-V2 section 2.1 (MLA, absorbed decode); DeepSeek-V3.2 (DSA lightning indexer).
 """
 
 from __future__ import annotations
@@ -118,10 +116,9 @@ def _blocks(cfg: ModelConfig, *, mtp: bool) -> tuple[LayerSpec, ...]:
 
 
 def block_params(cfg: ModelConfig, spec: LayerSpec, *, active: bool = False) -> dict[str, int]:
-    """Parameters of one decoder block (`LayerSpec`) by component. active=True counts
-    `num_experts_per_tok` routed experts instead of all (router and shared expert are always
-    active). An indexer counts where the layer holds its weights (`has_indexer_weights`, SWA
-    layers included), whether or not it runs."""
+    """Parameters of one decoder block (`LayerSpec`) by component. active=True counts `num_experts_per_tok`
+    routed experts instead of all (router and shared expert are always active). An indexer counts where the
+    layer holds its weights (`has_indexer_weights`, SWA layers included), whether or not it runs."""
     D = cfg.hidden_size
     c = dict.fromkeys(COMPONENTS, 0)
     c["attention"] = attention_params(cfg, mixer_kind(spec))
@@ -196,13 +193,12 @@ def _state_of(cfg: ModelConfig, specs) -> dict[str, int]:
 def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) -> dict:
     """Inference state per token and for `context` tokens (default `max_position_embeddings`).
 
-    Per MLA layer `mla_cache_width` values (latent + shared RoPE key: 576 in GLM-5); per GQA
-    layer `gqa_cache_width` (K and V of every KV head: 2048 in GQA-8), each listed in
-    "per_layer_values" only when the model has such a layer; plus `index_head_dim`
-    indexer-key values (128) per full-indexer layer when `use_dsa`. One dtype for all of it
-    (DeepSeek-V3.2 keeps indexer keys in fp8: pass dtype="fp8" to bound that). The MTP layer is
-    reported apart (it holds a cache only when used as a draft head).
-    Raises ValueError for an unknown dtype or a context outside 1..max_position_embeddings."""
+    Per MLA layer `mla_cache_width` values (latent + shared RoPE key: 576 in GLM-5); per GQA layer
+    `gqa_cache_width` (K and V of every KV head: 2048 in GQA-8), each listed in "per_layer_values" only when
+    the model has such a layer; plus `index_head_dim` indexer-key values (128) per full-indexer layer when
+    `use_dsa`. One dtype for all of it (DeepSeek-V3.2 keeps indexer keys in fp8: pass dtype="fp8" to bound
+    that). The MTP layer is reported apart (it holds a cache only when used as a draft head). Raises
+    ValueError for an unknown dtype or a context outside 1..max_position_embeddings."""
     nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
     every = _blocks(cfg, mtp=False) + _blocks(cfg, mtp=True)
     kinds = {mixer_kind(spec) for spec in every}
@@ -312,10 +308,9 @@ def report_note(cfg: ModelConfig) -> str:
 
 
 def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, name: str = "") -> dict:
-    """Everything, as a JSON-serialisable dict. `total_params` / `activated_params` = every
-    parameter the model holds (with embedding+output, with MTP); one key per convention of
-    `CONVENTIONS`, each {"total", "activated"}; "report_note" from `report_note`.
-    Raises ValueError (bad dtype or context)."""
+    """Everything, as a JSON-serialisable dict. `total_params` / `activated_params` = every parameter the
+    model holds (with embedding+output, with MTP); one key per convention of `CONVENTIONS`, each {"total",
+    "activated"}; "report_note" from `report_note`. Raises ValueError (bad dtype or context)."""
     conv = conventions(cfg)
     full = conv["with_embeddings_with_mtp"]
     return {

@@ -1,11 +1,10 @@
 """How many CPU threads torch uses, decided before torch is imported (docs/threads.md).
 
-torch's CPU kernels run on libgomp (GNU OpenMP; checked: `torch/lib/libgomp.so.1`, not Intel's
-libiomp, so KMP_BLOCKTIME does not apply). libgomp's threads spin-wait at every barrier
-(OMP_WAIT_POLICY ACTIVE by default). When another process takes one of the cores, the thread
-that is descheduled holds up every barrier and the others spin meanwhile; a small model's many
-small ops cross thousands of barriers a second, so two threads beside one busy process ran
-`glm5lab generate` 5x slower and `glm5lab train` 3x+ slower than one thread (docs/threads.md).
+torch's CPU kernels run on libgomp (GNU OpenMP; checked: `torch/lib/libgomp.so.1`, not Intel's libiomp, so
+KMP_BLOCKTIME does not apply). libgomp's threads spin-wait at every barrier (OMP_WAIT_POLICY ACTIVE by default).
+When another process takes one of the cores, the thread that is descheduled holds up every barrier and the others
+spin meanwhile; a small model's many small ops cross thousands of barriers a second, so two threads beside one
+busy process ran `glm5lab generate` 5x slower and `glm5lab train` 3x+ slower than one thread (docs/threads.md).
 
 The policy (`choose_threads`), in order:
 1. `--threads N` wins over everything (it also overrides OMP_NUM_THREADS);
@@ -17,11 +16,10 @@ The policy (`choose_threads`), in order:
 OMP_WAIT_POLICY is left as the user set it (default ACTIVE): PASSIVE made decoding 3x slower on
 a quiet machine, and one thread beat two PASSIVE ones beside a busy process.
 
-The busy CPUs come from /proc/stat sampled over `SAMPLE_S` seconds while this process sleeps,
-not from the load average: the 1-minute load average lags a new busy process by a minute and
-counts our own previous command for a minute after it ended (it read 1.0-1.4 between runs on
-an otherwise quiet machine). For tests and for machines without /proc/stat, the environment
-variable GLM5LAB_BUSY_CPUS (a number of CPUs, e.g. "1.0") replaces the sample.
+The busy CPUs come from /proc/stat sampled over `SAMPLE_S` seconds while this process sleeps, not from the load
+average: the 1-minute load average lags a new busy process by a minute and counts our own previous command for a
+minute after it ended (it read 1.0-1.4 between runs on an otherwise quiet machine). For tests and for machines
+without /proc/stat, the environment variable GLM5LAB_BUSY_CPUS (a number of CPUs, e.g. "1.0") replaces the sample.
 """
 
 from __future__ import annotations
@@ -69,10 +67,9 @@ def _cpu_ticks() -> tuple[int, int]:
 
 
 def busy_cpus(cpus: int | None = None, sample_s: float = SAMPLE_S) -> float | None:
-    """CPUs kept busy by other processes now: GLM5LAB_BUSY_CPUS if set, else the busy share of
-    all CPUs' ticks over `sample_s` seconds of sleeping, times `cpus` (default usable_cpus());
-    None where /proc/stat cannot be read. Raises ValueError for a GLM5LAB_BUSY_CPUS that is not a
-    finite number >= 0."""
+    """CPUs kept busy by other processes now: GLM5LAB_BUSY_CPUS if set, else the busy share of all CPUs' ticks
+    over `sample_s` seconds of sleeping, times `cpus` (default usable_cpus()); None where /proc/stat cannot be
+    read. Raises ValueError for a GLM5LAB_BUSY_CPUS that is not a finite number >= 0."""
     if os.environ.get(BUSY_ENV):
         text = os.environ[BUSY_ENV]
         try:
@@ -121,10 +118,9 @@ def notice(command: str, threads: int, cpus: int, busy: float) -> str:
 
 def configure(command: str, requested: int | None) -> int | None:
     """Apply the policy for `command` before its body runs; returns the thread count set (None:
-    left to torch). Before torch is imported it sets OMP_NUM_THREADS (libgomp and MKL read it at
-    load); once torch is imported (main() called from Python), only `requested` takes effect,
-    through torch.set_num_threads. Prints `notice` on stderr when the load made it use fewer
-    threads than CPUs."""
+    left to torch). Before torch is imported it sets OMP_NUM_THREADS (libgomp and MKL read it at load); once
+    torch is imported (main() called from Python), only `requested` takes effect, through
+    torch.set_num_threads. Prints `notice` on stderr when the load made it use fewer threads than CPUs."""
     imported = "torch" in sys.modules
     if imported and requested is None:
         return None

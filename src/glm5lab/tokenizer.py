@@ -37,11 +37,10 @@ def _json_path(path: Path) -> Path:
 def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokenizer:
     """Train a byte-level BPE tokenizer on `texts` and save it atomically.
 
-    `path` is a folder (the file is `path/tokenizer.json`) or a path ending in `.json`.
-    Deterministic: the same texts and vocab_size give byte-identical tokenizer.json files. The
-    vocabulary has at most `vocab_size` entries (fewer when the texts run out of merges); read the
-    real size with `tokenizer.get_vocab_size()`.
-    Raises ValueError if vocab_size < 257 (256 bytes + `<|endoftext|>`).
+    `path` is a folder (the file is `path/tokenizer.json`) or a path ending in `.json`. Deterministic: the
+    same texts and vocab_size give byte-identical tokenizer.json files. The vocabulary has at most
+    `vocab_size` entries (fewer when the texts run out of merges); read the real size with
+    `tokenizer.get_vocab_size()`. Raises ValueError if vocab_size < 257 (256 bytes + `<|endoftext|>`).
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size = {vocab_size} is too small: byte-level BPE needs at least "
@@ -57,9 +56,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
-    """Load a `tokenizer.json` file, or the `tokenizer.json` inside a folder (e.g. a GLM-5
-    checkpoint folder). Raises FileNotFoundError naming the path looked at, ValueError when the
-    file is not a `tokenizers` JSON."""
+    """Load a `tokenizer.json` file, or the `tokenizer.json` inside a folder (e.g. a GLM-5 checkpoint folder).
+    Raises FileNotFoundError naming the path looked at, ValueError when the file is not a `tokenizers` JSON."""
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
@@ -106,11 +104,10 @@ def eot_id(tokenizer: Tokenizer) -> int:
 def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray:
     """Token ids of all documents concatenated, `<|endoftext|>` between consecutive documents.
 
-    Returns a 1-D numpy int32 array of length sum(len(ids_i)) + len(docs) - 1. Documents are
-    encoded without the tokenizer's own special tokens (no BOS from a post-processor); a literal
-    "<|endoftext|>" inside a text becomes the special token. Uses `encode_batch_fast` (batched,
-    multi-threaded, no offsets: 2x `encode_batch`; tokenizers >= 0.21).
-    Raises ValueError if `docs` is empty or the tokenizer has no `<|endoftext|>`.
+    Returns a 1-D numpy int32 array of length sum(len(ids_i)) + len(docs) - 1. Documents are encoded without the
+    tokenizer's own special tokens (no BOS from a post-processor); a literal "<|endoftext|>" inside a text becomes
+    the special token. Uses `encode_batch_fast` (batched, multi-threaded, no offsets: 2x `encode_batch`;
+    tokenizers >= 0.21). Raises ValueError if `docs` is empty or the tokenizer has no `<|endoftext|>`.
     """
     if not docs:
         raise ValueError("no documents to encode")

@@ -92,9 +92,9 @@ def test_unknown_impl_is_refused():
     torch.manual_seed(0)
     model = GLM5ForCausalLM(cfg)
     ids = torch.zeros(1, 2, dtype=torch.long)
-    with pytest.raises(ValueError, match="impl 'flash'.*one of"):
+    with pytest.raises(ValueError, match="impl = 'flash'.*one of"):
         model(ids, attn_impl="flash")
-    with pytest.raises(ValueError, match="impl 'flash'.*one of"):
+    with pytest.raises(ValueError, match="impl = 'flash'.*one of"):
         model.step(ids, None, attn_impl="flash")
 
 

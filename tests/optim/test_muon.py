@@ -170,7 +170,7 @@ def test_param_without_grad_is_untouched():
 
 
 @pytest.mark.parametrize("group, match", [
-    ({"kind": "sgd"}, "kind 'sgd'"),
+    ({"kind": "sgd"}, "kind = 'sgd'"),
     ({"kind": "muon", "params": [torch.zeros(4, requires_grad=True)]}, r"muon.*\(4,\)"),
     ({"kind": "muon_split", "heads": 3, "params": [torch.zeros(4, 5, requires_grad=True)]}, r"\(4, 5\).*heads=3"),
     ({"kind": "muon_split"}, "heads"),

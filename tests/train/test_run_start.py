@@ -42,7 +42,7 @@ def test_failed_starts_leave_no_folder(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     for argv, message in ((["--preset", "nope"], "unknown preset"),
-                          (["--bias-update-rate", "-1"], "--bias-update-rate -1.0 is not allowed"),
+                          (["--bias-update-rate", "-1"], "--bias-update-rate = -1.0 is not allowed"),
                           (["--preset", "tiny", "--seq-len", "3"], "--seq-len 3 is too short for stage 'dense', "
                            "which trains MTP depth 3 (depth j predicts the token j + 1 ahead): it needs --seq-len >= 4"),
                           (["--preset", "tiny", "--seq-len", "5000"], "--seq-len 5000 (stage 'dense') is longer "

@@ -1,10 +1,9 @@
 """What studies score: held-out loss, MQAR accuracy, NIAH exact match, by teacher forcing.
 
-NIAH is scored without generation: the prompt plus its canonical completion goes through one
-forward, and an example counts as retrieved when the argmax at every completion position is
-the expected id. That is exactly "greedy decoding reproduces the completion", so it equals
-`score_niah(..., rule="all")` on greedy `generate` output cut at the completion length, and it
-also works for mixers without a decode cache (Gated DeltaNet).
+NIAH is scored without generation: the prompt plus its canonical completion goes through one forward, and an
+example counts as retrieved when the argmax at every completion position is the expected id. That is exactly
+"greedy decoding reproduces the completion", so it equals `score_niah(..., rule="all")` on greedy `generate`
+output cut at the completion length, and it also works for mixers without a decode cache (Gated DeltaNet).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.mqar import IGNORE_INDEX
 from glm5lab.evals.niah import make_niah_batch, training_pair
+from glm5lab.validate import one_of
 
 
 @torch.no_grad()
@@ -28,9 +28,8 @@ def labelled_loss(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_d
 @torch.no_grad()
 def labelled_nll(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_dsa: bool | None = None,
                  batch: int = 8) -> tuple[float, int]:
-    """(summed CE in nats, number of scored labels) over the labels != -100 of (ids [N, T],
-    labels [N, T]), fp32, in batches: what `labelled_loss` divides, and what bits per byte
-    (`glm5lab.evals.bpb.bits_per_byte`) needs."""
+    """(summed CE in nats, number of scored labels) over the labels != -100 of (ids [N, T], labels [N, T]), fp32,
+    in batches: what `labelled_loss` divides, and what bits per byte (`glm5lab.evals.bpb.bits_per_byte`) needs."""
     total, count = 0.0, 0
     device = next(model.parameters()).device
     for i in range(0, len(ids_BT), batch):
@@ -69,8 +68,7 @@ def niah_accuracy(model, bench: Workbench, n: int, context_length: int, variant:
     """NIAH exact match (every expected value, teacher forced; see the module docstring) on n
     examples of `context_length` prompt tokens. haystack: "noise" (filler ids) or "corpus"
     (validation text). kwargs go to `make_niah` (key_len, value_len, num_keys...)."""
-    if haystack not in ("noise", "corpus"):
-        raise ValueError(f"haystack = {haystack!r} is not allowed: 'noise' or 'corpus'")
+    one_of("haystack", haystack, ("noise", "corpus"))
     hay = bench.val_tokens if haystack == "corpus" else None
     examples = make_niah_batch(bench.tasks, n, context_length, variant, seed=seed, haystack=hay, **kwargs)
     return niah_exact_match(model, examples, use_dsa=use_dsa, batch=batch)

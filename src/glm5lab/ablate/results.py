@@ -20,11 +20,10 @@ from glm5lab.io_utils import atomic_write, atomic_write_text
 
 @dataclass
 class StudyResult:
-    """study: its name. table: markdown (may hold several tables). raw: JSON-able numbers, per
-    variant and seed. settings: JSON-able sizes and model configs. seeds: the seeds run.
-    plot: writes the PNG to the path it is given (`save_png`).
-    notes: one line each, in particular every place where our result is the opposite of the
-    report's or inconclusive."""
+    """study: its name. table: markdown (may hold several tables). raw: JSON-able numbers, per variant and
+    seed. settings: JSON-able sizes and model configs. seeds: the seeds run. plot: writes the PNG to the path
+    it is given (`save_png`). notes: one line each, in particular every place where our result is the opposite
+    of the report's or inconclusive."""
 
     study: str
     table: str
@@ -36,9 +35,8 @@ class StudyResult:
 
 
 def write_result(result: StudyResult, out: Path, *, quick: bool, elapsed_s: float) -> Path:
-    """Write table.md, results.json and <study>.png into `out` (created); returns out/table.md.
-    Each file is written to a temporary name and renamed (`io_utils`), so a reader never sees
-    half a file."""
+    """Write table.md, results.json and <study>.png into `out` (created); returns out/table.md. Each file is
+    written to a temporary name and renamed (`io_utils`), so a reader never sees half a file."""
     import torch
 
     from glm5lab.environment import git_commit

@@ -1,9 +1,8 @@
 """`glm5lab ablate STUDY`: run one study, write its folder, return the table.
 
-Each study is the module `STUDIES` names, with `run(args: StudyArgs, bench: Workbench) ->
-StudyResult`, `readme_row(info)` (`summary`) and its sizes in `SIZES`: a dict keyed by
-`StudyArgs.size_key`, each entry a dict of that size's numbers, its "seeds" (how many seeds run
-unless --seeds: `StudyArgs.seed_list`) among them:
+Each study is the module `STUDIES` names, with `run(args: StudyArgs, bench: Workbench) -> StudyResult`,
+`readme_row(info)` (`summary`) and its sizes in `SIZES`: a dict keyed by `StudyArgs.size_key`, each entry a dict
+of that size's numbers, its "seeds" (how many seeds run unless --seeds: `StudyArgs.seed_list`) among them:
   "quick"      `--quick`: the smoke size, under two minutes on 2 CPU cores (the test suite runs it);
   "cpu"        the default: every study's default run together fits in about an hour on 2 cores
                (BENCHMARKS.md has the times);
@@ -21,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from glm5lab.validate import int_at_least, one_of
 
 
 class Study(NamedTuple):
@@ -66,12 +67,11 @@ models and lengths; see the module docstring)."""
     scale: str = "cpu"
 
     def __post_init__(self):
-        if self.scale not in SCALES:
-            raise ValueError(f"--scale {self.scale!r} is not allowed: one of {', '.join(SCALES)}")
+        one_of("--scale", self.scale, SCALES)
         if self.study not in STUDIES:
             raise ValueError(f"study {self.study!r} is not known: choose one of {', '.join(STUDIES)}")
-        if self.seeds is not None and (isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1):
-            raise ValueError(f"--seeds {self.seeds!r} is not allowed: an integer >= 1")
+        if self.seeds is not None:
+            int_at_least("--seeds", self.seeds, 1)
 
     @property
     def size_key(self) -> str:

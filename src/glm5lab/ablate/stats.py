@@ -20,10 +20,9 @@ for one arm; for two arms that share their seeds (the same data order and initia
 seed), the t-interval of the per-seed differences ("paired t"); otherwise Welch's interval
 ("Welch t"). One seed gives no interval (its bounds are None) and is always inconclusive.
 
-Source: standard small-sample inference (Student 1908; Welch 1947); the power estimate is the
-usual approximation n >= ((t_{1-a/2} + t_{power}) s / |d|)^2 with the t quantiles at n - 1
-degrees of freedom; equivalence: Schuirmann (1987), two one-sided tests, the same with t_{1-a}
-and delta - |d| in place of t_{1-a/2} and |d|.
+Source: standard small-sample inference (Student 1908; Welch 1947); the power estimate is the usual approximation
+n >= ((t_{1-a/2} + t_{power}) s / |d|)^2 with the t quantiles at n - 1 degrees of freedom; equivalence: Schuirmann
+(1987), two one-sided tests, the same with t_{1-a} and delta - |d| in place of t_{1-a/2} and |d|.
 """
 
 from __future__ import annotations
@@ -108,12 +107,11 @@ def welch_difference(a: Sequence[float], b: Sequence[float], *, confidence: floa
 
 
 def verdict(diff: Interval, report_sign: int) -> str:
-    """The rule: 'reproduced' when the interval excludes zero on the report's side
-    (report_sign +1: the report found the difference positive, -1 negative), 'opposite' when it
-    excludes zero on the other side, else 'inconclusive at n seeds'; also inconclusive ('... (no
-    spread observed)') when every seed gave the same nonzero difference: a zero-width interval is
-    an artefact of few, quantised scores, not certainty. Raises ValueError for a report_sign
-    other than +1 or -1."""
+    """The rule: 'reproduced' when the interval excludes zero on the report's side (report_sign +1: the report
+    found the difference positive, -1 negative), 'opposite' when it excludes zero on the other side, else
+    'inconclusive at n seeds'; also inconclusive ('... (no spread observed)') when every seed gave the same
+    nonzero difference: a zero-width interval is an artefact of few, quantised scores, not certainty. Raises
+    ValueError for a report_sign other than +1 or -1."""
     if report_sign not in (1, -1):
         raise ValueError(f"report_sign must be +1 or -1 (the sign the report found), got {report_sign}")
     if diff.low is None or diff.low <= 0.0 <= diff.high:
@@ -129,12 +127,11 @@ MAX_SEEDS = 1000
 
 
 def seeds_needed(diff: Interval, *, confidence: float = CONFIDENCE, power: float = POWER) -> int | None:
-    """Seeds for an interval that excludes zero at the observed difference with probability
-    `power`, if the per-seed spread is the observed one: the smallest n >= 2 with
-    (t_{1-a/2, n-1} + t_{power, n-1}) sd / sqrt(n) <= |mean| (Student-t quantiles, so a spread
-    seen over 2-3 seeds is not trusted like a known one), MAX_SEEDS + 1 (read "more than
-    MAX_SEEDS") when no n up to MAX_SEEDS does. None when it cannot be said (one seed, or no
-    difference and no spread)."""
+    """Seeds for an interval that excludes zero at the observed difference with probability `power`, if the
+    per-seed spread is the observed one: the smallest n >= 2 with (t_{1-a/2, n-1} + t_{power, n-1}) sd /
+    sqrt(n) <= |mean| (Student-t quantiles, so a spread seen over 2-3 seeds is not trusted like a known one),
+    MAX_SEEDS + 1 (read "more than MAX_SEEDS") when no n up to MAX_SEEDS does. None when it cannot be said
+    (one seed, or no difference and no spread)."""
     if diff.n < 2 or (diff.mean == 0.0 and diff.sd == 0.0):
         return None
     return _smallest_n(abs(diff.mean), diff.sd, 1 - (1 - confidence) / 2, power)
@@ -195,10 +192,9 @@ def compare_equivalent(a_by_seed: dict, b_by_seed: dict, margin: float) -> dict:
     """An equivalence claim (the report found a ~ b) judged by two one-sided tests at +-margin,
     paired by seed: 'reproduced' when the 90% paired interval of a - b lies inside (-margin,
     +margin), 'opposite' when the 95% one lies wholly outside [-margin, +margin], else
-    'inconclusive at n seeds'. Returns the keys of `compare` ("diff" is the 95% interval) plus
-    "margin" and "tost" (the 90% interval). seeds_needed: the smallest n with (t_{0.95, n-1} +
-    t_{power, n-1}) sd / sqrt(n) <= margin - |mean|, MAX_SEEDS + 1 when |mean| >= margin. Raises
-    ValueError for margin <= 0 or no shared seed."""
+    'inconclusive at n seeds'. Returns the keys of `compare` ("diff" is the 95% interval) plus "margin" and "tost"
+    (the 90% interval). seeds_needed: the smallest n with (t_{0.95, n-1} + t_{power, n-1}) sd / sqrt(n) <= margin
+    - |mean|, MAX_SEEDS + 1 when |mean| >= margin. Raises ValueError for margin <= 0 or no shared seed."""
     if not margin > 0:
         raise ValueError(f"margin = {margin} is not allowed: a positive equivalence margin")
     seeds = sorted(set(a_by_seed) & set(b_by_seed))

@@ -1,9 +1,7 @@
 """`glm5lab ablate baseline`: the `small` preset against the dense GPT a CPU user would reach for.
 
-No report figure: this is the comparison a person who wants a small language model on a CPU
-makes. Three arms on the text `glm5lab train` trains on: its tokenizer at the preset's vocab of
-4096 and its document split (`train.data.prepare_data`; `--data` picks another corpus, as
-`glm5lab train --data`). The runner's `Workbench` (512 ids, task ids) is not used: no MQAR rows.
+No report figure. Three arms on `glm5lab train`'s text, tokenizer (vocab 4096) and document split
+(`train.data.prepare_data`; `--data` picks another corpus); not the runner's `Workbench` (no MQAR rows).
 
   GLM-5 small        `presets.small` (MLA, DSA top-64, MoE 16 experts top-2 + shared, MTP) with
                      `glm5lab train`'s recipe: `stages.default_stages` (dense with MTP, indexer
@@ -24,19 +22,17 @@ makes. Three arms on the text `glm5lab train` trains on: its tokenizer at the pr
                      stage's 3e-3. Every arm: `glm5lab train`'s weight decay, clipping, router
                      bias rate (`TRAIN`, `glm5lab train`'s `TrainHyper`).
 
-Every arm of a seed sees the same batches in the same order (`text_batches`: global step k is
-batch k of one `BatchStream` over the training split, seeded by the seed) and starts from
-`torch.manual_seed(seed)`. Scores: validation loss (nats/token) and bits per byte (`evals.bpb`)
-over fixed validation windows (the whole split at the cpu size), the GLM-5 arm with DSA on as in
-its last stage; training wall seconds (sum of `fit`'s step times, no evaluation) and training
-tokens per second. Comparisons are paired by seed (`ablate.stats`).
+Every arm of a seed sees the same batches in the same order (`text_batches`: global step k is batch k of one
+`BatchStream` over the training split, seeded by the seed) and starts from `torch.manual_seed(seed)`. Scores:
+validation loss (nats/token) and bits per byte (`evals.bpb`) over fixed validation windows (the whole split at
+the cpu size), the GLM-5 arm with DSA on as in its last stage; training wall seconds (sum of `fit`'s step
+times, no evaluation) and training tokens per second. Comparisons are paired by seed (`ablate.stats`).
 
-Sizes: "cpu" (default) 168 steps (120/16/32) of 8 x 256 tokens, 2 seeds: 19 minutes at one thread
-(1138 s measured on a shared 2-core machine, load about 2); "gpu" the preset scaled up
-(`GPU_SHAPE`: hidden 768, 8 layers, 16 experts of 256, DSA top-512 at 2048 tokens; 99.1M total /
-41.3M activated with embeddings) against a 5 x 768 dense GPT (SwiGLU 2016), 2100 steps of
-8 x 2048 tokens, 2 seeds: estimated (not measured) 1-2 hours on one H200 in fp32. The default
-corpus (1.5M training tokens) is too small for it (about 23 epochs): use `--data` with a larger corpus.
+Sizes: "cpu" (default) 168 steps (120/16/32) of 8 x 256 tokens, 2 seeds: 19 minutes at one thread (on a shared
+2-core machine); "gpu" the preset scaled up (`GPU_SHAPE`: hidden 768, 8 layers, 16 experts of 256, DSA top-512
+at 2048 tokens; 99.1M total / 41.3M activated with embeddings) against a 5 x 768 dense GPT (SwiGLU 2016), 2100
+steps of 8 x 2048 tokens, 2 seeds: estimated (not measured) 1-2 hours on one H200 in fp32. The default corpus
+(1.5M training tokens) is too small for it (about 23 epochs): use `--data` with a larger corpus.
 """
 
 from __future__ import annotations

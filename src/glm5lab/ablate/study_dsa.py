@@ -1,21 +1,19 @@
 """`glm5lab ablate dsa`: dense vs indexer warm-up only vs full sparse adaptation, retrieval by
 context length (the report's DSA adaptation ablation on GLM-4.7-Flash, `report_figures.DSA`).
 
-Recipe (the report's DSA section, `glm5lab.train.stages.default_stages` at study scale): one
-dense base is pre-trained on mixed text + MQAR rows of length T (study_config with a "full"
-indexer on every layer, DSA off, no MTP layer). Three arms then get the same number of further
-steps (W + A, the same batches):
+Recipe (the report's DSA section, `glm5lab.train.stages.default_stages` at study scale): one dense base is
+pre-trained on mixed text + MQAR rows of length T (study_config with a "full" indexer on every layer, DSA off,
+no MTP layer). Three arms then get the same number of further steps (W + A, the same batches):
   dense:            W + A more dense steps (everything trains, LM loss), evaluated dense;
   warm-up only:     W + A steps of indexer warm-up (only the indexers train, on the KL to the
                     head-summed dense attention; LM weight 0), evaluated with DSA on;
   full adaptation:  W steps of the same warm-up, then A steps of sparse adaptation (DSA on,
                     everything trains, LM loss + indexer KL on the selected keys), evaluated
                     with DSA on.
-Score: MQAR per-query accuracy (`measure.mqar_accuracy`, teacher forced, in %) on fresh seeded
-rows with the training number of key-value pairs at lengths T, 2T, 4T, 8T (above the training
-length included), the same rows for every arm. `index_topk` is fixed, so the sparse arms attend
-to a shrinking fraction (index_topk / length) of the keys. The base model, evaluated dense, is
-printed as a reference row.
+Score: MQAR per-query accuracy (`measure.mqar_accuracy`, teacher forced, in %) on fresh seeded rows with the
+training number of key-value pairs at lengths T, 2T, 4T, 8T (above the training length included), the same
+rows for every arm. `index_topk` is fixed, so the sparse arms attend to a shrinking fraction (index_topk /
+length) of the keys. The base model, evaluated dense, is printed as a reference row.
 
 Verdicts: "warm-up only falls behind dense" is a difference claim (the rule of
 `glm5lab.ablate.stats.compare`); "full adaptation recovers dense" is an equivalence claim, judged
@@ -59,9 +57,8 @@ lengths with 4 layers, one step per stage."""
 
 
 def config(s: dict):
-    """study_config at size `s`: a "full" indexer on every layer, DSA off in the config (the
-    stages and the evaluation switch it per call), no MTP layer, positions up to the longest
-    evaluated length."""
+    """study_config at size `s`: a "full" indexer on every layer, DSA off in the config (the stages and the
+    evaluation switch it per call), no MTP layer, positions up to the longest evaluated length."""
     return study_config(num_hidden_layers=s["layers"], hidden_size=s["hidden"], index_topk=s["topk"],
                         num_nextn_predict_layers=0, use_dsa=False, max_position_embeddings=s["T"] * max(s["scales"]))
 
@@ -141,10 +138,9 @@ def _means(raw: dict, row: str, lengths) -> list[float]:
 
 
 def comparison(raw: dict, row: str, lengths: list[int]) -> dict:
-    """`row` against the dense arm at the longest length, paired by seed (the arms share the base
-    model and data of each seed): "full adaptation" as the report's equivalence claim
-    (`compare_equivalent` at +-RECOVERY_MARGIN points), the others against the sign of the
-    report's 128K difference (`glm5lab.ablate.stats.compare`)."""
+    """`row` against the dense arm at the longest length, paired by seed (the arms share the base model and data
+    of each seed): "full adaptation" as the report's equivalence claim (`compare_equivalent` at +-RECOVERY_MARGIN
+    points), the others against the sign of the report's 128K difference (`glm5lab.ablate.stats.compare`)."""
     n = str(lengths[-1])
     a, b = dict(enumerate(raw[row][n])), dict(enumerate(raw["dense"][n]))
     if row == "full adaptation":

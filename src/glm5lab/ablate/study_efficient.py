@@ -204,9 +204,8 @@ def pairwise(raw: dict, a: str, b: str, fz: dict, seeds) -> dict:
 
 
 def _notes(ours, rep, raw, seeds, verdicts: dict, fz: dict) -> list[str]:
-    """Verdicts (the rule of `glm5lab.ablate.stats`) for every variant vs full attention that is
-    not reproduced, and for the report's two pairwise orderings; the ordering of the means is
-    printed as a description only."""
+    """Verdicts (the rule of `glm5lab.ablate.stats`) for every variant vs full attention that is not reproduced,
+    and for the report's two pairwise orderings; the ordering of the means is printed as a description only."""
     notes = [f"{v}: mean retrieval change {compare_text(c, 1)} (report {rep[v]:+.2f})."
              for v, c in verdicts.items() if c["verdict"] != "reproduced"]
     order = sorted(ours, key=lambda k: -ours[k])

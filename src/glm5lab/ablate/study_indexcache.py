@@ -1,16 +1,14 @@
 """`glm5lab ablate indexcache`: IndexCache retention 1, 1/2, 1/4, searched and uniform: quality
 and attention time.
 
-Model: study_config with L layers, DSA on and a "full" indexer on every layer, no MTP layer,
-trained through the report's three stages (`glm5lab.train.stages.default_stages` at study
-scale: dense pre-training, indexer warm-up, sparse adaptation) on mixed text + MQAR rows of
-length T, so the indexers decide what every layer attends to.
+Model: study_config with L layers, DSA on and a "full" indexer on every layer, no MTP layer, trained through the
+report's three stages (`glm5lab.train.stages.default_stages` at study scale: dense pre-training, indexer warm-up,
+sparse adaptation) on mixed text + MQAR rows of length T, so the indexers decide what every layer attends to.
 
-Then, training-free (`glm5lab.evals.search_indexcache`): the greedy search switches "full"
-indexers to "shared" (reuse the previous full layer's top-k) by their effect on the calibration
-loss (held-out text, [rows, T + 1], the last T - index_topk targets of each row: earlier queries
-see <= index_topk keys, where DSA changes nothing), and `uniform_pattern` keeps evenly spaced
-layers. Per retention level and method:
+Then, training-free (`glm5lab.evals.search_indexcache`): the greedy search switches "full" indexers to
+"shared" (reuse the previous full layer's top-k) by their effect on the calibration loss (held-out text,
+[rows, T + 1], the last T - index_topk targets of each row: earlier queries see <= index_topk keys, where DSA
+changes nothing), and `uniform_pattern` keeps evenly spaced layers. Per retention level and method:
   calib loss:    the search's calibration NLL (nats/token);
   held-out loss: the same NLL on other held-out text rows (the search never saw them);
   MQAR:          per-query accuracy (%) on fresh rows at T and 4T (teacher forced);

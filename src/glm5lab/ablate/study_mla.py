@@ -4,22 +4,20 @@
 Recipe: one `study_config` base (MTP off: the comparison is about attention), turned into the
 report's proxy shapes by `models.variant_config` (dense attention, DSA off). Every variant and
 seed trains the same number of steps on the same batches (seed s: init seed s, data seed s):
-rows of Shakespeare text (next-token loss) mixed with fresh MQAR rows (answers only), one stage
-with a linear warm-up and a linear decay to lr/10. Optimizers: "muon" (Muon on whole matrices) for GQA-8 and MLA,
-"muon-split" (MLA's `q_b_proj` / `kv_b_proj` orthogonalised per attention head, as the report)
-for the two "+ Muon Split" rows.
+rows of Shakespeare text (next-token loss) mixed with fresh MQAR rows (answers only), one stage with a linear
+warm-up and a linear decay to lr/10. Optimizers: "muon" (Muon on whole matrices) for GQA-8 and MLA, "muon-split"
+(MLA's `q_b_proj` / `kv_b_proj` orthogonalised per attention head, as the report) for the two "+ Muon Split" rows.
 
 GQA-8 is trained with "muon": `optim.groups.RULES` declares a per-head split only for MLA's up-
 projections (q_b_proj, kv_b_proj, rows head-major); GQA's q/k/v/o_proj match the whole-matrix
 Muon rule in either mode, so "muon-split" on GQA-8 is the same optimizer as "muon" (checked by
 `same_groups_for_gqa`), and the report lists GQA-8 without Muon Split.
 
-Scores (per variant and seed): validation text loss (`measure.labelled_loss` on the first
-`val_rows` windows of the validation split, nats/token) and MQAR per-query accuracy
-(`measure.mqar_accuracy`, teacher forced) on fresh seeded rows with the training length and
-number of key-value pairs. The mean and its 95% t-interval over seeds are printed beside the
-report's seven benchmark accuracies and their mean; each variant's difference from MLA is
-paired by seed and judged by `glm5lab.ablate.stats` (reproduced / opposite / inconclusive).
+Scores (per variant and seed): validation text loss (`measure.labelled_loss` on the first `val_rows` windows
+of the validation split, nats/token) and MQAR per-query accuracy (`measure.mqar_accuracy`, teacher forced) on
+fresh seeded rows with the training length and number of key-value pairs. The mean and its 95% t-interval over
+seeds are printed beside the report's seven benchmark accuracies and their mean; each variant's difference
+from MLA is paired by seed and judged by `glm5lab.ablate.stats` (reproduced / opposite / inconclusive).
 """
 
 from __future__ import annotations
@@ -157,10 +155,9 @@ def _by_seed(raw: dict, row: str, key: str) -> dict:
 
 
 def comparisons(raw: dict) -> dict:
-    """{variant: {"report": its mean - MLA's, "loss": compare(...), "mqar": compare(...)}} for
-    every variant but MLA: paired by seed against MLA (`glm5lab.ablate.stats.compare`), judged
-    against the report's side (a better benchmark mean means a lower loss and a higher MQAR
-    accuracy); None where the report's means are equal."""
+    """{variant: {"report": its mean - MLA's, "loss": compare(...), "mqar": compare(...)}} for every variant but
+    MLA: paired by seed against MLA (`glm5lab.ablate.stats.compare`), judged against the report's side (a better
+    benchmark mean means a lower loss and a higher MQAR accuracy); None where the report's means are equal."""
     out = {}
     for row in VARIANTS:
         if row == "MLA":

@@ -9,11 +9,10 @@ targets, no task rows), one stage each, lm weight 1 and MTP weight 0.3 per depth
   depth 3:  (0.3, 0.3, 0.3): the shared layer is unrolled 3 times (z^(j) = f(z^(j-1), e(x_{t+j}))),
             as GLM-5 trains it.
 Score: mean acceptance length (`glm5lab.generate(..., speculative="mtp", draft_steps=k)
-.stats.acceptance_length`: tokens per verification forward = 1 + accepted drafts) for k = 1..4,
-on `prompts` held-out prompts (the first tokens of validation-split windows), `max_new` new
-tokens each, greedy (temperature 0) and sampled (temperature 1, seeded). Also the teacher-forced
-validation CE of MTP depth j = 1..4 (`mtp_depth=4` forward), the draft quality the acceptance
-reflects.
+.stats.acceptance_length`: tokens per verification forward = 1 + accepted drafts) for k = 1..4, on `prompts`
+held-out prompts (the first tokens of validation-split windows), `max_new` new tokens each, greedy
+(temperature 0) and sampled (temperature 1, seeded). Also the teacher-forced validation CE of MTP depth j =
+1..4 (`mtp_depth=4` forward), the draft quality the acceptance reflects.
 
 `generate` drafts by chaining the one shared MTP layer k times (each step feeds its own z and
 drafted token back), so draft steps beyond the training depth (k > 1 for depth 1, k = 4 for
@@ -36,6 +35,7 @@ from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
+from glm5lab.validate import one_of
 
 DEPTHS = (1, 3)
 DRAFT_STEPS = (1, 2, 3, 4)
@@ -65,8 +65,7 @@ def config(s: dict, depth: int):
 
 def stage(s: dict, depth: int) -> Stage:
     """One stage: linear warm-up (5%), then lr -> lr/10; CE + 0.3 x CE of each of `depth` MTP depths."""
-    if depth not in DEPTHS:
-        raise ValueError(f"depth = {depth!r} is not allowed: one of {DEPTHS}")
+    one_of("depth", depth, DEPTHS)
     return Stage(f"mtp_depth_{depth}", s["steps"], s["lr"], s["T"], s["batch"], lr_end=s["lr"] / 10,
                  warmup_steps=s["steps"] // 20, mtp_weights=(MTP_WEIGHT,) * depth)
 

@@ -61,9 +61,8 @@ smoke run)."""
 
 
 def base_config(sz: dict):
-    """The full-attention GQA base: study_config(layers, hidden) as "gqa-8" (8 query heads, 2 KV
-    heads, DSA off), no MTP layer, positions up to 4 x seq_len (what `study_efficient` scores) and at
-    least 4096."""
+    """The full-attention GQA base: study_config(layers, hidden) as "gqa-8" (8 query heads, 2 KV heads, DSA
+    off), no MTP layer, positions up to 4 x seq_len (what `study_efficient` scores) and at least 4096."""
     cfg = study_config(hidden_size=sz["hidden"], num_hidden_layers=sz["layers"], num_nextn_predict_layers=0,
                        max_position_embeddings=max(4096, 4 * sz["seq_len"], max(sz["lengths"])))
     return variant_config(cfg, "gqa-8")
@@ -201,10 +200,9 @@ def _per_seed(raw_v: dict, seeds, n: int) -> dict:
 
 
 def _notes(raw: dict, sz: dict, seeds: list[int]) -> list[str]:
-    """The report's two shapes, each judged by the verdict rule (paired by seed): 1:1 SWA
-    collapses beyond the window (its score at T minus at w; the report's 94.87 -> 12.61 is
-    negative), and searched SWA beats 1:1 SWA at every length above the window (report: positive
-    at every length above 4K)."""
+    """The report's two shapes, each judged by the verdict rule (paired by seed): 1:1 SWA collapses beyond the
+    window (its score at T minus at w; the report's 94.87 -> 12.61 is negative), and searched SWA beats 1:1
+    SWA at every length above the window (report: positive at every length above 4K)."""
     T, w = sz["seq_len"], sz["window"]
     full, one, srch = (_mean(raw[v], seeds, T) for v in VARIANTS)
     notes = [f"at T = {T} (> w = {w}): full {full:.1f}, 1:1 SWA {one:.1f}, searched SWA {srch:.1f}; searched keeps "

@@ -24,11 +24,10 @@ BEGIN, END = "<!-- ablations:begin -->", "<!-- ablations:end -->"
 
 
 def load_results(root: str | Path = "runs/ablate") -> dict[str, dict]:
-    """{study: parsed results.json} of root/<study>/results.json for every study in STUDIES that has
-    one: the default-size runs (`--quick` and `--scale gpu` runs live in other folders and are
-    refused here). Raises ValueError naming `root` when it is not a folder or holds no study
-    results, and naming the file when one is not valid JSON, not a JSON object, or not a
-    default-size (quick false, scale "cpu") run of its study."""
+    """{study: parsed results.json} of root/<study>/results.json for every study in STUDIES that has one: the
+    default-size runs (`--quick` and `--scale gpu` runs live in other folders and are refused here). Raises
+    ValueError naming `root` when it is not a folder or holds no study results, and naming the file when one is
+    not valid JSON, not a JSON object, or not a default-size (quick false, scale "cpu") run of its study."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"--root {root}: {'not a folder' if root.exists() else 'no such folder'} "
@@ -105,12 +104,11 @@ def replace_block(text: str, block: str, *, where: str = "text") -> str:
 
 
 def write_summary(root: str | Path = "runs/ablate", files=("README.md", "docs/ablations.md")) -> str:
-    """Rewrite the marked block of each file with `summary_table(load_results(root))`; returns
-    the table. All or nothing (`io_utils.atomic_write_all`): every new text is checked and written
-    to a temporary file beside its target first, and only then are they renamed over the targets
-    (symlinks are followed; file modes, UTF-8 and line endings are kept). Raises ValueError as
-    `load_results`, `summary_table` and `replace_block` do, and OSError when a temporary file
-    cannot be written, before any target changes."""
+    """Rewrite the marked block of each file with `summary_table(load_results(root))`; returns the table. All
+    or nothing (`io_utils.atomic_write_all`): every new text is checked and written to a temporary file beside
+    its target first, and only then are they renamed over the targets (symlinks are followed; file modes,
+    UTF-8 and line endings are kept). Raises ValueError as `load_results`, `summary_table` and `replace_block`
+    do, and OSError when a temporary file cannot be written, before any target changes."""
     table = summary_table(load_results(root))
     targets = [Path(f).resolve() for f in files]
     texts = {}

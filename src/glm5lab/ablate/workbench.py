@@ -22,6 +22,7 @@ from glm5lab.evals.mqar import make_mqar_batch
 from glm5lab.evals.tasks import MARKERS, TaskVocab, derive_seed
 from glm5lab.train.batches import BatchStream, pack
 from glm5lab.train.stages import Stage
+from glm5lab.validate import one_of
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BatchFn = Callable[[int, Stage, int], Batch]
@@ -63,8 +64,7 @@ class Workbench:
 
     def text_windows(self, split: str, seq_len: int) -> torch.Tensor:
         """int64 [N, seq_len + 1] non-overlapping windows of the "train" or "val" split."""
-        if split not in ("train", "val"):
-            raise ValueError(f"split = {split!r} is not allowed: 'train' or 'val'")
+        one_of("split", split, ("train", "val"))
         return pack(self.train_tokens if split == "train" else self.val_tokens, seq_len)
 
     def val_text(self, seq_len: int, rows: int) -> Batch:

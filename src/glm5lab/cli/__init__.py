@@ -101,12 +101,11 @@ NAMED_FLAGS = (("quick", "quick"), ("stages", "stages"), ("steps", "steps"), ("o
 
 
 def default_out(args: argparse.Namespace) -> str:
-    """The run folder `glm5lab train` writes to without --out: runs/ + what ran, so runs do not
-    collide: the preset (or config-NAME for --config, init-NAME for --init), then each argument of
-    NAMED_FLAGS that differs from its default, e.g. runs/small, runs/small-quick,
-    runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1, runs/small-data-NAME. The same
-    arguments give the same folder, so --resume finds the run it continues. The tokenizer, compile
-    and the evaluation/checkpoint cadence do not name it."""
+    """The run folder `glm5lab train` writes to without --out: runs/ + what ran, so runs do not collide: the
+    preset (or config-NAME for --config, init-NAME for --init), then each argument of NAMED_FLAGS that differs
+    from its default, e.g. runs/small, runs/small-quick, runs/small-quick-steps6, runs/small-adamw,
+    runs/tiny-seed1, runs/small-data-NAME. The same arguments give the same folder, so --resume finds the run
+    it continues. The tokenizer, compile and the evaluation/checkpoint cadence do not name it."""
     from glm5lab.train.loop import TrainArgs
 
     if args.init:

@@ -1,13 +1,12 @@
 """`glm5lab generate`: load a checkpoint and continue a prompt, plain or MTP-speculative.
 
-The command body behind `glm5lab.cli`; the work is `glm5lab.generate` (see
-`glm5lab.infer.generate`). --model takes a `glm5lab train` run folder (its
-checkpoints/latest checkpoint is used), a checkpoint folder, or any HF GLM-5-layout folder
-(config.json + safetensors, model_type glm_moe_dsa). Text streams to stdout as it is generated;
-a statistics line goes to stderr at the end. What only the command knows (the folder, config,
-tokenizer, the prompt and --stop texts, option combinations) is checked before the model is
-loaded; the values `glm5lab.generate` takes (sampling numbers, lengths, token ids, the MTP layer)
-are checked by it alone, and its ValueError is the command's one-line error.
+The command body behind `glm5lab.cli`; the work is `glm5lab.generate` (see `glm5lab.infer.generate`). --model
+takes a `glm5lab train` run folder (its checkpoints/latest checkpoint is used), a checkpoint folder, or any HF
+GLM-5-layout folder (config.json + safetensors, model_type glm_moe_dsa). Text streams to stdout as it is
+generated; a statistics line goes to stderr at the end. What only the command knows (the folder, config,
+tokenizer, the prompt and --stop texts, option combinations) is checked before the model is loaded; the values
+`glm5lab.generate` takes (sampling numbers, lengths, token ids, the MTP layer) are checked by it alone, and
+its ValueError is the command's one-line error.
 """
 
 from __future__ import annotations
@@ -249,10 +248,9 @@ def load_model(folder: Path, *, torch_dtype, device: str, speculative: bool):
 
 
 class Stream:
-    """Writes generated text as it comes: decodes all tokens so far and prints the new suffix, so
-    a multi-byte character split over tokens appears once complete (a trailing U+FFFD, an
-    incomplete UTF-8 sequence, is held back until the next token or the end). Without a
-    tokenizer, prints the token ids separated by spaces."""
+    """Writes generated text as it comes: decodes all tokens so far and prints the new suffix, so a multi-byte
+    character split over tokens appears once complete (a trailing U+FFFD, an incomplete UTF-8 sequence, is held
+    back until the next token or the end). Without a tokenizer, prints the token ids separated by spaces."""
 
     def __init__(self, tokenizer, out):
         self.tokenizer, self.out = tokenizer, out
@@ -289,9 +287,8 @@ class Stream:
 
 
 def format_stats(stats, speculative: bool = False) -> str:
-    """The stderr statistics line. With speculative decoding, acceptance length and rate per
-    draft position (`glm5lab.infer.speculative.AcceptanceStats`), or a note when the run ended
-    before any verification step."""
+    """The stderr statistics line. With speculative decoding, acceptance length and rate per draft position
+    (`glm5lab.infer.speculative.AcceptanceStats`), or a note when the run ended before any verification step."""
     line = (f"{stats.new_tokens} new token{'' if stats.new_tokens == 1 else 's'}, decode {stats.decode_tokens_per_second:.1f} tok/s "
             f"({stats.decode_seconds:.3f} s), prefill {stats.prefill_seconds:.3f} s ({stats.prompt_tokens} "
             "prompt tokens)")

@@ -23,13 +23,12 @@ import torch
 
 def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
     """int64 [vocab_size]: UTF-8 bytes each id stands for under a byte-level BPE `tokenizer`
-    (`tokenizers.Tokenizer`): the length of its token string (one ByteLevel character per byte);
-    for an added token that is not special, the UTF-8 length of its content (added tokens are
-    stored as plain text); 0 for special tokens and ids the tokenizer does not have.
-    Raises ValueError when vocab_size is below the tokenizer's own size (ids would be missing),
-    or when the tokenizer is not byte-level (its decoder is not `decoders.ByteLevel`, or a
-    vocabulary token holds a character outside GPT-2's ByteLevel alphabet): its token lengths
-    would not be byte counts."""
+    (`tokenizers.Tokenizer`): the length of its token string (one ByteLevel character per byte); for an added
+    token that is not special, the UTF-8 length of its content (added tokens are stored as plain text); 0 for
+    special tokens and ids the tokenizer does not have. Raises ValueError when vocab_size is below the
+    tokenizer's own size (ids would be missing), or when the tokenizer is not byte-level (its decoder is not
+    `decoders.ByteLevel`, or a vocabulary token holds a character outside GPT-2's ByteLevel alphabet): its
+    token lengths would not be byte counts."""
     from tokenizers import pre_tokenizers
 
     from tokenizers import decoders
@@ -58,9 +57,8 @@ def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
 
 
 def bits_per_byte(nll_nats_sum: float, utf8_bytes: int) -> float:
-    """Summed negative log-likelihood (nats, over the scored targets) / (ln 2 x the UTF-8 bytes
-    those targets stand for): bits per byte. Raises ValueError for a non-finite or negative
-    nll or a byte count < 1."""
+    """Summed negative log-likelihood (nats, over the scored targets) / (ln 2 x the UTF-8 bytes those targets
+    stand for): bits per byte. Raises ValueError for a non-finite or negative nll or a byte count < 1."""
     if not math.isfinite(nll_nats_sum) or nll_nats_sum < 0:
         raise ValueError(f"nll_nats_sum = {nll_nats_sum} is not allowed: a finite sum >= 0 (nats)")
     if utf8_bytes < 1:

@@ -92,14 +92,13 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 class GLM5LabLM(TemplateLM):
     """lm-eval `LM` over `GLM5ForCausalLM.from_pretrained(pretrained)` and a tokenizers tokenizer.
 
-    pretrained: the checkpoint folder. tokenizer: a tokenizer.json (or folder holding one);
-    default the checkpoint folder. device: "auto" (cuda if available) | "cpu" | "cuda[:N]".
-    dtype: "auto" | "float32" | "bfloat16". batch_size: int >= 1 ("auto" is refused).
-    max_length: tokens per forward, 1..max_position_embeddings (default the latter).
-    max_gen_toks: default generation budget when a task gives none. seed: sampling seed.
-    attn_impl: passed to the model ("auto" | "naive" | "absorbed").
-    Raises FileNotFoundError (folder or tokenizer.json missing), ValueError (a bad argument, a
-    tokenizer larger than the model's vocabulary or without `<|endoftext|>`)."""
+    pretrained: the checkpoint folder. tokenizer: a tokenizer.json (or folder holding one); default the
+    checkpoint folder. device: "auto" (cuda if available) | "cpu" | "cuda[:N]". dtype: "auto" | "float32" |
+    "bfloat16". batch_size: int >= 1 ("auto" is refused). max_length: tokens per forward,
+    1..max_position_embeddings (default the latter). max_gen_toks: default generation budget when a task gives
+    none. seed: sampling seed. attn_impl: passed to the model ("auto" | "naive" | "absorbed"). Raises
+    FileNotFoundError (folder or tokenizer.json missing), ValueError (a bad argument, a tokenizer larger than
+    the model's vocabulary or without `<|endoftext|>`)."""
 
     def __init__(self, pretrained, tokenizer=None, device="auto", dtype="auto", batch_size=1, max_length=None,
                  max_gen_toks: int = 256, seed: int = 1234, attn_impl: str = "auto", max_batch_size=None):

@@ -14,12 +14,11 @@ Variants (RULER's defaults in brackets; any count may be overridden within the v
 Keys of one example are distinct sequences; values of one example are distinct sequences. So each
 asked key's needle(s) appear once and every expected value occurs exactly once in the prompt.
 
-Haystack: `haystack=None` gives noise (uniform ids from vocab.filler; RULER's "noise" haystack is
-a repeated sentence instead); a 1-D id array (e.g. the validation split from
-`glm5lab.tokenizer.encode_documents`) gives a window of it starting at a uniform random
-offset, in which every reserved id (marker, key, value) is replaced by a random filler id so no
-needle or answer can occur by accident. Needles go between haystack tokens, not at sentence
-boundaries (RULER's essay haystack does that).
+Haystack: `haystack=None` gives noise (uniform ids from vocab.filler; RULER's "noise" haystack is a repeated
+sentence instead); a 1-D id array (e.g. the validation split from `glm5lab.tokenizer.encode_documents`) gives
+a window of it starting at a uniform random offset, in which every reserved id (marker, key, value) is
+replaced by a random filler id so no needle or answer can occur by accident. Needles go between haystack
+tokens, not at sentence boundaries (RULER's essay haystack does that).
 
 Depth: needle j goes at haystack offset round(depth_j * H), H = haystack length (0 = before the
 first haystack token, 1 = after the last); needles at one offset go in a seeded random order.
@@ -35,15 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from glm5lab.evals.tasks import (
-    Scores,
-    TaskVocab,
-    check_int,
-    contains,
-    derive_seed,
-    rng,
-    token_ids,
-)
+from glm5lab.evals.tasks import Scores, TaskVocab, check_int, contains, derive_seed, rng, token_ids
+from glm5lab.validate import one_of
 
 IGNORE_INDEX = -100  # F.cross_entropy default ignore_index
 
@@ -70,11 +62,10 @@ class Needle:
 
 @dataclass
 class NIAHExample:
-    """prompt: exactly context_length ids, ending with vocab.answer.
-    answers: the expected value sequences (asked keys in query order, each key's values in needle
-    order). completion: the canonical continuation, each answer followed by vocab.end (training
-    target). needles: every inserted needle, distractors included, sorted by position.
-    haystack_start: start of the corpus window (None for noise)."""
+    """prompt: exactly context_length ids, ending with vocab.answer. answers: the expected value sequences
+    (asked keys in query order, each key's values in needle order). completion: the canonical continuation,
+    each answer followed by vocab.end (training target). needles: every inserted needle, distractors included,
+    sorted by position. haystack_start: start of the corpus window (None for noise)."""
 
     variant: str
     prompt: list[int]
@@ -104,8 +95,7 @@ def make_niah(vocab: TaskVocab, context_length: int, variant: str = "single", *,
     num_keys * num_values distinct values; depth is outside [0, 1] or has the wrong length;
     haystack is not 1-D or has ids outside [0, vocab_size) or is too short; seed is not an int >= 0.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant = {variant!r} is not allowed: it must be one of {tuple(VARIANTS)}")
+    one_of("variant", variant, VARIANTS)
     dk, dv, dq = VARIANTS[variant]
     nk = check_int("num_keys", dk if num_keys is None else num_keys, 1)
     nv = check_int("num_values", dv if num_values is None else num_values, 1)
@@ -197,16 +187,14 @@ def score_niah(answers: Sequence[NIAHExample] | Sequence[Sequence[Sequence[int]]
                generated: Sequence[Sequence[int]], rule: str = "all") -> Scores:
     """Score generated token lists (e.g. `glm5lab.generate(...).tokens`) against the answers.
 
-    answers: NIAHExamples, or per example a list of expected value id sequences.
-    An expected value counts as present when its ids occur as a contiguous run anywhere in the
-    generated ids (exact ids; order between values, extra tokens and repeats do not matter).
-    rule "all": 1.0 if every expected value is present, else 0.0 (strict; one missing MQ/MV value
-    gives 0). rule "fraction": the fraction present (RULER's string_match_all, which RULER reports
-    for all NIAH variants). Returns Scores(per_example, mean).
-    Raises ValueError if rule is not one of SCORE_RULES, the counts differ, or there are none.
+    answers: NIAHExamples, or per example a list of expected value id sequences. An expected value counts as
+    present when its ids occur as a contiguous run anywhere in the generated ids (exact ids; order between
+    values, extra tokens and repeats do not matter). rule "all": 1.0 if every expected value is present, else
+    0.0 (strict; one missing MQ/MV value gives 0). rule "fraction": the fraction present (RULER's
+    string_match_all, which RULER reports for all NIAH variants). Returns Scores(per_example, mean). Raises
+    ValueError if rule is not one of SCORE_RULES, the counts differ, or there are none.
     """
-    if rule not in SCORE_RULES:
-        raise ValueError(f"rule = {rule!r} is not allowed: it must be one of {SCORE_RULES}")
+    one_of("rule", rule, SCORE_RULES)
     expected = [a.answers if isinstance(a, NIAHExample) else a for a in answers]
     if len(expected) != len(generated):
         raise ValueError(f"{len(expected)} answer sets but {len(generated)} generated rows")

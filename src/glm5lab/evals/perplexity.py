@@ -1,11 +1,10 @@
 """Perplexity of a causal LM on held-out token ids, with strided sliding windows (the
 transformers "Perplexity of fixed-length models" recipe).
 
-Legend: N held-out ids, W window (input tokens per forward), S stride.
-Targets are ids[1:] (N - 1 tokens; ids[0] has no context and is never scored). Window k feeds
-ids[kS : kS + W] (shorter at the end) and scores only the targets that no earlier window scored,
-so every target is counted exactly once; with S < W each scored target (after the first window)
-sees at least W - S tokens of context. S = W gives disjoint windows.
+Legend: N held-out ids, W window (input tokens per forward), S stride. Targets are ids[1:] (N - 1 tokens;
+ids[0] has no context and is never scored). Window k feeds ids[kS : kS + W] (shorter at the end) and scores
+only the targets that no earlier window scored, so every target is counted exactly once; with S < W each
+scored target (after the first window) sees at least W - S tokens of context. S = W gives disjoint windows.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ class PerplexityResult:
 
 @torch.no_grad()
 def perplexity(model, ids, window: int, stride: int | None = None) -> PerplexityResult:
-    """Mean NLL (nats/token) and perplexity of `model` (GLM5ForCausalLM: `model(x).logits`
-    [1, T, V]) on the 1-D int64 ids (tensor, array or list), windows of `window` tokens moved by
-    `stride` (default window). Log-probabilities in fp32, summed in fp64. The model's mode
-    (train/eval) is left as the caller set it.
+    """Mean NLL (nats/token) and perplexity of `model` (GLM5ForCausalLM: `model(x).logits` [1, T, V]) on the
+    1-D int64 ids (tensor, array or list), windows of `window` tokens moved by `stride` (default window).
+    Log-probabilities in fp32, summed in fp64. The model's mode (train/eval) is left as the caller set it.
 
     Raises ValueError if ids is not 1-D, has ids outside [0, vocab_size), or fewer than 2 tokens;
     window < 2 or > max_position_embeddings; stride not in [1, window].

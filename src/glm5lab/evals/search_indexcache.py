@@ -6,23 +6,21 @@ the top-k of an earlier layer instead of running their own indexer). The report 
 procedure for it; this one is the greedy, training-free counterpart of its searched-SWA ablation
 (layers switched round by round by their effect on a calibration loss), with one layer per round.
 
-Algorithm (greedy backward elimination). Let F0 be the model's full selecting layers (MLA,
-"full" mixer, "full" indexer) and n(r) = max(1, round(r * |F0|)) the full count for retention r (Python's
-round: halves go to even).
-Start from the model's pattern; while |full| > min n(r): for every candidate c (a current full
-layer other than the first selecting one, which must stay full) evaluate the calibration loss of
-the pattern with c "shared"; switch the argmin (ties: the earliest layer). A retention level is
-recorded when |full| reaches n(r). Cost: 1 + sum over rounds of the candidates, i.e. at most
-1 + sum_{m=n_min+1}^{|F0|} (m - 1) forward passes of calib_ids (|F0| = 6 to 2: 15), plus one
-loss forward per uniform row and 1 + `time_repeats` timed forwards per reported row (none at 0).
+Algorithm (greedy backward elimination). Let F0 be the model's full selecting layers (MLA, "full" mixer,
+"full" indexer) and n(r) = max(1, round(r * |F0|)) the full count for retention r (Python's round: halves go
+to even). Start from the model's pattern; while |full| > min n(r): for every candidate c (a current full layer
+other than the first selecting one, which must stay full) evaluate the calibration loss of the pattern with c
+"shared"; switch the argmin (ties: the earliest layer). A retention level is recorded when |full| reaches
+n(r). Cost: 1 + sum over rounds of the candidates, i.e. at most 1 + sum_{m=n_min+1}^{|F0|} (m - 1) forward
+passes of calib_ids (|F0| = 6 to 2: 15), plus one loss forward per uniform row and 1 + `time_repeats` timed
+forwards per reported row (none at 0).
 
-Loss: mean NLL in nats/token of calib_ids[:, 1:] given the prefix, from `model(ids).logits` in
-fp32 (summed in fp64), no grad; with `window` only the last `window` targets of each row count
-(queries earlier than index_topk see every key, so DSA cannot change them).
-Time (attn_ms): the summed wall time of the MLA attention modules (forward pre/post hooks,
-CUDA-synchronised on GPU) in one forward of calib_ids, median over `time_repeats` forwards, in
-milliseconds; forward_ms is the median wall time of the whole forward. A pattern is evaluated on a
-twin model (`with_indexer_pattern`) that shares the original's weight tensors: no copy.
+Loss: mean NLL in nats/token of calib_ids[:, 1:] given the prefix, from `model(ids).logits` in fp32 (summed in
+fp64), no grad; with `window` only the last `window` targets of each row count (queries earlier than
+index_topk see every key, so DSA cannot change them). Time (attn_ms): the summed wall time of the MLA
+attention modules (forward pre/post hooks, CUDA-synchronised on GPU) in one forward of calib_ids, median over
+`time_repeats` forwards, in milliseconds; forward_ms is the median wall time of the whole forward. A pattern
+is evaluated on a twin model (`with_indexer_pattern`) that shares the original's weight tensors: no copy.
 """
 
 from __future__ import annotations
@@ -41,11 +39,10 @@ from glm5lab.evals.variants import mean_nll, model_variant
 
 @dataclass
 class IndexCacheRow:
-    """One pattern and its measurements. method: "searched" | "uniform"; retention: the
-    requested level; full_layers: layers with their own indexer; loss, delta_loss: calibration NLL
-    (nats/token) and its change vs the start pattern; attn_ms, forward_ms: see the module doc
-    (NaN when time_repeats = 0); switched: for "searched", the layers switched to "shared" in
-    greedy order (cumulative)."""
+    """One pattern and its measurements. method: "searched" | "uniform"; retention: the requested level;
+    full_layers: layers with their own indexer; loss, delta_loss: calibration NLL (nats/token) and its change
+    vs the start pattern; attn_ms, forward_ms: see the module doc (NaN when time_repeats = 0); switched: for
+    "searched", the layers switched to "shared" in greedy order (cumulative)."""
 
     method: str
     retention: float
@@ -88,10 +85,9 @@ def uniform_pattern(cfg: ModelConfig, retention: float) -> list[str]:
 
 
 def with_indexer_pattern(model, pattern: list[str]):
-    """`model_variant` with indexer_types = pattern, sharing the original's weight tensors; the
-    indexer weights of layers that became "shared" are left out. Only "full" -> "shared" switches
-    are possible (a new indexer would have no weights): ValueError otherwise, ConfigError for an
-    invalid pattern."""
+    """`model_variant` with indexer_types = pattern, sharing the original's weight tensors; the indexer
+    weights of layers that became "shared" are left out. Only "full" -> "shared" switches are possible (a new
+    indexer would have no weights): ValueError otherwise, ConfigError for an invalid pattern."""
     if list(pattern) == list(model.config.indexer_types):
         return model
     return model_variant(model, indexer_types=list(pattern))
@@ -167,17 +163,15 @@ def attention_time(model, calib_ids: torch.Tensor, repeats: int) -> tuple[float,
 
 def search_indexcache(model, calib_ids, *, retentions=(1.0, 0.5, 0.25), window: int | None = None,
                       time_repeats: int = 3) -> list[IndexCacheRow]:
-    """Greedy IndexCache pattern search on `model` (GLM5ForCausalLM with DSA) over calib_ids
-    (int64 [B, T], T > index_topk so DSA is active, on the model's device); see the module doc
-    for the algorithm, cost and units. Returns, per distinct retention (descending), a
-    "searched" row then a "uniform" row (`uniform_pattern` of the model's config, same full
-    count). Retention 1.0 gives the start pattern for both. The model's weights and mode are
-    untouched.
+    """Greedy IndexCache pattern search on `model` (GLM5ForCausalLM with DSA) over calib_ids (int64 [B, T], T
+    > index_topk so DSA is active, on the model's device); see the module doc for the algorithm, cost and
+    units. Returns, per distinct retention (descending), a "searched" row then a "uniform" row
+    (`uniform_pattern` of the model's config, same full count). Retention 1.0 gives the start pattern for
+    both. The model's weights and mode are untouched.
 
-    Raises ValueError naming the argument: `retentions` empty or outside (0, 1]; `calib_ids` not
-    an integer [B, T] tensor, T <= index_topk or T > max_position_embeddings, ids outside the
-    vocab; `window` not in [1, T - 1]; `time_repeats` < 0; `model` without DSA (use_dsa off, no
-    indexer, or no MLA layer that selects keys)."""
+    Raises ValueError naming the argument: `retentions` empty or outside (0, 1]; `calib_ids` not an integer [B, T]
+    tensor, T <= index_topk or T > max_position_embeddings, ids outside the vocab; `window` not in [1, T - 1];
+    `time_repeats` < 0; `model` without DSA (use_dsa off, no indexer, or no MLA layer that selects keys)."""
     cfg = model.config
     _check_dsa(cfg)
     levels = sorted({_check_retention(r) for r in _as_list(retentions)}, reverse=True)

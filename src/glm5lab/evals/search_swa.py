@@ -2,11 +2,10 @@
 switch from full attention to a `window`-token sliding window with the least damage.
 
 Source: the GLM-5 report's efficient-attention ablations (../shared/SPEC.md, "searched SWA"):
-on a trained model, a beam search (beam size 8, about two layers replaced per round, no
-training) picks the layers that become SWA; the report compares it with the fixed 1:1
-interleave of full and SWA layers (`interleave_pattern`) and finds it far better at long
-context (e.g. at 128K, without training: 1:1 SWA 6.51 vs searched SWA 53.95, full 75.28).
-The report does not give the scoring data or the exact round rule; ours is below.
+on a trained model, a beam search (beam size 8, about two layers replaced per round, no training) picks the layers
+that become SWA; the report compares it with the fixed 1:1 interleave of full and SWA layers
+(`interleave_pattern`) and finds it far better at long context (e.g. at 128K, without training: 1:1 SWA 6.51 vs
+searched SWA 53.95, full 75.28). The report does not give the scoring data or the exact round rule; ours is below.
 
 Algorithm (`search_swa`), L = num_hidden_layers, n* = ceil(target_fraction * L) SWA layers:
   beam_0 = [all layers "attention"]
@@ -25,10 +24,9 @@ beam * C(|F|, k) evaluations (or beam * max_candidates), fewer after de-duplicat
 ceil(n* / per_round). With beam=1, per_round=1 it is greedy: sum_{j=0}^{n*-1} (L - j) + 1.
 Each evaluation is one `score_fn` call on a model that shares the weights of `model` (no copy).
 
-Units: `window` in tokens (keys per query on an SWA layer, `ModelConfig.sliding_window`);
-`target_fraction` a fraction of main layers; scores in the scorer's units (accuracy in [0, 1]
-for `mqar_scorer` / `niah_scorer`, minus nats/token for `loss_scorer`). The scoring context
-should be longer than `window`, or SWA changes nothing.
+Units: `window` in tokens (keys per query on an SWA layer, `ModelConfig.sliding_window`); `target_fraction` a
+fraction of main layers; scores in the scorer's units (accuracy in [0, 1] for `mqar_scorer` / `niah_scorer`, minus
+nats/token for `loss_scorer`). The scoring context should be longer than `window`, or SWA changes nothing.
 """
 
 from __future__ import annotations
@@ -70,10 +68,9 @@ class SWASearchResult:
 
 
 def interleave_pattern(num_layers: int, every: int = 2) -> list[str]:
-    """The fixed SWA interleave baseline: layer i is "attention" when i % every == every - 1, else
-    "swa" (every=2: swa, full, swa, full, ... = the report's 1:1 interleave; the last layer of each
-    group of `every` keeps full attention). Raises ValueError naming the argument if
-    num_layers < 1 or every < 1 (every=1: all full)."""
+    """The fixed SWA interleave baseline: layer i is "attention" when i % every == every - 1, else "swa" (every=2:
+    swa, full, swa, full, ... = the report's 1:1 interleave; the last layer of each group of `every` keeps full
+    attention). Raises ValueError naming the argument if num_layers < 1 or every < 1 (every=1: all full)."""
     num_layers, every = check_int("num_layers", num_layers, 1), check_int("every", every, 1)
     return ["attention" if i % every == every - 1 else "swa" for i in range(num_layers)]
 
@@ -90,11 +87,10 @@ def search_swa(model, score_fn: Callable[[object], float], *, window: int, targe
     """Beam search for the layers to switch to `window`-token SWA (see the module docstring).
 
     model: a GLM5ForCausalLM (its own mixer_types are ignored: the search starts from all full).
-    score_fn(model_with_pattern) -> float, higher is better (`loss_scorer`, `mqar_scorer`,
-    `niah_scorer`, or your own). Returns a `SWASearchResult`.
-    Raises ValueError naming the argument when: window < 1; target_fraction not in (0, 1];
-    beam < 1; per_round < 1; max_candidates not None and < 1; seed < 0; score_fn returns a
-    non-finite or non-numeric value; no candidate of a round is a valid config.
+    score_fn(model_with_pattern) -> float, higher is better (`loss_scorer`, `mqar_scorer`, `niah_scorer`, or
+    your own). Returns a `SWASearchResult`. Raises ValueError naming the argument when: window < 1;
+    target_fraction not in (0, 1]; beam < 1; per_round < 1; max_candidates not None and < 1; seed < 0;
+    score_fn returns a non-finite or non-numeric value; no candidate of a round is a valid config.
     """
     window = check_int("window", window, 1)
     if isinstance(target_fraction, bool) or not isinstance(target_fraction, (int, float)) \
@@ -176,9 +172,8 @@ def _device(model) -> torch.device:
 
 def loss_scorer(ids) -> Callable[[object], float]:
     """score_fn = minus the mean next-token NLL (nats/token) of the model on `ids` (int64 [T] or
-    [B, T], T >= 2, one forward over the whole sequence, fp32 log-probs). Make T > window.
-    Raises ValueError if ids is not 1-D / 2-D integers >= 0 or T < 2 (ids >= vocab_size are caught
-    when scoring)."""
+    [B, T], T >= 2, one forward over the whole sequence, fp32 log-probs). Make T > window. Raises ValueError
+    if ids is not 1-D / 2-D integers >= 0 or T < 2 (ids >= vocab_size are caught when scoring)."""
     x = torch.as_tensor(ids)
     if x.ndim == 1:
         x = x[None]

@@ -2,10 +2,9 @@
 
 `model_variant(model, **changes)` builds `GLM5ForCausalLM(model.config.replace(**changes))` on the
 meta device and gives it the original's parameter and buffer tensors (`load_state_dict(assign=True)`:
-shared, not copied). Weights of modules the new pattern no longer has (the indexer of a layer
-switched to "shared") are left out; a module the new pattern needs but the model lacks (a layer
-switched from "shared" to "full": an indexer without weights) is refused. `mean_nll` is the loss
-both searches score with.
+shared, not copied). Weights of modules the new pattern no longer has (the indexer of a layer switched to
+"shared") are left out; a module the new pattern needs but the model lacks (a layer switched from "shared" to
+"full": an indexer without weights) is refused. `mean_nll` is the loss both searches score with.
 """
 
 from __future__ import annotations

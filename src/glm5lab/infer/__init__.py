@@ -1,6 +1,5 @@
-"""Inference: the steps (`prefill`, `decode_step`, `verify`, `draft`, in `glm5lab.infer.steps`),
-sampling, the speculative accept rule, and `glm5lab.generate` (cached, plain or MTP-speculative,
-in `glm5lab.infer.generate`).
+"""Inference: the steps (`prefill`, `decode_step`, `verify`, `draft`, in `glm5lab.infer.steps`), sampling, the
+speculative accept rule, and `glm5lab.generate` (cached, plain or MTP-speculative, in `glm5lab.infer.generate`).
 
 The step functions are imported on first use (PEP 562), so the CLI can read
 `DEFAULT_PREFILL_CHUNK` for --help without loading torch."""

@@ -3,31 +3,28 @@
 
 Legend: B rows, T new tokens per row, S_max the cache capacity, D hidden, V vocab.
 
-gpt-fast's recipe: a preallocated cache (`KVCache`), a step whose shapes depend only on (B, T,
-S_max) and never on how full the cache is (`GLM5ForCausalLM.step(static=True)`: keys are read
-over all S_max slots, the ones past each row's length masked, so it is the same function as the
-eager step), positions and lengths as tensors, and every check and host-side count made outside
-the graph, by the cache context every step uses, eager or compiled (`KVCache.writing`: `reserve`
-before, `commit` after, both host-only). `CompiledSteps` wraps the graphs for one caller and
-returns its compile seconds; the model itself only knows static shapes (`step(static=True)`). The graph is compiled once per
-(function, B, T, S_max, dtype, device) and reused across calls and `generate` calls;
-`glm5lab.generate(compile=True)` rounds S_max up to `CAPACITY_BUCKET` so that prompts of
-similar lengths share graphs. One generation compiles at most 3 graphs whatever its length
-(plain: the decode step; speculative: the verification of k+1 tokens, the MTP layer over k+1
-pending pairs and over 1 chained draft); `tests/infer/test_compiled.py` counts them.
+gpt-fast's recipe: a preallocated cache (`KVCache`), a step whose shapes depend only on (B, T, S_max) and never on
+how full the cache is (`GLM5ForCausalLM.step(static=True)`: keys are read over all S_max slots, the ones past each
+row's length masked, so it is the same function as the eager step), positions and lengths as tensors, and every
+check and host-side count made outside the graph, by the cache context every step uses, eager or compiled
+(`KVCache.writing`: `reserve` before, `commit` after, both host-only). `CompiledSteps` wraps the graphs for one
+caller and returns its compile seconds; the model itself only knows static shapes (`step(static=True)`). The graph
+is compiled once per (function, B, T, S_max, dtype, device) and reused across calls and `generate` calls;
+`glm5lab.generate(compile=True)` rounds S_max up to `CAPACITY_BUCKET` so that prompts of similar lengths share
+graphs. One generation compiles at most 3 graphs whatever its length (plain: the decode step; speculative: the
+verification of k+1 tokens, the MTP layer over k+1 pending pairs and over 1 chained draft);
+`tests/infer/test_compiled.py` counts them.
 
-On CPU the graphs are inductor's C++; on CUDA, `mode="reduce-overhead"` adds CUDA graphs (the
-cache buffers are marked static inputs, without an identity guard, so that their in-place writes
-stay inside the graph and a new cache re-records the CUDA graph instead of recompiling; not yet
-run on a GPU here: `scripts/gpu_check.sh` is the prepared check).
-The eager steps (`glm5lab.infer.steps`) are the reference twin: same tokens, logits within
-fp32 tolerance (`tests/infer/test_compiled.py`).
+On CPU the graphs are inductor's C++; on CUDA, `mode="reduce-overhead"` adds CUDA graphs (the cache buffers
+are marked static inputs, without an identity guard, so that their in-place writes stay inside the graph and a
+new cache re-records the CUDA graph instead of recompiling; not yet run on a GPU here: `scripts/gpu_check.sh`
+is the prepared check). The eager steps (`glm5lab.infer.steps`) are the reference twin: same tokens, logits
+within fp32 tolerance (`tests/infer/test_compiled.py`).
 
-What is not compiled: the prefill (large matmuls, already efficient eager, and a new shape per
-prompt length) and the MTP layer's first pass over a whole prompt; sampling and the accept rule
-(a few element-wise ops on [B, V], eager, so seeded sampling draws from the same generator as
-the eager path). Models with Gated DeltaNet / SimpleGDN layers are refused (their recurrent
-state is replaced, not written in place, every step).
+What is not compiled: the prefill (large matmuls, already efficient eager, and a new shape per prompt length)
+and the MTP layer's first pass over a whole prompt; sampling and the accept rule (a few element-wise ops on
+[B, V], eager, so seeded sampling draws from the same generator as the eager path). Models with Gated DeltaNet
+/ SimpleGDN layers are refused (their recurrent state is replaced, not written in place, every step).
 """
 
 from __future__ import annotations

@@ -41,9 +41,8 @@ SPECULATIVE = (None, "mtp")
 
 @dataclass
 class GenerateStats:
-    """Counts and wall-clock seconds of one `generate` call. acceptance_length and
-    acceptance_rate (per draft position) are None without speculative decoding (see
-    `AcceptanceStats`)."""
+    """Counts and wall-clock seconds of one `generate` call. acceptance_length and acceptance_rate (per draft
+    position) are None without speculative decoding (see `AcceptanceStats`)."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -62,10 +61,9 @@ class GenerateStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens from decode forwards per second: each row's first token comes from the prefill's
-        logits, so it is not counted (as benchmarks/decode.py times N-1 tokens after the first).
-        Rounds that compiled are not counted, their seconds nor their tokens (`compile_seconds`,
-        `compile_tokens`)."""
+        """Tokens from decode forwards per second: each row's first token comes from the prefill's logits, so
+        it is not counted (as benchmarks/decode.py times N-1 tokens after the first). Rounds that compiled are
+        not counted, their seconds nor their tokens (`compile_seconds`, `compile_tokens`)."""
         decoded, seconds = self.new_tokens - self.rows - self.compile_tokens, self.decode_seconds
         return decoded / seconds if seconds > 0 and decoded > 0 else 0.0
 
@@ -93,28 +91,23 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              stop_when: Callable[[int, list[int]], bool] | None = None, compile: bool = False) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
-    input_ids: int64 tensor [T] or [B, T], a list of ints, or a list of lists of ints (prompts
-    of different lengths are supported). temperature 0 = greedy (ties: lowest id); top_k /
-    top_p restrict sampling (see `glm5lab.infer.sampling`); seed makes sampling reproducible.
-    speculative: None, or "mtp" to draft `draft_steps` tokens per round with the shared MTP
-    layer and verify them in one forward (the output distribution is the target's; greedy
-    output equals plain greedy in fp32, and may differ at near-ties in bf16, where a k+1-token
-    verification and a 1-token step round differently). stop_tokens: a row ends after emitting one of these.
-    prefill_chunk: prefill in pieces of this many tokens (default 256; None = the whole prompt
-    in one forward: same result, more memory, slower on CPU as it computes the full causal square). on_tokens:
-    called after each step with the tokens each row just emitted (streaming). stop_when: called
-    as stop_when(b, a copy of row b's tokens so far) after each new token; True ends row b there (stop
-    strings: the lm-eval adapter ends a row once its text holds one).
-    compile: run the decode, verification and MTP draft steps as compiled graphs
-    (`glm5lab.infer.compiled`: static shapes, no host synchronisation; the prefill stays eager).
-    The first call per batch size, cache capacity (rounded up to a multiple of 256) and
-    draft_steps compiles them (seconds to a minute: `stats.compile_seconds`); later calls reuse
-    them. Finished rows then stay in the batch, frozen, until every row is done (the batch shape
-    is static). Same tokens as compile=False; attention models only (ValueError for Gated
-    DeltaNet layers).
-    Returns GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for
-    speculative runs. Raises ValueError (naming the argument) on bad input, and when a prompt
-    plus max_new_tokens (+ draft_steps + 1) exceeds max_position_embeddings."""
+    input_ids: int64 tensor [T] or [B, T], a list of ints, or a list of lists of ints (prompts of different
+    lengths are supported). temperature 0 = greedy (ties: lowest id); top_k / top_p restrict sampling (see
+    `glm5lab.infer.sampling`); seed makes sampling reproducible. speculative: None, or "mtp" to draft
+    `draft_steps` tokens per round with the shared MTP layer and verify them in one forward (the output
+    distribution is the target's; greedy output equals plain greedy in fp32, and may differ at near-ties in
+    bf16, where a k+1-token verification and a 1-token step round differently). stop_tokens: a row ends after
+    emitting one of these. prefill_chunk: prefill in pieces of this many tokens (default 256; None = one
+    forward: same result, more memory, slower on CPU). on_tokens: called after each step with the tokens each
+    row just emitted (streaming). stop_when(b, a copy of row b's tokens so far):
+    called after each new token; True ends row b there (the lm-eval adapter's stop strings). compile: the
+    decode, verification and draft steps as compiled graphs (`glm5lab.infer.compiled`; the prefill stays
+    eager), compiled on the first call per batch size, cache capacity (a multiple of 256) and draft_steps
+    (`stats.compile_seconds`). Finished rows then stay in the batch, frozen (the shape is static). Same tokens
+    as compile=False; attention models only (ValueError for Gated DeltaNet layers). Returns
+    GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for speculative runs. Raises
+    ValueError (naming the argument) on bad input, and when a prompt plus max_new_tokens (+ draft_steps + 1)
+    exceeds max_position_embeddings."""
     _check_model(model, on_tokens)
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
@@ -199,10 +192,9 @@ class _Run:
         return draw(probs, self.sampling, self.generator), probs
 
     def emit(self, new: list[list[int]], compiled_since: float | None = None) -> list[bool]:
-        """Append each alive row's new tokens, cut at a stop token, `stop_when` or max_new_tokens;
-        stream them. Returns, per alive row, whether it is finished. compiled_since: the compile
-        seconds before the round that made these tokens; if that round compiled, its tokens
-        count as `compile_tokens`."""
+        """Append each alive row's new tokens, cut at a stop token, `stop_when` or max_new_tokens; stream
+        them. Returns, per alive row, whether it is finished. compiled_since: the compile seconds before the
+        round that made these tokens; if that round compiled, its tokens count as `compile_tokens`."""
         shown, done = [[] for _ in self.prompts], []
         for b, toks in zip(self.alive_rows, new, strict=True):
             if b in self.finished:  # compiled: a finished row stays in the batch, frozen

@@ -1,13 +1,12 @@
 """Token choice: greedy, temperature, top-k, top-p (nucleus).
 
-Legend: N rows (any leading shape), V vocab.
-`distribution` turns logits into the distribution a token is drawn from: temperature 0 is
-greedy (a one-hot at the argmax, ties to the lowest id), otherwise softmax(logits / temperature)
-restricted to the `top_k` largest logits and then to the smallest set of most likely tokens whose
-mass reaches `top_p`, renormalised. Speculative decoding draws target and draft tokens from the
-distributions this function returns, so its accept rule sees exactly what plain sampling draws
-from. Source: Holtzman et al. 2020 (nucleus sampling); transformers' `TopKLogitsWarper` /
-`TopPLogitsWarper` (same order: temperature, top-k, top-p).
+Legend: N rows (any leading shape), V vocab. `distribution` turns logits into the distribution a token is
+drawn from: temperature 0 is greedy (a one-hot at the argmax, ties to the lowest id), otherwise softmax(logits
+/ temperature) restricted to the `top_k` largest logits and then to the smallest set of most likely tokens
+whose mass reaches `top_p`, renormalised. Speculative decoding draws target and draft tokens from the
+distributions this function returns, so its accept rule sees exactly what plain sampling draws from. Source:
+Holtzman et al. 2020 (nucleus sampling); transformers' `TopKLogitsWarper` / `TopPLogitsWarper` (same order:
+temperature, top-k, top-p).
 """
 
 from __future__ import annotations

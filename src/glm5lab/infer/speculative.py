@@ -2,13 +2,12 @@
 
 Legend: B rows, k drafted tokens per row, V vocab.
 
-Given drafts d_1..d_k drawn from the draft distributions q_1..q_k, and the target's
-distributions p_1..p_{k+1} at the same positions (one verification forward), draft i is
-accepted with probability min(1, p_i(d_i) / q_i(d_i)) as long as every earlier one was; at the
-first rejection the next token is drawn from norm(max(0, p_i - q_i)); when all k pass, a bonus
-token is drawn from p_{k+1}. Each emitted token is then distributed exactly as p (Leviathan et
-al. 2023, Chen et al. 2023). Greedy decoding is the same rule on one-hot distributions: a draft
-passes iff it is the target's argmax, and the correction is that argmax.
+Given drafts d_1..d_k drawn from the draft distributions q_1..q_k, and the target's distributions p_1..p_{k+1}
+at the same positions (one verification forward), draft i is accepted with probability min(1, p_i(d_i) /
+q_i(d_i)) as long as every earlier one was; at the first rejection the next token is drawn from norm(max(0,
+p_i - q_i)); when all k pass, a bonus token is drawn from p_{k+1}. Each emitted token is then distributed
+exactly as p (Leviathan et al. 2023, Chen et al. 2023). Greedy decoding is the same rule on one-hot
+distributions: a draft passes iff it is the target's argmax, and the correction is that argmax.
 """
 
 from __future__ import annotations

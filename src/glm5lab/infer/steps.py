@@ -3,14 +3,13 @@
 Legend: B rows, P prompt length (longest row), T new tokens per row, k draft steps, L pending
 (h, x) pairs of the draft head, D hidden, V vocab.
 
-gpt-fast's shape: free functions over a model and its preallocated `KVCache`. `generate`, the
-lm-eval adapter, `glm5lab report`'s probe and the benchmarks call these and nothing below them.
-Checks are made once, at the boundary: `prefill` checks the prompts' ids (one host
-synchronisation, per prompt, not per token); `decode_step`, `verify` and `draft` check only
-shapes and types (host metadata) and run with no host synchronisation on attention models (a
-test counts them): their token ids come from the model or from checked prompts, so they are not
-range-checked (an out-of-vocab id still fails in the embedding). Rows of different lengths
-share a batch: each row decodes from its own position (`KVCache.lengths`).
+gpt-fast's shape: free functions over a model and its preallocated `KVCache`. `generate`, the lm-eval adapter,
+`glm5lab report`'s probe and the benchmarks call these and nothing below them. Checks are made once, at the
+boundary: `prefill` checks the prompts' ids (one host synchronisation, per prompt, not per token);
+`decode_step`, `verify` and `draft` check only shapes and types (host metadata) and run with no host
+synchronisation on attention models (a test counts them): their token ids come from the model or from checked
+prompts, so they are not range-checked (an out-of-vocab id still fails in the embedding). Rows of different
+lengths share a batch: each row decodes from its own position (`KVCache.lengths`).
 """
 
 from __future__ import annotations
@@ -73,12 +72,11 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
 
 def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
                 compiled: bool | CompiledSteps = False) -> torch.Tensor:
-    """One new token per row: token_ids int64 [B] (or [B, 1]) at each row's next position.
-    Returns the logits after it, [B, V]. No host synchronisation (attention models).
-    compiled: run the `torch.compile` graph of this step (`glm5lab.infer.compiled`: static
-    shapes over the cache's whole capacity; compiled on the first call per batch size and
-    capacity, attention models only; a `CompiledSteps` adds its compile seconds to its own
-    count); the eager step is its reference twin. Both run inside `cache.writing`."""
+    """One new token per row: token_ids int64 [B] (or [B, 1]) at each row's next position. Returns the logits
+    after it, [B, V]. No host synchronisation (attention models). compiled: run the `torch.compile` graph of
+    this step (`glm5lab.infer.compiled`: static shapes over the cache's whole capacity; compiled on the first
+    call per batch size and capacity, attention models only; a `CompiledSteps` adds its compile seconds to its
+    own count); the eager step is its reference twin. Both run inside `cache.writing`."""
     ids_B1 = token_ids[:, None] if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 else token_ids
     _check_ids(model, ids_B1, cache, "token_ids", T=1)
     steps = _compiled_steps(model, compiled)
@@ -90,10 +88,9 @@ def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: st
 
 def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
            compiled: bool | CompiledSteps = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A speculative verification: each row's T = k+1 tokens [last accepted, d_1..d_k] in one
-    cached forward. Returns (logits [B, T, V], final hidden states [B, T, D]). Roll the cache
-    back to the accepted tokens with `cache.truncate`. No host synchronisation. compiled: as
-    `decode_step` (one graph per T)."""
+    """A speculative verification: each row's T = k+1 tokens [last accepted, d_1..d_k] in one cached forward.
+    Returns (logits [B, T, V], final hidden states [B, T, D]). Roll the cache back to the accepted tokens with
+    `cache.truncate`. No host synchronisation. compiled: as `decode_step` (one graph per T)."""
     _check_ids(model, token_ids, cache, "token_ids")
     steps = _compiled_steps(model, compiled)
     if steps is not None:
@@ -112,13 +109,12 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
     hidden [B, L, D] and token_ids [B, L]: each row's pending pairs (h_t, x_{t+1}) (the main
     model's post-norm hidden states and the tokens after them), the first `lengths[b]` of row b
     valid (default all L; int64 [B] in 1..L, not checked: it comes from the accept rule). They are appended to `mtp_cache` and stay there; the last one's MTP
-    state gives d_1, then each draft feeds (its post-norm state, d_j) back for d_{j+1}, and those
-    chained entries are rolled back at the end (vLLM/SGLang's chaining). chunk: pairs per
-    forward (None: all L). Returns (drafts int64 [B, steps], q fp32 [B, steps, V]) drawn with
-    `sampling` / `generator`. No host synchronisation. compiled: the MTP layer's forwards of at
-    decode-sized (`glm5lab.model.step.DECODE_MAX_TOKENS`) runs of pairs run as `torch.compile` graphs
-    (as `decode_step`; a longer pending run, the first round's whole prompt, stays eager). Raises ValueError for bad
-    shapes/steps."""
+    state gives d_1, then each draft feeds (its post-norm state, d_j) back for d_{j+1}, and those chained entries
+    are rolled back at the end (vLLM/SGLang's chaining). chunk: pairs per forward (None: all L). Returns (drafts
+    int64 [B, steps], q fp32 [B, steps, V]) drawn with `sampling` / `generator`. No host synchronisation.
+    compiled: the MTP layer's forwards of at decode-sized (`glm5lab.model.step.DECODE_MAX_TOKENS`) runs of pairs
+    run as `torch.compile` graphs (as `decode_step`; a longer pending run, the first round's whole prompt, stays
+    eager). Raises ValueError for bad shapes/steps."""
     int_at_least("steps", steps, 1)
     if not model.config.num_nextn_predict_layers:
         raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0): nothing to draft with")

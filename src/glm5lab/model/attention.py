@@ -3,10 +3,9 @@
 Legend: B batch, T queries, S keys, H query heads, G key/value heads (H = G * r), D q/k width,
 E v width, K selected keys per query (DSA top-k).
 
-Every kernel takes q_BTHD, k_BSGD, v_BSGE (the latent kernels: q_BTHX and one kv_BSX) and
-returns o_BTHE in q's dtype; softmax runs in fp32.
-Query i sits at absolute position `q_offset + i`; key j at position j; which keys a query sees
-is `glm5lab.model.visibility.visible`.
+Every kernel takes q_BTHD, k_BSGD, v_BSGE (the latent kernels: q_BTHX and one kv_BSX) and returns o_BTHE in
+q's dtype; softmax runs in fp32. Query i sits at absolute position `q_offset + i`; key j at position j; which
+keys a query sees is `glm5lab.model.visibility.visible`.
 
 - `attention_reference`: explicit scores + boolean mask. The obvious version; the twin every
   other kernel is tested against.
@@ -84,11 +83,10 @@ def attention_masked(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch.Te
 
 def attention_latent_masked(q_BTHX, kv_BSX, *, v_dim: int, scale: float, mask_BTS: torch.Tensor | None,
                             q_offset: int = 0) -> torch.Tensor:
-    """Absorbed MLA attention: every head attends to the shared key kv_BSX ([c | k_pe], X wide)
-    and reads the value kv[..., :v_dim] (= c). Returns o_BTHV. mask_BTS: as `attention_masked`
-    (None: causal with `q_offset`). The value passed to SDPA is the whole X-wide key (the extra
-    output columns are dropped): equal widths keep CPU SDPA on its fused kernel, and no sliced
-    copy of the cache is made."""
+    """Absorbed MLA attention: every head attends to the shared key kv_BSX ([c | k_pe], X wide) and reads the
+    value kv[..., :v_dim] (= c). Returns o_BTHV. mask_BTS: as `attention_masked` (None: causal with
+    `q_offset`). The value passed to SDPA is the whole X-wide key (the extra output columns are dropped):
+    equal widths keep CPU SDPA on its fused kernel, and no sliced copy of the cache is made."""
     kv_BS1X = kv_BSX[:, :, None, :]
     if mask_BTS is None:
         o_BTHX = attention_causal(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, q_offset=q_offset)
@@ -99,21 +97,18 @@ def attention_latent_masked(q_BTHX, kv_BSX, *, v_dim: int, scale: float, mask_BT
 
 def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk: TopK,
                               query_block: int = 16) -> torch.Tensor:
-    """`attention_latent_masked` over each query's selected keys only (absorbed DSA core
-    attention, FlashMLA's sparse decode): the K selected latents of each query serve as key and
-    value. Returns o_BTHV. Reference twin: `attention_reference` with k = kv, v = kv[..., :v_dim]
-    and the top-k mask. topk.idx_BTK must lie in [0, S) (TopK's invariant; not checked here: a
-    check would read the indices on the host, which compiled decode steps must not). Raises
-    ValueError for query_block < 1 or shapes that do not agree.
+    """`attention_latent_masked` over each query's selected keys only (absorbed DSA core attention, FlashMLA's
+    sparse decode): the K selected latents of each query serve as key and value. Returns o_BTHV. Reference
+    twin: `attention_reference` with k = kv, v = kv[..., :v_dim] and the top-k mask. topk.idx_BTK must lie in
+    [0, S) (TopK's invariant; not checked here: a check would read the indices on the host, which compiled
+    decode steps must not). Raises ValueError for query_block < 1 or shapes that do not agree.
 
-    Blocked over queries: per `query_block` queries one `index_select` of their K latents
-    ([query_block * K, X], 9 MiB at K = 256, X = 576: it stays in cache, in one reused buffer
-    when no gradient is needed), then SDPA with each query as a batch entry and its H heads as
-    SDPA's queries over its K latents (the whole X-wide latent as value, as
-    `attention_latent_masked`: the fused kernel, faster than two bmm and a softmax: BENCHMARKS.md,
-    "Kernel choices"). The one-shot gather it replaces copied [T, K, X] per call, then read it
-    back twice from memory. Backward (training) flows
-    through `index_select` and SDPA."""
+    Blocked over queries: per `query_block` queries one `index_select` of their K latents ([query_block * K,
+    X], 9 MiB at K = 256, X = 576: it stays in cache, in one reused buffer when no gradient is needed), then
+    SDPA with each query as a batch entry and its H heads as SDPA's queries over its K latents (the whole
+    X-wide latent as value, as `attention_latent_masked`: the fused kernel, faster than two bmm and a softmax:
+    BENCHMARKS.md, "Kernel choices"). The one-shot gather it replaces copied [T, K, X] per call, then read it
+    back twice from memory. Backward (training) flows through `index_select` and SDPA."""
     B, T, H, X = q_BTHX.shape
     S, K = kv_BSX.shape[1], topk.idx_BTK.shape[-1]
     if query_block < 1:

@@ -1,9 +1,8 @@
 """One pre-norm decoder block: x + Mixer(norm(x)), then + MLP/MoE(norm(.)).
 
-What the block holds comes from its `LayerSpec` (`ModelConfig.layers`): the token mixer
-(MLA or GQA attention, sliding window, Gated DeltaNet, SimpleGDN) and the MLP kind ("dense" /
-"sparse"). Every mixer has the same interface, `mixer(x_BTD, step) -> out_BTD`
-(`glm5lab.model.step`).
+What the block holds comes from its `LayerSpec` (`ModelConfig.layers`): the token mixer (MLA or GQA attention,
+sliding window, Gated DeltaNet, SimpleGDN) and the MLP kind ("dense" / "sparse"). Every mixer has the same
+interface, `mixer(x_BTD, step) -> out_BTD` (`glm5lab.model.step`).
 """
 
 from __future__ import annotations

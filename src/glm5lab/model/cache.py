@@ -4,12 +4,11 @@ Legend: B rows (sequences), S_max capacity (tokens per row), C `kv_lora_rank`, R
 `qk_rope_head_dim`, J `index_head_dim`, G KV heads, X q/k head width, V value width.
 
 What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowhere else:
-per MLA layer `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe] (576
-values per token in GLM-5), plus `index_keys` [B, S_max, J] (the lightning indexer's keys) on
-layers with `index_cache` (an "own" indexer and `use_dsa`; SWA layers holding indexer weights
-keep none). Per GQA layer: `k` [B, S_max, G, X] and `v` [B, S_max, G, V].
-Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState`
-(`glm5lab.model.recurrent_state`), which rolls back only within the last forward.
+per MLA layer `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe] (576 values per token
+in GLM-5), plus `index_keys` [B, S_max, J] (the lightning indexer's keys) on layers with `index_cache` (an
+"own" indexer and `use_dsa`; SWA layers holding indexer weights keep none). Per GQA layer: `k` [B, S_max, G,
+X] and `v` [B, S_max, G, V]. Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size
+`RecurrentState` (`glm5lab.model.recurrent_state`), which rolls back only within the last forward.
 `bytes_per_token` equals the ledger's `state(...)["main"]["bytes_per_token"]` in the same dtype.
 
 Each row has its own length (`lengths`, int64 [B]): a forward of T new tokens writes them at
@@ -133,12 +132,11 @@ class KVCache:
         self.reserve_rows(T, T)
 
     def reserve_rows(self, need, bound: int) -> None:
-        """`reserve` with a per-row need: raise CacheOverflowError unless every row b can take
-        need[b] more tokens (need: an int for every row, or int64 [B]). `bound`, a host-side
-        upper bound of the need, is checked against `extent_bound` first; the device values are
-        read (host synchronisation) only when that does not fit, and then also tighten
-        `extent_bound` to the longest row. For a call whose rows write different numbers of
-        slots (`draft`'s pending pairs, padded to a common width, then its chained drafts)."""
+        """`reserve` with a per-row need: raise CacheOverflowError unless every row b can take need[b] more tokens
+        (need: an int for every row, or int64 [B]). `bound`, a host-side upper bound of the need, is checked
+        against `extent_bound` first; the device values are read (host synchronisation) only when that does not
+        fit, and then also tighten `extent_bound` to the longest row. For a call whose rows write different
+        numbers of slots (`draft`'s pending pairs, padded to a common width, then its chained drafts)."""
         if self.extent_bound + bound <= self.capacity:
             return
         lengths, ends = self.lengths.tolist(), (self.lengths + need).tolist()

@@ -4,13 +4,12 @@ Legend: N tokens, D hidden, E experts, K experts per token, A = N*K assignments 
 
     route -> dispatch -> local experts -> combine        (`glm5lab.model.moe.MoE.forward`)
 
-`dispatch` permutes the N*K (token, expert) assignments once, stably sorted by expert, and
-counts the rows per expert; every expert kernel (`glm5lab.model.moe`) then works on the rows of
-each expert as one contiguous group. `combine` weights each row by its router weight and adds it
-back to its token. `LocalDispatcher` is the single-process form (every expert is local); a
-dispatcher for expert parallelism keeps this interface and moves rows between ranks in
-`dispatch` and `combine` (all-to-all). Source: DeepSeek-V3 section 3.2 (dispatch and combine),
-MegaBlocks (Gale et al. 2022; tokens sorted by expert).
+`dispatch` permutes the N*K (token, expert) assignments once, stably sorted by expert, and counts the rows per
+expert; every expert kernel (`glm5lab.model.moe`) then works on the rows of each expert as one contiguous
+group. `combine` weights each row by its router weight and adds it back to its token. `LocalDispatcher` is the
+single-process form (every expert is local); a dispatcher for expert parallelism keeps this interface and
+moves rows between ranks in `dispatch` and `combine` (all-to-all). Source: DeepSeek-V3 section 3.2 (dispatch
+and combine), MegaBlocks (Gale et al. 2022; tokens sorted by expert).
 """
 
 from __future__ import annotations
@@ -37,10 +36,9 @@ class LocalDispatcher:
 
     def dispatch(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor, n_experts: int
                  ) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
-        """(x_AD: the token of every assignment, sorted by expert (stable: a token order within
-        an expert), counts_E: int64 [E] rows per expert, the `Dispatched` record). No host
-        synchronisation; x_AD is `index_select`ed, whose backward sums a token's K rows in a
-        fixed order (docs/reproducibility.md)."""
+        """(x_AD: the token of every assignment, sorted by expert (stable: a token order within an expert),
+        counts_E: int64 [E] rows per expert, the `Dispatched` record). No host synchronisation; x_AD is
+        `index_select`ed, whose backward sums a token's K rows in a fixed order (docs/reproducibility.md)."""
         K = idx_NK.shape[1]
         e_A = idx_NK.reshape(-1)
         order_A = torch.argsort(e_A, stable=True)

@@ -74,12 +74,11 @@ class LightningIndexer(nn.Module):
         return scores_BTS.masked_fill(~visible(q_offset, T, k_BSJ.shape[1], device=x_BTD.device), float("-inf"))
 
     def topk(self, x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, k: int, *, q_offset=0, blocked: bool) -> TopK:
-        """`select_topk(scores(...), k)`: the same keys in the same order (idx int64 [B, T,
-        min(k, S)]). blocked: by the blocked kernel (`dsa_blocked.index_topk_blocked`: scores per
-        block of queries and keys, ReLU and head sum on the cache-resident block, one fp32 top-k
-        per query block, O(T k + block x S) memory, one host read per call), which MLA runs for
-        forwards that are neither decode-sized nor static (`Step`); else the reference, which
-        has no host synchronisation and is as fast at a few queries. No gradient (selection is
+        """`select_topk(scores(...), k)`: the same keys in the same order (idx int64 [B, T, min(k, S)]). blocked:
+        by the blocked kernel (`dsa_blocked.index_topk_blocked`: scores per block of queries and keys, ReLU and
+        head sum on the cache-resident block, one fp32 top-k per query block, O(T k + block x S) memory, one host
+        read per call), which MLA runs for forwards that are neither decode-sized nor static (`Step`); else the
+        reference, which has no host synchronisation and is as fast at a few queries. No gradient (selection is
         discrete). Raises ValueError for k < 1 or shapes that do not agree."""
         if not blocked:
             return select_topk(self.scores(x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, q_offset=q_offset), k,
@@ -88,10 +87,9 @@ class LightningIndexer(nn.Module):
         return index_topk_blocked(q_BTIJ, w_BTI, k_BSJ, k, scale=self.head_dim**-0.5, q_offset=q_offset)
 
     def scores_at(self, x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, idx_BTK: torch.Tensor) -> torch.Tensor:
-        """`scores(...)` at the K keys idx_BTK (int64 [B, T, K], positions in [0, S)) of each
-        query: fp32 [B, T, K], differentiable in the indexer's inputs and weights, O(T K) work and
-        memory (the sparse stage's indexer KL). No causal mask: pass visible keys (`TopK.valid_BTK`
-        says which slots are)."""
+        """`scores(...)` at the K keys idx_BTK (int64 [B, T, K], positions in [0, S)) of each query: fp32 [B,
+        T, K], differentiable in the indexer's inputs and weights, O(T K) work and memory (the sparse stage's
+        indexer KL). No causal mask: pass visible keys (`TopK.valid_BTK` says which slots are)."""
         (B, S, J), (T, K) = k_BSJ.shape, idx_BTK.shape[1:]
         q_BTIJ, w_BTI = self.queries(x_BTD, q_lat_BTQ, cos_TR2, sin_TR2)
         # index_select, not k[b, idx]: a key chosen by many queries gets its gradient summed in a fixed

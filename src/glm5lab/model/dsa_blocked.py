@@ -3,32 +3,29 @@
 Legend: B batch, T queries, S keys, I indexer heads, J `index_head_dim`, K `index_topk`;
 t a block of at most `QUERY_BLOCK` queries, s a block of at most `KEY_BLOCK` keys.
 
-The reference (`LightningIndexer.scores` + `select_topk`) materialises fp32 dots [B, T, I, S],
-then ReLU-weights and sums them over heads in separate passes, each a trip through memory.
-Here, per block of t queries and s keys: one matmul [t*I, J] x [J, s] into a reused buffer
-(cache-resident: t*I*s*4 bytes = 1 MiB), the scale and the ReLU in place, the weighted head sum
-as a batched [1, I] x [I, s] product, written into the block's score row [t, S_visible]; then one
-fp32 top-k per query block (`select_topk_fast`). Key blocks past the query block's last position
-are skipped (causal), so the work is the causal pairs' multiply-adds plus one diagonal block.
-Memory: O(T K) for the result, O(t S) for one block's scores (not O(T S)).
+The reference (`LightningIndexer.scores` + `select_topk`) materialises fp32 dots [B, T, I, S], then
+ReLU-weights and sums them over heads in separate passes, each a trip through memory. Here, per block of t
+queries and s keys: one matmul [t*I, J] x [J, s] into a reused buffer (cache-resident: t*I*s*4 bytes = 1 MiB),
+the scale and the ReLU in place, the weighted head sum as a batched [1, I] x [I, s] product, written into the
+block's score row [t, S_visible]; then one fp32 top-k per query block (`select_topk_fast`). Key blocks past
+the query block's last position are skipped (causal), so the work is the causal pairs' multiply-adds plus one
+diagonal block. Memory: O(T K) for the result, O(t S) for one block's scores (not O(T S)).
 
 Top-k per query block rather than a running merge across key blocks: on CPU, merging k
 candidates with each key block costs as much as one top-k over the block's whole score row (a
 top-k scans every score once either way), and the row is only t x S x 4 bytes (8 MiB at t = 64,
 S = 32K).
 
-Equality with the reference. Each score is computed as the reference computes it (the dot
-product by the matmul kernel, times 1/sqrt(J), ReLU, the head sum by a batched product), so the
-scores are bitwise the reference's wherever the CPU matmul rounds a dot product the same in both
-shapes, which it does in the shapes tested (tests/model/test_dsa_blocked.py: every index equal,
-tiny, small and bench indexers). It need not everywhere: a GEMM may round a dot product
-differently at the edge tiles of one shape than of another (seen with 1100 identical keys: the
-last key block's copies score 1 ulp higher, so the blocked choice takes them first; the
-reference, over its own tiles, is not tile-invariant either). Two keys whose scores are within
-such rounding can then swap. Exact ties of the computed scores (keys whose ReLUs are all 0) are
-broken by position in both. Past fp32's range (query and key values near 1e19, which the
-indexer's LayerNorm'd keys do not reach) a dot product can overflow to inf in one tiling and to
-NaN (inf - inf) in the other, and the two then rank that key apart (NaN first, -inf last); no
+Equality with the reference. Each score is computed as the reference computes it (the dot product by the matmul
+kernel, times 1/sqrt(J), ReLU, the head sum by a batched product), so the scores are bitwise the reference's
+wherever the CPU matmul rounds a dot product the same in both shapes, which it does in the shapes tested
+(tests/model/test_dsa_blocked.py: every index equal, tiny, small and bench indexers). It need not everywhere: a
+GEMM may round a dot product differently at the edge tiles of one shape than of another (seen with 1100 identical
+keys: the last key block's copies score 1 ulp higher, so the blocked choice takes them first; the reference, over
+its own tiles, is not tile-invariant either). Two keys whose scores are within such rounding can then swap. Exact
+ties of the computed scores (keys whose ReLUs are all 0) are broken by position in both. Past fp32's range (query
+and key values near 1e19, which the indexer's LayerNorm'd keys do not reach) a dot product can overflow to inf in
+one tiling and to NaN (inf - inf) in the other, and the two then rank that key apart (NaN first, -inf last); no
 choice ever holds a key after its query (tests/model/test_topk_causal.py).
 
 Source: DeepSeek-V3.2 (the lightning indexer; its released GPU kernels, DeepGEMM's indexer
@@ -54,12 +51,11 @@ ReLU and the head sum cost a fraction of the matmul (BENCHMARKS.md, "Kernel choi
 def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, *, scale: float, q_offset=0,
                        query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK
                        ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Index scores block by block: yields (t0, scores_BtV) for t0 = 0, query_block, ..., where
-    scores_BtV (fp32 [B, t, V]) = sum_i w_i ReLU(scale * q_i . k) for queries t0..t0+t-1 over
-    the V keys they can see at most (V = min(S, max(q_offset) + t0 + t)), -inf at keys after
-    each query: the reference's products in its order (dots, then the scale, ReLU, the head
-    sum), so the scores are bitwise its own wherever the matmul kernel rounds the same. The
-    block is reused: copy what you keep.
+    """Index scores block by block: yields (t0, scores_BtV) for t0 = 0, query_block, ..., where scores_BtV
+    (fp32 [B, t, V]) = sum_i w_i ReLU(scale * q_i . k) for queries t0..t0+t-1 over the V keys they can see at
+    most (V = min(S, max(q_offset) + t0 + t)), -inf at keys after each query: the reference's products in its
+    order (dots, then the scale, ReLU, the head sum), so the scores are bitwise its own wherever the matmul
+    kernel rounds the same. The block is reused: copy what you keep.
 
     q_BTIJ: queries (any float dtype, computed in fp32); w_BTI: head weights (fp32, as
     `LightningIndexer.queries` returns them); k_BSJ: keys of positions 0..S-1; scale: the dot

@@ -2,9 +2,8 @@
 
 Legend: B batch, T tokens, H heads, K key/query width, V value width, N chunks, C chunk size.
 
-The state of one head is a matrix S in [K, V] (keys index the rows: S^T k reads the value that
-S stores under key k). With a_t = exp(g_t) the gate (g_t <= 0, log space) and beta_t in [0, 1]
-the write strength, each token does
+The state of one head is a matrix S in [K, V] (keys index the rows: S^T k reads the value that S stores under key
+k). With a_t = exp(g_t) the gate (g_t <= 0, log space) and beta_t in [0, 1] the write strength, each token does
 
     S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T
         = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
@@ -33,12 +32,11 @@ Conventions (those of fla and transformers' Qwen3-Next kernels):
   for j <= i, and S_C = Gam_C S_0 + (K * Gam_C / Gam)^T U carries the state to the next chunk.
   O(T C (K + V) + T K V) work instead of T sequential rank-1 updates.
 
-Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule"
-(ICLR 2025), sec. 2-3 (recurrence eq. for S_t; chunkwise form via the UT transform; their S is
-our S^T); Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence
-Length" (2024) for the WY/UT transform; fla's naive references (`fla/ops/gated_delta_rule/
-naive.py`); transformers' `torch_recurrent_gated_delta_rule` / `torch_chunk_gated_delta_rule`
-(models/qwen3_next), the numerical reference in the tests.
+Source: Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule" (ICLR 2025), sec. 2-3
+(recurrence eq. for S_t; chunkwise form via the UT transform; their S is our S^T); Yang et al., "Parallelizing
+Linear Transformers with the Delta Rule over Sequence Length" (2024) for the WY/UT transform; fla's naive
+references (`fla/ops/gated_delta_rule/ naive.py`); transformers' `torch_recurrent_gated_delta_rule` /
+`torch_chunk_gated_delta_rule` (models/qwen3_next), the numerical reference in the tests.
 """
 
 from __future__ import annotations
@@ -121,14 +119,10 @@ def gated_delta_rule_chunked(q_BTHK: torch.Tensor, k_BTHK: torch.Tensor, v_BTHV:
     and outputs as `gated_delta_rule_recurrent` (equal up to fp32 rounding).
 
     T need not be a multiple of chunk_size: the tail is padded with k = v = q = 0, g = 0,
-    beta = 0 (a token that neither decays nor writes), so the final state is the state after
-    token T, and the padding is sliced off the output. Per chunk (see the module docstring):
-    solve (I + A) [U0 | W] = [diag(beta) V | diag(beta Gam) K] by one unit lower-triangular
-    solve, then a sequential scan over the N chunks: U = U0 - W S, O = diag(Gam) Q S +
-    ((Q K^T) * D) U, S <- Gam_C S + (K * Gam_C / Gam)^T U. Decay ratios are taken as
-    exp(cumsum difference) with the upper triangle masked before the exp (no overflow, no NaN
-    gradients for very negative g). Raises ValueError for a bad shape (as the recurrent form)
-    or chunk_size < 1."""
+    beta = 0 (a token that neither decays nor writes) and sliced off the output. Per chunk: the
+    module docstring's triangular solve for [U0 | W], then a sequential scan over the N chunks. Decay ratios
+    are exp(cumsum difference) with the upper triangle masked before the exp (no overflow, no NaN gradients
+    for very negative g). Raises ValueError for a bad shape (as the recurrent form) or chunk_size < 1."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     B, T, H, K, V = _check_shapes(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, initial_state_BHKV)

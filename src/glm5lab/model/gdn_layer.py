@@ -29,12 +29,8 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import LayerStep
-from glm5lab.validate import int_at_least
-from glm5lab.model.gdn import (
-    gated_delta_rule_chunked,
-    gated_delta_rule_recurrent,
-    l2_normalize,
-)
+from glm5lab.validate import int_at_least, one_of
+from glm5lab.model.gdn import gated_delta_rule_chunked, gated_delta_rule_recurrent, l2_normalize
 
 DECAY_KINDS = ("learned", "constant")
 
@@ -161,8 +157,7 @@ class SimpleGDN(nn.Module):
             int_at_least(name, val, 1)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
-        if decay not in DECAY_KINDS:
-            raise ValueError(f"decay {decay!r} is not allowed: one of {DECAY_KINDS}")
+        one_of("decay", decay, DECAY_KINDS)
         self.hidden_size, self.chunk_size, self.decay = cfg.hidden_size, chunk_size, decay
         self.n_heads, self.n_kv, self.k_dim, self.v_dim = num_heads, num_kv_heads, head_k_dim, head_v_dim
         D, H, G, K, V = cfg.hidden_size, num_heads, num_kv_heads, head_k_dim, head_v_dim

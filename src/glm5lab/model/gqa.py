@@ -38,11 +38,10 @@ class GQAttention(nn.Module):
         return torch.cat([nope, apply_rope(pe, cos, sin, interleaved=self.cfg.rope_interleave)], dim=-1)
 
     def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        """Causal GQA of each row's T new tokens over its S visible keys (`step`, see
-        `glm5lab.model.step`; uncached = offset 0). Returns out_BTD. Their K/V are written to
-        the step's cache. `step.reference`: the written-out masked softmax, else SDPA (with
-        `is_causal` for an uncached full-attention call). The layer's `window` (an "swa"
-        layer) limits each query to its last `window` keys. GQA layers never select keys."""
+        """Causal GQA of each row's T new tokens over its S visible keys (`step`, see `glm5lab.model.step`;
+        uncached = offset 0). Returns out_BTD. Their K/V are written to the step's cache. `step.reference`: the
+        written-out masked softmax, else SDPA (with `is_causal` for an uncached full-attention call). The layer's
+        `window` (an "swa" layer) limits each query to its last `window` keys. GQA layers never select keys."""
         B, T, _ = x_BTD.shape
         q_BTHX = self.q_proj(x_BTD).view(B, T, self.n_heads, self.x_dim)
         k_BTGX = self.k_proj(x_BTD).view(B, T, self.n_kv, self.x_dim)

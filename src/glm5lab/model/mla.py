@@ -1,8 +1,7 @@
 """Multi-head Latent Attention (MLA) with DSA.
 
-Legend: B batch, T queries, S keys, H heads, N no-RoPE q/k width (`qk_nope_head_dim`), R RoPE
-width (`qk_rope_head_dim`), V value width (`v_head_dim`), C kv latent (`kv_lora_rank`),
-Q q latent (`q_lora_rank`).
+Legend: B batch, T queries, S keys, H heads, N no-RoPE q/k width (`qk_nope_head_dim`), R RoPE width
+(`qk_rope_head_dim`), V value width (`v_head_dim`), C kv latent (`kv_lora_rank`), Q q latent (`q_lora_rank`).
 
     q:  x -> q_a_proj -> q_a_layernorm (= q_lat, also the indexer's input) -> q_b_proj -> H x (N | R)
     kv: x -> kv_a_proj_with_mqa -> [c (C) | k_pe (R, one per token)]; c -> kv_a_layernorm
@@ -45,10 +44,9 @@ ROUTES = ("reference", "expanded", "latent_masked", "latent_gathered")
 
 def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_sized: bool, S: int,
                     index_topk: int) -> str:
-    """The kernel of one MLA attention call: the route table. decode_sized: at most
-    `DECODE_MAX_TOKENS` (16) queries per row (`Step.decode_sized`: decode, verification: per token
-    only the 576-wide latent is read, never per-head K/V); S keys (the cache extent, or T
-    uncached); `sparse`: DSA selected top-k keys for this call.
+    """The kernel of one MLA attention call: the route table. decode_sized: at most `DECODE_MAX_TOKENS` (16)
+    queries per row (`Step.decode_sized`: decode, verification: per token only the 576-wide latent is read, never
+    per-head K/V); S keys (the cache extent, or T uncached); `sparse`: DSA selected top-k keys for this call.
 
         reference  absorbed  top-k  decode-sized  S (keys)       route
         yes        -         any    any           any            reference
@@ -61,13 +59,12 @@ def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_siz
         no         no        no     no            any            expanded
 
     reference: per-head K/V expanded from the latent, explicit boolean mask, written-out softmax
-    (`attention_reference`; transformers' eager path). expanded: the same K/V through SDPA
-    (`is_causal` for an uncached full-attention call, else the mask). latent_masked: absorbed
-    attention over the 576-wide latents under the mask (`attention_latent_masked`).
-    latent_gathered: absorbed attention over each query's gathered top-k latents only
-    (`attention_latent_gathered`, DSA's core attention). Cached or not and the sliding window
-    enter only through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0.
-    All routes compute the same function (tests/model/test_mla.py ties each to the reference)."""
+    (`attention_reference`; transformers' eager path). expanded: the same K/V through SDPA (`is_causal` for an
+    uncached full-attention call, else the mask). latent_masked: absorbed attention over the 576-wide latents
+    under the mask (`attention_latent_masked`). latent_gathered: absorbed attention over each query's gathered
+    top-k latents only (`attention_latent_gathered`, DSA's core attention). Cached or not and the sliding
+    window enter only through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0. All
+    routes compute the same function (tests/model/test_mla.py ties each to the reference)."""
     if reference:
         return "reference"
     if absorbed:
@@ -131,11 +128,10 @@ class MLAttention(nn.Module):
         return torch.cat([torch.einsum("bthn,hnc->bthc", q_nope_BTHN, w_uk_HNC), q_pe_BTHR], dim=-1)
 
     def select(self, x_BTD, q_lat_BTQ, index_keys_BSJ, step: LayerStep) -> TopK | None:
-        """This layer's DSA top-k, or None when DSA is off for this call (off, a layer that
-        selects nothing, or S <= index_topk: every query then keeps all its causal keys). An
-        "own" layer scores the keys with its indexer and publishes its choice in the step
-        (`step.topk`); a "shared" layer reuses the published one (IndexCache). Selection is
-        discrete: no gradient flows through it."""
+        """This layer's DSA top-k, or None when DSA is off for this call (off, a layer that selects nothing,
+        or S <= index_topk: every query then keeps all its causal keys). An "own" layer scores the keys with
+        its indexer and publishes its choice in the step (`step.topk`); a "shared" layer reuses the published
+        one (IndexCache). Selection is discrete: no gradient flows through it."""
         role = self.spec.indexer
         if not step.use_dsa or role == "none" or step.extent <= step.index_topk:
             return None
@@ -163,12 +159,11 @@ class MLAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Causal self-attention of each row's T new tokens over its S visible keys (`step`, see
-        `glm5lab.model.step`: uncached = offset 0 and S = T). Returns out_BTD. Writes the new
-        latents (and indexer keys where the cache keeps them) to the step's cache. DSA is active
-        when `step.use_dsa`, the layer selects ("own"/"shared") and S > index_topk. The kernel is
-        `attention_route`'s. With `step.indexer_loss` (uncached), an "own" layer appends its
-        indexer KL (`indexer_kl`) to `step.indexer_kls`. Raises ValueError when DSA is on for a
-        cache without indexer keys, or for a "shared" layer with no earlier selection."""
+        `glm5lab.model.step`: uncached = offset 0 and S = T). Returns out_BTD. Writes the new latents (and indexer
+        keys where the cache keeps them) to the step's cache. DSA is active when `step.use_dsa`, the layer selects
+        ("own"/"shared") and S > index_topk. The kernel is `attention_route`'s. With `step.indexer_loss`
+        (uncached), an "own" layer appends its indexer KL (`indexer_kl`) to `step.indexer_kls`. Raises ValueError
+        when DSA is on for a cache without indexer keys, or for a "shared" layer with no earlier selection."""
         B, T, _ = x_BTD.shape
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, step.cos, step.sin)
         latent_BSX = step.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
@@ -209,13 +204,12 @@ class MLAttention(nn.Module):
 
     def indexer_kl(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, *, topk: TopK | None,
                    step_reference: bool = False) -> torch.Tensor:
-        """DSA indexer training loss (DeepSeek-V3.2, section 2.1): mean over queries of
-        KL(p || softmax(index scores)), p = this layer's attention probabilities summed over heads
-        and L1-normalised. Dense (warm-up): over all causal keys; sparse (`topk` given): both
-        restricted to the selected keys, computed at those keys only (`indexer_kl_sparse`, O(T K))
-        unless `step_reference` (the dense-mask reference below: [B, H, T, S] logits, scores at
-        every key, the same value). The indexer's inputs are detached, so this loss trains the
-        indexer only, and p carries no gradient. Returns a scalar fp32 tensor."""
+        """DSA indexer training loss (DeepSeek-V3.2, section 2.1): mean over queries of KL(p || softmax(index
+        scores)), p = this layer's attention probabilities summed over heads and L1-normalised. Dense
+        (warm-up): over all causal keys; sparse (`topk` given): both restricted to the selected keys, computed
+        at those keys only (`indexer_kl_sparse`, O(T K)) unless `step_reference` (the dense-mask reference
+        below: [B, H, T, S] logits, scores at every key, the same value). The indexer's inputs are detached,
+        so this loss trains the indexer only, and p carries no gradient. Returns a scalar fp32 tensor."""
         if topk is not None and not step_reference:
             return self.indexer_kl_sparse(x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, topk)
         q_nope, q_pe, c_BTC, k_pe_BTR = projected

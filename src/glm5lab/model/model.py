@@ -1,11 +1,10 @@
 """`GLM5ForCausalLM`: embedding, decoder blocks chosen per layer from the config, final norm,
 output head, and the shared-parameter MTP module.
 
-Legend: B batch, T positions, D hidden, V vocab.
-Parameter names equal transformers' `GlmMoeDsaForCausalLM` except the routed experts (kept as
-3-D tensors here) and the MTP layer (`model.mtp_layers.0` here, `model.layers.{N}` in the
-checkpoint); `glm5lab.hf` holds the mapping. Single device, no globals: FSDP, compile and
-activation checkpointing are applied from outside.
+Legend: B batch, T positions, D hidden, V vocab. Parameter names equal transformers' `GlmMoeDsaForCausalLM`
+except the routed experts (kept as 3-D tensors here) and the MTP layer (`model.mtp_layers.0` here,
+`model.layers.{N}` in the checkpoint); `glm5lab.hf` holds the mapping. Single device, no globals: FSDP,
+compile and activation checkpointing are applied from outside.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from glm5lab.model.mtp import MTPLayer, mtp_unroll
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import rope_angles
 from glm5lab.model.step import Step
-from glm5lab.validate import int_at_least
+from glm5lab.validate import int_at_least, one_of
 
 
 @dataclass
@@ -91,11 +90,10 @@ class GLM5ForCausalLM(nn.Module):
                 cache: KVCache | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
         """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings, ids in the vocab.
 
-        cache: a `KVCache.for_model(self, ...)`; input_ids are then each row's next T tokens, at
-        positions cache.lengths[b] + 0..T-1; their latents are appended and every row's length
-        grows by T (roll back with `cache.truncate`). Raises CacheOverflowError past its capacity.
-        logits_to_keep: compute logits for the last this-many positions only (0 = all), as in
-        transformers (prefill needs one row of logits, not T).
+        cache: a `KVCache.for_model(self, ...)`; input_ids are then each row's next T tokens, at positions
+        cache.lengths[b] + 0..T-1; their latents are appended and every row's length grows by T (roll back with
+        `cache.truncate`). Raises CacheOverflowError past its capacity. logits_to_keep: compute logits for the
+        last this-many positions only (0 = all), as in transformers (prefill needs one row of logits, not T).
 
         mtp_depth: unroll the MTP module this many times (0 = none; needs
         num_nextn_predict_layers = 1). attn_impl: "auto" (`glm5lab.model.mla.attention_route`) |
@@ -126,11 +124,10 @@ class GLM5ForCausalLM(nn.Module):
              moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
              logits_to_keep: int = 0, static: bool = False) -> CausalLMOutput:
         """`forward` without its checks of the ids' values and shapes (the caller made them once:
-        `glm5lab.infer.prefill` / `decode_step` / `verify`); no host synchronisation on the way.
-        With a cache, call it inside `cache.writing(T)` (which reserves and commits the tokens).
-        Options as `forward`; raises ValueError for an unknown option value. static (with a
-        cache): static shapes, keys over the whole capacity (`KVCache.begin`), the form
-        `torch.compile` traces (`glm5lab.infer.compiled`)."""
+        `glm5lab.infer.prefill` / `decode_step` / `verify`); no host synchronisation on the way. With a cache,
+        call it inside `cache.writing(T)` (which reserves and commits the tokens). Options as `forward`;
+        raises ValueError for an unknown option value. static (with a cache): static shapes, keys over the
+        whole capacity (`KVCache.begin`), the form `torch.compile` traces (`glm5lab.infer.compiled`)."""
         cfg, T = self.config, input_ids.shape[1]
         options = self._options(attn_impl, moe_impl, use_dsa, indexer_loss)
         int_at_least("logits_to_keep (0 = all positions)", logits_to_keep, 0)
@@ -155,10 +152,8 @@ class GLM5ForCausalLM(nn.Module):
 
     def _options(self, attn_impl: str, moe_impl: str, use_dsa: bool | None, indexer_loss: bool) -> dict:
         """The `Step` options of one forward. Raises ValueError for an unknown impl."""
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attention impl {attn_impl!r} is not allowed: one of {ATTN_IMPLS}")
-        if moe_impl not in EXPERT_IMPLS:
-            raise ValueError(f"experts impl {moe_impl!r} is not allowed: one of {EXPERT_IMPLS}")
+        one_of("attention impl", attn_impl, ATTN_IMPLS)
+        one_of("experts impl", moe_impl, EXPERT_IMPLS)
         return dict(reference=attn_impl == "naive", absorbed=attn_impl == "absorbed", moe_impl=moe_impl,
                     use_dsa=self.config.use_dsa if use_dsa is None else bool(use_dsa),
                     index_topk=self.config.index_topk, indexer_loss=indexer_loss)
@@ -170,14 +165,13 @@ class GLM5ForCausalLM(nn.Module):
         new pairs (h_t, x_{t+1}), returns (h' [B, T, D], logits [B, T, V]) predicting x_{t+2};
         h' is the MTP block's output after `shared_head.norm`, what the logits are computed from.
 
-        hidden_BTD: the main model's `hidden_states` (post final norm) or, for the next draft
-        step, the h' this method returned (post-norm at every depth, as in training: see
-        `glm5lab.model.mtp`); next_ids: int64 [B, T] (ids not range-checked: they come from the
-        model or from checked prompts); cache: `KVCache.for_mtp(self, ...)`, whose entry at slot
-        t is pair t (positions follow the cache, as in vLLM/SGLang's MTP drafting).
-        with_logits=False skips the output head (logits None). No host synchronisation. Raises
-        ValueError without an MTP layer or for shapes that disagree, CacheOverflowError past
-        capacity. `mtp_forward` is the same inside the caller's `cache.writing(T)`, unchecked."""
+        hidden_BTD: the main model's `hidden_states` (post final norm) or, for the next draft step, the h' this
+        method returned (post-norm at every depth, as in training: see `glm5lab.model.mtp`); next_ids: int64 [B,
+        T] (ids not range-checked: they come from the model or from checked prompts); cache:
+        `KVCache.for_mtp(self, ...)`, whose entry at slot t is pair t (positions follow the cache, as in
+        vLLM/SGLang's MTP drafting). with_logits=False skips the output head (logits None). No host
+        synchronisation. Raises ValueError without an MTP layer or for shapes that disagree, CacheOverflowError
+        past capacity. `mtp_forward` is the same inside the caller's `cache.writing(T)`, unchecked."""
         self._check_mtp_step(hidden_BTD, next_ids, cache)
         with cache.writing(next_ids.shape[1]):
             return self.mtp_forward(hidden_BTD, next_ids, cache=cache, attn_impl=attn_impl, moe_impl=moe_impl,
@@ -230,12 +224,11 @@ class GLM5ForCausalLM(nn.Module):
     def from_pretrained(cls, path, *, dtype: torch.dtype | None = None, device=None, mtp: bool | None = None):
         """Load an HF-layout folder (config.json + safetensors, sharded or not). See `glm5lab.hf.load_pretrained`.
 
-        The loaded model computes transformers' `GlmMoeDsaForCausalLM` logits (fp32: within
-        1e-4) except at exact ties of index scores at a DSA query's top-k boundary: glm5lab keeps
-        the earlier key, transformers' `torch.topk` picks among equal scores arbitrarily, so from
-        such a query on the two can differ (README, "Parity at index-score ties"). dtype: the
-        router's weight and bias and the indexer's `weights_proj`/`k_norm` stay fp32 with the
-        checkpoint's exact values (`glm5lab.model.precision`)."""
+        The loaded model computes transformers' `GlmMoeDsaForCausalLM` logits (fp32: within 1e-4) except at
+        exact ties of index scores at a DSA query's top-k boundary: glm5lab keeps the earlier key,
+        transformers' `torch.topk` picks among equal scores arbitrarily, so from such a query on the two can
+        differ (README, "Parity at index-score ties"). dtype: the router's weight and bias and the indexer's
+        `weights_proj`/`k_norm` stay fp32 with the checkpoint's exact values (`glm5lab.model.precision`)."""
         from glm5lab.hf import load_pretrained
 
         return load_pretrained(cls, path, dtype=dtype, device=device, mtp=mtp)

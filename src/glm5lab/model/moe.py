@@ -39,6 +39,7 @@ from glm5lab.model.dispatch import LocalDispatcher
 from glm5lab.model.mlp import MLP
 from glm5lab.model.precision import KeepFP32, compute_dtype, fp32_compute
 from glm5lab.model.step import LayerStep
+from glm5lab.validate import one_of
 
 EXPERT_IMPLS = ("auto", "grouped", "grouped_mm", "gathered", "loop")
 GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1
@@ -68,9 +69,8 @@ class Router(KeepFP32):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
 
     def forward(self, x_ND: torch.Tensor):
-        """x_ND: hidden states [N, D], any floating dtype. Returns (w_NK fp32 combine weights,
-        idx_NK int64 expert ids, scores_NE fp32 sigmoid); every step in fp32 (fp64 in an fp64
-        model), autocast off."""
+        """x_ND: hidden states [N, D], any floating dtype. Returns (w_NK fp32 combine weights, idx_NK int64
+        expert ids, scores_NE fp32 sigmoid); every step in fp32 (fp64 in an fp64 model), autocast off."""
         with fp32_compute(x_ND.device):
             return self._route(x_ND)
 
@@ -185,8 +185,7 @@ class Experts(nn.Module):
         (`Step.decode_sized`), or at most GATHER_MAX_ASSIGNMENTS_PER_EXPERT rows per expert, a
         sync-free kernel (`grouped_mm` where it runs and the call is not `static`, else
         `gathered`); else `grouped`. All compute the same function."""
-        if impl not in EXPERT_IMPLS:
-            raise ValueError(f"experts impl {impl!r} is not allowed: one of {EXPERT_IMPLS}")
+        one_of("experts impl", impl, EXPERT_IMPLS)
         if impl != "auto":
             return impl
         if not (decode_sized or x_AD.shape[0] <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0]):
@@ -202,11 +201,10 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """Routed experts + always-on shared expert: route -> dispatch -> local experts -> combine
-    (`glm5lab.model.dispatch`). Each forward in training mode (`module.training`) adds the
-    number of tokens routed to each expert to `load` (int64 [E], no grad; the MTP layer runs
-    once per depth, so it counts every depth); `pop_load()` returns and resets it, for
-    aux-loss-free balancing and logging. Forwards in eval mode (validation, inference) count
-    nothing, so they never steer the router bias."""
+    (`glm5lab.model.dispatch`). Each forward in training mode (`module.training`) adds the number of tokens
+    routed to each expert to `load` (int64 [E], no grad; the MTP layer runs once per depth, so it counts every
+    depth); `pop_load()` returns and resets it, for aux-loss-free balancing and logging. Forwards in eval mode
+    (validation, inference) count nothing, so they never steer the router bias."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -11,9 +11,8 @@ recursively, and every depth hands on the state after its final norm:
 So what the output head reads at depth j is also what depth j+1 receives: one kind of input
 (post-norm) for the one shared parameter set at every depth. Depth j is computed on positions
 t = 0..T-1-j only (where x_{t+j} exists), so its logits are [B, T-j, V]; the last one predicts
-the token after the sequence. The same parameters serve every depth: the report's "unrolled 3
-times in training", and the draft head of speculative decoding (`GLM5ForCausalLM.mtp_step`
-returns h^(j) for the next draft step).
+the token after the sequence. The same parameters serve every depth: the report's "unrolled 3 times in training",
+and the draft head of speculative decoding (`GLM5ForCausalLM.mtp_step` returns h^(j) for the next draft step).
 
 Sources: DeepSeek-V3 section 2.2; GLM-5 report (shared-parameter MTP); the seed's `SharedMTP`
 example (the state the head reads is the state that chains; kept as a test). The post-norm chain
@@ -68,12 +67,11 @@ class MTPLayer(DecoderLayer):
 
 
 def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, step: Step):
-    """(logits of depths 1..depth, indexer KLs) from h0_BTD, the main model's hidden state after
-    its final norm, and the main forward's uncached `step` (its RoPE angles and options; each
-    depth runs on its own step over L = T-j positions): logits[j-1] is [B, T-j, V]; depth j+1
-    receives depth j's post-norm state. The KL list has one entry per depth when the step asks
-    for `indexer_loss` and the layer runs an indexer, else is empty. One shared parameter set.
-    Raises ValueError unless 1 <= depth <= T-1 (depth j reads token t+j)."""
+    """(logits of depths 1..depth, indexer KLs) from h0_BTD, the main model's hidden state after its final
+    norm, and the main forward's uncached `step` (its RoPE angles and options; each depth runs on its own step
+    over L = T-j positions): logits[j-1] is [B, T-j, V]; depth j+1 receives depth j's post-norm state. The KL
+    list has one entry per depth when the step asks for `indexer_loss` and the layer runs an indexer, else is
+    empty. One shared parameter set. Raises ValueError unless 1 <= depth <= T-1 (depth j reads token t+j)."""
     T = input_ids_BT.shape[1]
     if not 1 <= depth <= T - 1:
         raise ValueError(f"mtp_depth={depth} is not allowed for a sequence of {T} tokens: 1..{T - 1} "

@@ -35,11 +35,10 @@ def _below_fp32(t: torch.Tensor) -> bool:
 
 
 def _at_least_fp32(fn):
-    """`fn` (what `Module._apply` maps over tensors) that never makes a floating tensor narrower
-    than fp32: fn is tried on an empty tensor of the same dtype and device first; where it would
-    give bf16/fp16/fp8, the tensor is only moved to fn's device (and made fp32, e.g. from fp64),
-    so its values never pass through the narrow dtype; otherwise fn is applied as is (device
-    moves, `to_empty`, casts to fp32 or fp64)."""
+    """`fn` (what `Module._apply` maps over tensors) that never makes a floating tensor narrower than fp32: fn
+    is tried on an empty tensor of the same dtype and device first; where it would give bf16/fp16/fp8, the
+    tensor is only moved to fn's device (and made fp32, e.g. from fp64), so its values never pass through the
+    narrow dtype; otherwise fn is applied as is (device moves, `to_empty`, casts to fp32 or fp64)."""
 
     def apply(t: torch.Tensor) -> torch.Tensor:
         probe = fn(t.new_empty(0))

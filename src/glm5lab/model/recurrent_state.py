@@ -3,17 +3,15 @@
 Legend: B rows, T tokens of the last cached forward, H heads, K key width, V value width,
 Cc conv channels, W conv window (kernel - 1), X = W + T.
 
-A recurrent layer's state is not per token: one matrix per head [H, K, V] (fp32) and, for
-Gated DeltaNet, the last W pre-conv inputs [Cc, W]. Rolling rows back (speculative decoding
-rejects drafts; right-padded prompts must forget their pads) therefore cannot drop slots as the
-attention caches do. Each cached forward instead records what it needs to redo itself
-(`advance`): the state at its start and its keys, values, gates and write strengths. A
-`rollback(keep_B)` replays the first keep_B[b] tokens of that forward from its start state, the
-rest masked to "no decay, no write" (g = 0, beta = 0 leaves S unchanged, exactly), and takes the
-conv window ending at the last kept token. So a row can roll back anywhere inside the last
-forward (keep 0 = its start), never further: `KVCache.truncate` refuses that with a message.
-Generation therefore truncates after every prefill chunk (rows whose prompt ended stay at their
-length) and after every verification.
+A recurrent layer's state is not per token: one matrix per head [H, K, V] (fp32) and, for Gated DeltaNet, the
+last W pre-conv inputs [Cc, W]. Rolling rows back (speculative decoding rejects drafts; right-padded prompts
+must forget their pads) therefore cannot drop slots as the attention caches do. Each cached forward instead
+records what it needs to redo itself (`advance`): the state at its start and its keys, values, gates and write
+strengths. A `rollback(keep_B)` replays the first keep_B[b] tokens of that forward from its start state, the
+rest masked to "no decay, no write" (g = 0, beta = 0 leaves S unchanged, exactly), and takes the conv window
+ending at the last kept token. So a row can roll back anywhere inside the last forward (keep 0 = its start),
+never further: `KVCache.truncate` refuses that with a message. Generation therefore truncates after every
+prefill chunk (rows whose prompt ended stay at their length) and after every verification.
 
 Source: the decode state of transformers' Qwen3-Next (`conv_states`, `recurrent_states`); the
 rollback-by-replay is ours (vLLM keeps one state per speculative position instead).
@@ -58,9 +56,8 @@ class RecurrentState:
 
     def advance(self, new_BHKV: torch.Tensor, *, conv_BCX: torch.Tensor | None, k_BTHK: torch.Tensor,
                 v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor) -> None:
-        """Record one cached forward of T tokens (its inputs to the gated delta rule, after
-        normalisation and head repetition; conv_BCX = [old window | the T new pre-conv inputs])
-        and move to its final state."""
+        """Record one cached forward of T tokens (its inputs to the gated delta rule, after normalisation and
+        head repetition; conv_BCX = [old window | the T new pre-conv inputs]) and move to its final state."""
         self.last = _LastForward(self.recurrent_BHKV, conv_BCX, k_BTHK.detach(), v_BTHV.detach(),
                                  g_BTH.detach().float(), beta_BTH.detach().float())
         self.recurrent_BHKV = new_BHKV.detach().float()
@@ -69,9 +66,8 @@ class RecurrentState:
             self.conv_BCW = conv_BCX[:, :, conv_BCX.shape[-1] - W:].detach().to(self.conv_BCW.dtype)
 
     def rollback(self, keep_B: torch.Tensor) -> None:
-        """Set each row b to the state after the first keep_B[b] tokens of the last forward
-        (int64 [B], 0 <= keep_B <= T). Raises ValueError outside that range or with no forward
-        recorded while some keep is < 0."""
+        """Set each row b to the state after the first keep_B[b] tokens of the last forward (int64 [B], 0 <=
+        keep_B <= T). Raises ValueError outside that range or with no forward recorded while some keep is < 0."""
         last = self.last
         T = 0 if last is None else last.k_BTHK.shape[1]
         if bool((keep_B < 0).any()) or bool((keep_B > T).any()):

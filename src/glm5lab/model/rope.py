@@ -28,9 +28,8 @@ def rope_angles(positions_T: torch.Tensor, rope_dim: int, theta: float) -> tuple
 def apply_rope(x_BTHR: torch.Tensor, cos_TR2: torch.Tensor, sin_TR2: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
     """Rotate the last dim of `x_BTHR` ([B, T, H, R] or [B, T, R]) by position.
 
-    cos/sin are [T, R/2] (or [B, T, R/2], per-row positions) from `rope_angles`; the result has
-    x's shape and dtype. With `interleaved=True` the output layout is [rotated evens | rotated
-    odds] (see module doc)."""
+    cos/sin are [T, R/2] (or [B, T, R/2], per-row positions) from `rope_angles`; the result has x's shape and
+    dtype. With `interleaved=True` the output layout is [rotated evens | rotated odds] (see module doc)."""
     squeeze = x_BTHR.dim() == 3
     x = x_BTHR.unsqueeze(2) if squeeze else x_BTHR
     cos = cos_TR2.to(x.dtype).unsqueeze(-2)

@@ -1,8 +1,7 @@
 """What one forward hands to every layer: positions, RoPE angles, the cache slots, the options,
 and the running DSA selection.
 
-Legend: B rows, T new tokens per row, S keys visible to them (the cache extent; T uncached),
-R/2 RoPE frequencies.
+Legend: B rows, T new tokens per row, S keys visible to them (the cache extent; T uncached), R/2 RoPE frequencies.
 
 The token-mixer interface is `mixer(x_BTD, step: LayerStep) -> out_BTD` for every mixer (MLA,
 GQA, Gated DeltaNet, SimpleGDN). A forward without a cache is the offset-0 case of the cached

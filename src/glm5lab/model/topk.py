@@ -1,16 +1,14 @@
-"""DSA's top-k selection: the result type, the valid slots, the reference selector and its fast
-and grouped twins.
+"""DSA's top-k selection: the result type, the valid slots, the reference selector and its fast and grouped twins.
 
 Legend: B rows, T queries, S keys, K `index_topk`.
 
-Each query keeps its min(K, S) best-scoring keys, ties to the earlier key: the choice of a
-stable descending sort. Keys after the query hold -inf (`glm5lab.model.visibility`) and rank
-after every visible key; NaN (either sign) ranks first, as torch.topk ranks it. Slot j of query
-t is valid iff j < the number of keys it sees (`visible_count`). `select_topk` is the
-reference; `select_topk_fast` (one fp32 torch.topk, rows with ties or NaN re-ranked) and
-`_topk_grouped` (a shortlist for long rows) compute the same choice, tied by
-tests/model/test_dsa_blocked.py and test_topk_causal.py. Source: DeepSeek-V3.2 (DSA's top-k),
-transformers' `GlmMoeDsaIndexer` (torch.topk).
+Each query keeps its min(K, S) best-scoring keys, ties to the earlier key: the choice of a stable descending
+sort. Keys after the query hold -inf (`glm5lab.model.visibility`) and rank after every visible key; NaN
+(either sign) ranks first, as torch.topk ranks it. Slot j of query t is valid iff j < the number of keys it
+sees (`visible_count`). `select_topk` is the reference; `select_topk_fast` (one fp32 torch.topk, rows with
+ties or NaN re-ranked) and `_topk_grouped` (a shortlist for long rows) compute the same choice, tied by
+tests/model/test_dsa_blocked.py and test_topk_causal.py. Source: DeepSeek-V3.2 (DSA's top-k), transformers'
+`GlmMoeDsaIndexer` (torch.topk).
 """
 
 from __future__ import annotations
@@ -39,14 +37,13 @@ def check_k(k: int) -> None:
 def select_topk(scores_BTS: torch.Tensor, k: int, *, q_offset=0) -> TopK:
     """The min(k, S) best keys of each query, ties broken by position (earlier first).
 
-    scores_BTS must hold -inf exactly at the keys after each query (as `scores` returns); the
-    scores of visible keys may hold anything: NaN (either sign) ranks first, as torch.topk ranks
-    it, and a visible -inf before the -inf keys after the query, so those are never selected. The
-    choice is that of a stable descending sort, computed as torch.topk over distinct int64 keys
-    (`_ranking_keys`: the score's order-preserving bits, then the position), so it is
-    deterministic on every device and O(S log K) rather than a full sort. Slots beyond the
-    query's number of causal keys (q_offset + t + 1) are marked invalid. q_offset: an int or a
-    LongTensor [B] (one offset per row). Raises ValueError for k < 1."""
+    scores_BTS must hold -inf exactly at the keys after each query (as `scores` returns); the scores of
+    visible keys may hold anything: NaN (either sign) ranks first, as torch.topk ranks it, and a visible -inf
+    before the -inf keys after the query, so those are never selected. The choice is that of a stable
+    descending sort, computed as torch.topk over distinct int64 keys (`_ranking_keys`: the score's
+    order-preserving bits, then the position), so it is deterministic on every device and O(S log K) rather
+    than a full sort. Slots beyond the query's number of causal keys (q_offset + t + 1) are marked invalid.
+    q_offset: an int or a LongTensor [B] (one offset per row). Raises ValueError for k < 1."""
     check_k(k)
     B, T, S = scores_BTS.shape
     K = min(k, S)
@@ -81,14 +78,13 @@ GROUPED_TOPK_MIN_KEYS = 8192
 
 
 def _topk_grouped(scores_BTS: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(scores_BTS, k) over a shortlist: the k groups of g scores (strided: j, j + G,
-    ..., G = S // g) with the largest maxima (g = 8, or 16 from 48K keys), plus the tail that
-    fills no group. Every score outside them is <= the k-th largest group maximum, itself one of
-    the shortlist's k best, so the values are torch.topk's exactly and the indices are wherever
-    those values are distinct (an outside score can only equal the k-th: `select_topk_fast`
-    re-ranks such rows anyway). torch.topk copies each row into (value, index) pairs and
-    heap-sorts them, so its cost follows the row length; the shortlist's gain is in BENCHMARKS.md
-    ("Kernel choices"). Rows shorter than 8192 keys use torch.topk itself."""
+    """torch.topk(scores_BTS, k) over a shortlist: the k groups of g scores (strided: j, j + G, ..., G = S //
+    g) with the largest maxima (g = 8, or 16 from 48K keys), plus the tail that fills no group. Every score
+    outside them is <= the k-th largest group maximum, itself one of the shortlist's k best, so the values are
+    torch.topk's exactly and the indices are wherever those values are distinct (an outside score can only
+    equal the k-th: `select_topk_fast` re-ranks such rows anyway). torch.topk copies each row into (value,
+    index) pairs and heap-sorts them, so its cost follows the row length; the shortlist's gain is in
+    BENCHMARKS.md ("Kernel choices"). Rows shorter than 8192 keys use torch.topk itself."""
     *lead, S = scores_BTS.shape
     g = 8 if S < 49152 else 16
     if S < GROUPED_TOPK_MIN_KEYS or S // g < k:
@@ -113,11 +109,10 @@ def valid_slots(shape, k: int, q_offset, device) -> torch.Tensor:
 
 
 def boundary_ties(scores_BTS: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool [B, T]: query rows whose k-th and (k+1)-th best scores are exactly equal, among rows
-    with more than k causal (finite) keys: the rows where the tie rule, not the scores, decides
-    the last selected key (ours: the earlier key; torch.topk: unspecified). scores_BTS as
-    `LightningIndexer.scores` returns them. A diagnostic (tests/test_hf_ties.py,
-    benchmarks/index_ties.py), not on the forward path."""
+    """Bool [B, T]: query rows whose k-th and (k+1)-th best scores are exactly equal, among rows with more
+    than k causal (finite) keys: the rows where the tie rule, not the scores, decides the last selected key
+    (ours: the earlier key; torch.topk: unspecified). scores_BTS as `LightningIndexer.scores` returns them. A
+    diagnostic (tests/test_hf_ties.py, benchmarks/index_ties.py), not on the forward path."""
     best = scores_BTS.sort(-1, descending=True).values
     many = scores_BTS.isfinite().sum(-1) > k
     return many & (best[..., k - 1] == best[..., k]) if scores_BTS.shape[-1] > k else many

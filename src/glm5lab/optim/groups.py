@@ -3,9 +3,8 @@
 `RULES` is the one declarative list: a regex (full match on the `named_parameters()` name) ->
 kind under Muon, weight decay on/off, for Muon Split the config field holding the head count, and
 whether the parameter belongs to the DSA indexer (what the indexer warm-up stage trains:
-`indexer_parameter_names`).
-Every parameter must match exactly one rule (`param_group_table` raises otherwise, listing the
-names), so a new module cannot silently fall into a default group. Buffers such as the router's
+`indexer_parameter_names`). Every parameter must match exactly one rule (`param_group_table` raises otherwise,
+listing the names), so a new module cannot silently fall into a default group. Buffers such as the router's
 `e_score_correction_bias` are not parameters and never reach the optimizer.
 
 Choices (docs/optim.md): AdamW for embedding, output head, norms and biases; Muon for every other
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from glm5lab.optim.muon import MuonAdamW
+from glm5lab.validate import one_of
 
 OPTIMIZERS = ("adamw", "muon", "muon-split")
 
@@ -80,8 +80,7 @@ class ParamRule:
 
 
 def _check_optimizer(optimizer: str) -> None:
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not allowed: one of {', '.join(OPTIMIZERS)}")
+    one_of("optimizer", optimizer, OPTIMIZERS)
 
 
 def _match_one(names: list[str], rules=RULES) -> dict[str, Rule]:

@@ -1,7 +1,6 @@
 """`MuonAdamW`: one optimizer for Muon, Muon Split and AdamW parameter groups.
 
-Legend: M rows (out features), N cols (in features), E experts, H heads.
-Each param group carries `kind`:
+Legend: M rows (out features), N cols (in features), E experts, H heads. Each param group carries `kind`:
 - "muon": p [M, N], or [E, M, N] stacked experts (each expert's matrix orthogonalised on its own);
 - "muon_split": p [M, N] with group key `heads`; rows split per head (`muon_split`), each
   [M/H, N] block orthogonalised by Newton-Schulz;
@@ -11,10 +10,9 @@ Muon step (as `torch.optim.Muon`, Keller Jordan's Muon):
     u   <- g.lerp(buf, momentum) if nesterov else buf
     O   <- NS(u) per block;  p <- p * (1 - lr*wd);  p <- p - adjust_lr(lr, block shape) * O
 adjust_lr_fn "match_rms_adamw" (default; Moonshot, "Muon is Scalable for LLM Training"):
-0.2 * sqrt(max(A, B)) makes every block's update RMS 0.2, about AdamW's, so one lr and one
-weight decay serve Muon and AdamW groups. "original" (Keller Jordan): sqrt(max(1, A/B)).
-(A, B) is the shape of each orthogonalised block: the per-head block [M/H, N] for "muon_split",
-the per-expert matrix [M, N] for 3-D params. Notes: docs/optim.md.
+0.2 * sqrt(max(A, B)) makes every block's update RMS 0.2, about AdamW's, so one lr and one weight decay serve Muon
+and AdamW groups. "original" (Keller Jordan): sqrt(max(1, A/B)). (A, B) is the shape of each orthogonalised block:
+the per-head block [M/H, N] for "muon_split", the per-expert matrix [M, N] for 3-D params. Notes: docs/optim.md.
 """
 
 from __future__ import annotations
@@ -26,12 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.optimizer import Optimizer, required
 
-from glm5lab.optim.newton_schulz import (
-    NS_COEFFICIENTS,
-    NS_EPS,
-    muon_split,
-    newton_schulz,
-)
+from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, muon_split, newton_schulz
+from glm5lab.validate import int_at_least, one_of
 
 KINDS = ("muon", "muon_split", "adamw")
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -60,14 +54,13 @@ def block_shape(p: torch.Tensor, kind: str, heads: int | None) -> tuple[int, int
 class MuonAdamW(Optimizer):
     """Muon, Muon Split and AdamW in one `torch.optim.Optimizer` (param-group key `kind`).
 
-    params: param groups (dicts) each with "params" and "kind" in KINDS (required: there is no
-    default kind), plus "heads" for "muon_split"; any hyperparameter below may be overridden
-    per group. Muon groups use lr, weight_decay, momentum, nesterov, ns_steps,
-    ns_coefficients, ns_eps, adjust_lr_fn; AdamW groups use lr, weight_decay, betas, eps.
-    fp32 params and grads expected (state has the param's dtype). state_dict() /
-    load_state_dict() round-trip bit-exactly (state: "momentum_buffer" for Muon; "step"
-    (fp32 scalar tensor, as torch), "exp_avg", "exp_avg_sq" for AdamW).
-    Raises ValueError for a bad kind, shape, heads or hyperparameter, naming it.
+    params: param groups (dicts) each with "params" and "kind" in KINDS (required: there is no default kind),
+    plus "heads" for "muon_split"; any hyperparameter below may be overridden per group. Muon groups use lr,
+    weight_decay, momentum, nesterov, ns_steps, ns_coefficients, ns_eps, adjust_lr_fn; AdamW groups use lr,
+    weight_decay, betas, eps. fp32 params and grads expected (state has the param's dtype). state_dict() /
+    load_state_dict() round-trip bit-exactly (state: "momentum_buffer" for Muon; "step" (fp32 scalar tensor,
+    as torch), "exp_avg", "exp_avg_sq" for AdamW). Raises ValueError for a bad kind, shape, heads or
+    hyperparameter, naming it.
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -101,15 +94,13 @@ class MuonAdamW(Optimizer):
 
 def _check_group(group: dict) -> None:
     kind, heads = group["kind"], group["heads"]
-    if kind not in KINDS:
-        raise ValueError(f"param group kind {kind!r} is not allowed: one of {KINDS}")
-    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn {group['adjust_lr_fn']!r} is not allowed: one of {ADJUST_LR_FNS}")
+    one_of("param group kind", kind, KINDS)
+    one_of("adjust_lr_fn", group["adjust_lr_fn"], ADJUST_LR_FNS)
     for name in ("lr", "weight_decay", "momentum", "eps"):
         if group[name] < 0:
             raise ValueError(f"{name} must be >= 0, got {group[name]}")
-    if kind == "muon_split" and (not isinstance(heads, int) or heads < 1):
-        raise ValueError(f"a muon_split group needs an integer heads >= 1, got heads={heads!r}")
+    if kind == "muon_split":
+        int_at_least("muon_split group heads", heads, 1)
     for p in group["params"]:
         _check_param(p, kind, heads)
 

@@ -1,11 +1,10 @@
 """Orthogonalisation of update matrices: the Newton-Schulz iteration Muon runs, its exact SVD
 twin, and the per-head split of Muon Split.
 
-Legend: M rows, N cols, B batch of independent matrices, H heads.
-`newton_schulz` is the fast path; `orthogonalize_exact` is the reference it approximates (same
-signature, compared in `tests/optim/test_newton_schulz.py`). Derivation and observed
-singular-value range: docs/optim.md.
-Sources: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024) and
+Legend: M rows, N cols, B batch of independent matrices, H heads. `newton_schulz` is the fast path;
+`orthogonalize_exact` is the reference it approximates (same signature, compared in
+`tests/optim/test_newton_schulz.py`). Derivation and observed singular-value range: docs/optim.md. Sources:
+Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024) and
 `torch.optim._muon._zeropower_via_newtonschulz`; GLM-5 report (Muon Split).
 """
 
@@ -29,14 +28,13 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, *, coefficients: tuple[float,
                   eps: float = NS_EPS) -> torch.Tensor:
     """Approximate polar factor of G by `steps` quintic Newton-Schulz iterations.
 
-    G: [M, N] or [B, M, N] (each of the B matrices on its own), any float dtype; computed in
-    fp32 (bf16 matmuls are ~100x slower on CPU), returned in G's dtype and shape.
-    Each matrix is divided by its Frobenius norm (clamped below at `eps`), transposed when
-    M > N so the Gram matrix is the smaller one, then X <- a X + (b A + c A^2) X with A = X X^T.
-    The result is U p^steps(S / |G|_F) V^T for G = U S V^T; singular values of well-scaled
-    directions land in about [0.68, 1.21], not exactly 1 (see docs/optim.md).
-    Same arithmetic as `torch.optim._muon._zeropower_via_newtonschulz`, which runs in bf16.
-    Raises ValueError for another rank or steps < 0.
+    G: [M, N] or [B, M, N] (each of the B matrices on its own), any float dtype; computed in fp32 (bf16
+    matmuls are ~100x slower on CPU), returned in G's dtype and shape. Each matrix is divided by its Frobenius
+    norm (clamped below at `eps`), transposed when M > N so the Gram matrix is the smaller one, then X <- a X
+    + (b A + c A^2) X with A = X X^T. The result is U p^steps(S / |G|_F) V^T for G = U S V^T; singular values
+    of well-scaled directions land in about [0.68, 1.21], not exactly 1 (see docs/optim.md). Same arithmetic
+    as `torch.optim._muon._zeropower_via_newtonschulz`, which runs in bf16. Raises ValueError for another rank
+    or steps < 0.
     """
     _check_matrix(G, "newton_schulz")
     if steps < 0:
@@ -71,11 +69,10 @@ def muon_split(update: torch.Tensor, heads: int,
                orthogonalize: Callable[[torch.Tensor], torch.Tensor] = orthogonalize_exact) -> torch.Tensor:
     """Muon Split (GLM-5 report): G = [G_1; ...; G_H] by rows, orthogonalise each G_i, concatenate.
 
-    update: [M, N] with M divisible by `heads` (rows head-major, as in MLA's q_b / kv_b).
-    orthogonalize: maps a batch [H, M/H, N] to the same shape, each matrix on its own
-    (`orthogonalize_exact` or `newton_schulz`); the heads go through it as one batch, which
-    equals chunking rows per head and concatenating. Returns [M, N] in update's dtype.
-    Raises ValueError, naming the shape and heads, when update is not 2-D or M % heads != 0.
+    update: [M, N] with M divisible by `heads` (rows head-major, as in MLA's q_b / kv_b). orthogonalize: maps a
+    batch [H, M/H, N] to the same shape, each matrix on its own (`orthogonalize_exact` or `newton_schulz`); the
+    heads go through it as one batch, which equals chunking rows per head and concatenating. Returns [M, N] in
+    update's dtype. Raises ValueError, naming the shape and heads, when update is not 2-D or M % heads != 0.
     """
     if update.ndim != 2 or heads < 1 or update.shape[0] % heads:
         raise ValueError(f"muon_split needs a 2-D update whose rows divide by heads; got shape "

@@ -19,10 +19,9 @@ class NotARunError(ValueError):
 
 @dataclass
 class RunRecord:
-    """run_dir: the folder. run: run.json (args, stages, git commit, torch, world size, device).
-    config: the HF config.json dict. summary: summary.json. metrics: one dict per step.
-    checkpoint: the latest checkpoint folder. ablations: {study: results.json dict + "table"}.
-    evals: {file stem: its JSON}."""
+    """run_dir: the folder. run: run.json (args, stages, git commit, torch, world size, device). config: the
+    HF config.json dict. summary: summary.json. metrics: one dict per step. checkpoint: the latest checkpoint
+    folder. ablations: {study: results.json dict + "table"}. evals: {file stem: its JSON}."""
 
     run_dir: Path
     run: dict

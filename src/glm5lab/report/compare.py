@@ -1,12 +1,11 @@
 """`glm5lab report RUN_A --compare RUN_B [RUN_C ...]`: the report's "Comparison" section, one
 table with a row per run (RUN_A first) and the overlaid curves (`plots.compare`).
 
-Columns: the whole-split validation loss, perplexity and bits per byte (summary.json), the
-last validation-subset loss, steps, tokens, training wall time (the sum of metrics.jsonl's
-step_time_s: validation and checkpoints excluded), preset (or config), optimizer and seed,
-then every other run.json argument (and the resolved stage plan, and the git commit) whose
-value is not the same in all runs. Runs whose held-out splits differ (another corpus,
-tokenizer, vocabulary size or seed: the seed draws the document split) score different text:
+Columns: the whole-split validation loss, perplexity and bits per byte (summary.json), the last validation-subset
+loss, steps, tokens, training wall time (the sum of metrics.jsonl's step_time_s: validation and checkpoints
+excluded), preset (or config), optimizer and seed, then every other run.json argument (and the resolved stage
+plan, and the git commit) whose value is not the same in all runs. Runs whose held-out splits differ (another
+corpus, tokenizer, vocabulary size or seed: the seed draws the document split) score different text:
 the section says so above the table. A run from before the subset record is marked *.
 """
 
@@ -27,10 +26,9 @@ def label(rec) -> str:
 
 
 def differing(runs: list) -> dict[str, list]:
-    """{name: value per run} of run.json arguments (named as their flags, e.g. "--steps", so they
-    do not clash with the table's own columns), plus "stages" (the resolved plan in short), "git"
-    (the training commit) and "torch threads" (run.json), that are not equal in every run; ALWAYS
-    and IGNORED left out."""
+    """{name: value per run} of run.json arguments (named as their flags, e.g. "--steps", so they do not clash
+    with the table's own columns), plus "stages" (the resolved plan in short), "git" (the training commit) and
+    "torch threads" (run.json), that are not equal in every run; ALWAYS and IGNORED left out."""
     args = [r.run.get("args", {}) for r in runs]
     out = {}
     for key in sorted(set().union(*args) - IGNORED):

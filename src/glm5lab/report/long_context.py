@@ -110,10 +110,9 @@ def goal_line(g: dict) -> str:
 
 
 def _series(record: dict, phase: str) -> dict[str, tuple[list, list]]:
-    """{label: (T values, seconds per layer)} of one phase ("prefill" | "decode"): the 1-layer
-    model's dense and DSA, and the 4-layer IndexCache models' total / 4 (their per-token work
-    outside the layers, the output head above all, is shared by 4 layers: compare IndexCache
-    with the 4-layer all-full model)."""
+    """{label: (T values, seconds per layer)} of one phase ("prefill" | "decode"): the 1-layer model's dense
+    and DSA, and the 4-layer IndexCache models' total / 4 (their per-token work outside the layers, the output
+    head above all, is shared by 4 layers: compare IndexCache with the 4-layer all-full model)."""
     out = {"dense MLA": ([], []), "DSA": ([], [])}
     for e in record["curve"]:
         for name, key in (("dense MLA", "dense"), ("DSA", "dsa")):

@@ -1,8 +1,7 @@
-"""The report's PNGs, each from the run's own numbers (matplotlib, headless). Every function
-takes the data and the PNG path and returns the path, or None when there is nothing to plot.
-Every time plot marks the stage boundaries (`glm5lab.train.plot.mark_stages`) and uses one
-colour per quantity (`glm5lab.train.plot`: LM blue, MTP orange, indexer KL red, validation
-subset black dots, whole-split final figure a green diamond)."""
+"""The report's PNGs, each from the run's own numbers (matplotlib, headless). Every function takes the data
+and the PNG path and returns the path, or None when there is nothing to plot. Every time plot marks the stage
+boundaries (`glm5lab.train.plot.mark_stages`) and uses one colour per quantity (`glm5lab.train.plot`: LM blue,
+MTP orange, indexer KL red, validation subset black dots, whole-split final figure a green diamond)."""
 
 from __future__ import annotations
 
@@ -35,12 +34,11 @@ def _save(fig, plt, path: Path, layout: bool = True) -> Path:
 
 def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
                   eval_batches: int | None = None) -> Path:
-    """Top: the whole run (`draw_losses`, as loss.png). Below: one panel per stage on its own
-    scale, its objective on the left axis: LM loss (faint per step, solid trailing mean), MTP
-    mean, validation subset dots (the whole-split final figure in the last panel), the indexer
-    KL on the right; for a stage without LM objective (summary.json's `reported` is indexer_kl,
-    the indexer warm-up) the KL on the left and the LM loss it still logs on the right. One
-    legend below all panels."""
+    """Top: the whole run (`draw_losses`, as loss.png). Below: one panel per stage on its own scale, its
+    objective on the left axis: LM loss (faint per step, solid trailing mean), MTP mean, validation subset
+    dots (the whole-split final figure in the last panel), the indexer KL on the right; for a stage without LM
+    objective (summary.json's `reported` is indexer_kl, the indexer warm-up) the KL on the left and the LM
+    loss it still logs on the right. One legend below all panels."""
     plt = _plt()
     summary = summary or {}
     reported = {st["stage"]: st.get("reported") for st in summary.get("stages", [])}
@@ -97,9 +95,8 @@ def _stage_panel(ax, rows: list[dict], k: int, summary: dict, kl_objective: bool
 
 
 def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None) -> Path | None:
-    """Load imbalance over time: per MoE layer, max expert load / mean expert load each step
-    (1.0 = perfectly balanced), the line at `series.BALANCED` the report's caption counts
-    against, stage boundaries."""
+    """Load imbalance over time: per MoE layer, max expert load / mean expert load each step (1.0 = perfectly
+    balanced), the line at `series.BALANCED` the report's caption counts against, stage boundaries."""
     from glm5lab.report.series import BALANCED, imbalance
 
     rows = [r for r in metrics if r.get("expert_load")]

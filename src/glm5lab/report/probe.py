@@ -2,11 +2,10 @@
 their batch and length), retrieval accuracy by context length, and MTP acceptance by draft
 position. All greedy (deterministic); fp32 on CPU, the checkpoint's dtype elsewhere.
 
-Retrieval: single-needle NIAH (`glm5lab.evals.make_niah`) with a haystack of held-out corpus
-tokens, scored by teacher-forced exact match (`glm5lab.ablate.measure`: equal to greedy
-generation reproducing the answer). The needle's key and value ids are ordinary vocabulary ids
-(the top of the vocabulary); a model trained on text alone was never asked to retrieve, so
-expect about 0: `glm5lab ablate` trains on retrieval data.
+Retrieval: single-needle NIAH (`glm5lab.evals.make_niah`) with a haystack of held-out corpus tokens, scored by
+teacher-forced exact match (`glm5lab.ablate.measure`: equal to greedy generation reproducing the answer). The
+needle's key and value ids are ordinary vocabulary ids (the top of the vocabulary); a model trained on text
+alone was never asked to retrieve, so expect about 0: `glm5lab ablate` trains on retrieval data.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The report's markdown: the seed's closing checklist (quality, training tokens, parameter
-counting convention, KV and index state bytes, prefill/decode batch and length, kernel and
-library versions, hardware), in that order (with the "Comparison" of `--compare` runs after
-quality), then expert load, ablations, evaluations, seeds."""
+"""The report's markdown: the seed's closing checklist (quality, training tokens, parameter counting convention,
+KV and index state bytes, prefill/decode batch and length, kernel and library versions, hardware), in that order
+(with the "Comparison" of `--compare` runs after quality), then expert load, ablations, evaluations, seeds."""
 
 from __future__ import annotations
 

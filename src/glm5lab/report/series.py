@@ -1,10 +1,9 @@
 """Figures the report derives from a run's own records (no plotting): the two validation
 figures, the per-stage table, expert-load imbalance by stage, training wall time.
 
-Keeps run folders from before issue 16 working: their summary.json stages hold single steps
-as first/last (no `smooth_steps`), they have no `val_subset_loss` / `val_end` and metrics.jsonl
-no `val_tokens`; what is missing is computed from metrics.jsonl where it can be and otherwise
-said to be missing.
+Keeps run folders from before issue 16 working: their summary.json stages hold single steps as first/last (no
+`smooth_steps`), they have no `val_subset_loss` / `val_end` and metrics.jsonl no `val_tokens`; what is missing
+is computed from metrics.jsonl where it can be and otherwise said to be missing.
 """
 
 from __future__ import annotations
@@ -19,10 +18,9 @@ BALANCED = 2.0  # max / mean expert load under which the report calls a step bal
 
 def validation(rec) -> dict:
     """{"whole": loss, "whole_tokens", "subset": loss or None, "subset_tokens", "subset_planned"
-    (`_planned_subset`), "subset_step", "eval_batches", "old": True when summary.json predates
-    the subset keys}. The subset figure
-    is summary.json's val_subset_loss, or (older runs) the last periodic val_loss when it was
-    taken at the last step."""
+    (`_planned_subset`), "subset_step", "eval_batches", "old": True when summary.json predates the subset
+    keys}. The subset figure is summary.json's val_subset_loss, or (older runs) the last periodic val_loss
+    when it was taken at the last step."""
     s, args = rec.summary, rec.run.get("args", {})
     val_rows = [r for r in rec.metrics if r.get("val_loss") is not None]
     last = val_rows[-1] if val_rows else None
@@ -45,12 +43,11 @@ def _planned_subset(rec) -> int | None:
 
 
 def stage_rows(rec) -> tuple[list[str], list[list], str]:
-    """(header, rows, note) of the Quality section's stage table: per stage steps, tokens, DSA,
-    what trains, the quantity shown (the stage objective: LM loss, or the indexer KL of a stage
-    without LM loss), its mean over the first / last k steps, and the validation-subset loss at
-    the stage's last step. A run whose summary.json records single steps gets its stages
-    summarised again from metrics.jsonl by `glm5lab.train.loop.stage_summary` (the definition
-    `glm5lab train` writes), said in the note."""
+    """(header, rows, note) of the Quality section's stage table: per stage steps, tokens, DSA, what trains,
+    the quantity shown (the stage objective: LM loss, or the indexer KL of a stage without LM loss), its mean
+    over the first / last k steps, and the validation-subset loss at the stage's last step. A run whose
+    summary.json records single steps gets its stages summarised again from metrics.jsonl by
+    `glm5lab.train.loop.stage_summary` (the definition `glm5lab train` writes), said in the note."""
     stages = rec.summary.get("stages", [])
     recorded = all("smooth_steps" in st for st in stages)
     if not recorded:

@@ -14,13 +14,12 @@ from glm5lab.report.render import render
 
 
 def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False, compare=()) -> Path:
-    """Write the report of the run in `run_dir` into `out` (default RUN_DIR/report/): report.md
-    and its PNGs (written to temporary names, then renamed). measure: load the latest checkpoint
-    and time prefill/decode, score retrieval and MTP acceptance (about a minute for `small` on 2
-    CPU cores); quick: tiny measurement sizes (tests); compare: other run folders, shown beside
-    this one in a "Comparison" section (a table and compare.png). Returns the path of report.md.
-    Raises NotARunError (a ValueError) naming what a folder (this run's or a compared one's)
-    lacks, before anything is written."""
+    """Write the report of the run in `run_dir` into `out` (default RUN_DIR/report/): report.md and its PNGs
+    (written to temporary names, then renamed). measure: load the latest checkpoint and time prefill/decode,
+    score retrieval and MTP acceptance (about a minute for `small` on 2 CPU cores); quick: tiny measurement
+    sizes (tests); compare: other run folders, shown beside this one in a "Comparison" section (a table and
+    compare.png). Returns the path of report.md. Raises NotARunError (a ValueError) naming what a folder (this
+    run's or a compared one's) lacks, before anything is written."""
     from glm5lab import ModelConfig, __version__
     from glm5lab.ledger import ledger, render as render_ledger
 

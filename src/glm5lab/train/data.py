@@ -1,6 +1,5 @@
-"""From a corpus to token arrays: split, tokenizer, encoding (`glm5lab train` and the ablation
-studies' one data path); and back from a trained checkpoint to its run's held-out text
-(`held_out_prompts`)."""
+"""From a corpus to token arrays: split, tokenizer, encoding (`glm5lab train` and the ablation studies' one
+data path); and back from a trained checkpoint to its run's held-out text (`held_out_prompts`)."""
 
 from __future__ import annotations
 
@@ -25,12 +24,11 @@ class TrainingData:
 
 def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str | None = None,
                  checkpoint: Path | None = None) -> TrainingData:
-    """Documents from `data` (a text file, a folder, or JSONL with a `text` field; None: the
-    Shakespeare corpus, fetched and cached), split by document with `seed` (`split_corpus`),
-    tokenized by `tokenizer` (a tokenizer.json or a checkpoint folder holding one), else by a
-    byte-level BPE trained on the training split at `vocab_size` and cached beside the data. A
-    run that continues from a `checkpoint` folder (resume, `--init`) uses the tokenizer.json saved
-    there, so its weights keep the vocabulary they were trained with.
+    """Documents from `data` (a text file, a folder, or JSONL with a `text` field; None: the Shakespeare
+    corpus, fetched and cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
+    tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
+    at `vocab_size` and cached beside the data. A run that continues from a `checkpoint` folder (resume,
+    `--init`) uses the tokenizer.json saved there, so its weights keep the vocabulary they were trained with.
     Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`."""
     source, train_docs, val_docs = split_corpus(data, seed)
     saved = checkpoint / "tokenizer.json" if checkpoint is not None else None
@@ -68,14 +66,13 @@ def run_json_of(folder) -> dict | None:
 
 def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
                      split_seed: int | None = None) -> tuple[list[list[int]], dict]:
-    """`count` prompts of `length` tokens of held-out text for a trained checkpoint: the validation
-    split of its run (`split_corpus` with the corpus and seed of the run's run.json, `run_json_of`;
-    `data` / `split_seed` override them; without a run.json, the default corpus and seed 0),
-    encoded with the checkpoint's tokenizer.json, cut into non-overlapping windows of `length`
-    tokens (`pack`), of which `count` are taken evenly spaced over the split (first and last
-    included). Returns (prompts, info: corpus, split_seed, val_documents, val_tokens, windows,
-    rows taken, run_json found). Raises ValueError when the checkpoint has no tokenizer.json or
-    the split holds fewer than `count` windows."""
+    """`count` prompts of `length` tokens of held-out text for a trained checkpoint: the validation split of
+    its run (`split_corpus` with the corpus and seed of the run's run.json, `run_json_of`; `data` /
+    `split_seed` override them; without a run.json, the default corpus and seed 0), encoded with the
+    checkpoint's tokenizer.json, cut into non-overlapping windows of `length` tokens (`pack`), of which
+    `count` are taken evenly spaced over the split (first and last included). Returns (prompts, info: corpus,
+    split_seed, val_documents, val_tokens, windows, rows taken, run_json found). Raises ValueError when the
+    checkpoint has no tokenizer.json or the split holds fewer than `count` windows."""
     import torch
 
     from glm5lab.train.batches import pack

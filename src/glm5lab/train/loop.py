@@ -1,14 +1,12 @@
 """The training run: data -> model -> stages -> checkpoints, metrics and a summary.
 
-`train(TrainArgs(...))` is what `glm5lab train` calls. The step itself (batch, losses, backward,
-non-finite check, clipping, optimizer, router bias) is `glm5lab.train.step.run_stages`; this
-module keeps what a run adds around it: the run folder, resume (a stage's batch is a pure
-function of the stage and step, so resume is exact), one JSON object per step in `metrics.jsonl`,
-periodic validation, checkpoints, the progress bar and `summary.json`.
-Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2
-(`glm5lab.train.dist`) and each rank reads its slice of every global batch. `compile=True`
-(`--compile`, one process only) runs the losses' forward and backward through torch.compile
-(`glm5lab.train.compile`); the rest of the step stays eager.
+`train(TrainArgs(...))` is what `glm5lab train` calls. The step itself (batch, losses, backward, non-finite check,
+clipping, optimizer, router bias) is `glm5lab.train.step.run_stages`; this module keeps what a run adds around it:
+the run folder, resume (a stage's batch is a pure function of the stage and step, so resume is exact), one JSON
+object per step in `metrics.jsonl`, periodic validation, checkpoints, the progress bar and `summary.json`.
+Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.train.dist`) and
+each rank reads its slice of every global batch. `compile=True` (`--compile`, one process only) runs the losses'
+forward and backward through torch.compile (`glm5lab.train.compile`); the rest of the step stays eager.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +36,7 @@ from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fie
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
+from glm5lab.validate import finite
 
 
 @dataclass
@@ -158,11 +156,10 @@ class MetricsLog:
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns the summary dict also written to `summary.json`.
 
-    Everything that can be refused is checked before the run folder is created (arguments, model,
-    stage lengths, data), so a failed start leaves no folder behind. Raises ValueError (bad
-    arguments, data too short for a stage, a resume with another plan), FileExistsError (--out
-    holds a run and --resume was not given), ResumeError (no checkpoint verifies), TrainingDiverged
-    (`glm5lab.train.step`)."""
+    Everything that can be refused is checked before the run folder is created (arguments, model, stage
+    lengths, data), so a failed start leaves no folder behind. Raises ValueError (bad arguments, data too
+    short for a stage, a resume with another plan), FileExistsError (--out holds a run and --resume was not
+    given), ResumeError (no checkpoint verifies), TrainingDiverged (`glm5lab.train.step`)."""
     _check_args(args)
     if args.init:
         args.init = _init_folder(Path(args.init))
@@ -171,15 +168,13 @@ def train(args: TrainArgs) -> dict:
     _check_run_dir(run_dir, args.resume, probe=ctx.is_main)
     cfg = model_config(args)
     stages = resolve_stages(args, cfg)
-    check_stage_lengths(stages, cfg, warn=_notice if ctx.is_main else lambda message: None)
+    say = _notice if ctx.is_main else lambda message: None
+    check_stage_lengths(stages, cfg, warn=say)
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
         _check_same_plan(run_dir, args, stages, cfg, ctx.world_size)
     model = build_model(args, cfg)
-    if args.resume:
-        resumed = _resume_weights(run_dir, model, report=_notice if ctx.is_main else lambda message: None)
-    else:
-        resumed = None
+    resumed = _resume_weights(run_dir, model, report=say) if args.resume else None
     checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
@@ -257,10 +252,9 @@ def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
 
 
 def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
-    """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's
-    global batch (batch_size x world_size), or whose held-out split holds no window. The message
-    names --data (`named`; else the default corpus), the token counts and what to change.
-    Raises ValueError."""
+    """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's global batch
+    (batch_size x world_size), or whose held-out split holds no window. The message names --data (`named`;
+    else the default corpus), the token counts and what to change. Raises ValueError."""
     where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
     for stage in stages:
         width, batch = stage.seq_len + 1, stage.batch_size * world_size
@@ -278,9 +272,7 @@ def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1
 
 def _check_args(args: TrainArgs) -> None:
     for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
-        value = getattr(args, name)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} {value} is not allowed: it must be a finite number >= 0")
+        finite(f"--{name.replace('_', '-')}", getattr(args, name))
     if args.data is not None:
         data, out = Path(args.data).resolve(), Path(args.out).resolve()
         if out == data or data in out.parents:
@@ -349,10 +341,9 @@ def _stage_diff(old: list[dict], new: list[dict]) -> str:
 
 
 def _check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
-    """Refuse an --out that is a file, cannot be created, or (without --resume) holds a run; the
-    folder itself is created later, by `_write_run_files`, once everything else has been checked.
-    probe: whether this process tries the creation (the main rank only: ranks creating and
-    removing the same folder at once would race)."""
+    """Refuse an --out that is a file, cannot be created, or (without --resume) holds a run; the folder itself is
+    created later, by `_write_run_files`, once everything else has been checked. probe: whether this process tries
+    the creation (the main rank only: ranks creating and removing the same folder at once would race)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a folder")
     if resume and (run_dir / "summary.json").is_file():

@@ -1,13 +1,11 @@
 """The loss-curve PNG of a run (matplotlib, headless), and what every time plot of a run shares
-(`glm5lab.report.plots` draws with these too): the stages as spans of steps, a trailing mean,
-stage boundaries drawn as dotted lines with the stage names, and the labels of the two
-validation figures.
+(`glm5lab.report.plots` draws with these too): the stages as spans of steps, a trailing mean, stage boundaries
+drawn as dotted lines with the stage names, and the labels of the two validation figures.
 
-Two validation figures exist (issue 16): the periodic `val_loss` of metrics.jsonl is the mean
-target CE over a fixed SUBSET of the held-out split (the first `eval_batches` batches of
-windows; `val_tokens` targets); summary.json's `val_loss` is the final model over the WHOLE
-split. They differ because they score different text, so every plot labels the curve as the
-subset and draws the whole-split figure as its own marker at the last step.
+Two validation figures exist (issue 16): the periodic `val_loss` of metrics.jsonl is the mean target CE over a
+fixed SUBSET of the held-out split (the first `eval_batches` batches of windows; `val_tokens` targets);
+summary.json's `val_loss` is the final model over the WHOLE split. They differ because they score different text,
+so every plot labels the curve as the subset and draws the whole-split figure as its own marker at the last step.
 """
 
 from __future__ import annotations
@@ -121,9 +119,8 @@ def whole_label(summary: dict) -> str:
 
 
 def mtp_mean(rows: list[dict]) -> tuple[list[float], int]:
-    """Per row the mean MTP loss over its depths, NaN for a row with fewer depths than the run's
-    most (the indexer warm-up runs one depth only for its indexer; it trains none), and that
-    number of depths (0: no MTP)."""
+    """Per row the mean MTP loss over its depths, NaN for a row with fewer depths than the run's most (the indexer
+    warm-up runs one depth only for its indexer; it trains none), and that number of depths (0: no MTP)."""
     depths = max((len(r.get("mtp_losses") or []) for r in rows), default=0)
     return [sum(r["mtp_losses"]) / depths if depths and len(r.get("mtp_losses") or []) == depths else math.nan
             for r in rows], depths

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from glm5lab.validate import int_at_least, one_of
+
 TRAINABLE = ("all", "indexer")
 
 
@@ -37,10 +39,8 @@ class Stage:
 
     def __post_init__(self):
         for name in ("steps", "seq_len", "batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"stage {self.name!r}: `{name}` = {getattr(self, name)!r} is not allowed: an integer >= 1")
-        if self.trainable not in TRAINABLE:
-            raise ValueError(f"stage {self.name!r}: `trainable` = {self.trainable!r} is not allowed: one of {TRAINABLE}")
+            int_at_least(f"stage {self.name!r}: `{name}`", getattr(self, name), 1)
+        one_of(f"stage {self.name!r}: `trainable`", self.trainable, TRAINABLE)
         if not self.lr > 0 or (self.lr_end is not None and self.lr_end < 0):
             raise ValueError(f"stage {self.name!r}: lr = {self.lr!r}, lr_end = {self.lr_end!r}: lr > 0 and lr_end >= 0 required")
         if not 0 <= self.warmup_steps < self.steps:

@@ -1,10 +1,9 @@
 """The training step that `glm5lab train` (`train.loop`: run folder, resume, metrics, progress,
 summary) and `glm5lab ablate` (`ablate.fit`: one record per step) both run, and its settings.
 
-`run_stages`: per stage, which parameters train (`set_trainable`); per step, the stage's lr
-(`Stage.lr_at`), the batch, the losses, backward, the non-finite check and clipping, the optimizer
-step and the aux-loss-free router bias update (`optimizer_step`). `TrainHyper` holds the settings
-and the only copy of their defaults.
+`run_stages`: per stage, which parameters train (`set_trainable`); per step, the stage's lr (`Stage.lr_at`),
+the batch, the losses, backward, the non-finite check and clipping, the optimizer step and the aux-loss-free
+router bias update (`optimizer_step`). `TrainHyper` holds the settings and the only copy of their defaults.
 """
 
 from __future__ import annotations
@@ -30,11 +29,10 @@ class TrainingDiverged(RuntimeError):
 @dataclass(frozen=True)
 class TrainHyper:
     """The step's settings; their defaults are `glm5lab train`'s (`TrainArgs` takes them from here).
-    optimizer: "adamw", "muon" or "muon-split" (`glm5lab.optim.groups`). weight_decay: on the
-    rows the group table decays. grad_clip: the largest global gradient norm, 0 = no clipping.
-    bias_update_rate: the router bias step per update, b_e += rate * sign(mean load - load_e)
-    (`glm5lab.train.balance`), 0 = off; 1.5e-2 was chosen for the default 420-step run
-    (BENCHMARKS.md)."""
+    optimizer: "adamw", "muon" or "muon-split" (`glm5lab.optim.groups`). weight_decay: on the rows the group
+    table decays. grad_clip: the largest global gradient norm, 0 = no clipping. bias_update_rate: the router
+    bias step per update, b_e += rate * sign(mean load - load_e) (`glm5lab.train.balance`), 0 = off; 1.5e-2
+    was chosen for the default 420-step run (BENCHMARKS.md)."""
 
     optimizer: str = "muon-split"
     weight_decay: float = 0.1
@@ -93,10 +91,9 @@ def clip_and_check(model, losses: StepLosses, step: int, max_norm: float) -> flo
 
 def optimizer_step(model, optimizer, losses: StepLosses, stage: Stage, step: int,
                    hyper: TrainHyper) -> tuple[float, list[list[int]]]:
-    """Backward of losses.total, the non-finite check and clipping to `hyper.grad_clip`
-    (`clip_and_check`), the optimizer step, then the router bias update at
-    `hyper.bias_update_rate` (not while only the indexer trains). Returns (gradient norm before
-    clipping, expert loads)."""
+    """Backward of losses.total, the non-finite check and clipping to `hyper.grad_clip` (`clip_and_check`),
+    the optimizer step, then the router bias update at `hyper.bias_update_rate` (not while only the indexer
+    trains). Returns (gradient norm before clipping, expert loads)."""
     losses.total.backward()
     grad_norm = clip_and_check(model, losses, step, hyper.grad_clip)
     optimizer.step()
@@ -108,12 +105,11 @@ def optimizer_step(model, optimizer, losses: StepLosses, stage: Stage, step: int
 def run_stages(model, stages: list[Stage], batches: Callable[[int, Stage, int], Any], hyper: TrainHyper,
                on_step: Callable[[StepDone], None], *, losses: Callable[[Any, Stage], StepLosses],
                optimizer=None, start: dict | None = None) -> None:
-    """Train `model` in place through `stages`: batches(stage index, stage, i) gives step i's
-    batch, losses(batch, stage) its `StepLosses`, and on_step(StepDone) follows every step.
-    optimizer: default `hyper.build_optimizer` at the first stage's lr. start: where to begin, as
-    a checkpoint's position {"step": global steps done, "stage": stage index, "in_stage": steps
-    done in it} (default the beginning; a stage index past the last trains nothing). Raises
-    TrainingDiverged on a non-finite loss or gradient."""
+    """Train `model` in place through `stages`: batches(stage index, stage, i) gives step i's batch,
+    losses(batch, stage) its `StepLosses`, and on_step(StepDone) follows every step. optimizer: default
+    `hyper.build_optimizer` at the first stage's lr. start: where to begin, as a checkpoint's position
+    {"step": global steps done, "stage": stage index, "in_stage": steps done in it} (default the beginning; a
+    stage index past the last trains nothing). Raises TrainingDiverged on a non-finite loss or gradient."""
     optimizer = hyper.build_optimizer(model, stages[0].lr) if optimizer is None else optimizer
     start = start or {"step": 0, "stage": 0, "in_stage": 0}
     step = start["step"]
