@@ -111,7 +111,7 @@ def test_stages_keep_train_s_proportions():
 def test_readme_row_reads_results_json(quick):
     out, _, _ = quick
     row = sb.readme_row(json.loads((out / "results.json").read_text()))
-    assert set(row) == {"report", "ours", "verdict"} and row["report"].startswith("no report figure")
+    assert set(row) == {"paper", "ours", "verdict"} and row["paper"].startswith("no paper figure")
     assert all(arm in row["ours"] for arm in ARMS) and "bits per byte" in row["ours"]
     assert "lower than dense GPT + AdamW (bpb): " in row["verdict"] and "\n" not in row["ours"] + row["verdict"]
 

@@ -23,7 +23,7 @@ def test_efficient_quick_writes_changes_beside_the_report(tmp_path, study_corpus
         assert f"| {v} |" in table
     for v in VARIANTS[1:]:
         assert all(f"{x:+.2f}" in table for x in rf.EFFICIENT[v])
-    assert "paired [95% t]: verdict" in table and "rank ours / report" in table
+    assert "paired [95% t]: verdict" in table and "rank ours / paper" in table
     info = json.loads((tmp_path / "results.json").read_text())
     assert info["seeds"] == [0]
     assert info["settings"]["further_tokens"] > 0

@@ -32,7 +32,7 @@ def test_each_row_repeats_its_own_tables_verdicts(root):
     assert list(infos) == list(STUDIES)
     for study, info in infos.items():
         r = row(info)
-        assert set(r) == {"report", "ours", "verdict"} and all(r.values()), study
+        assert set(r) == {"paper", "ours", "verdict"} and all(r.values()), study
         table = (root / study / "table.md").read_text()
         for part in r["verdict"].split("; "):
             judged = part.split(": ", 1)[1]  # the interval and verdict, exactly as the study printed it

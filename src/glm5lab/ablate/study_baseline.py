@@ -299,7 +299,7 @@ def readme_row(info: dict) -> dict:
     ours = ", ".join(f"{arm} {mean[arm]['val_bpb']:.3f}" for arm in OPTIMIZERS)
     speed = " / ".join(f"{mean[arm]['tokens_per_s']:.0f}" for arm in OPTIMIZERS)
     verdict = "; ".join(f"{a} lower than {b} (bpb): {compare_text(cmps[(a, b)])}" for a, b in COMPARISONS[:2])
-    return {"report": "no report figure (the comparison a CPU user would make)",
+    return {"paper": "no paper figure (the comparison a CPU user would make)",
             "ours": f"val bits per byte {ours}; training tok/s {speed}", "verdict": verdict}
 
 

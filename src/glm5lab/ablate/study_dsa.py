@@ -153,8 +153,8 @@ def tables(raw: dict, lengths: list[int]) -> str:
     """Ours (rows: arms, columns: lengths, mean ± sd [95% t-interval] over seeds) beside the report's
     4K..128K, the difference vs dense at the longest length with its paired interval and verdict
     (`glm5lab.ablate.stats`), and the report's 128K MLA vs DSA."""
-    head = ["arm", "eval"] + [f"T={n}" for n in lengths] + [f"report {c}" for c in CONTEXTS] + \
-        ["report 128K vs dense", f"ours vs dense at {lengths[-1]}, paired [95% t]: verdict"]
+    head = ["arm", "eval"] + [f"T={n}" for n in lengths] + [f"paper {c}" for c in CONTEXTS] + \
+        ["paper 128K vs dense", f"ours vs dense at {lengths[-1]}, paired [95% t]: verdict"]
     rows = []
     for row in EVAL_DSA:
         ours = [interval(raw[row][str(n)]).text(1) for n in lengths]
@@ -215,7 +215,7 @@ def plot(raw: dict, lengths: list[int], path) -> None:
     for row, vals in DSA.items():
         b.plot(range(len(CONTEXTS)), vals, marker="o", label=row, color=colour.get(row))
     b.set(xticks=range(len(CONTEXTS)), xticklabels=CONTEXTS, xlabel="context length", ylabel="retrieval score",
-          title="report (GLM-4.7-Flash)")
+          title="paper (GLM-4.7-Flash)")
     a.legend(fontsize=8)
     b.legend(fontsize=8)
     save_png(fig, path)
@@ -227,7 +227,7 @@ def readme_row(info: dict) -> dict:
     raw, lengths = info["raw"]["mqar_accuracy_pct"], info["settings"]["lengths"]
     n = lengths[-1]
     means = {arm: _means(raw, arm, lengths)[-1] for arm in ARMS}
-    return {"report": "128K: " + ", ".join(f"{arm} {DSA[arm][-1]:.1f}" for arm in ARMS),
+    return {"paper": "128K: " + ", ".join(f"{arm} {DSA[arm][-1]:.1f}" for arm in ARMS),
             "ours": f"MQAR % at {n} tokens ({n // lengths[0]}x the training length): "
                     + ", ".join(f"{arm} {means[arm]:.1f}" for arm in ARMS),
             "verdict": f"full adaptation recovers dense: {compare_text(comparison(raw, 'full adaptation', lengths), 1)}; "

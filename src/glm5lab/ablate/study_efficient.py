@@ -187,8 +187,8 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     text += ("\nChange vs full attention (ours: points of accuracy, mean over lengths " + ", ".join(map(str, lengths))
              + "; loss in nats, lower is better; report: points at 128K):\n\n" + markdown_table(
                  ["variant", "ours Δ MQAR", "ours Δ NIAH", "ours Δ val loss",
-                  *[f"report Δ {b}" for b in rf.EFFICIENT_BENCHMARKS], "mean Δ ours / report",
-                  "rank ours / report", "ours mean Δ, paired [95% t]: verdict"], rows))
+                  *[f"paper Δ {b}" for b in rf.EFFICIENT_BENCHMARKS], "mean Δ ours / paper",
+                  "rank ours / paper", "ours mean Δ, paired [95% t]: verdict"], rows))
     text += "\nSearched SWA pattern per seed (F full, S SWA): " + "; ".join(
         f"seed {s}: " + "".join("S" if m == "swa" else "F" for m in patterns[s]) for s in seeds) + "\n"
     verdicts = {v: comparison(raw, v, fz, seeds) for v in VARIANTS[1:]}
@@ -211,7 +211,7 @@ def _notes(ours, rep, raw, seeds, verdicts: dict, fz: dict) -> list[str]:
     order = sorted(ours, key=lambda k: -ours[k])
     report_order = sorted(rep, key=lambda k: -rep[k])
     notes.append(f"ordering of the mean retrieval changes (a description, not a verdict): ours {' > '.join(order)}; "
-                 f"report {' > '.join(report_order)}.")
+                 f"paper {' > '.join(report_order)}.")
     for a, b in (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet")):
         notes.append(f"{a} vs {b}, difference of retrieval changes, paired [95% t]: "
                      f"{compare_text(pairwise(raw, a, b, fz, seeds), 1)} (report {rep[a] - rep[b]:+.2f}).")
@@ -254,7 +254,7 @@ def readme_row(info: dict) -> dict:
     raw, seeds, fz = int_keys(info["raw"]), info["seeds"], info["settings"]["further"]
     names = VARIANTS[1:]
     pairs = (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet"))
-    return {"report": "change vs full at 128K (mean of 4): " + ", ".join(f"{v} {rf.mean(rf.EFFICIENT[v]):+.1f}" for v in names),
+    return {"paper": "change vs full at 128K (mean of 4): " + ", ".join(f"{v} {rf.mean(rf.EFFICIENT[v]):+.1f}" for v in names),
             "ours": f"change in retrieval after {fz['steps']} equal further steps: "
                     + ", ".join(f"{v} {_retrieval_change(raw, v, fz, seeds):+.1f}" for v in names),
             "verdict": "; ".join(f"{v} vs full: {compare_text(comparison(raw, v, fz, seeds), 1)}" for v in names) + "; "

@@ -168,7 +168,7 @@ def table(raw: dict, long: int) -> str:
     """Rows: retention x method; mean ± sd [95% t] over seeds; the report has no IndexCache figures."""
     keys = ("calib_loss", "heldout_loss", "mqar_T", "mqar_4T", "attn_ms_T", "attn_ms_long", "speedup_long")
     head = ["retention", "method", "full layers", "patterns", "calib loss", "held-out loss", "MQAR % @T",
-            "MQAR % @4T", "attn ms @T", f"attn ms @{long}T", f"speedup @{long}T", "report"]
+            "MQAR % @4T", "attn ms @T", f"attn ms @{long}T", f"speedup @{long}T", "paper"]
     rows = []
     for r in RETENTIONS:
         for m in METHODS:
@@ -186,7 +186,7 @@ def table(raw: dict, long: int) -> str:
             "IndexCache figures, report_figures.INDEXCACHE is None)\n\n" + markdown_table(head, rows)
             + f"\nThe only reference figure: DSA vs dense attention time at {long}T (report: DSA cuts long-sequence "
             f"attention compute {lo:g}-{hi:g}x; ours, speedup - 1 over seeds: {compare_text(speedup(raw), 2)})\n\n"
-            + markdown_table(["attention", f"attn ms @{long}T", "speedup vs dense (ours)", "report"], ref))
+            + markdown_table(["attention", f"attn ms @{long}T", "speedup vs dense (ours)", "paper"], ref))
 
 
 def speedup(raw: dict) -> dict:
@@ -248,6 +248,6 @@ def readme_row(info: dict) -> dict:
         parts.append(f"retention {r:g} (searched): {statistics.fmean(_collect(raw, r, 'searched', 'speedup_long')):.2f}x "
                      f"less attention time at {n} tokens, held-out loss change {d.text(3)}")
     lo, hi = DSA_ATTENTION_SPEEDUP
-    return {"report": f"no IndexCache figures (DSA cuts long-sequence attention {lo:g}-{hi:g}x)",
+    return {"paper": f"no IndexCache figures (DSA cuts long-sequence attention {lo:g}-{hi:g}x)",
             "ours": "; ".join(parts),
             "verdict": f"DSA faster than dense at {n} tokens (speedup - 1): {compare_text(speedup(raw), 2)}"}

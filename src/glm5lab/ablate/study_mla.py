@@ -175,7 +175,7 @@ def table(raw: dict, params: dict, cfgs: dict) -> str:
     benchmarks and mean, and each difference vs MLA with its paired interval and the verdict of
     `glm5lab.ablate.stats` (reproduced / opposite / inconclusive at n seeds)."""
     head = ["variant", "optimizer", "val loss (nats) [95% t]", "MQAR acc [95% t]", "params",
-            "cache values/token/layer", *MLA_BENCHMARKS, "report mean", "report vs MLA",
+            "cache values/token/layer", *MLA_BENCHMARKS, "paper mean", "paper vs MLA",
             "ours vs MLA: val loss, paired [95% t]: verdict", "ours vs MLA: MQAR, paired [95% t]: verdict"]
     rows, cmps = [], comparisons(raw)
     for row, (_, opt) in VARIANTS.items():
@@ -253,7 +253,7 @@ def plot(raw: dict, path) -> None:
         ax.set(ylabel=label, title=f"ours: {label.split(' (')[0]}")
     axes[2].bar(x, [mean(MLA[row]) for row in rows], color="tab:orange", label="report: mean of 7 benchmarks")
     axes[2].set_ylim(55, 61)
-    axes[2].set(ylabel="accuracy (%)", title="report: proxy ablation")
+    axes[2].set(ylabel="accuracy (%)", title="paper: proxy ablation")
     for ax in axes:
         ax.set_xticks(list(x), [r.replace(" + ", "\n+ ") for r in rows], fontsize=8)
         ax.set_xlabel("variant")
@@ -268,7 +268,7 @@ def readme_row(info: dict) -> dict:
     rep = ranking({row: mean(MLA[row]) for row in VARIANTS}, higher_is_better=True)
     loss = ranking({row: _mean(raw, row, "val_loss") for row in VARIANTS}, higher_is_better=False)
     cmps = comparisons(raw)
-    return {"report": "mean of 7 benchmarks: " + ", ".join(f"{r} {mean(MLA[r]):.1f}" for r in rep),
+    return {"paper": "mean of 7 benchmarks: " + ", ".join(f"{r} {mean(MLA[r]):.1f}" for r in rep),
             "ours": "validation loss (nats): " + ", ".join(f"{r} {_mean(raw, r, 'val_loss'):.3f}" for r in loss)
                     + "; MQAR accuracy: " + ", ".join(f"{r} {_mean(raw, r, 'mqar_accuracy'):.2f}" for r in VARIANTS),
             "verdict": "; ".join(f"{r} vs MLA (loss): {compare_text(c['loss'])}" for r, c in cmps.items()

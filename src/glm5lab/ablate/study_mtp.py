@@ -151,8 +151,8 @@ def table(raw: dict) -> str:
     """Acceptance length (mean ± sd [95% t-interval] over seeds): rows depth x mode, columns k = 1..4,
     the report's figures at 4 steps beside, depth 3 - depth 1 at k=4 with its paired interval and
     verdict (`glm5lab.ablate.stats`); then the teacher-forced CE by MTP depth."""
-    head = ["training depth", "decoding", *[f"k={k}" for k in DRAFT_STEPS], "report GLM-5 (k=4)",
-            "report DeepSeek-V3.2 (k=4)", "report: GLM-5 - DeepSeek-V3.2",
+    head = ["training depth", "decoding", *[f"k={k}" for k in DRAFT_STEPS], "paper GLM-5 (k=4)",
+            "paper DeepSeek-V3.2 (k=4)", "paper: GLM-5 - DeepSeek-V3.2",
             "ours: depth 3 - depth 1 at k=4, paired [95% t]: verdict"]
     d_rep = MTP["GLM-5"] - MTP["DeepSeek-V3.2"]
     rows = []
@@ -214,7 +214,7 @@ def readme_row(info: dict) -> dict:
     raw = info["raw"]
     ours = "; ".join(f"{mode}: depth 3 {_m(_acc(raw, 3, mode, 4)):.2f}, depth 1 {_m(_acc(raw, 1, mode, 4)):.2f}"
                      for mode in MODES)
-    return {"report": f"acceptance at 4 steps: GLM-5 (3 shared depths) {MTP['GLM-5']:.2f}, DeepSeek-V3.2 "
+    return {"paper": f"acceptance at 4 steps: GLM-5 (3 shared depths) {MTP['GLM-5']:.2f}, DeepSeek-V3.2 "
                       f"{MTP['DeepSeek-V3.2']:.2f}",
             "ours": "acceptance at 4 draft steps, " + ours,
             "verdict": "; ".join(f"deeper unroll drafts longer ({mode}): {compare_text(comparison(raw, mode), 2)}"

@@ -168,8 +168,8 @@ def comparison(raw: dict, v: str, beyond: list[int], seeds: list[int]) -> dict:
 
 def _table(raw: dict, sz: dict, searches: dict, seeds: list[int]) -> tuple[str, list[str]]:
     beyond = [n for n in sz["lengths"] if n > sz["window"]]
-    headers = (["variant"] + [f"ours {n}" for n in sz["lengths"]] + [f"report {c}" for c in rf.CONTEXTS]
-               + ["report vs full (> 4K)", "ours vs full (> w), paired [95% t]: verdict"])
+    headers = (["variant"] + [f"ours {n}" for n in sz["lengths"]] + [f"paper {c}" for c in rf.CONTEXTS]
+               + ["paper vs full (> 4K)", "ours vs full (> w), paired [95% t]: verdict"])
     rows = []
     for v in VARIANTS:
         ours = [interval([raw[v][s][n]["score"] for s in seeds]).text(1) for n in sz["lengths"]]
@@ -239,7 +239,7 @@ def _plot(raw: dict, sz: dict, seeds: list[int], path) -> None:
            title=f"ours (no extra training, {len(seeds)} seed(s))", ylim=(-2, 102))
     ax.set_xticks(sz["lengths"], [str(n) for n in sz["lengths"]])
     bx.set_xticks(range(len(rf.CONTEXTS)), rf.CONTEXTS)
-    bx.set(xlabel="context length", ylabel="score", title="report (no extra training)", ylim=(-2, 102))
+    bx.set(xlabel="context length", ylabel="score", title="paper (no extra training)", ylim=(-2, 102))
     ax.legend()
     bx.legend()
     save_png(fig, path, dpi=100)
@@ -254,7 +254,7 @@ def readme_row(info: dict) -> dict:
     beyond, T, w = [n for n in sz["lengths"] if n > sz["window"]], sz["seq_len"], sz["window"]
     collapse = compare({s: raw["1:1 SWA"][s][T]["score"] for s in seeds},
                        {s: raw["1:1 SWA"][s][w]["score"] for s in seeds}, -1)
-    return {"report": "32K: " + ", ".join(f"{v} {rf.SWA[v][3]:.1f}" for v in VARIANTS),
+    return {"paper": "32K: " + ", ".join(f"{v} {rf.SWA[v][3]:.1f}" for v in VARIANTS),
             "ours": f"retrieval score at T = {T} ({T // w}x the window): "
                     + ", ".join(f"{v} {_mean(raw[v], seeds, T):.1f}" for v in VARIANTS),
             "verdict": "; ".join(f"{v} vs full (mean over lengths > w): {compare_text(comparison(raw, v, beyond, seeds), 1)}"

@@ -2,7 +2,7 @@
 
 The README's "Ablations" table, the same table in docs/ablations.md and the summary at the top of
 `glm5lab report`'s ablation section all come from `summary_table`, so they cannot drift from the
-runs: each study module has `readme_row(info) -> {"report", "ours", "verdict"}`, computed from the
+runs: each study module has `readme_row(info) -> {"paper", "ours", "verdict"}`, computed from the
 parsed results.json alone (its raw per-seed numbers, re-judged by `glm5lab.ablate.stats`), never
 by training. `glm5lab ablate summary` rewrites the marked block of each file:
 
@@ -56,7 +56,7 @@ def load_results(root: str | Path = "runs/ablate") -> dict[str, dict]:
 
 
 def row(info: dict) -> dict:
-    """The study's `readme_row(info)`: {"report": str, "ours": str, "verdict": str}. Raises
+    """The study's `readme_row(info)`: {"paper": str, "ours": str, "verdict": str}. Raises
     ValueError naming the file (info["path"], else the study) when its numbers do not have the
     shape the study writes (a results.json from another version, or edited by hand)."""
     module = study_module(info["study"])
@@ -78,8 +78,8 @@ def summary_table(infos: dict[str, dict]) -> str:
     for study in (s for s in STUDIES if s in infos):
         info, r = infos[study], row(infos[study])
         rows.append([f"`{study}` [{len(info.get('seeds') or [])}] ({_commit(info)}, {_minutes(info)})",
-                     r["report"], r["ours"], r["verdict"]])
-    return markdown_table(["study [seeds] (commit, time)", "report", "ours", "verdict (95% paired interval)"], rows)
+                     r["paper"], r["ours"], r["verdict"]])
+    return markdown_table(["study [seeds] (commit, time)", "paper", "ours", "verdict (95% paired interval)"], rows)
 
 
 def _commit(info: dict) -> str:
