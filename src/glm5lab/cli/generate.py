@@ -293,7 +293,7 @@ def format_stats(stats, speculative: bool = False) -> str:
             f"({stats.decode_seconds:.3f} s), prefill {stats.prefill_seconds:.3f} s ({stats.prompt_tokens} "
             "prompt tokens)")
     if stats.compile_seconds:
-        tokens = getattr(stats, "compile_tokens", 0)
+        tokens = stats.compile_tokens
         line += (f", compile {stats.compile_seconds:.1f} s (the rounds that compiled, {tokens} token"
                  f"{'' if tokens == 1 else 's'}: apart, in neither the decode seconds nor the tok/s)")
     if stats.acceptance_length is not None:

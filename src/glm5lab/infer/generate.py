@@ -260,7 +260,7 @@ class _Run:
                 break
             (tok_N,) = self.settle(done, [cache], [tok_N])  # compiled: frozen rows decode on, unread
             since = self.compiled.seconds if self.compiled is not None else None
-            logits_BV = decode_step(self.model, tok_N, cache, attn_impl=self.attn_impl, compiled=self.compiled or False)
+            logits_BV = decode_step(self.model, tok_N, cache, attn_impl=self.attn_impl, compiled=self.compiled)
         self.stats.decode_seconds = time.perf_counter() - t0
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -292,10 +292,10 @@ class _Run:
             drafts_Nk, q_NkV = draft(self.model, pend_h, pend_ids, mtp_cache, k, lengths=pend_n,
                                      sampling=self.sampling, generator=self.generator,
                                      chunk=self.chunk if first else None, attn_impl=self.attn_impl,
-                                     compiled=self.compiled if self.compiled is not None and not first else False)
+                                     compiled=None if first else self.compiled)
             base_N = cache.lengths.clone()
             logits_NkV, hidden_NkD = verify(self.model, torch.cat([last_N[:, None], drafts_Nk], dim=1), cache,
-                                            attn_impl=self.attn_impl, compiled=self.compiled or False)
+                                            attn_impl=self.attn_impl, compiled=self.compiled)
             p_NkV = distribution(logits_NkV, self.sampling)
             n_acc_N, next_N = accept_drafts(p_NkV, q_NkV, drafts_Nk, self.sampling, self.generator)
             acceptance.add(n_acc_N if running_N is None else n_acc_N[running_N])

@@ -71,7 +71,7 @@ def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None
 
 
 def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
-                compiled: bool | CompiledSteps = False) -> torch.Tensor:
+                compiled: bool | CompiledSteps | None = False) -> torch.Tensor:
     """One new token per row: token_ids int64 [B] (or [B, 1]) at each row's next position. Returns the logits
     after it, [B, V]. No host synchronisation (attention models). compiled: run the `torch.compile` graph of
     this step (`glm5lab.infer.compiled`: static shapes over the cache's whole capacity; compiled on the first
@@ -87,7 +87,7 @@ def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: st
 
 
 def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
-           compiled: bool | CompiledSteps = False) -> tuple[torch.Tensor, torch.Tensor]:
+           compiled: bool | CompiledSteps | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A speculative verification: each row's T = k+1 tokens [last accepted, d_1..d_k] in one cached forward.
     Returns (logits [B, T, V], final hidden states [B, T, D]). Roll the cache back to the accepted tokens with
     `cache.truncate`. No host synchronisation. compiled: as `decode_step` (one graph per T)."""
@@ -103,7 +103,7 @@ def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "
 def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCache, steps: int, *,
           lengths: torch.Tensor | None = None, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
           chunk: int | None = None, attn_impl: str = "auto",
-          compiled: bool | CompiledSteps = False) -> tuple[torch.Tensor, torch.Tensor]:
+          compiled: bool | CompiledSteps | None = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`steps` draft tokens per row from the shared MTP layer, and their distributions.
 
     hidden [B, L, D] and token_ids [B, L]: each row's pending pairs (h_t, x_{t+1}) (the main
@@ -169,8 +169,8 @@ def _keep_last(h_BCD: torch.Tensor, at_B: torch.Tensor, kept_BD: torch.Tensor | 
 
 
 def _compiled_steps(model, compiled) -> CompiledSteps | None:
-    """The `CompiledSteps` a step runs through (a new one for True), or None (eager)."""
-    if isinstance(compiled, CompiledSteps):
+    """The `CompiledSteps` a step runs through (a new one for True), or None (False or None: eager)."""
+    if compiled is None or isinstance(compiled, CompiledSteps):
         return compiled
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled must be True, False or a glm5lab.infer.compiled.CompiledSteps, got {compiled!r}")
