@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.dispatch import LocalDispatcher
@@ -188,15 +189,22 @@ class Experts(nn.Module):
         one_of("experts impl", impl, EXPERT_IMPLS)
         if impl != "auto":
             return impl
-        if not (decode_sized or x_AD.shape[0] <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * self.gate_proj.shape[0]):
+        gate = self.local_weights()[0]
+        if not (decode_sized or x_AD.shape[0] <= GATHER_MAX_ASSIGNMENTS_PER_EXPERT * gate.shape[0]):
             return "grouped"
-        return "grouped_mm" if not static and grouped_mm_runs(x_AD, self.gate_proj) else "gathered"
+        return "grouped_mm" if not static and grouped_mm_runs(x_AD, gate) else "gathered"
 
     def forward(self, x_AD, counts_E, *, impl: str = "auto", decode_sized: bool = False, static: bool = False):
         """y_AD: each row through its expert (rows grouped by expert, `counts_E` per expert)."""
         fn = {"grouped": experts_grouped, "grouped_mm": experts_grouped_mm, "gathered": experts_gathered,
               "loop": experts_loop}[self.kernel(impl, x_AD, decode_sized=decode_sized, static=static)]
-        return fn(x_AD, counts_E, self.gate_proj, self.up_proj, self.down_proj)
+        return fn(x_AD, counts_E, *self.local_weights())
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) of the experts this process computes: all E, or under expert parallelism
+        (`glm5lab.train.expert_parallel`: the weights are DTensors sharded by expert) this rank's E/ep,
+        whose rows the dispatcher delivers (`to_local` is differentiable: gradients reach the shard)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj, self.down_proj))
 
 
 class MoE(nn.Module):

@@ -20,16 +20,19 @@ def moe_layers(model) -> list[tuple[str, MoE]]:
 
 @torch.no_grad()
 def update_router_bias(model, rate: float) -> list[list[int]]:
-    """Apply one balancing update from the loads counted since the last call (summed over data
-    parallel ranks when torch.distributed is initialised, so every rank applies the same
-    update). Returns the per-layer loads (lists of ints) for logging. rate = 0 only logs."""
-    loads = []
-    for _, moe in moe_layers(model):
-        load_E = moe.pop_load().to(moe.gate.e_score_correction_bias.device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(load_E)
+    """Apply one balancing update from the loads counted since the last call (summed over every
+    rank when torch.distributed is initialised, data- and expert-parallel alike, in one all-reduce
+    of all layers' loads, so every rank applies the same update). Returns the per-layer loads
+    (lists of ints, the world's) for logging. rate = 0 only logs."""
+    moes = [moe for _, moe in moe_layers(model)]
+    if not moes:
+        return []
+    bias = moes[0].gate.e_score_correction_bias
+    load_LE = torch.stack([moe.pop_load().to(bias.device) for moe in moes])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(load_LE)
+    for moe, load_E in zip(moes, load_LE, strict=True):
         if rate:
             load_f = load_E.float()
             moe.gate.e_score_correction_bias.add_(rate * torch.sign(load_f.mean() - load_f))
-        loads.append(load_E.tolist())
-    return loads
+    return load_LE.tolist()

@@ -58,9 +58,17 @@ def setup() -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size(), device)
 
 
-def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = None):
-    """Move to the device; with several ranks, shard parameters with FSDP2. Returns the module
-    to call (the same object: fully_shard works in place).
+def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = None, ep: int = 1):
+    """Move to the device; with several ranks, shard parameters with FSDP2 (and, with ep > 1, the
+    routed experts by expert: expert parallelism). Returns the module to call (the same object:
+    fully_shard works in place).
+
+    The world is a 2-D DeviceMesh (data, expert) of world_size/ep x ep ranks, expert innermost.
+    Everything but the routed experts is FSDP2-sharded over the whole world, as without --ep. With
+    ep > 1 each MoE's routed experts are split by expert over the "ep" dimension and FSDP2-sharded
+    over the "dp" dimension (the other data-parallel ranks), and their gradients are divided by the
+    whole world size, as every other gradient (`glm5lab.train.expert_parallel`). Raises ValueError
+    for an ep that does not divide the world size or the routed experts (`check_ep`).
 
     param_dtype: FSDP2 mixed precision (e.g. torch.bfloat16): parameters are all-gathered and
     computed in this dtype, gradients reduced in fp32, master weights stay fp32. The `KeepFP32`
@@ -68,21 +76,34 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     form their own FSDP group with an fp32 policy, so their values reach the forward unrounded.
     None (default) = no FSDP casting (the training loop uses bf16 autocast on CUDA instead).
     Only with several ranks: a single process is not sharded, and its model keeps its dtype."""
+    from glm5lab.train.expert_parallel import apply_expert_parallel, check_ep
+
+    check_ep(ep, ctx.world_size, model.config)
     model.to(ctx.device)
     if ctx.world_size == 1:
         return model
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from glm5lab.model.moe import MoE
     from glm5lab.model.precision import KeepFP32
 
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+    world = mesh._flatten("world")
+    if ep > 1:
+        apply_expert_parallel(model, mesh)
     low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in list(model.model.layers) + list(model.model.mtp_layers):
         keep = [m for m in layer.modules() if isinstance(m, KeepFP32) and any(True for _ in m.parameters())]
         if param_dtype is not None and keep:
-            fully_shard(keep, mp_policy=fp32)
-        fully_shard(layer, mp_policy=low)
-    fully_shard(model, mp_policy=low)
+            fully_shard(keep, mesh=world, mp_policy=fp32)
+        for moe in (m for m in layer.modules() if isinstance(m, MoE) and ep > 1):
+            fully_shard(moe.experts, mesh=mesh["dp"], mp_policy=low)
+            moe.experts.set_gradient_divide_factor(float(ctx.world_size))  # the mean over every rank's batch
+            moe.experts.set_force_sum_reduction_for_comms(True)  # sum, then divide (gloo has no PREMUL_SUM)
+        fully_shard(layer, mesh=world, mp_policy=low)
+    fully_shard(model, mesh=world, mp_policy=low)
     return model
 
 

@@ -80,13 +80,27 @@ def clip_and_check(model, losses: StepLosses, step: int, max_norm: float) -> flo
         where = f"non-finite parameter `{bad}`" if bad else "every parameter is finite (activations overflowed)"
         raise TrainingDiverged(f"step {step}: loss is not finite ({losses.to_log()}); {where}")
     grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_([p for n, p in model.named_parameters() if p.grad is not None],
-                                          max_norm or float("inf"))
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = _clip_grad_norm([p for n, p in model.named_parameters() if p.grad is not None], max_norm or float("inf"))
     if not math.isfinite(norm):
         bad = next(n for n, g in grads if not torch.isfinite(g).all())
         raise TrainingDiverged(f"step {step}: non-finite gradient in `{bad}`")
     return norm
+
+
+def _clip_grad_norm(params: list, max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` (one process, FSDP2), or, when the gradients are DTensors on
+    several meshes (expert parallelism: experts on the ("dp", "ep") mesh, the rest on the world's),
+    the same clipping with the total norm combined from each mesh's norm. Returns the norm."""
+    meshes = list(dict.fromkeys(getattr(p.grad, "device_mesh", None) for p in params))  # same order on every rank
+    if len(meshes) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    per_mesh = [torch.nn.utils.get_total_norm([p.grad for p in params if getattr(p.grad, "device_mesh", None) is m])
+                for m in meshes]
+    total = torch.nn.utils.get_total_norm([n.full_tensor() if hasattr(n, "full_tensor") else n for n in per_mesh])
+    coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))  # as clip_grads_with_norm_
+    torch._foreach_mul_([p.grad for p in params], coef)
+    return float(total)
 
 
 def optimizer_step(model, optimizer, losses: StepLosses, stage: Stage, step: int,

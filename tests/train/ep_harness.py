@@ -1,0 +1,116 @@
+"""A few training steps of a tiny MoE model in one process or under expert parallelism (gloo, CPU),
+for `test_expert_parallel.py` and `benchmarks/expert_parallel.py`: the same seeded model and global
+batch, each rank training on its contiguous slice of the batch."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.train import dist as gdist
+from glm5lab.train.expert_parallel import pop_ep_metrics
+from glm5lab.train.losses import stage_losses
+from glm5lab.train.stages import Stage
+from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
+
+
+@dataclass
+class Case:
+    """A model (tiny preset + `overrides`), `skew`: the router bias that forces most rows onto
+    experts 0 and 1 (EP rank 0), and the run: `steps` steps of `batch` windows (global) of
+    seq_len + 1 tokens, DSA and MTP on, Muon Split, router bias updating."""
+
+    name: str
+    overrides: dict = field(default_factory=dict)
+    skew: float = 0.0
+    steps: int = 3
+    batch: int = 4
+    seq_len: int = 24
+
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_preset("tiny", **{"vocab_size": 320, **self.overrides})
+
+
+def build(case: Case) -> GLM5ForCausalLM:
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(case.config())
+    if case.skew:
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf[:2] = case.skew
+    return model
+
+
+def run(case: Case, ep: int = 1) -> dict:
+    """Train `case` in this process (world 1) or on this rank of the initialised process group with
+    expert-parallel size `ep`. Returns, on every rank: per step the losses (mean over ranks), the EP
+    metrics, the per-rank routing loads load_RE (summed over the step's MoE forwards) and the step
+    seconds; and on rank 0 the final full state dict (`state`)."""
+    ctx = gdist.setup() if dist.is_initialized() else gdist.DistContext(0, 1, torch.device("cpu"))
+    model = build(case)
+    model.train()
+    gdist.shard_model(model, ctx, ep=ep)
+    stage = Stage("ep", case.steps, 3e-3, case.seq_len, case.batch // ctx.world_size, use_dsa=True, indexer_weight=1.0)
+    hyper = TrainHyper(optimizer="muon-split", bias_update_rate=1e-2)
+    optimizer = hyper.build_optimizer(model, stage.lr)
+    set_trainable(model, stage)
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(0, 320, (case.steps, case.batch, case.seq_len + 1), generator=g)
+    b = stage.batch_size
+    out = {"losses": [], "ep": [], "load_RE": [], "seconds": []}
+    from glm5lab.train.balance import moe_layers
+
+    for step in range(case.steps):
+        t0 = time.perf_counter()
+        losses = stage_losses(model, windows[step, ctx.rank * b:(ctx.rank + 1) * b], stage)
+        load_E = sum(moe.load for _, moe in moe_layers(model))
+        optimizer_step(model, optimizer, losses, stage, step + 1, hyper)
+        out["seconds"].append(time.perf_counter() - t0)
+        out["losses"].append(gdist.mean_over_ranks(losses.to_log(), ctx))
+        out["ep"].append(pop_ep_metrics(model))
+        out["load_RE"].append(_gather_rows(load_E, ctx))
+    full = gdist.full_model(model, ctx)
+    if ctx.is_main:
+        out["state"] = {k: v.detach().clone() for k, v in full.state_dict().items()}
+    return out
+
+
+def _gather_rows(load_E: torch.Tensor, ctx) -> list[list[int]]:
+    if ctx.world_size == 1:
+        return [load_E.tolist()]
+    parts = [torch.zeros_like(load_E) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, load_E)
+    return [p.tolist() for p in parts]
+
+
+def worker(rank: int, world: int, port: int, ep: int, cases: list[Case], out_dir: str) -> None:
+    """One rank of a spawned gloo group: run every case at `ep`; rank 0 saves the results."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case in cases:
+            result = run(case, ep)
+            if rank == 0:
+                torch.save(result, os.path.join(out_dir, f"{case.name}-w{world}-ep{ep}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, ep: int, cases: list[Case], out_dir: str) -> dict[str, dict]:
+    """Run `cases` on `world` spawned processes with expert-parallel size `ep`; {case name: rank 0's result}."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(world, port, ep, cases, out_dir), nprocs=world, start_method="spawn")
+    return {c.name: torch.load(os.path.join(out_dir, f"{c.name}-w{world}-ep{ep}.pt")) for c in cases}
