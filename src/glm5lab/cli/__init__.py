@@ -2,7 +2,7 @@
 
     glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--context N] [--json]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
-                   [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--threads N] ...
+                   [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--ep N] [--threads N] ...
     glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
@@ -198,6 +198,9 @@ def add_train_parser(sub) -> None:
                    help="torch.compile the training step's forward and backward (inductor); the first step of "
                    "each stage then includes compiling (minutes on a CPU with an empty cache); one process only "
                    "(refused under torchrun); default eager")
+    p.add_argument("--ep", type=int, metavar="N", help="expert parallelism under torchrun: routed experts split by "
+                   "expert over groups of N processes, tokens sent to them by all-to-all (N divides the process "
+                   "count and n_routed_experts; docs/training.md); default 1")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

@@ -33,6 +33,7 @@ from glm5lab.train import dist
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
 from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fields
+from glm5lab.train.expert_parallel import check_ep, pop_ep_metrics
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage, default_stages
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
@@ -67,6 +68,9 @@ class TrainArgs:
     progress: bool = True
     compile: bool = False
     """torch.compile the training step's forward and backward (`glm5lab.train.compile`); one process only."""
+    ep: int = 1
+    """Expert-parallel size (`--ep`, under torchrun): routed experts split by expert over groups of `ep` ranks
+    (`glm5lab.train.expert_parallel`); it divides the process count and n_routed_experts."""
     stage_plan: list[dict] = field(default_factory=list)
 
     @property
@@ -167,6 +171,7 @@ def train(args: TrainArgs) -> dict:
     run_dir = Path(args.out)
     _check_run_dir(run_dir, args.resume, probe=ctx.is_main)
     cfg = model_config(args)
+    check_ep(args.ep, ctx.world_size, cfg)
     stages = resolve_stages(args, cfg)
     say = _notice if ctx.is_main else lambda message: None
     check_stage_lengths(stages, cfg, warn=say)
@@ -178,7 +183,7 @@ def train(args: TrainArgs) -> dict:
     checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
-    shard = dist.shard_model(model, ctx)  # before the optimizer: FSDP2 replaces the parameters
+    shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
     if resumed is not None:
@@ -457,7 +462,8 @@ class _Loop:
         tokens = window.shape[0] * (window.shape[1] - 1) * self.ctx.world_size
         record = {**dist.mean_over_ranks(done.losses.to_log(), self.ctx), "lr": done.lr, "grad_norm": done.grad_norm,
                   "tokens": tokens, "tokens_per_s": tokens / done.seconds, "step_time_s": done.seconds,
-                  "expert_load": done.expert_load, "step": self.step, "stage": stage.name, "stage_step": i + 1}
+                  "expert_load": done.expert_load, **pop_ep_metrics(self.model), "step": self.step,
+                  "stage": stage.name, "stage_step": i + 1}
         if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
             result = self.validate(stage)
             record.update(val_loss=result.loss, val_tokens=result.tokens)
