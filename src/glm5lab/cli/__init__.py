@@ -1,6 +1,7 @@
 """The `glm5lab` command: one entry point, one subcommand per task, thin over the library.
 
     glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--context N] [--json]
+                   [--gpus G --ep E --mode train|serve [--batch B] [--cache-dtype DTYPE]]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
                    [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--ep N] [--threads N] ...
     glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
@@ -36,11 +37,12 @@ from glm5lab.cli.ablate import add_ablate_parser
 from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
 from glm5lab.config import ConfigError, ModelConfig
+from glm5lab.deployment import check_layout, deployment, render_deployment
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
 from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
 from glm5lab.threads import configure as configure_threads
-from glm5lab.validate import DTYPES
+from glm5lab.validate import DTYPES, refuse
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
 DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attention, MoE, multi-token "
@@ -60,13 +62,39 @@ def load_config(preset: str | None, config: str | None) -> tuple[ModelConfig, st
     return ModelConfig.from_hf(config), config
 
 
+DEPLOYMENT_FLAGS = ("gpus", "ep", "mode")
+"""`glm5lab ledger` flags that ask for the deployment accounts; they go together."""
+
+
 def cmd_ledger(args: argparse.Namespace) -> int:
     cfg, label = load_config(args.preset, args.config)
-    d = ledger(cfg, dtype=args.dtype, context=args.context, name=label)
-    print(render(d))
+    if _deployment_asked(args):
+        check_layout(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
+                     batch=1 if args.batch is None else args.batch, flag="--")
+        d = deployment(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
+                       cache_dtype=args.cache_dtype, context=args.context, batch=args.batch or 1, name=label)
+        text = render_deployment(d)
+    else:
+        d = ledger(cfg, dtype=args.dtype, context=args.context, name=label)
+        text = render(d)
+    print(text)
     if args.json:
         print(json.dumps(d))
     return 0
+
+
+def _deployment_asked(args: argparse.Namespace) -> bool:
+    """True when --gpus, --ep and --mode are all given; ValueError (exit 2) when only some are, or
+    when --batch / --cache-dtype come without --mode serve."""
+    given = [f for f in DEPLOYMENT_FLAGS if getattr(args, f) is not None]
+    for f in DEPLOYMENT_FLAGS:
+        if given and getattr(args, f) is None:
+            raise ValueError(f"--{f} is missing: --gpus, --ep and --mode go together (given: "
+                             f"{', '.join('--' + g for g in given)})")
+    for name, value in (("batch", args.batch), ("cache-dtype", args.cache_dtype)):
+        if value is not None and args.mode != "serve":
+            refuse(f"--{name}", value, "only with --gpus, --ep and --mode serve")
+    return bool(given)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -216,11 +244,25 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", metavar="NAME", help=f"a named config: one of {', '.join(PRESETS)} (default glm5)")
     src.add_argument("--config", metavar="PATH", help="an HF config.json, or a checkpoint folder holding one")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
-                   help="element type of the cached state, for its bytes (default bf16)")
+                   help="element type of the cached state, for its bytes (default bf16); with --mode also "
+                   "of the weights (and in training of the gradients; fp8 only with --mode serve)")
     p.add_argument("--context", type=int, metavar="N",
                    help="context length in tokens for state bytes and FLOPs (default: the model's "
                    "max_position_embeddings; larger values are refused)")
-    p.add_argument("--json", action="store_true", help="also print the whole ledger as one JSON line, last")
+    p.add_argument("--json", action="store_true", help="also print the whole ledger (or the deployment "
+                   "accounts) as one JSON line, last")
+    dep = p.add_argument_group("deployment accounts", "bytes per GPU with expert parallelism, printed instead "
+                               "of the ledger table; --gpus, --ep and --mode go together (docs/ledger.md)")
+    dep.add_argument("--gpus", type=int, metavar="G", help="GPUs in all (a multiple of --ep)")
+    dep.add_argument("--ep", type=int, metavar="E", help="expert-parallel group size: routed experts are split "
+                     "by expert over E GPUs (a divisor of --gpus and of the routed experts)")
+    dep.add_argument("--mode", metavar="train|serve", help="train: FSDP over all GPUs, experts by EP then FSDP; "
+                     "weights, gradients, fp32 master weights and optimizer state per GPU. serve: experts by EP, "
+                     "the rest replicated; weights and cache per GPU")
+    dep.add_argument("--batch", type=int, metavar="B", help="sequences of --context tokens cached per GPU, "
+                     "--mode serve only (default 1)")
+    dep.add_argument("--cache-dtype", choices=list(DTYPES), help="element type of the cache, --mode serve only "
+                     "(default: --dtype)")
     p.set_defaults(func=cmd_ledger)
     add_generate_parser(sub)
     add_ablate_parser(sub)

@@ -1,0 +1,195 @@
+"""Deployment accounts: bytes per GPU for training or serving with expert parallelism, from the config alone.
+
+`deployment` answers "what does each of G GPUs hold" for a model whose routed experts are sharded by
+expert over an EP group of `ep` ranks, under one stated sharding model per mode (`SHARDING`), plus the
+all-to-all bytes per token (`glm5lab.alltoall`). Pure arithmetic on `ModelConfig` (no torch); the
+parameter counts are the ledger's (`glm5lab.ledger`, pinned to the model by `tests/test_ledger.py`).
+Formulas, assumptions and the check against the published GLM-5-FP8 8 x H200 deployment: `docs/ledger.md`,
+"Deployment accounts". Units: elements and bytes (GB = 1e9, GiB = 2**30 bytes).
+
+Optimizer state follows the kinds of `glm5lab.optim.groups.RULES` (torch-free, from component counts,
+`optimizer_kinds`): Muon keeps one fp32 momentum buffer per parameter, AdamW two (exp_avg, exp_avg_sq).
+"""
+
+from __future__ import annotations
+
+from glm5lab.alltoall import a2a_per_token
+from glm5lab.config import ModelConfig
+from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
+                            mixer_kind, mtp_params, state)
+from glm5lab.validate import DTYPES, dtype_name, int_at_least, one_of, refuse
+
+MODES = ("train", "serve")
+SHARDING = {
+    "train": "FSDP over all G GPUs for every non-expert parameter; routed experts split by expert over the EP "
+             "group, then FSDP over the G / ep data replicas: every parameter / G",
+    "serve": "routed experts split by expert over the EP group (G / ep copies of the expert set); every other "
+             "parameter replicated on each GPU (data-parallel attention); each GPU caches its own batch",
+}
+"""The sharding model of each mode, as printed and written into the JSON."""
+FP32 = 4
+
+
+def param_split(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters the model holds (main + MTP), {"routed_experts", "non_expert", "total"}."""
+    main, mtp = main_params(cfg), mtp_params(cfg)
+    total = sum(main.values()) + sum(mtp.values())
+    routed = main["routed_experts"] + mtp["routed_experts"]
+    return {"routed_experts": routed, "non_expert": total - routed, "total": total}
+
+
+def per_gpu_params(cfg: ModelConfig, *, mode: str, gpus: int, ep: int) -> dict[str, int]:
+    """Elements one GPU holds, {"routed_experts", "non_expert", "total"}: "train" every class / gpus,
+    rounded up (FSDP padding ignored); "serve" routed experts / ep and every other parameter whole."""
+    split = param_split(cfg)
+    if mode == "train":
+        held = {k: _ceil(split[k], gpus) for k in ("routed_experts", "non_expert")}
+    else:
+        held = {"routed_experts": split["routed_experts"] // ep, "non_expert": split["non_expert"]}
+    return {**held, "total": sum(held.values())}
+
+
+def payload_dtype(dtype: str) -> str:
+    """The all-to-all payload (activation) dtype for weights in `dtype`: bf16 for fp8 weights (they
+    compute in bf16; an fp8 dispatch, as DeepEP offers, would halve dispatch bytes), else `dtype`."""
+    return "bf16" if dtype_name(dtype) == "fp8" else dtype_name(dtype)
+
+
+def optimizer_kinds(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters of each optimizer kind under "muon" / "muon-split" (`glm5lab.optim.groups.RULES`),
+    main + MTP: "adamw" = embedding, output head, every norm (block, final, MTP, MLA q_a / kv_a,
+    q_norm / k_norm, the indexer's k_norm LayerNorm), every bias, and Gated DeltaNet's per-head
+    gates and conv (a_proj, b_proj, conv1d, A_log, dt_bias, b_bias, gated norm); "muon" = the rest
+    (every other matrix, router, indexer, routed and shared experts, eh_proj)."""
+    main, mtp = main_params(cfg), mtp_params(cfg)
+    adamw = main["embedding"] + main["output"] + main["norms"] + mtp["norms"]
+    blocks = cfg.layers + ((cfg.mtp_layer,) if cfg.num_nextn_predict_layers else ())
+    for spec in blocks:
+        kind = mixer_kind(spec)
+        weights = attention_weights(cfg, kind)
+        adamw += attention_params(cfg, kind) - sum(weights.values())  # inner norms, biases, GDN state params
+        adamw += weights.get("a_proj", 0) + weights.get("b_proj", 0)  # GDN per-head gates: AdamW in RULES
+        adamw += indexer_params(cfg) - indexer_weights(cfg) if spec.has_indexer_weights else 0
+    total = param_split(cfg)["total"]
+    return {"muon": total - adamw, "adamw": adamw}
+
+
+def check_layout(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = "bf16", batch: int = 1,
+                 flag: str = "") -> None:
+    """Raise ValueError, `NAME = VALUE is not allowed: RULE`, for a layout `deployment` refuses: gpus or
+    ep or batch not an int >= 1, gpus % ep != 0, n_routed_experts % ep != 0, mode not in MODES, an
+    unknown dtype, fp8 with mode "train". `flag` prefixes the names ("--" for the command line)."""
+    int_at_least(f"{flag}gpus", gpus, 1)
+    int_at_least(f"{flag}ep", ep, 1)
+    if gpus % ep:
+        refuse(f"{flag}ep", ep, f"a divisor of {flag}gpus = {gpus} (G = data replicas x ep)")
+    if cfg.n_routed_experts % ep:
+        refuse(f"{flag}ep", ep, f"a divisor of the routed experts, n_routed_experts = {cfg.n_routed_experts}")
+    one_of(f"{flag}mode", mode, MODES)
+    dtype_name(dtype)
+    if mode == "train" and dtype_name(dtype) == "fp8":
+        refuse(f"{flag}dtype", dtype, "fp32, bf16 or fp16 with mode train (fp8 training is not modelled)")
+    int_at_least(f"{flag}batch", batch, 1)
+
+
+def train_bytes(cfg: ModelConfig, gpus: int, dtype: str) -> dict[str, int]:
+    """Bytes per GPU in training (`SHARDING["train"]`: `per_gpu_params`, every parameter / G): weights
+    and gradients in `dtype`; fp32 master weights (none when dtype is fp32: the weights are the master);
+    optimizer state 4 B per Muon-kind and 8 B per AdamW-kind parameter / G (`optimizer_kinds`).
+    Activations, buffers and communication scratch are not counted."""
+    per_gpu = per_gpu_params(cfg, mode="train", gpus=gpus, ep=1)["total"]
+    kinds, nbytes = optimizer_kinds(cfg), _nbytes(dtype)
+    out = {"weights": per_gpu * nbytes, "gradients": per_gpu * nbytes,
+           "master_weights": 0 if nbytes == FP32 else per_gpu * FP32,
+           "optimizer_state": _ceil(kinds["muon"], gpus) * FP32 + _ceil(kinds["adamw"], gpus) * 2 * FP32}
+    return {**out, "total": sum(out.values())}
+
+
+def serve_bytes(cfg: ModelConfig, ep: int, dtype: str, cache_dtype: str, context: int | None,
+                batch: int) -> dict[str, int]:
+    """Bytes per GPU in serving (`SHARDING["serve"]`): weights = (routed experts / ep + every other
+    parameter) in `dtype`; cache = batch x context x the main layers' latent + indexer-key bytes per
+    token in `cache_dtype` (`glm5lab.ledger.state`); "mtp_cache": the MTP layer's, used only as a draft
+    head, not in "total". Activations, CUDA graphs and runtime buffers are not counted."""
+    weights = per_gpu_params(cfg, mode="serve", gpus=ep, ep=ep)["total"] * _nbytes(dtype)
+    s = state(cfg, dtype=cache_dtype, context=context)
+    cache, mtp = (batch * s["context"] * s[part]["bytes_per_token"] for part in ("main", "mtp"))
+    return {"weights": weights, "cache": cache, "total": weights + cache, "mtp_cache": mtp}
+
+
+def deployment(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = "bf16",
+               cache_dtype: str | None = None, context: int | None = None, batch: int = 1, name: str = "") -> dict:
+    """The deployment accounts as a JSON-serialisable dict.
+
+    Keys: name, mode, gpus, ep, "sharding" (`SHARDING[mode]`), "experts_per_ep_rank", "dtype" and
+    "bytes_per_value" (weights), "params" (`param_split`), "optimizer_kinds", "per_gpu_params"
+    (`per_gpu_params`), "per_gpu_bytes" (`train_bytes` or `serve_bytes`), "a2a": forward all-to-all
+    bytes per token per MoE layer ("dispatch", "combine": `glm5lab.alltoall.a2a_per_token`, uniform
+    routing, in `payload_dtype(dtype)`), "moe_layers" (main layers; the MTP layer adds one when it
+    runs), "forward_per_token" over them and, in training, "forward_backward_per_token"; serve only:
+    "cache" {"dtype", "context", "batch"}. cache_dtype: default `dtype`; context: default
+    max_position_embeddings. Raises ValueError (`check_layout`; a context outside
+    1..max_position_embeddings)."""
+    check_layout(cfg, gpus=gpus, ep=ep, mode=mode, dtype=dtype, batch=batch)
+    dtype = dtype_name(dtype)
+    cache_dtype = dtype_name(cache_dtype or dtype)
+    nbytes = (train_bytes(cfg, gpus, dtype) if mode == "train"
+              else serve_bytes(cfg, ep, dtype, cache_dtype, context, batch))
+    out = {"name": name, "mode": mode, "gpus": gpus, "ep": ep, "sharding": SHARDING[mode],
+           "experts_per_ep_rank": cfg.n_routed_experts // ep, "dtype": dtype, "bytes_per_value": _nbytes(dtype),
+           "params": param_split(cfg), "optimizer_kinds": optimizer_kinds(cfg),
+           "per_gpu_params": per_gpu_params(cfg, mode=mode, gpus=gpus, ep=ep), "per_gpu_bytes": nbytes,
+           "a2a": _a2a(cfg, ep, payload_dtype(dtype), backward=mode == "train")}
+    if mode == "serve":
+        out["cache"] = {"dtype": cache_dtype, "context": state(cfg, context=context)["context"], "batch": batch}
+    return out
+
+
+def _a2a(cfg: ModelConfig, ep: int, dtype: str, *, backward: bool) -> dict:
+    """`a2a_per_token` + the MoE layer count and the per-token sums over the main MoE layers."""
+    per_layer = a2a_per_token(cfg, ep=ep, dtype=dtype)
+    layers = sum(spec.mlp == "sparse" for spec in cfg.layers)
+    forward = layers * (per_layer["dispatch"] + per_layer["combine"])
+    out = {**per_layer, "moe_layers": layers, "forward_per_token": forward}
+    return {**out, "forward_backward_per_token": 2 * forward} if backward else out
+
+
+def _ceil(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+def _nbytes(dtype: str) -> int:
+    return DTYPES[dtype_name(dtype)][1]
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB ({n / 1e9:,.2f} GB)"
+
+
+def _labels(d: dict) -> dict[str, str]:
+    """The printed name of each `per_gpu_bytes` entry."""
+    kinds, c = d["optimizer_kinds"], d.get("cache", {})
+    return {"weights": f"weights ({d['dtype']}, {d['bytes_per_value']} B/value)",
+            "gradients": f"gradients ({d['dtype']})", "master_weights": "master weights (fp32)",
+            "optimizer_state": f"optimizer state (fp32; Muon 1 x {kinds['muon']:,}, AdamW 2 x {kinds['adamw']:,})",
+            "cache": f"cache ({c.get('dtype')}, main layers, batch {c.get('batch')} x context {c.get('context', 0):,})",
+            "total": "total"}
+
+
+def render_deployment(d: dict) -> str:
+    """The `deployment` dict as readable lines (bytes in GiB and GB)."""
+    p, b, a = d["per_gpu_params"], d["per_gpu_bytes"], d["a2a"]
+    lines = [f"glm5lab ledger{' ' + d['name'] if d['name'] else ''}: {d['mode']} on {d['gpus']} GPUs, expert "
+             f"parallel {d['ep']} ({d['experts_per_ep_rank']} routed experts per EP rank per MoE layer)",
+             f"sharding: {d['sharding']}",
+             f"parameters per GPU: routed experts {p['routed_experts']:,} + the rest {p['non_expert']:,}"
+             f" = {p['total']:,} (of {d['params']['total']:,})", "bytes per GPU:"]
+    lines += [f"  {label:<76}{_size(b[key]):>28}" for key, label in _labels(d).items() if key in b]
+    if "mtp_cache" in b:
+        lines.append(f"  (MTP layer cache, only as a draft head, not in the total: {_size(b['mtp_cache'])})")
+    backward = a.get("forward_backward_per_token")
+    lines.append(f"all-to-all per token per MoE layer ({a['dtype']} payload, uniform routing, forward): dispatch "
+                 f"{a['dispatch']:,.0f} B + combine {a['combine']:,.0f} B; x {a['moe_layers']} MoE layers = "
+                 f"{a['forward_per_token'] / 1e6:,.3f} MB per token"
+                 + (f", {backward / 1e6:,.3f} MB with backward" if backward is not None else ""))
+    return "\n".join(lines)
