@@ -2,7 +2,8 @@
 and N processes (EP = 2, EP = 4, data 2 x expert 2) training exactly as one process does on the
 same global batch, with skewed routing and at GLM-5's routing shape (256 experts, top-8).
 
-Tolerance (fp32): losses within 1e-5 relative and final weights within 1e-4 absolute. The ranks
+Tolerance (fp32): losses within 1e-5 relative (the indexer KL, ~4e-5, a difference of nearly equal
+log-probabilities, within 1e-7 absolute; observed 3e-9) and final weights within 1e-4 absolute. The ranks
 sum gradients in another order than one process (FSDP2's reduce-scatter, the experts' gradients
 arriving through the all-to-all's backward), and Muon's Newton-Schulz amplifies those last-bit
 differences; observed: losses within 2e-7 relative, weights within 1e-5. The router bias moves by
@@ -37,8 +38,9 @@ def test_expert_parallel_trains_as_one_process(world, ep, reference, tmp_path):
     for case in CASES:
         one, many = reference[case.name], got[case.name]
         for a, b in zip(one["losses"], many["losses"], strict=True):
-            for key in ("loss", "lm_loss", "indexer_kl"):
+            for key in ("loss", "lm_loss"):
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (case.name, key, a[key], b[key])
+            assert abs(a["indexer_kl"] - b["indexer_kl"]) <= 1e-7, (case.name, a["indexer_kl"], b["indexer_kl"])
             assert a["mtp_losses"] == pytest.approx(b["mtp_losses"], rel=1e-5)
         assert one["state"].keys() == many["state"].keys()
         worst = max((float((one["state"][k] - many["state"][k]).abs().max()), k) for k in one["state"])
