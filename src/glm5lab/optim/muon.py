@@ -12,18 +12,22 @@ Muon step (as `torch.optim.Muon`, Keller Jordan's Muon):
 adjust_lr_fn "match_rms_adamw" (default; Moonshot, "Muon is Scalable for LLM Training"):
 0.2 * sqrt(max(A, B)) makes every block's update RMS 0.2, about AdamW's, so one lr and one weight decay serve Muon
 and AdamW groups. "original" (Keller Jordan): sqrt(max(1, A/B)). (A, B) is the shape of each orthogonalised block:
-the per-head block [M/H, N] for "muon_split", the per-expert matrix [M, N] for 3-D params. Notes: docs/optim.md.
+the per-head block [M/H, N] for "muon_split", the per-expert matrix [M, N] for 3-D params. FSDP2 / expert-parallel
+DTensor params: each block is orthogonalised once, where it lives or on one owner rank (`_orthogonalized`,
+`muon_dist`). Notes: docs/optim.md.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, required
 
+from glm5lab.optim import muon_dist
 from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, muon_split, newton_schulz
 from glm5lab.validate import int_at_least, one_of
 
@@ -60,18 +64,24 @@ class MuonAdamW(Optimizer):
     weight_decay, betas, eps. fp32 params and grads expected (state has the param's dtype). state_dict() /
     load_state_dict() round-trip bit-exactly (state: "momentum_buffer" for Muon; "step" (fp32 scalar tensor,
     as torch), "exp_avg", "exp_avg_sq" for AdamW). Raises ValueError for a bad kind, shape, heads or
-    hyperparameter, naming it.
+    hyperparameter, naming it. Params may be FSDP2 / expert-parallel DTensors (`_orthogonalized`).
+
+    on_orthogonalize: optional hook `(param, count)` called on each Newton-Schulz call with the param whose update
+    it orthogonalises and how many matrices it takes (B for a batch [B, M, N], 1 for one matrix; so each expert,
+    each head block and each plain matrix counts once); for tests and accounting. Not part of state_dict().
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  ns_steps: int = 5, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                 ns_eps: float = NS_EPS, adjust_lr_fn: str = "match_rms_adamw"):
+                 ns_eps: float = NS_EPS, adjust_lr_fn: str = "match_rms_adamw",
+                 on_orthogonalize: Callable[[torch.Tensor, int], None] | None = None):
         defaults = {"kind": required, "heads": None, "lr": lr, "weight_decay": weight_decay,
                     "momentum": momentum, "nesterov": nesterov, "betas": betas, "eps": eps,
                     "ns_steps": ns_steps, "ns_coefficients": ns_coefficients, "ns_eps": ns_eps,
                     "adjust_lr_fn": adjust_lr_fn}
         super().__init__(params, defaults)
+        self.on_orthogonalize = on_orthogonalize
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -79,16 +89,29 @@ class MuonAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step over every param with a grad (params whose grad is None are skipped, no decay)."""
+        """One step over every param with a grad (params whose grad is None are skipped, no decay).
+
+        AdamW params update one by one; Muon params first take their momentum, then all their updates are
+        orthogonalised together (so the gathers and scatters of sharded matrices overlap), then applied."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        muon = []  # (param, group, momentum update)
         for group in self.param_groups:
-            update = _adamw_update if group["kind"] == "adamw" else _muon_update
             for p in group["params"]:
-                if p.grad is not None:
-                    update(p, self.state[p], group)
+                if p.grad is None:
+                    continue
+                if group["kind"] == "adamw":
+                    _adamw_update(p, self.state[p], group)
+                else:
+                    muon.append((p, group, _momentum_update(p, self.state[p], group)))
+        directions = _orthogonalized([(u, g["kind"], g["heads"], _ns(g, p, self.on_orthogonalize))
+                                      for p, g, u in muon])
+        for (p, group, _), ortho in zip(muon, directions, strict=True):
+            lr = group["lr"]
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], block_shape(p, group["kind"], group["heads"])))
         return loss
 
 
@@ -115,7 +138,9 @@ def _check_param(p: torch.Tensor, kind: str, heads: int | None) -> None:
                          f"{tuple(p.shape)} with heads={heads}")
 
 
-def _muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
+def _momentum_update(p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+    """Advance the momentum buffer (laid out like the grad: a DTensor stays sharded); return the update to
+    orthogonalise (Nesterov: g.lerp(buf, momentum), else buf)."""
     grad, momentum = p.grad, group["momentum"]
     if grad.is_sparse:
         raise RuntimeError("MuonAdamW does not support sparse gradients")
@@ -123,23 +148,65 @@ def _muon_update(p: torch.Tensor, state: dict, group: dict) -> None:
         state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
     buf = state["momentum_buffer"]
     buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+
+def _ns(group: dict, p: torch.Tensor, on_orthogonalize) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The group's Newton-Schulz, reporting each call's matrix count to on_orthogonalize(p, count) when given."""
     ns = partial(newton_schulz, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["ns_eps"])
-    kind, heads = group["kind"], group["heads"]
-    ortho = _orthogonalized(update, kind, heads, ns)
-    lr = group["lr"]
-    p.mul_(1 - lr * group["weight_decay"])
-    p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], block_shape(p, kind, heads)))
+    if on_orthogonalize is None:
+        return ns
+
+    def counted(G: torch.Tensor) -> torch.Tensor:
+        on_orthogonalize(p, G.shape[0] if G.ndim == 3 else 1)
+        return ns(G)
+    return counted
 
 
-def _orthogonalized(update: torch.Tensor, kind: str, heads: int | None, ns) -> torch.Tensor:
-    """The Muon direction of `update`. A DTensor (an FSDP2 shard) is gathered whole on every
-    rank, orthogonalised (each rank computes the same result), and re-sharded like the update:
-    Newton-Schulz needs whole matrices (whole heads for Muon Split, whole experts for 3-D)."""
-    if isinstance(update, DTensor):
-        full = _orthogonalized(update.full_tensor(), kind, heads, ns)
-        return distribute_tensor(full, update.device_mesh, update.placements)
-    return muon_split(update, heads, orthogonalize=ns) if kind == "muon_split" else ns(update)
+def _direction(x: torch.Tensor, kind: str, heads: int | None, rows: int, ns) -> torch.Tensor:
+    """NS per block of x, a whole update or a shard of whole blocks: [E, M, N] per expert, [R, N] whole ("muon"),
+    or [R, N] per block of rows // heads rows ("muon_split"; rows: the whole update's M). Empty x is returned as is."""
+    if x.numel() == 0:
+        return x.clone()
+    if kind == "muon_split":
+        return muon_split(x, x.shape[0] // (rows // heads), orthogonalize=ns)
+    return ns(x)
+
+
+def _orthogonalized(items: list[tuple]) -> list[torch.Tensor]:
+    """The Muon direction of each (update, kind, heads, ns): NS of each block (a plain matrix, each head block
+    for "muon_split", each expert for 3-D), laid out like its update. Each block is computed once in the world:
+    - a plain tensor (one process): here, whole;
+    - a DTensor, by `muon_dist.route` (global shapes and placements, so every rank agrees):
+      LOCAL when the local shard is whole blocks (3-D experts sharded along dim 0 by FSDP2, EP or both; a matrix
+      whose shard boundaries fall on head boundaries): NS on the shard where it lives, no communication;
+      GATHER otherwise ((Shard(0),) on a 1-D mesh): the matrix is gathered once to one owner (mesh rank
+      k mod n for the k-th such update, so owners take turns), orthogonalised there, and each rank is sent back
+      only its rows: one gather and one scatter per matrix, no all-gather. Gathers are issued first, local
+      blocks computed while they are in flight, and each owner's scatter starts as soon as its result is ready.
+    Raises ValueError (from route) for another DTensor layout."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    gathers = []  # (index, owner, (work, send, parts))
+    for i, (u, kind, heads, _) in enumerate(items):
+        if isinstance(u, DTensor) and muon_dist.route(u, kind, heads) == muon_dist.GATHER:
+            owner = len(gathers) % u.device_mesh.size()
+            gathers.append((i, owner, muon_dist.gather_rows(u, owner)))
+    gathered = {i for i, _, _ in gathers}
+    for i, (u, kind, heads, ns) in enumerate(items):
+        if i in gathered:
+            continue
+        direction = partial(_direction, kind=kind, heads=heads, rows=u.shape[0], ns=ns)
+        out[i] = muon_dist.local_shard(u, direction) if isinstance(u, DTensor) else direction(u)
+    scatters = []
+    for i, owner, (work, _, parts) in gathers:
+        work.wait()
+        u, kind, heads, ns = items[i]
+        whole = None if parts is None else _direction(torch.cat(parts)[: u.shape[0]], kind, heads, u.shape[0], ns)
+        scatters.append((i, muon_dist.scatter_rows(u, owner, whole)))
+    for i, (work, recv, _) in scatters:
+        work.wait()
+        out[i] = muon_dist.rows_like(items[i][0], recv)
+    return out
 
 
 def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:
