@@ -49,8 +49,9 @@ def build(case: Case) -> GLM5ForCausalLM:
 def run(case: Case, ep: int = 1) -> dict:
     """Train `case` in this process (world 1) or on this rank of the initialised process group with
     expert-parallel size `ep`. Returns, on every rank: per step the losses (mean over ranks), the EP
-    metrics, the per-rank routing loads load_RE (summed over the step's MoE forwards) and the step
-    seconds; and on rank 0 the final full state dict (`state`)."""
+    metrics, the per-rank routing loads load_RE (summed over the step's MoE forwards), the matrices
+    Newton-Schulz orthogonalised over the world (`ns_blocks`) and the step seconds; and on rank 0 the
+    final full state dict (`state`)."""
     ctx = gdist.setup() if dist.is_initialized() else gdist.DistContext(0, 1, torch.device("cpu"))
     model = build(case)
     model.train()
@@ -62,7 +63,9 @@ def run(case: Case, ep: int = 1) -> dict:
     g = torch.Generator().manual_seed(1)
     windows = torch.randint(0, 320, (case.steps, case.batch, case.seq_len + 1), generator=g)
     b = stage.batch_size
-    out = {"losses": [], "ep": [], "load_RE": [], "seconds": []}
+    out = {"losses": [], "ep": [], "load_RE": [], "seconds": [], "ns_blocks": []}
+    blocks = [0]
+    optimizer.on_orthogonalize = lambda p, count: blocks.__setitem__(0, blocks[0] + count)
     from glm5lab.train.balance import moe_layers
 
     for step in range(case.steps):
@@ -74,10 +77,19 @@ def run(case: Case, ep: int = 1) -> dict:
         out["losses"].append(gdist.mean_over_ranks(losses.to_log(), ctx))
         out["ep"].append(pop_ep_metrics(model))
         out["load_RE"].append(_gather_rows(load_E, ctx))
+        out["ns_blocks"].append(_world_sum(blocks.pop(), ctx))
+        blocks.append(0)
     full = gdist.full_model(model, ctx)
     if ctx.is_main:
         out["state"] = {k: v.detach().clone() for k, v in full.state_dict().items()}
     return out
+
+
+def _world_sum(n: int, ctx) -> int:
+    t = torch.tensor([n])
+    if ctx.world_size > 1:
+        dist.all_reduce(t)
+    return int(t)
 
 
 def _gather_rows(load_E: torch.Tensor, ctx) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """Expert parallelism on CPU with gloo: the all-to-all dispatcher against the single-process one,
 and N processes (EP = 2, EP = 4, data 2 x expert 2) training exactly as one process does on the
-same global batch, with skewed routing and at GLM-5's routing shape (256 experts, top-8).
+same global batch, with skewed routing and at GLM-5's routing shape (256 experts, top-8), with Muon
+orthogonalising each matrix (each expert, each head block) exactly once across the world.
 
 Tolerance (fp32): losses within 1e-5 relative (the indexer KL, ~4e-5, a difference of nearly equal
 log-probabilities, within 1e-7 absolute; observed 3e-9) and final weights within 1e-4 absolute. The ranks
@@ -48,6 +49,18 @@ def test_expert_parallel_trains_as_one_process(world, ep, reference, tmp_path):
         bias = [k for k in one["state"] if k.endswith("e_score_correction_bias")]
         assert bias and all(one["state"][k].abs().max() > 0 for k in bias)  # the balancing moved the bias
         _check_metrics(case, many, world, ep)
+        assert many["ns_blocks"] == one["ns_blocks"] == [_muon_blocks(case)] * case.steps
+
+
+def _muon_blocks(case: Case) -> int:
+    """Matrices Muon Split orthogonalises in a step: one per head of a split matrix, one per routed
+    expert, one per other Muon matrix (`glm5lab.optim.groups`)."""
+    from glm5lab.optim import param_group_table
+
+    model = ep_harness.build(case)
+    shapes = dict(model.named_parameters())
+    return sum(row.heads if row.kind == "muon_split" else shapes[row.name].shape[0] if shapes[row.name].ndim == 3 else 1
+               for row in param_group_table(model, "muon-split") if row.kind != "adamw")
 
 
 def _check_metrics(case: Case, result: dict, world: int, ep: int) -> None:
