@@ -120,6 +120,33 @@ def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None)
     return _save(fig, plt, path)
 
 
+def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
+    """An expert-parallel run's (`glm5lab train --ep N`) all-to-all bill beside its expert load, per step:
+    left, the EP imbalance (rows the busiest EP rank received / the mean) with the worst MoE layer's expert
+    imbalance; right, the bytes the all-to-alls moved per training token. None for a run without EP records."""
+    from glm5lab.report.series import imbalance
+
+    rows = [r for r in metrics if r.get("ep_tokens")]
+    if not rows:
+        return None
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in rows]
+    left.plot(steps, [r["ep_imbalance"] for r in rows], linewidth=0.9, label=f"EP ranks ({len(rows[0]['ep_tokens'])})")
+    left.plot(steps, [max(imbalance(layer) for layer in r["expert_load"]) for r in rows], linewidth=0.8,
+              color="tab:gray", label="experts (worst MoE layer)")
+    left.axhline(1.0, color="k", linewidth=0.6)
+    left.set(xlabel="step", ylabel="max / mean rows received")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    mark_stages(left, stage_spans(rows), title="expert-parallel load")
+    right.plot(steps, [r["a2a_bytes"] / max(r.get("tokens") or 1, 1) for r in rows], linewidth=0.9, color="tab:purple")
+    right.set(xlabel="step", ylabel="all-to-all bytes per training token")
+    right.grid(alpha=0.3)
+    mark_stages(right, stage_spans(rows), title="all-to-all bytes (dispatch + combine, forward + backward)")
+    return _save(fig, plt, path)
+
+
 def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
                    eval_batches: int | None = None) -> Path | None:
     """exp(validation-subset loss) against the step, the whole-split final perplexity beside it

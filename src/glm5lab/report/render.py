@@ -160,7 +160,23 @@ def _load(rec, pngs, names: list[str]) -> str:
     return ("## Expert load\n\n" + _load_caption(rec)
             + "\n\nExpert assignments (tokens x top-k; the MTP layer's over its depths) at the last step, per MoE "
             "layer:\n\n" + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean"], rows)
-            + _img(pngs, "load", "expert load imbalance over time"))
+            + _img(pngs, "load", "expert load imbalance over time") + _expert_parallel(rec, pngs))
+
+
+def _expert_parallel(rec, pngs) -> str:
+    """For an expert-parallel run (`--ep N`): what the all-to-alls moved and how evenly the EP ranks were
+    loaded, from metrics.jsonl's ep_tokens / ep_imbalance / a2a_bytes; empty otherwise."""
+    rows = [r for r in rec.metrics if r.get("ep_tokens")]
+    if not rows:
+        return ""
+    total, tokens = sum(r["a2a_bytes"] for r in rows), sum(r.get("tokens") or 0 for r in rows)
+    ranked = sorted(r["ep_imbalance"] for r in rows)
+    per_token = f", {total / tokens:,.0f} bytes per training token" if tokens else ""
+    return (f"\n### Expert parallelism\n\n{len(rows[0]['ep_tokens'])} EP ranks (`--ep`). Over {len(rows)} steps "
+            f"the all-to-alls moved {total / 2**20:,.1f} MiB of token rows between ranks (dispatch and combine, "
+            f"forward and backward){per_token}. EP imbalance (rows the busiest EP rank received / the mean): "
+            f"median {ranked[len(ranked) // 2]:.2f}x, at most {ranked[-1]:.2f}x.\n"
+            + _img(pngs, "ep", "expert-parallel load and all-to-all bytes"))
 
 
 def _load_caption(rec) -> str:

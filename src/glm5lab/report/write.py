@@ -41,6 +41,7 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png"), rec.summary, eval_batches),
             "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png"), rec.summary, eval_batches),
             "load": plots.expert_load(rec.metrics, _tmp(out, "expert_load.png"), _moe_names(cfg)),
+            "ep": plots.expert_parallel(rec.metrics, _tmp(out, "expert_parallel.png")),
             "retrieval": plots.retrieval(probed["retrieval"], _tmp(out, "retrieval.png")) if probed else None,
             "acceptance": plots.acceptance(probed["acceptance"], _tmp(out, "acceptance.png")) if probed else None,
             "compare": plots.compare([(str(r.run_dir), r.metrics, r.summary) for r in [rec, *others]],
