@@ -124,6 +124,11 @@ def apply_expert_parallel(model, mesh) -> EPStats:
 
     from glm5lab.model.moe import MoE
 
+    import logging
+
+    # gathering a full checkpoint redistributes the experts' (_StridedShard, Shard) layout in two all-gathers,
+    # which torch warns about on every rank; correct, and rare (checkpoints only)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     ep_mesh, stats = mesh["ep"], EPStats()
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     check_ep(ep_mesh.size(), dist.get_world_size(), model.config)
