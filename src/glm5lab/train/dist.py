@@ -159,7 +159,9 @@ def load_optimizer_state(model, optimizer, state: dict, ctx: DistContext) -> Non
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    # strict=False: a parameter that never had a gradient (the indexer during the dense stage) has no state,
+    # in the saved dict as in a fresh optimizer; one process's `load_state_dict` accepts the same
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def barrier(ctx: DistContext) -> None:
