@@ -405,13 +405,16 @@ def print_report(records: list[dict], args, env: dict) -> None:
         rows.append([r["shape"], r["ep"], s["tokens"], k, D, s["rows"], s["a2a_bytes"], s["ledger_a2a_bytes"],
                      "yes" if s["a2a_bytes"] == s["ledger_a2a_bytes"] else "NO",
                      f"{s['a2a_bytes'] / (s['tokens'] * k * D):.2f}",
+                     f"{16 * s['rows'] / (s['tokens'] * k) * (r['ep'] - 1) / r['ep']:.2f}",
                      f"{s['a2a_bytes'] / (s['rows'] * D * 4 * 2 * 2):.3f}"])
     print("token sweep: one step per row (global tokens = batch x seq-len), fp32\n")
     print(markdown_table(["shape", "EP", "tokens", "top-k", "hidden", "rows routed", "a2a_bytes measured",
-                          "a2a_bytes ledger", "equal", "bytes / (tokens x top-k x hidden)", "crossing share"], rows))
+                          "a2a_bytes ledger", "equal", "bytes / (tokens x top-k x hidden)",
+                          "uniform routing", "crossing share"], rows))
     print("\n- rows routed: token x expert assignments over the step's MoE forwards (3 layers + 3 MTP depths); "
-          "crossing share: a2a_bytes / (rows x hidden x 4 B x 2 x 2), the rows whose expert is on another rank "
-          "(~(EP - 1) / EP under uniform routing)\n")
+          "uniform routing: the bytes / (tokens x top-k x hidden) expected when a fraction (EP - 1) / EP of the rows "
+          "crosses, 4 B x 2 (dispatch, combine) x 2 (forward, backward) x rows / (tokens x top-k) x (EP - 1) / EP; "
+          "crossing share: a2a_bytes / (rows x hidden x 4 B x 2 x 2), the measured fraction\n")
 
 
 def main(argv=None) -> dict | None:
