@@ -36,11 +36,13 @@ Per configuration (figures from the ranks, gathered to rank 0, written as JSON f
   (the autograd functions of `all_to_all_single_autograd`: launch + wait of the gradients'
   all-to-alls), divided by that profiled step's wall time. Waiting for a slower rank (imbalance,
   or a process descheduled by oversubscription) is inside a wait, so it counts as all-to-all
-  time. The profiler slows a step by ~5-10% here (profiled step s is in the JSON); the share is
-  taken within the profiled step, numerator and denominator alike. Beside it, measured the same
-  way, where else EP's step goes: FSDP2 share (the union of FSDP2's `FSDP::*` ranges: all-gathers
-  of the non-expert weights, which `shard_model` shards over the EP ranks, their waits and copies,
-  the gradients' reduce-scatter) and optimizer share (`Optimizer.step#MuonAdamW.step`).
+  time. The share is taken within the profiled step, numerator and denominator alike; the
+  profiler adds per-op overhead (here 1-36% of a step; profiled step s is in the JSON), mostly to
+  the many small compute ops, so the collectives' shares are approximate and if anything low.
+  Beside it, measured the same way, where else EP's step goes: FSDP2 share (the union of FSDP2's
+  `FSDP::*` ranges: all-gathers of the non-expert weights, which `shard_model` shards over the EP
+  ranks, their waits and copies, the gradients' reduce-scatter) and optimizer share
+  (`Optimizer.step#MuonAdamW.step`).
 - a2a bytes / step: `pop_ep_metrics(model)["a2a_bytes"]`: token payload the all-to-alls sent
   between ranks in a step, forward and backward, over all ranks (median over the timed steps).
 - ep_imbalance: `pop_ep_metrics`: rows received by the busiest EP index / the mean (median over
@@ -59,7 +61,7 @@ MTP depths), and bytes / (tokens x top-k x hidden): constant when the bytes are 
 layers + 3 MTP depths, the depths on slightly fewer positions: ~5.9 at seq-len 64) x the share of
 rows whose expert is on another rank, ~(EP - 1) / EP under uniform routing).
 
-    # both shapes, EP 1, 2, 4, batch 8 x 64 (about 4 min on a 2-core CPU)
+    # both shapes, EP 1, 2, 4, batch 8 x 64 (about 2 min on a quiet 2-core CPU, 6 under load)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/expert_parallel.py
     # one shape, EP 1 and 2
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/expert_parallel.py --shape tiny --ep 1,2
