@@ -84,8 +84,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+SCRIPT = Path(__file__).resolve()
+ROOT = SCRIPT.parent.parent
+sys.path.insert(0, str(SCRIPT.parent))
 sys.path.insert(0, str(ROOT))  # tests.train.ep_harness: the EP tests' model and step
 from common import markdown_table, median, print_json_line
 
@@ -121,9 +122,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if s not in SHAPES:
             raise SystemExit(f"--shape {s!r}: choose from {', '.join(SHAPES)}")
     for ep in args.ep_sizes:
+        if ep < 1:
+            raise SystemExit(f"--ep {ep}: at least 1")
         bad = [b for b in [args.batch, *args.sweep_batches] if b % ep]
-        if ep < 1 or bad:
-            raise SystemExit(f"--ep {ep}: every global batch ({bad}) must be a multiple of it")
+        if bad:
+            raise SystemExit(f"--ep {ep}: the global batches {bad} (--batch, --sweep) are not multiples of it")
     return args
 
 
@@ -351,7 +354,10 @@ def _gather(values: list[float], ctx) -> list[list[float]]:
 # --- the parent: one torchrun launch per (shape, EP), then the report ---
 
 def launch(args, shape: str, ep: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ep}", __file__,
+    """`python -m torch.distributed.run --standalone --nproc_per_node=ep` of this script's worker for
+    `shape`; returns rank 0's record (plus launch_s: the launch's wall seconds). Raises SystemExit
+    with the launch's output when it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ep}", str(SCRIPT),
            "--worker", "--out", str(out), "--shape", shape, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
            "--steps", str(args.steps), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
            "--sweep", args.sweep, "--threads", str(args.threads), "--ep", str(ep)]
