@@ -239,14 +239,14 @@ class Trainer:
         ep_tokens, load_RE, ledger_a2a_bytes, rows}."""
         from glm5lab.ledger import a2a_bytes
         from glm5lab.train.expert_parallel import pop_ep_metrics
-        from tests.train.ep_harness import _gather_rows
+        from tests.train.ep_harness import gather_rows
 
         self._barrier()
         t0 = time.perf_counter()
         load_E = self._run(window_BT1)
         seconds = _max_over_ranks(time.perf_counter() - t0, self.ctx)
         metrics = pop_ep_metrics(self.model)
-        load_RE = _gather_rows(load_E, self.ctx)
+        load_RE = gather_rows(load_E, self.ctx)
         ep = self.ctx.world_size
         return {"seconds": seconds, "a2a_bytes": metrics.get("a2a_bytes", 0),
                 "ep_imbalance": metrics.get("ep_imbalance"), "ep_tokens": metrics.get("ep_tokens"),

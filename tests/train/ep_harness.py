@@ -76,7 +76,7 @@ def run(case: Case, ep: int = 1) -> dict:
         out["seconds"].append(time.perf_counter() - t0)
         out["losses"].append(gdist.mean_over_ranks(losses.to_log(), ctx))
         out["ep"].append(pop_ep_metrics(model))
-        out["load_RE"].append(_gather_rows(load_E, ctx))
+        out["load_RE"].append(gather_rows(load_E, ctx))
         out["ns_blocks"].append(_world_sum(blocks.pop(), ctx))
         blocks.append(0)
     full = gdist.full_model(model, ctx)
@@ -92,7 +92,7 @@ def _world_sum(n: int, ctx) -> int:
     return int(t)
 
 
-def _gather_rows(load_E: torch.Tensor, ctx) -> list[list[int]]:
+def gather_rows(load_E: torch.Tensor, ctx) -> list[list[int]]:
     if ctx.world_size == 1:
         return [load_E.tolist()]
     parts = [torch.zeros_like(load_E) for _ in range(ctx.world_size)]
