@@ -3,7 +3,9 @@
 Under `torchrun --nproc_per_node=N`, `setup()` joins the process group (NCCL on GPUs, gloo on
 CPUs) and `shard_model` applies `fully_shard` to every decoder block, the MTP layer and the root.
 Each rank reads its slice of every global batch (`BatchStream(rank=, world_size=)`), so N ranks
-with batch B see what one process with batch N*B sees. A single process skips all of it.
+with batch B see what one process with batch N*B sees. A single process skips all of it. With
+`--ep N` (`shard_model(..., ep=N)`) the routed experts are also split by expert over groups of N
+ranks and tokens reach them by all-to-all (`glm5lab.train.expert_parallel`).
 Source: torch.distributed.fsdp.fully_shard (FSDP2) documentation; torchtitan's parallelize step.
 """
 
