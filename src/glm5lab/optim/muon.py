@@ -109,9 +109,10 @@ class MuonAdamW(Optimizer):
         directions = _orthogonalized([(u, g["kind"], g["heads"], _ns(g, p, self.on_orthogonalize))
                                       for p, g, u in muon])
         for (p, group, _), ortho in zip(muon, directions, strict=True):
-            lr = group["lr"]
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], block_shape(p, group["kind"], group["heads"])))
+            lr, shape = group["lr"], block_shape(p, group["kind"], group["heads"])
+            p_ = _local(p)
+            p_.mul_(1 - lr * group["weight_decay"])
+            p_.add_(_local(ortho), alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape))
         return loss
 
 
@@ -147,8 +148,11 @@ def _momentum_update(p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
     buf = state["momentum_buffer"]
-    buf.lerp_(grad, 1 - momentum)
-    return grad.lerp(buf, momentum) if group["nesterov"] else buf
+    _local(buf).lerp_(_local(grad), 1 - momentum)
+    if not group["nesterov"]:
+        return buf
+    update = _local(grad).lerp(_local(buf), momentum)
+    return muon_dist.like(grad, update) if isinstance(grad, DTensor) else update
 
 
 def _ns(group: dict, p: torch.Tensor, on_orthogonalize) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -209,6 +213,11 @@ def _orthogonalized(items: list[tuple]) -> list[torch.Tensor]:
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (under no_grad the very tensor it holds: in-place ops update it), else t."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:
     """torch.optim.AdamW's single-tensor path (amsgrad off), operation for operation."""
     grad, (beta1, beta2), lr = p.grad, group["betas"], group["lr"]
@@ -220,7 +229,9 @@ def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["step"] += 1
     step = state["step"].item()
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    # elementwise on the local shards: p, grad and both moments share one layout (FSDP2), and each
+    # op on a DTensor would go through DTensor's dispatch (benchmarks/expert_parallel.py measured it)
+    p, grad, exp_avg, exp_avg_sq = (_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
     p.mul_(1 - lr * group["weight_decay"])
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

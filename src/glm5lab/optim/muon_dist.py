@@ -49,14 +49,14 @@ def route(update: DTensor, kind: str, heads: int | None) -> str:
                      f"placements {placements} on {update.device_mesh}")
 
 
-def _like(update: DTensor, local: torch.Tensor) -> DTensor:
+def like(update: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor.from_local(local, update.device_mesh, update.placements, shape=update.shape, stride=update.stride())
 
 
 def local_shard(update: DTensor, direction) -> DTensor:
     """direction(update's local shard), as a DTensor laid out like update. direction maps a shard of whole
     blocks ([e, M, N] experts or [r, N] rows, possibly empty) to the same shape; no communication."""
-    return _like(update, direction(update.to_local()))
+    return like(update, direction(update.to_local()))
 
 
 def _padded(rows: torch.Tensor, c: int) -> torch.Tensor:
@@ -91,4 +91,4 @@ def scatter_rows(update: DTensor, owner: int, whole: torch.Tensor | None):
 
 def rows_like(update: DTensor, recv: torch.Tensor) -> DTensor:
     """The first local-rows of a padded [c, N] receive buffer, as a DTensor laid out like update."""
-    return _like(update, recv[: update.to_local().shape[0]])
+    return like(update, recv[: update.to_local().shape[0]])
