@@ -50,7 +50,7 @@ def run(case: Case, ep: int = 1) -> dict:
     """Train `case` in this process (world 1) or on this rank of the initialised process group with
     expert-parallel size `ep`. Returns, on every rank: per step the losses (mean over ranks), the EP
     metrics, the per-rank routing loads load_RE (summed over the step's MoE forwards), the matrices
-    Newton-Schulz orthogonalised over the world (`ns_blocks`) and the step seconds; and on rank 0 the
+    Newton-Schulz orthogonalised over the world (`ns_blocks`) and the step seconds; the losses carry the step's gradient norm before clipping; and on rank 0 the
     final full state dict (`state`)."""
     ctx = gdist.setup() if dist.is_initialized() else gdist.DistContext(0, 1, torch.device("cpu"))
     model = build(case)
@@ -72,9 +72,9 @@ def run(case: Case, ep: int = 1) -> dict:
         t0 = time.perf_counter()
         losses = stage_losses(model, windows[step, ctx.rank * b:(ctx.rank + 1) * b], stage)
         load_E = sum(moe.load for _, moe in moe_layers(model))
-        optimizer_step(model, optimizer, losses, stage, step + 1, hyper)
+        grad_norm, _ = optimizer_step(model, optimizer, losses, stage, step + 1, hyper)
         out["seconds"].append(time.perf_counter() - t0)
-        out["losses"].append(gdist.mean_over_ranks(losses.to_log(), ctx))
+        out["losses"].append({**gdist.mean_over_ranks(losses.to_log(), ctx), "grad_norm": grad_norm})
         out["ep"].append(pop_ep_metrics(model))
         out["load_RE"].append(gather_rows(load_E, ctx))
         out["ns_blocks"].append(_world_sum(blocks.pop(), ctx))

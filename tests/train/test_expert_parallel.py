@@ -39,7 +39,7 @@ def test_expert_parallel_trains_as_one_process(world, ep, reference, tmp_path):
     for case in CASES:
         one, many = reference[case.name], got[case.name]
         for a, b in zip(one["losses"], many["losses"], strict=True):
-            for key in ("loss", "lm_loss"):
+            for key in ("loss", "lm_loss", "grad_norm"):  # Muon's update ignores a gradient's scale: the norm does not
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (case.name, key, a[key], b[key])
             assert abs(a["indexer_kl"] - b["indexer_kl"]) <= 1e-7, (case.name, a["indexer_kl"], b["indexer_kl"])
             assert a["mtp_losses"] == pytest.approx(b["mtp_losses"], rel=1e-5)

@@ -103,7 +103,9 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
         for moe in (m for m in layer.modules() if isinstance(m, MoE) and ep > 1):
             fully_shard(moe.experts, mesh=mesh["dp"], mp_policy=low)
             moe.experts.set_gradient_divide_factor(float(ctx.world_size))  # the mean over every rank's batch
-            moe.experts.set_force_sum_reduction_for_comms(True)  # sum, then divide (gloo has no PREMUL_SUM)
+            # sum, then divide (gloo has no PREMUL_SUM); not on a 1-rank "dp" (ep = world size), where torch 2.13's
+            # FSDP2 would divide by the factor twice (its no-communication path divides, then its post-divide)
+            moe.experts.set_force_sum_reduction_for_comms(ctx.world_size > ep)
         fully_shard(layer, mesh=world, mp_policy=low)
     fully_shard(model, mesh=world, mp_policy=low)
     return model

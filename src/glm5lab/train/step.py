@@ -95,8 +95,8 @@ def _clip_grad_norm(params: list, max_norm: float) -> float:
     if len(meshes) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    per_mesh = [torch.nn.utils.get_total_norm([p.grad for p in params if getattr(p.grad, "device_mesh", None) is m])
-                for m in meshes]
+    per_mesh = [torch.nn.utils.get_total_norm([p.grad for p in params if getattr(p.grad, "device_mesh", None) == m])
+                for m in meshes]  # == as dict.fromkeys above: equal meshes may be distinct objects
     total = torch.nn.utils.get_total_norm([n.full_tensor() if hasattr(n, "full_tensor") else n for n in per_mesh])
     coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))  # as clip_grads_with_norm_
     torch._foreach_mul_([p.grad for p in params], coef)
