@@ -107,6 +107,13 @@ def test_deployment_refuses_bad_layouts(kw, match):
         deployment(ModelConfig.from_preset("glm5"), **kw)
 
 
+def test_ep_without_moe_layers_is_refused():
+    dense = ModelConfig.from_preset("tiny", first_k_dense_replace=4)
+    with pytest.raises(ValueError, match=r"^--ep = 2 is not allowed: 1 for a model without MoE layers"):
+        check_layout(dense, gpus=2, ep=2, mode="serve", flag="--")
+    check_layout(dense, gpus=2, ep=1, mode="serve")  # data parallel only: nothing to refuse
+
+
 def test_check_layout_names_the_flags():
     with pytest.raises(ValueError, match=r"^--ep = 3 is not allowed: a divisor of --gpus = 8"):
         check_layout(ModelConfig.from_preset("glm5"), gpus=8, ep=3, mode="serve", flag="--")

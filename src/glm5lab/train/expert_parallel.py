@@ -153,9 +153,9 @@ def check_ep(ep: int, world_size: int, cfg) -> None:
     if world_size % ep:
         raise ValueError(f"--ep {ep} does not divide the {world_size} processes torchrun started: use an --ep "
                          f"that divides {world_size}")
-    if not cfg.n_routed_experts or cfg.first_k_dense_replace >= cfg.num_hidden_layers:
+    if not cfg.n_routed_experts or "sparse" not in cfg.mlp_layer_types:
         raise ValueError(f"--ep {ep}: this model has no MoE layer (n_routed_experts {cfg.n_routed_experts}, "
-                         f"first_k_dense_replace {cfg.first_k_dense_replace} of {cfg.num_hidden_layers} layers): "
+                         f"mlp_layer_types {sorted(set(cfg.mlp_layer_types))} over {cfg.num_hidden_layers} layers): "
                          "expert parallelism needs routed experts; run without --ep")
     if cfg.n_routed_experts % ep:
         raise ValueError(f"--ep {ep} does not divide n_routed_experts {cfg.n_routed_experts}: use an --ep that "

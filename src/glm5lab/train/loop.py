@@ -302,8 +302,9 @@ def _init_folder(path: Path) -> str:
 def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig,
                      world_size: int = 1) -> None:
     """A resumed run must continue the plan it started with: same model config (checked first, before
-    any data is read), stages, data, seed, optimizer, and process count (a batch is per process, so
-    another count would change the global batch; the checkpoint is not resharded)."""
+    any data is read), stages, data, seed, optimizer, expert-parallel size (`--ep`: the run's records describe
+    one layout) and process count (a batch is per process, so another count would change the global batch; the
+    checkpoint is not resharded)."""
     saved_cfg = run_dir / "config.json"
     if saved_cfg.is_file():
         ours = model_config.to_dict()
@@ -320,7 +321,7 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
                          f"{started} x {batch}) and this resume runs {_procs(world_size)} (it would continue at "
                          f"{world_size} x {batch}); resume with {_launch(started)} (resuming at another process "
                          "count is not supported yet)")
-    keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
+    keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip", "ep")
     old = {"stages": saved["stages"], **{k: saved["args"].get(k, getattr(TrainArgs, k)) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
     differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k])})" for k in old if old[k] != new[k]]
