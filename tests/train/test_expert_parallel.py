@@ -10,6 +10,7 @@ arriving through the all-to-all's backward), and Muon's Newton-Schulz amplifies 
 differences; observed: losses within 2e-7 relative, weights within 1e-5. The router bias moves by
 exactly +-rate per step, so a routing decision that differed would show as a 1e-2 jump."""
 
+import json
 import os
 
 import pytest
@@ -165,37 +166,48 @@ def test_ep_refusals():
     check_ep(1, 1, dense)  # no EP: nothing to check
 
 
-def test_ep_run_resumes_bit_exactly(tmp_path):
+def test_ep_run_resumes_bit_exactly_and_a_checkpoint_starts_one(tmp_path, monkeypatch):
     """`glm5lab train --ep 2` under torchrun, stopped after step 2 of a dense stage (the DSA indexer has no
     gradient there, so no optimizer state) and resumed: the final weights equal the uninterrupted run's
-    bit for bit."""
+    bit for bit. Then `--init` of that checkpoint starts an EP run whose first step (loss, gradient norm)
+    equals one process's from the same checkpoint on the same global batch."""
     import shutil
     import subprocess
     import sys
 
     from safetensors.torch import load_file
 
+    from glm5lab.train.loop import TrainArgs
+    from glm5lab.train.loop import train as train_here
+    from tests.conftest import write_word_corpus
     from tests.train.test_fsdp import _free_port
 
-    def train(out, *extra):
+    def train(out, *extra, model=("--preset", "tiny"), steps="3"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-               "-m", "glm5lab", "train", "--preset", "tiny", "--ep", "2", "--stages", "dense", "--steps", "3",
+               "-m", "glm5lab", "train", *model, "--ep", "2", "--stages", "dense", "--steps", steps,
                "--seq-len", "24", "--batch-size", "2", "--eval-every", "0", "--checkpoint-every", "1",
-               "--no-progress", "--out", str(out), *extra]
+               "--no-progress", "--data", str(corpus), "--out", str(out), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLM5LAB_CACHE": str(tmp_path / "cache")}
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
 
     corpus = tmp_path / "texts"
-    from tests.conftest import write_word_corpus
-
     write_word_corpus(corpus)
-    train(tmp_path / "whole", "--data", str(corpus))
+    train(tmp_path / "whole")
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "whole", cut)
     (cut / "summary.json").unlink()
     shutil.rmtree(cut / "checkpoints" / "step-000003")
     (cut / "checkpoints" / "latest").write_text("step-000002\n")
-    train(cut, "--data", str(corpus), "--resume")
+    train(cut, "--resume")
     a, b = (load_file(run / "checkpoints" / "step-000003" / "model.safetensors") for run in (tmp_path / "whole", cut))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    init = str(tmp_path / "whole" / "checkpoints" / "step-000003")
+    train(tmp_path / "init-ep", model=("--init", init), steps="1")
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    train_here(TrainArgs(init=init, data=str(corpus), out=str(tmp_path / "init-one"), stages=["dense"], steps=1,
+                         seq_len=24, batch_size=4, eval_every=0, checkpoint_every=1, progress=False))
+    ep_row, one_row = (json.loads((tmp_path / run / "metrics.jsonl").read_text()) for run in ("init-ep", "init-one"))
+    for key in ("loss", "lm_loss", "grad_norm"):
+        assert abs(ep_row[key] - one_row[key]) <= 1e-5 * abs(one_row[key]), (key, ep_row[key], one_row[key])
