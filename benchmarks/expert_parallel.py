@@ -199,34 +199,17 @@ def config_record(args, cfg, ep: int, steps: list[dict], profiled: list[dict], s
 
 
 class Trainer:
-    """`ep_harness.run`'s training set-up and step on an already built model, with each step timed
-    between barriers, its EP metrics popped and its routing counts gathered (untimed)."""
+    """`ep_harness.EPTrainer` (the EP tests' set-up and step) on an already built model, with each step
+    timed between barriers, its EP metrics popped and its routing counts gathered (untimed)."""
 
     def __init__(self, model, ctx, ep: int, *, seq_len: int, batch: int):
-        from glm5lab.train import dist as gdist
-        from glm5lab.train.stages import Stage
-        from glm5lab.train.step import TrainHyper, set_trainable
+        from tests.train.ep_harness import EPTrainer
 
-        self.model, self.ctx, self.cfg, self.n = model, ctx, model.config, 0
-        model.train()
-        gdist.shard_model(model, ctx, ep=ep)
-        # ep_harness.run's stage; its steps (no schedule here) and batch size are not read by the step
-        self.stage = Stage("ep", 10**6, 3e-3, seq_len, batch // ctx.world_size, use_dsa=True, indexer_weight=1.0)
-        self.hyper = TrainHyper(optimizer="muon-split", bias_update_rate=1e-2)
-        self.optimizer = self.hyper.build_optimizer(model, self.stage.lr)
-        set_trainable(model, self.stage)
+        self.inner = EPTrainer(model, ctx, ep, seq_len=seq_len, batch=batch)
+        self.model, self.ctx, self.cfg = model, ctx, model.config
 
     def _run(self, window_BT1: torch.Tensor) -> torch.Tensor:
-        from glm5lab.train.balance import moe_layers
-        from glm5lab.train.losses import stage_losses
-        from glm5lab.train.step import optimizer_step
-
-        b = window_BT1.shape[0] // self.ctx.world_size
-        self.n += 1
-        losses = stage_losses(self.model, window_BT1[self.ctx.rank * b:(self.ctx.rank + 1) * b], self.stage)
-        load_E = sum(moe.load for _, moe in moe_layers(self.model))
-        optimizer_step(self.model, self.optimizer, losses, self.stage, self.n, self.hyper)
-        return load_E
+        return self.inner.step(window_BT1)[2]
 
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:

@@ -46,40 +46,57 @@ def build(case: Case) -> GLM5ForCausalLM:
     return model
 
 
+class EPTrainer:
+    """The training set-up and step of `run` (and `benchmarks/expert_parallel.py`): `model` put in training
+    mode and sharded (`shard_model(model, ctx, ep=ep)`), one stage of seq_len + 1 token windows with DSA, the
+    indexer KL and MTP on, Muon Split at lr 3e-3, router bias rate 1e-2; `step` trains this rank's contiguous
+    slice of a global batch (of `batch` windows, or any multiple of the process count)."""
+
+    def __init__(self, model, ctx, ep: int, *, seq_len: int, batch: int, steps: int = 10**6):
+        model.train()
+        gdist.shard_model(model, ctx, ep=ep)
+        self.model, self.ctx, self.n = model, ctx, 0
+        self.stage = Stage("ep", steps, 3e-3, seq_len, batch // ctx.world_size, use_dsa=True, indexer_weight=1.0)
+        self.hyper = TrainHyper(optimizer="muon-split", bias_update_rate=1e-2)
+        self.optimizer = self.hyper.build_optimizer(model, self.stage.lr)
+        set_trainable(model, self.stage)
+
+    def step(self, window_BT1: torch.Tensor):
+        """One optimizer step on the global batch window_BT1 [B, seq_len + 1]. Returns (this rank's
+        `StepLosses`, the gradient norm before clipping, this rank's routing loads load_E summed over the
+        step's MoE forwards: int64 [E])."""
+        from glm5lab.train.balance import moe_layers
+
+        b, self.n = window_BT1.shape[0] // self.ctx.world_size, self.n + 1  # any global batch (the sweep's)
+        losses = stage_losses(self.model, window_BT1[self.ctx.rank * b:(self.ctx.rank + 1) * b], self.stage)
+        load_E = sum(moe.load for _, moe in moe_layers(self.model))
+        grad_norm, _ = optimizer_step(self.model, self.optimizer, losses, self.stage, self.n, self.hyper)
+        return losses, grad_norm, load_E
+
+
 def run(case: Case, ep: int = 1) -> dict:
     """Train `case` in this process (world 1) or on this rank of the initialised process group with
-    expert-parallel size `ep`. Returns, on every rank: per step the losses (mean over ranks), the EP
-    metrics, the per-rank routing loads load_RE (summed over the step's MoE forwards), the matrices
-    Newton-Schulz orthogonalised over the world (`ns_blocks`) and the step seconds; the losses carry the step's gradient norm before clipping; and on rank 0 the
-    final full state dict (`state`)."""
+    expert-parallel size `ep`. Returns, on every rank: per step the losses (mean over ranks, with the step's
+    gradient norm before clipping), the EP metrics, the per-rank routing loads load_RE (summed over the
+    step's MoE forwards), the matrices Newton-Schulz orthogonalised over the world (`ns_blocks`) and the
+    step seconds; and on rank 0 the final full state dict (`state`)."""
     ctx = gdist.setup() if dist.is_initialized() else gdist.DistContext(0, 1, torch.device("cpu"))
-    model = build(case)
-    model.train()
-    gdist.shard_model(model, ctx, ep=ep)
-    stage = Stage("ep", case.steps, 3e-3, case.seq_len, case.batch // ctx.world_size, use_dsa=True, indexer_weight=1.0)
-    hyper = TrainHyper(optimizer="muon-split", bias_update_rate=1e-2)
-    optimizer = hyper.build_optimizer(model, stage.lr)
-    set_trainable(model, stage)
+    trainer = EPTrainer(build(case), ctx, ep, seq_len=case.seq_len, batch=case.batch, steps=case.steps)
     g = torch.Generator().manual_seed(1)
     windows = torch.randint(0, 320, (case.steps, case.batch, case.seq_len + 1), generator=g)
-    b = stage.batch_size
     out = {"losses": [], "ep": [], "load_RE": [], "seconds": [], "ns_blocks": []}
     blocks = [0]
-    optimizer.on_orthogonalize = lambda p, count: blocks.__setitem__(0, blocks[0] + count)
-    from glm5lab.train.balance import moe_layers
-
+    trainer.optimizer.on_orthogonalize = lambda p, count: blocks.__setitem__(0, blocks[0] + count)
     for step in range(case.steps):
         t0 = time.perf_counter()
-        losses = stage_losses(model, windows[step, ctx.rank * b:(ctx.rank + 1) * b], stage)
-        load_E = sum(moe.load for _, moe in moe_layers(model))
-        grad_norm, _ = optimizer_step(model, optimizer, losses, stage, step + 1, hyper)
+        losses, grad_norm, load_E = trainer.step(windows[step])
         out["seconds"].append(time.perf_counter() - t0)
         out["losses"].append({**gdist.mean_over_ranks(losses.to_log(), ctx), "grad_norm": grad_norm})
-        out["ep"].append(pop_ep_metrics(model))
+        out["ep"].append(pop_ep_metrics(trainer.model))
         out["load_RE"].append(gather_rows(load_E, ctx))
         out["ns_blocks"].append(_world_sum(blocks.pop(), ctx))
         blocks.append(0)
-    full = gdist.full_model(model, ctx)
+    full = gdist.full_model(trainer.model, ctx)
     if ctx.is_main:
         out["state"] = {k: v.detach().clone() for k, v in full.state_dict().items()}
     return out

@@ -26,7 +26,7 @@ DeepSeek-V3 section 3.2 (dispatch and combine); Megatron-LM `MoEAlltoAllTokenDis
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,9 @@ class EPDispatched(Dispatched):
     """`Dispatched` plus the way back: perm_R (int64 [R], received row -> expert-major position's
     source), rows sent to / received from each ep rank (lists of ep ints)."""
 
-    perm_R: torch.Tensor = None
-    send: list[int] = field(default_factory=list)
-    recv: list[int] = field(default_factory=list)
+    perm_R: torch.Tensor
+    send: list[int]
+    recv: list[int]
 
 
 class AllToAllDispatcher:
