@@ -85,8 +85,8 @@ def test_a_resume_with_nothing_to_resume_is_a_user_error(tmp_path):
     (["--stages", "dense,dense"], "each stage at most once"),
     (["--preset", "glm5"], "GiB to train in fp32"),
     (["--out", "/proc/no/such"], "--out /proc/no/such: cannot create the run folder"),
-    (["--ep", "2"], "--ep 2 needs 2 or a multiple of 2 processes: run under torchrun --nproc-per-node 2"),
-    (["--ep", "0"], "--ep 0 is not allowed: at least 1"),
+    (["--ep", "2"], "--ep = 2 is not allowed: 1 in one process; --ep 2 runs under torchrun --nproc-per-node 2"),
+    (["--ep", "0"], "--ep = 0 is not allowed: an integer >= 1"),
 ])
 def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noqa: F811
     base = ["--preset", "tiny", "--data", str(corpus / "texts"), "--no-progress"]

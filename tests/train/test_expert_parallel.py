@@ -151,18 +151,17 @@ def test_dispatch_and_combine_across_ranks_equal_one_process(tmp_path):
 
 
 def test_ep_refusals():
-    tiny = ModelConfig.from_preset("tiny")
-    with pytest.raises(ValueError, match=r"--ep 2 needs 2 or a multiple of 2 processes: run under torchrun"):
-        check_ep(2, 1, tiny)
-    with pytest.raises(ValueError, match=r"--ep 4 does not divide the 6 processes"):
-        check_ep(4, 6, tiny)
-    with pytest.raises(ValueError, match=r"--ep 3 does not divide n_routed_experts 8"):
-        check_ep(3, 3, tiny)
-    dense = ModelConfig.from_preset("tiny", first_k_dense_replace=4)
-    with pytest.raises(ValueError, match=r"--ep 2: this model has no MoE layer"):
-        check_ep(2, 2, dense)
-    with pytest.raises(ValueError, match=r"--ep 0 is not allowed"):
-        check_ep(0, 2, tiny)
+    tiny, dense = ModelConfig.from_preset("tiny"), ModelConfig.from_preset("tiny", first_k_dense_replace=4)
+    cases = [
+        ((2, 1, tiny), r"1 in one process; --ep 2 runs under torchrun --nproc-per-node 2 \(or a multiple of 2\)"),
+        ((4, 6, tiny), r"a divisor of the 6 processes torchrun started"),
+        ((3, 3, tiny), r"a divisor of the routed experts, n_routed_experts = 8"),
+        ((2, 2, dense), r"1 for a model without MoE layers \(n_routed_experts 8, mlp_layer_types \['dense'\]\)"),
+        ((0, 2, tiny), r"an integer >= 1"),
+    ]
+    for (ep, world, cfg), rule in cases:
+        with pytest.raises(ValueError, match=rf"^--ep = {ep} is not allowed: {rule}$"):
+            check_ep(ep, world, cfg)
     check_ep(1, 1, dense)  # no EP: nothing to check
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from glm5lab.model.dispatch import Dispatched, LocalDispatcher
+from glm5lab.validate import int_at_least, refuse
 
 
 @dataclass
@@ -141,25 +142,23 @@ def apply_expert_parallel(model, mesh) -> EPStats:
 
 
 def check_ep(ep: int, world_size: int, cfg) -> None:
-    """Refuse an expert-parallel size that does not divide the process count and the routed
-    experts, or a model without MoE layers. Raises ValueError naming both numbers."""
-    if ep < 1:
-        raise ValueError(f"--ep {ep} is not allowed: at least 1")
+    """Refuse an expert-parallel size that is not an int >= 1, that is above 1 in one process, that does not
+    divide the process count or the routed experts, or above 1 for a model without MoE layers. Raises
+    ValueError in `glm5lab.validate`'s form (`--ep = VALUE is not allowed: RULE`), as the ledger's
+    `deployment.check_layout` does for its --ep."""
+    int_at_least("--ep", ep, 1)
     if ep == 1:
         return
     if world_size == 1:
-        raise ValueError(f"--ep {ep} needs {ep} or a multiple of {ep} processes: run under torchrun "
-                         f"--nproc-per-node {ep} (this is one process)")
+        refuse("--ep", ep, f"1 in one process; --ep {ep} runs under torchrun --nproc-per-node {ep} (or a multiple "
+               f"of {ep})")
     if world_size % ep:
-        raise ValueError(f"--ep {ep} does not divide the {world_size} processes torchrun started: use an --ep "
-                         f"that divides {world_size}")
+        refuse("--ep", ep, f"a divisor of the {world_size} processes torchrun started")
     if not cfg.n_routed_experts or "sparse" not in cfg.mlp_layer_types:
-        raise ValueError(f"--ep {ep}: this model has no MoE layer (n_routed_experts {cfg.n_routed_experts}, "
-                         f"mlp_layer_types {sorted(set(cfg.mlp_layer_types))} over {cfg.num_hidden_layers} layers): "
-                         "expert parallelism needs routed experts; run without --ep")
+        refuse("--ep", ep, f"1 for a model without MoE layers (n_routed_experts {cfg.n_routed_experts}, "
+               f"mlp_layer_types {sorted(set(cfg.mlp_layer_types))})")
     if cfg.n_routed_experts % ep:
-        raise ValueError(f"--ep {ep} does not divide n_routed_experts {cfg.n_routed_experts}: use an --ep that "
-                         f"divides {cfg.n_routed_experts}")
+        refuse("--ep", ep, f"a divisor of the routed experts, n_routed_experts = {cfg.n_routed_experts}")
 
 
 def dispatcher_stats(model) -> tuple[EPStats, int, int] | None:
