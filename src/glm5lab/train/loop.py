@@ -322,7 +322,8 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
                          f"{world_size} x {batch}); resume with {_launch(started)} (resuming at another process "
                          "count is not supported yet)")
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip", "ep")
-    old = {"stages": saved["stages"], **{k: saved["args"].get(k, getattr(TrainArgs, k)) for k in keys}}
+    saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
+    old = {"stages": saved_stages, **{k: saved["args"].get(k, getattr(TrainArgs, k)) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
     differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k])})" for k in old if old[k] != new[k]]
     if differ:

@@ -36,9 +36,11 @@ class Stage:
     lm_weight: float = 1.0
     mtp_weights: tuple[float, ...] = (0.3, 0.3, 0.3)
     indexer_weight: float = 0.0
+    grad_accum: int = 1
+    """Micro-batches of `batch_size` sequences per optimizer step and process (gradient accumulation)."""
 
     def __post_init__(self):
-        for name in ("steps", "seq_len", "batch_size"):
+        for name in ("steps", "seq_len", "batch_size", "grad_accum"):
             int_at_least(f"stage {self.name!r}: `{name}`", getattr(self, name), 1)
         one_of(f"stage {self.name!r}: `trainable`", self.trainable, TRAINABLE)
         if not self.lr > 0 or (self.lr_end is not None and self.lr_end < 0):
