@@ -105,6 +105,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     fields["progress"] = not args.no_progress
     if args.out is None:
         fields["out"] = default_out(args)
+    if args.dry_run:
+        from glm5lab.train.plan import dry_run
+
+        print(dry_run(TrainArgs(**fields), nproc=args.nproc))
+        return 0
     try:
         summary = train(TrainArgs(**fields))
     except KeyboardInterrupt:
@@ -123,7 +128,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 NAMED_FLAGS = (("quick", "quick"), ("stages", "stages"), ("steps", "steps"), ("optimizer", ""), ("seed", "seed"),
-               ("seq_len", "seq"), ("batch_size", "batch"), ("bias_update_rate", "bias"), ("data", "data-"))
+               ("seq_len", "seq"), ("batch_size", "batch"), ("bias_update_rate", "bias"), ("data", "data-"),
+               ("lr", "lr"), ("grad_accum", "accum"))
 """The train arguments that change what is trained, in the order they name a default run folder:
 (argument, prefix in the folder name); one at its `TrainArgs` default does not name it."""
 
@@ -134,18 +140,21 @@ def default_out(args: argparse.Namespace) -> str:
     from its default, e.g. runs/small, runs/small-quick, runs/small-quick-steps6, runs/small-adamw,
     runs/tiny-seed1, runs/small-data-NAME. The same arguments give the same folder, so --resume finds the run
     it continues. The tokenizer, compile and the evaluation/checkpoint cadence do not name it."""
-    from glm5lab.train.loop import TrainArgs
+    from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe
 
+    recipe = getattr(args, "recipe", None)
+    recipe_name = load_recipe(recipe).name if recipe else DEFAULT_RECIPE
     if args.init:
         base = f"init-{_stem(args.init)}"
     elif args.config:
         base = f"config-{_stem(args.config)}"
     else:
-        base = args.preset or "small"
-    parts = [base]
+        base = args.preset or (recipe_name if recipe_name != DEFAULT_RECIPE else "small")
+    parts = [base] if recipe_name in (DEFAULT_RECIPE, base) else [recipe_name, base]
+    defaults = default_values()
     for name, prefix in NAMED_FLAGS:
         value = getattr(args, name, None)
-        if value is None or value == getattr(TrainArgs, name) or value is False:
+        if value is None or value == defaults.get(name) or value is False:
             continue
         value = "+".join(value) if isinstance(value, list) else "" if value is True else f"{value:g}" \
             if isinstance(value, float) else _stem(value) if name == "data" else str(value)
@@ -204,8 +213,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ + what ran: runs/small for the default run, "
                    "runs/small-quick, runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1, ...; the same "
                    "arguments give the same folder, so --resume finds it)")
-    p.add_argument("--steps", type=int, metavar="N", help="total steps, split over the stages in the default "
-                   "proportions (default 420; 17 with --quick)")
+    p.add_argument("--steps", type=int, metavar="N", help="total steps, split over the stages in the recipe's "
+                   "proportions (default 420; 17 with --quick); with --resume, more than the run's total extends "
+                   "its last stage (docs/recipes.md)")
     p.add_argument("--stages", type=lambda s: s.split(","), metavar="A,B",
                    help="run only these default stages, in order: dense, indexer_warmup, sparse_adaptation")
     p.add_argument("--optimizer", choices=["adamw", "muon", "muon-split"], help="default muon-split")
@@ -230,7 +240,27 @@ def add_train_parser(sub) -> None:
                    "expert over groups of N processes, tokens sent to them by all-to-all (N divides the process "
                    "count and n_routed_experts; docs/training.md); default 1")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_recipe_flags(p)
     p.set_defaults(func=cmd_train)
+
+
+def add_recipe_flags(p) -> None:
+    """`glm5lab train`'s recipe flags (docs/recipes.md): --recipe, --dry-run (--nproc), --lr, --grad-accum."""
+    g = p.add_argument_group("recipes", "a run's stages, optimizer and cadence as a TOML file (docs/recipes.md); "
+                             "--steps, --seq-len, --batch-size, --stages, --quick, --optimizer, --eval-every, "
+                             "--checkpoint-every and the flags below override it")
+    g.add_argument("--recipe", metavar="FILE|NAME", help="a recipe .toml file or a built-in one: small (the default "
+                   "run), glm5-dsa (the report's DSA adaptation, for a cluster)")
+    g.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved plan (per stage "
+                   "steps, tokens, global batch, lr curve; memory per process from the ledger) and exit: no model "
+                   "is built, no data read")
+    g.add_argument("--nproc", type=int, metavar="N", help="--dry-run only: the process count to plan for (default: "
+                   "$WORLD_SIZE, else 1)")
+    g.add_argument("--lr", type=float, metavar="LR", help="the first stage's peak lr; every stage's lr and lr_end "
+                   "are scaled by LR / the first stage's lr (the recipe's shape kept)")
+    g.add_argument("--grad-accum", dest="grad_accum", type=int, metavar="A", help="micro-batches per optimizer step "
+                   "and process, every stage (the global batch is batch size x A x processes; wins over a "
+                   "recipe's global_batch); default the recipe's (small: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

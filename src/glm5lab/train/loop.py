@@ -37,7 +37,8 @@ from glm5lab.train.data import TrainingData, prepare_data
 from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fields
 from glm5lab.train.expert_parallel import check_ep, pop_ep_metrics
 from glm5lab.train.losses import stage_losses
-from glm5lab.train.stages import Stage, default_stages
+from glm5lab.train.recipe import DEFAULT_RECIPE, load_recipe, resolve
+from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
 from glm5lab.validate import finite
 
@@ -45,9 +46,11 @@ from glm5lab.validate import finite
 @dataclass
 class TrainArgs:
     """Everything a run needs; saved as `run.json` in the run folder. optimizer, weight_decay,
-    grad_clip and bias_update_rate are the step's `TrainHyper` (`hyper`), defaults included."""
+    grad_clip and bias_update_rate are the step's `TrainHyper` (`hyper`). A field left None comes from the recipe
+    (`recipe`, default `small`: `with_recipe`, which `train` applies first); seq_len, batch_size, grad_accum, steps
+    and lr, when given, override every stage's (`glm5lab.train.recipe.resolve`)."""
 
-    preset: str = "small"
+    preset: str | None = None
     config: str | None = None
     data: str | None = None
     tokenizer: str | None = None
@@ -55,18 +58,18 @@ class TrainArgs:
     out: str = "runs/small"
     steps: int | None = None
     stages: list[str] | None = None
-    optimizer: str = TrainHyper.optimizer
+    optimizer: str | None = None
     quick: bool = False
     resume: bool = False
     seed: int = 0
-    seq_len: int = 256
-    batch_size: int = 8
-    weight_decay: float = TrainHyper.weight_decay
-    grad_clip: float = TrainHyper.grad_clip
-    bias_update_rate: float = TrainHyper.bias_update_rate
-    eval_every: int = 50
-    eval_batches: int = 8
-    checkpoint_every: int = 100
+    seq_len: int | None = None
+    batch_size: int | None = None
+    weight_decay: float | None = None
+    grad_clip: float | None = None
+    bias_update_rate: float | None = None
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    checkpoint_every: int | None = None
     progress: bool = True
     compile: bool = False
     """torch.compile the training step's forward and backward (`glm5lab.train.compile`); one process only."""
@@ -74,36 +77,42 @@ class TrainArgs:
     """Expert-parallel size (`--ep`, under torchrun): routed experts split by expert over groups of `ep` ranks
     (`glm5lab.train.expert_parallel`); it divides the process count and n_routed_experts."""
     stage_plan: list[dict] = field(default_factory=list)
+    recipe: str | None = None
+    """`--recipe`: a recipe file or built-in name (`glm5lab.train.recipe`); None = `small`, the default run."""
+    lr: float | None = None
+    """`--lr`: every stage's lr and lr_end scaled by lr / the first stage's lr (the recipe's shape kept)."""
+    grad_accum: int | None = None
+    """`--grad-accum`: every stage's micro-batches per optimizer step (wins over a recipe's global_batch)."""
 
     @property
     def hyper(self) -> TrainHyper:
-        """The step's settings of this run."""
-        return TrainHyper(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainHyper)})
+        """The step's settings of this run (a field still None: `TrainHyper`'s default)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainHyper)}
+        return TrainHyper(**{k: v for k, v in values.items() if v is not None})
 
 
-def resolve_stages(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
-    """The stage plan: explicit `stage_plan` dicts, else the defaults (optionally only the
-    stages named in `args.stages`, and with `args.steps` total steps split in proportion)."""
+def with_recipe(args: TrainArgs) -> TrainArgs:
+    """`args` with every field left None that the recipe sets filled from it (optimizer, weight decay, clipping,
+    router bias rate, evaluation and checkpoint cadence, and the model when no --preset/--config/--init is given;
+    seq_len and batch_size stay None: stage values). Raises ValueError (`load_recipe`)."""
+    recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
+    filled = {k: v for k, v in recipe.settings().items() if getattr(args, k) is None}
+    if not (args.preset or args.config or args.init):
+        model = {"config": recipe.config} if recipe.config else {"preset": recipe.preset or "small"}
+        filled.update(model)
+    return dataclasses.replace(args, **filled)
+
+
+def resolve_stages(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> list[Stage]:
+    """The stage plan: explicit `stage_plan` dicts, else the recipe's (`args.recipe`, default `small`, whose
+    stages are `default_stages`) resolved for this model and process count with the flags on top
+    (`glm5lab.train.recipe.resolve`: seq_len, batch_size, grad_accum, quick, stages, steps, lr)."""
     if args.stage_plan:
         return [Stage.from_dict(d) for d in args.stage_plan]
-    stages = default_stages(seq_len=args.seq_len, batch_size=args.batch_size, quick=args.quick,
-                            mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers else 0,
-                            use_indexer=cfg.has_indexer_weights)
-    if args.stages:
-        known = {s.name: s for s in stages}
-        unknown = [n for n in args.stages if n not in known]
-        if unknown:
-            raise ValueError(f"--stages: unknown stage(s) {unknown}; choose from {list(known)}")
-        stages = [known[n] for n in args.stages]
-    if args.steps is not None:
-        if args.steps < len(stages):
-            raise ValueError(f"--steps {args.steps} is not allowed: at least one per stage ({len(stages)})")
-        total = sum(s.steps for s in stages)
-        sizes = [max(1, round(args.steps * s.steps / total)) for s in stages]
-        sizes[0] += args.steps - sum(sizes)
-        stages = [Stage.from_dict({**s.to_dict(), "steps": n, "warmup_steps": min(s.warmup_steps, n - 1)})
-                  for s, n in zip(stages, sizes, strict=True)]
-    return stages
+    return resolve(load_recipe(args.recipe or DEFAULT_RECIPE), mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers
+                   else 0, has_indexer=cfg.has_indexer_weights, world_size=world_size, quick=args.quick,
+                   names=args.stages, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
+                   grad_accum=args.grad_accum, lr=args.lr)
 
 
 def model_config(args: TrainArgs) -> ModelConfig:
@@ -166,6 +175,7 @@ def train(args: TrainArgs) -> dict:
     lengths, data), so a failed start leaves no folder behind. Raises ValueError (bad arguments, data too
     short for a stage, a resume with another plan), FileExistsError (--out holds a run and --resume was not
     given), ResumeError (no checkpoint verifies), TrainingDiverged (`glm5lab.train.step`)."""
+    args = with_recipe(args)
     _check_args(args)
     if args.init:
         args.init = _init_folder(Path(args.init))
@@ -174,7 +184,7 @@ def train(args: TrainArgs) -> dict:
     _check_run_dir(run_dir, args.resume, probe=ctx.is_main)
     cfg = model_config(args)
     check_ep(args.ep, ctx.world_size, cfg)
-    stages = resolve_stages(args, cfg)
+    stages = resolve_stages(args, cfg, ctx.world_size)
     say = _notice if ctx.is_main else lambda message: None
     check_stage_lengths(stages, cfg, warn=say)
     if args.resume:
@@ -260,11 +270,11 @@ def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
 
 def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
     """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's global batch
-    (batch_size x world_size), or whose held-out split holds no window. The message names --data (`named`;
+    (batch_size x grad_accum x world_size), or whose held-out split holds no window. The message names --data (`named`;
     else the default corpus), the token counts and what to change. Raises ValueError."""
     where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
     for stage in stages:
-        width, batch = stage.seq_len + 1, stage.batch_size * world_size
+        width, batch = stage.seq_len + 1, stage.batch_size * stage.grad_accum * world_size
         if len(data.train_tokens) // width < batch:
             raise ValueError(f"{where}: its training split holds {len(data.train_tokens):,} tokens, "
                              f"{len(data.train_tokens) // width} windows of --seq-len {stage.seq_len} + 1; stage "
@@ -448,10 +458,11 @@ class _Loop:
             self.bar.close()
 
     def batch(self, index: int, stage: Stage, i: int) -> torch.Tensor:
-        """This rank's windows [B, T + 1] of step i of stage `index`, on the device: its stage's
-        BatchStream, seeded by the run's seed and the stage index."""
+        """This rank's windows [A * B, T + 1] of step i of stage `index` (A = grad_accum micro-batches of B), on
+        the device: its stage's BatchStream (batch size A * B, so the global batch is A * B * W), seeded by the
+        run's seed and the stage index."""
         if self.stream[0] != index:
-            self.stream = (index, BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size,
+            self.stream = (index, BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size * stage.grad_accum,
                                               seed=self.args.seed * 1000 + index, rank=self.ctx.rank,
                                               world_size=self.ctx.world_size))
         return self.stream[1].batch(i).to(self.ctx.device)
@@ -544,7 +555,7 @@ def stage_summary(stage: Stage, rows: list[dict], world_size: int = 1) -> dict:
     k = max(1, min(SMOOTH_STEPS, stage.steps // 5))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     end = [r["val_loss"] for r in rows if r.get("stage_step") == stage.steps and r.get("val_loss") is not None]
-    planned = stage.batch_size * stage.seq_len * world_size
+    planned = stage.batch_size * stage.grad_accum * stage.seq_len * world_size
     tokens = sum(r.get("tokens", planned) for r in rows) + planned * max(0, stage.steps - len(rows))
     return {"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa, "trainable": stage.trainable,
             "tokens": tokens, "reported": key,

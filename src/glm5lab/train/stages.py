@@ -38,6 +38,10 @@ class Stage:
     indexer_weight: float = 0.0
     grad_accum: int = 1
     """Micro-batches of `batch_size` sequences per optimizer step and process (gradient accumulation)."""
+    decay_steps: int | None = None
+    """Steps over which lr goes linearly to lr_end (from the stage's start, warm-up included); later steps hold
+    lr_end. None: the stage's `steps`. A run extended past its plan (`--resume` with more steps) sets it to the
+    stage's former length, so the steps already trained keep their lr."""
 
     def __post_init__(self):
         for name in ("steps", "seq_len", "batch_size", "grad_accum"):
@@ -45,6 +49,8 @@ class Stage:
         one_of(f"stage {self.name!r}: `trainable`", self.trainable, TRAINABLE)
         if not self.lr > 0 or (self.lr_end is not None and self.lr_end < 0):
             raise ValueError(f"stage {self.name!r}: lr = {self.lr!r}, lr_end = {self.lr_end!r}: lr > 0 and lr_end >= 0 required")
+        if self.decay_steps is not None:
+            int_at_least(f"stage {self.name!r}: `decay_steps`", self.decay_steps, 1)
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"stage {self.name!r}: `warmup_steps` = {self.warmup_steps} is not allowed: 0..steps-1")
 
@@ -53,13 +59,14 @@ class Stage:
         return len(self.mtp_weights)
 
     def lr_at(self, i: int) -> float:
-        """Learning rate at step i (0-based) of this stage."""
+        """Learning rate at step i (0-based) of this stage: linear warm-up from 0 to lr over warmup_steps, then
+        constant (lr_end None) or linear to lr_end at step decay_steps - 1 (default steps - 1), lr_end after."""
         if i < self.warmup_steps:
             return self.lr * (i + 1) / self.warmup_steps
         if self.lr_end is None:
             return self.lr
-        span = max(self.steps - 1 - self.warmup_steps, 1)
-        return self.lr + (self.lr_end - self.lr) * (i - self.warmup_steps) / span
+        span = max((self.decay_steps or self.steps) - 1 - self.warmup_steps, 1)
+        return self.lr + (self.lr_end - self.lr) * min(i - self.warmup_steps, span) / span
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -3,7 +3,8 @@ summary) and `glm5lab ablate` (`ablate.fit`: one record per step) both run, and 
 
 `run_stages`: per stage, which parameters train (`set_trainable`); per step, the stage's lr (`Stage.lr_at`),
 the batch, the losses, backward, the non-finite check and clipping, the optimizer step and the aux-loss-free
-router bias update (`optimizer_step`). `TrainHyper` holds the settings and the only copy of their defaults.
+router bias update (`optimizer_step`); a stage's `grad_accum` micro-batches per step accumulate their gradients
+first (`forward_backward`). `TrainHyper` holds the settings and the only copy of their defaults.
 """
 
 from __future__ import annotations
@@ -104,11 +105,13 @@ def _clip_grad_norm(params: list, max_norm: float) -> float:
 
 
 def optimizer_step(model, optimizer, losses: StepLosses, stage: Stage, step: int,
-                   hyper: TrainHyper) -> tuple[float, list[list[int]]]:
-    """Backward of losses.total, the non-finite check and clipping to `hyper.grad_clip` (`clip_and_check`),
-    the optimizer step, then the router bias update at `hyper.bias_update_rate` (not while only the indexer
-    trains). Returns (gradient norm before clipping, expert loads)."""
-    losses.total.backward()
+                   hyper: TrainHyper, *, backward: bool = True) -> tuple[float, list[list[int]]]:
+    """Backward of losses.total (unless `backward=False`: the gradients are already there, e.g. accumulated by
+    `forward_backward`), the non-finite check and clipping to `hyper.grad_clip` (`clip_and_check`), the optimizer
+    step, then the router bias update at `hyper.bias_update_rate` (not while only the indexer trains). Returns
+    (gradient norm before clipping, expert loads)."""
+    if backward:
+        losses.total.backward()
     grad_norm = clip_and_check(model, losses, step, hyper.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -116,11 +119,55 @@ def optimizer_step(model, optimizer, losses: StepLosses, stage: Stage, step: int
     return grad_norm, update_router_bias(model, 0.0 if frozen_router else hyper.bias_update_rate)
 
 
+def split_batch(batch, parts: int) -> list:
+    """`batch` (a tensor [A*B, ...] or a tuple/list of such tensors, rows first) cut into `parts` micro-batches of
+    B consecutive rows each (views, no copy). Raises ValueError when the rows do not divide into `parts`."""
+    rows = (batch[0] if isinstance(batch, (tuple, list)) else batch).shape[0]
+    if rows % parts:
+        raise ValueError(f"a step batch of {rows} rows does not split into grad_accum = {parts} equal micro-batches")
+    if isinstance(batch, (tuple, list)):
+        return [type(batch)(chunk) for chunk in zip(*(t.chunk(parts) for t in batch), strict=True)]
+    return list(batch.chunk(parts))
+
+
+def mean_losses(parts: list[StepLosses]) -> StepLosses:
+    """The element-wise mean of micro-batches' (detached) losses: with equal micro-batches, the losses of the whole
+    step batch (each part is a mean over its tokens)."""
+    mean = lambda ts: None if ts[0] is None else torch.stack([t.detach() for t in ts]).mean()  # noqa: E731
+    depths = min(len(p.mtp) for p in parts)
+    return StepLosses(mean([p.total for p in parts]), mean([p.lm for p in parts]),
+                      [mean([p.mtp[j] for p in parts]) for j in range(depths)], mean([p.indexer for p in parts]))
+
+
+def forward_backward(model, batch, stage: Stage, losses: Callable[[Any, Stage], StepLosses]) -> StepLosses:
+    """Gradient accumulation: the step batch (rows [grad_accum * B, ...]) in `stage.grad_accum` micro-batches of B
+    rows, each forward and backward with its loss scaled by 1 / grad_accum, so the gradients summed in `.grad` are
+    those of the whole batch's mean loss. Under FSDP2 the gradient reduce-scatter runs only on the last
+    micro-batch (`set_requires_gradient_sync`). MoE loads keep adding up until the router update pops them (their
+    sum over micro-batches). Returns the mean of the micro-batches' losses (detached when grad_accum > 1);
+    grad_accum = 1 is exactly one forward and `losses.total.backward()`."""
+    if stage.grad_accum == 1:
+        step_losses = losses(batch, stage)
+        step_losses.total.backward()
+        return step_losses
+    sync = getattr(model, "set_requires_gradient_sync", None)  # an FSDP2-sharded model
+    parts = []
+    micro = split_batch(batch, stage.grad_accum)
+    for k, part in enumerate(micro):
+        if sync is not None:
+            sync(k == len(micro) - 1)
+        step_losses = losses(part, stage)
+        (step_losses.total / stage.grad_accum).backward()
+        parts.append(step_losses)
+    return mean_losses(parts)
+
+
 def run_stages(model, stages: list[Stage], batches: Callable[[int, Stage, int], Any], hyper: TrainHyper,
                on_step: Callable[[StepDone], None], *, losses: Callable[[Any, Stage], StepLosses],
                optimizer=None, start: dict | None = None) -> None:
-    """Train `model` in place through `stages`: batches(stage index, stage, i) gives step i's batch,
-    losses(batch, stage) its `StepLosses`, and on_step(StepDone) follows every step. optimizer: default
+    """Train `model` in place through `stages`: batches(stage index, stage, i) gives step i's batch (rows
+    [stage.grad_accum * B, ...]: `forward_backward` cuts it into grad_accum micro-batches of B rows), losses(batch,
+    stage) a micro-batch's `StepLosses`, and on_step(StepDone) follows every step. optimizer: default
     `hyper.build_optimizer` at the first stage's lr. start: where to begin, as a checkpoint's position
     {"step": global steps done, "stage": stage index, "in_stage": steps done in it} (default the beginning; a
     stage index past the last trains nothing). Raises TrainingDiverged on a non-finite loss or gradient."""
@@ -136,8 +183,8 @@ def run_stages(model, stages: list[Stage], batches: Callable[[int, Stage, int], 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batch = batches(index, stage, i)
-            step_losses = losses(batch, stage)
+            step_losses = forward_backward(model, batch, stage, losses)
             step += 1
-            grad_norm, loads = optimizer_step(model, optimizer, step_losses, stage, step, hyper)
+            grad_norm, loads = optimizer_step(model, optimizer, step_losses, stage, step, hyper, backward=False)
             on_step(StepDone(index, stage, i, step, lr, batch, step_losses, grad_norm, loads,
                              time.perf_counter() - t0))
