@@ -3,8 +3,11 @@ step on the A*B rows at once, in every stage kind (dense with MTP depths, indexe
 with DSA on and the indexer KL): logged losses and updated weights within fp32 tolerance, router-bias loads
 exactly equal.
 
-Tolerance: the micro-batch path sums A partial gradients instead of one batched reduction, so the weights differ
-by rounding only: atol/rtol 1e-5 (the table's fp32 pair; observed <= 2e-7 after 3 steps of AdamW at these lrs)."""
+Tolerance (fp32, CPU): the micro-batch path sums A partial gradients instead of one batched reduction, so they
+differ by rounding only. Losses rel 1e-5 (observed ~1e-7), gradient norms rel 1e-4 (observed <= 1e-6), weights
+outside the indexer the table's atol/rtol 1e-5; the indexer's weights atol 1e-4 (observed 2.6e-5 after the
+5 steps): its KL gradients are tiny (norm 4e-4) and AdamW divides each entry by its own RMS, so entries near zero
+turn rounding into a visible part of the 5e-3 step. A step that drops one micro-batch fails all of these."""
 
 import copy
 
@@ -18,6 +21,7 @@ from glm5lab.train.step import TrainHyper, run_stages, split_batch
 from tests.conftest import assert_close
 
 B, A, T = 2, 3, 12
+OFFSET = (0, 2, 3)  # first step of each stage in `windows` (stages of 2, 1, 2 steps)
 HYPER = TrainHyper(optimizer="adamw")
 
 
@@ -34,7 +38,7 @@ def _train(cfg: ModelConfig, grad_accum: int, batch: int, windows: torch.Tensor)
     torch.manual_seed(0)
     model = GLM5ForCausalLM(cfg)
     records = []
-    run_stages(model, _stages(grad_accum, batch), lambda index, stage, i: windows[index * 2 + i], HYPER,
+    run_stages(model, _stages(grad_accum, batch), lambda index, stage, i: windows[OFFSET[index] + i], HYPER,
                records.append, losses=lambda w, stage: stage_losses(model, w, stage))
     return model, records
 
@@ -60,13 +64,13 @@ def test_micro_batches_equal_one_batch():
     assert got[2].losses.indexer is not None and got[4].losses.indexer is not None and len(got[0].losses.mtp) == 3
     want_state, got_state = whole.state_dict(), accum.state_dict()
     for name, value in want_state.items():
-        assert_close(got_state[name], value, msg=name)
+        assert_close(got_state[name], value, msg=name, **({"atol": 1e-4} if ".indexer." in name else {}))
     moved = [n for n, v in want_state.items() if v.is_floating_point() and not torch.equal(v, _initial(cfg)[n])]
     assert any("e_score_correction_bias" in n for n in moved)  # the router bias did move (and equally)
 
 
 def test_garbage_accumulation_fails():
-    """The tolerance is not too loose: summing the micro-batch losses without the 1 / A scale is caught."""
+    """The tolerance is not too loose: a step that drops its last micro-batch (zero loss) is caught."""
     cfg = ModelConfig.from_preset("tiny", vocab_size=97)
     torch.manual_seed(1)
     windows = torch.randint(0, 97, (5, A * B, T + 1))
@@ -74,16 +78,19 @@ def test_garbage_accumulation_fails():
     torch.manual_seed(0)
     model = GLM5ForCausalLM(cfg)
 
-    def unscaled(w, stage):
+    calls = []
+
+    def drop_last(w, stage):
         out = stage_losses(model, w, stage)
-        out.total = out.total * A  # forward_backward divides by A: this undoes it
+        calls.append(1)
+        out.total = out.total * (0.0 if len(calls) % A == 0 else 1.0)
         return out
 
-    run_stages(model, _stages(A, B), lambda index, stage, i: windows[index * 2 + i], HYPER, lambda done: None,
-               losses=unscaled)
-    weight = "model.layers.0.self_attn.q_a_proj.weight"
-    with pytest.raises(AssertionError):
-        assert_close(model.state_dict()[weight], whole.state_dict()[weight])
+    run_stages(model, _stages(A, B), lambda index, stage, i: windows[OFFSET[index] + i], HYPER, lambda done: None,
+               losses=drop_last)
+    for weight in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.indexer.wk.weight"):
+        with pytest.raises(AssertionError):
+            assert_close(model.state_dict()[weight], whole.state_dict()[weight], atol=1e-4)
 
 
 def _initial(cfg):

@@ -36,8 +36,9 @@ from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
 from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fields
 from glm5lab.train.expert_parallel import check_ep, pop_ep_metrics
+from glm5lab.train.extend import continue_position, extend_plan, record_extension
 from glm5lab.train.losses import stage_losses
-from glm5lab.train.recipe import DEFAULT_RECIPE, load_recipe, resolve
+from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
 from glm5lab.validate import finite
@@ -187,9 +188,11 @@ def train(args: TrainArgs) -> dict:
     stages = resolve_stages(args, cfg, ctx.world_size)
     say = _notice if ctx.is_main else lambda message: None
     check_stage_lengths(stages, cfg, warn=say)
+    extended = 0
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
-        _check_same_plan(run_dir, args, stages, cfg, ctx.world_size)
+        stages, extended = _check_same_plan(run_dir, args, stages, cfg, ctx.world_size)
+        _check_not_finished(run_dir, extended)
     model = build_model(args, cfg)
     resumed = _resume_weights(run_dir, model, report=say) if args.resume else None
     checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
@@ -199,7 +202,7 @@ def train(args: TrainArgs) -> dict:
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
     if resumed is not None:
-        start = resumed["position"]
+        start = continue_position(resumed["position"], stages) if extended else resumed["position"]
         if start["stage"] < len(stages):  # else trained to the end, stopped before summary.json: finish it
             dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
             set_rng_state(resumed["rng"])
@@ -208,6 +211,11 @@ def train(args: TrainArgs) -> dict:
             _check_same_threads(run_dir, ctx)
     if ctx.is_main and not args.resume:
         _write_run_files(run_dir, args, model.config, stages, ctx)
+    if ctx.is_main and extended:
+        record_extension(run_dir, asdict(args), stages, sum(s.steps for s in stages) - extended)
+        _notice(f"extending {run_dir} by {extended} steps to {sum(s.steps for s in stages)}: the last stage "
+                f"{stages[-1].name!r} now runs {stages[-1].steps} steps (its lr holds lr_end after step "
+                f"{stages[-1].decay_steps})")
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
     loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
     if metrics is not None and args.resume:
@@ -310,11 +318,12 @@ def _init_folder(path: Path) -> str:
 
 
 def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig,
-                     world_size: int = 1) -> None:
+                     world_size: int = 1) -> tuple[list[Stage], int]:
     """A resumed run must continue the plan it started with: same model config (checked first, before
     any data is read), stages, data, seed, optimizer, expert-parallel size (`--ep`: the run's records describe
     one layout) and process count (a batch is per process, so another count would change the global batch; the
-    checkpoint is not resharded)."""
+    checkpoint is not resharded). The one change allowed is more steps (`glm5lab.train.extend.extend_plan`).
+    Returns (the plan to train, steps added: 0 unless extended)."""
     saved_cfg = run_dir / "config.json"
     if saved_cfg.is_file():
         ours = model_config.to_dict()
@@ -333,13 +342,25 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
                          "count is not supported yet)")
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip", "ep")
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
-    old = {"stages": saved_stages, **{k: saved["args"].get(k, getattr(TrainArgs, k)) for k in keys}}
+    old = {"stages": saved_stages, **{k: saved["args"].get(k, default_values().get(k, getattr(TrainArgs, k))) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
     differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k])})" for k in old if old[k] != new[k]]
+    longer = extend_plan([Stage.from_dict(d) for d in saved_stages], stages, args.steps)
+    if longer is not None and all(k.startswith("stages") for k in differ):
+        return longer
     if differ:
         verb = "differs" if len(differ) == 1 else "differ"
         raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
-                         "resume with the arguments the run started with")
+                         "resume with the arguments the run started with (or more --steps, to extend it)")
+    return stages, 0
+
+
+def _check_not_finished(run_dir: Path, extended: int) -> None:
+    """Refuse --resume of a finished run (summary.json) that does not ask for more steps."""
+    if (run_dir / "summary.json").is_file() and not extended:
+        raise ValueError(f"--resume: the run in {run_dir} is already complete (its summary is summary.json): "
+                         f"nothing to continue (give more --steps, or a recipe with a longer last stage, to extend "
+                         f"it). To train again, choose another --out DIR or remove {run_dir}")
 
 
 def _procs(n: int) -> str:
@@ -365,10 +386,7 @@ def _check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
     the creation (the main rank only: ranks creating and removing the same folder at once would race)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a folder")
-    if resume and (run_dir / "summary.json").is_file():
-        raise ValueError(f"--resume: the run in {run_dir} is already complete (its summary is summary.json): "
-                         f"nothing to continue. To train again, choose another --out DIR or remove {run_dir}")
-    if resume:
+    if resume:  # a finished run (summary.json) is refused after the plan comparison unless it is extended
         return
     if has_checkpoint(run_dir):
         done = (run_dir / "summary.json").is_file()
@@ -422,9 +440,16 @@ def _resume_weights(run_dir: Path, model, report) -> dict:
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
     info = {"args": asdict(args), "stages": [s.to_dict() for s in stages], "git_commit": git_commit(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "world_size": ctx.world_size,
-            "device": str(ctx.device)}
+            "device": str(ctx.device), "recipe": recipe_record(args)}
     atomic_write_text(run_dir / "run.json", json.dumps(info, indent=2) + "\n")  # creates run_dir
     atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_hf(), indent=2) + "\n")
+
+
+def recipe_record(args: TrainArgs) -> dict:
+    """run.json's "recipe": the recipe's name and file, and whether the stages came from it or from
+    `stage_plan` (the resolved stages themselves are run.json's "stages")."""
+    recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
+    return {"name": recipe.name, "source": recipe.source, "stages_from": "stage_plan" if args.stage_plan else "recipe"}
 
 
 class _Loop:

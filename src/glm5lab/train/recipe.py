@@ -92,18 +92,18 @@ class Recipe:
 
 
 # key -> (type, what to say); float accepts a TOML integer too
-_NUM, _INT, _STR, _BOOL = ("number", (int, float)), ("integer", int), ("string", str), ("boolean", bool)
-TOP_KEYS = {"name": _STR, "description": _STR, "model": ("table", dict), "optimizer": ("table", dict),
-            "evaluation": ("table", dict), "checkpoint": ("table", dict), "defaults": ("table", dict),
-            "stages": ("array of tables", list)}
+_NUM, _INT, _STR, _BOOL = ("a number", (int, float)), ("an integer", int), ("a string", str), ("a boolean", bool)
+_TABLE = ("a table", dict)
+TOP_KEYS = {"name": _STR, "description": _STR, "model": _TABLE, "optimizer": _TABLE, "evaluation": _TABLE,
+            "checkpoint": _TABLE, "defaults": _TABLE, "stages": ("an array of tables ([[stages]])", list)}
 MODEL_KEYS = {"preset": _STR, "config": _STR}
 OPTIMIZER_KEYS = {"name": _STR, "weight_decay": _NUM, "grad_clip": _NUM, "bias_update_rate": _NUM}
 EVALUATION_KEYS = {"eval_every": _INT, "eval_batches": _INT}
 CHECKPOINT_KEYS = {"checkpoint_every": _INT}
 STAGE_KEYS = {"name": _STR, "steps": _INT, "tokens": _INT, "lr": _NUM, "lr_end": _NUM, "warmup_steps": _INT,
               "decay_steps": _INT, "seq_len": _INT, "batch_size": _INT, "grad_accum": _INT, "global_batch": _INT,
-              "mtp_weights": ("array of numbers", list), "mtp_weight": _NUM, "trainable": _STR, "use_dsa": _BOOL,
-              "indexer_weight": _NUM, "lm_weight": _NUM, "only_with_indexer": _BOOL, "quick": ("table", dict)}
+              "mtp_weights": ("an array of numbers", list), "mtp_weight": _NUM, "trainable": _STR, "use_dsa": _BOOL,
+              "indexer_weight": _NUM, "lm_weight": _NUM, "only_with_indexer": _BOOL, "quick": _TABLE}
 QUICK_KEYS = {k: v for k, v in STAGE_KEYS.items() if k not in ("name", "quick", "only_with_indexer")}
 
 
@@ -146,6 +146,8 @@ def load_recipe(name_or_file: str = DEFAULT_RECIPE) -> Recipe:
         _check_table(sub[name], keys, where, f"[{name}]")
     defaults_keys = {k: v for k, v in STAGE_KEYS.items() if k not in ("name", "quick")}
     _check_table(sub["defaults"], defaults_keys, where, "[defaults]")
+    for i, table in enumerate(data["stages"]):
+        _check_table(table, STAGE_KEYS, where, f"stages[{i}]")
     stages = tuple(_stage_spec({**sub["defaults"], **table}, where, f"stages[{i}]")
                    for i, table in enumerate(data["stages"]))
     config = sub["model"].get("config")
@@ -171,7 +173,7 @@ def _check_table(table, keys: dict, where: str, name: str) -> None:
             ok = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in value)
         if not ok:
             label = f"{name}.{key}" if name else key
-            raise ValueError(f"{where}: {label} = {value!r} is not allowed: a {kind}")
+            raise ValueError(f"{where}: {label} = {value!r} is not allowed: {kind}")
 
 
 def _tuple(types) -> tuple:

@@ -1,0 +1,107 @@
+"""Runs that can be extended (`glm5lab.train.extend`): `--resume` with more steps continues a finished run; the
+result equals, step for step and bit for bit (one process, one thread count: exact resume), an uninterrupted run
+planned with the extended schedule (the last stage's decay_steps at its former length), and its first N steps
+equal the N-step run's. Shorter or other plans are still refused."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glm5lab import ModelConfig
+from glm5lab.train.extend import continue_position, extend_plan
+from glm5lab.train.loop import TrainArgs, train
+from glm5lab.train.stages import Stage
+from tests.conftest import write_word_corpus
+
+TIMING = ("tokens_per_s", "step_time_s")
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    write_word_corpus(tmp_path / "texts")
+    cfg = ModelConfig.from_preset("tiny", vocab_size=320)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    return tmp_path
+
+
+def _plan(last_steps: int, decay_steps=None) -> list[dict]:
+    return [s.to_dict() for s in (
+        Stage("dense", 3, 3e-3, 24, 2, warmup_steps=1, lr_end=1e-3),
+        Stage("sparse_adaptation", last_steps, 1e-3, 24, 2, lr_end=1e-4, use_dsa=True, indexer_weight=1.0,
+              decay_steps=decay_steps),
+    )]
+
+
+def _args(corpus, out, plan, **kw):
+    return TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
+                     eval_every=2, eval_batches=1, checkpoint_every=2, stage_plan=plan, optimizer="adamw", **kw)
+
+
+def _rows(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def _weights(run):
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    return load_file(run / "checkpoints" / latest / "model.safetensors")
+
+
+def test_a_finished_run_extended_equals_the_longer_run(corpus):
+    run, longer = corpus / "run", corpus / "longer"
+    train(_args(corpus, run, _plan(3)))
+    first = _rows(run)
+    summary = train(_args(corpus, run, _plan(5), resume=True))  # finished (summary.json), 2 more steps
+    train(_args(corpus, longer, _plan(5, decay_steps=3)))
+    rows, want = _rows(run), _rows(longer)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[:6] == first  # the first N steps: the N-step run's, lr included
+    assert rows == want  # losses, lr, grad norms, loads, validation: exactly the uninterrupted run's
+    assert [r["lr"] for r in rows[5:]] == pytest.approx([1e-4] * 3)  # the tail holds lr_end
+    a, b = _weights(run), _weights(longer)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert summary["steps"] == 8 and json.loads((run / "summary.json").read_text())["steps"] == 8
+    info = json.loads((run / "run.json").read_text())
+    assert info["extensions"] == [{"from_steps": 6, "to_steps": 8}]
+    assert info["stages"][1]["steps"] == 5 and info["stages"][1]["decay_steps"] == 3
+    with pytest.raises(ValueError, match="already complete"):  # the same plan again: nothing to do
+        train(_args(corpus, run, _plan(5), resume=True))
+
+
+def test_shorter_or_other_plans_are_refused(corpus):
+    run = corpus / "run"
+    train(_args(corpus, run, _plan(3)))
+    with pytest.raises(ValueError, match=r"--resume: stages \(steps \[3, 3\] -> \[3, 2\]\) differs .*more --steps"):
+        train(_args(corpus, run, _plan(2), resume=True))
+    other = _plan(5)
+    other[1]["lr"] = 2e-3
+    with pytest.raises(ValueError, match=r"--resume: stages \(lr .*steps .*\) differs"):
+        train(_args(corpus, run, other, resume=True))
+
+
+def _stages(*steps, warmup=1):
+    return [Stage(name, n, 1e-3, 8, 2, warmup_steps=min(warmup, n - 1), lr_end=1e-4)
+            for name, n in zip(("a", "b", "c"), steps, strict=False)]
+
+
+def test_extend_plan_rules():
+    saved = _stages(6, 3)
+    # --steps N on --resume: the new total; the run keeps its split, the last stage grows
+    plan, more = extend_plan(saved, _stages(8, 4), total=12)
+    assert more == 3 and [s.steps for s in plan] == [6, 6] and plan[1].decay_steps == 3
+    assert plan[0] == saved[0] and [plan[1].lr_at(i) for i in range(3)] == [saved[1].lr_at(i) for i in range(3)]
+    assert plan[1].lr_at(5) == pytest.approx(1e-4)
+    assert extend_plan(saved, _stages(5, 4), total=9) == (saved, 0)  # the run's own total: the run's plan
+    assert extend_plan(saved, _stages(5, 3), total=8) is None  # fewer steps
+    # a plan whose last stage is longer (a recipe)
+    plan, more = extend_plan(saved, _stages(6, 7), total=None)
+    assert more == 4 and plan[1].steps == 7 and plan[1].decay_steps == 3
+    twice, again = extend_plan(plan, _stages(6, 9), total=None)  # a second extension keeps the first decay
+    assert again == 2 and twice[1].decay_steps == 3
+    assert extend_plan(saved, _stages(7, 5), total=None) is None  # another stage changed
+    assert extend_plan(saved, _stages(6, 3, 2), total=None) is None  # another stage list
+    assert continue_position({"step": 9, "stage": 2, "in_stage": 0}, plan) == {"step": 9, "stage": 1, "in_stage": 3}
+    assert continue_position({"step": 4, "stage": 0, "in_stage": 4}, plan) == {"step": 4, "stage": 0, "in_stage": 4}

@@ -1,0 +1,192 @@
+"""Recipes as files (`glm5lab.train.recipe`): the built-in `small` recipe is today's default plan exactly (with
+every flag that shapes it), `glm5-dsa` writes the report's DSA adaptation, tokens and global batches resolve
+for a world size, the override flags, `--dry-run`, and bad recipes refused in one line naming the key."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from glm5lab import ModelConfig
+from glm5lab.cli import build_parser, default_out, main
+from glm5lab.train.loop import TrainArgs, resolve_stages, with_recipe
+from glm5lab.train.recipe import builtin_names, default_values, load_recipe, recipe_path, resolve
+from glm5lab.train.stages import Stage, default_stages
+from glm5lab.train.step import TrainHyper
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _before(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
+    """`resolve_stages` as it was before recipes (commit 6452ecd): default_stages, --stages, --steps."""
+    stages = default_stages(seq_len=args.seq_len or 256, batch_size=args.batch_size or 8, quick=args.quick,
+                            mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers else 0,
+                            use_indexer=cfg.has_indexer_weights)
+    if args.stages:
+        stages = [{s.name: s for s in stages}[n] for n in args.stages]
+    if args.steps is not None:
+        total = sum(s.steps for s in stages)
+        sizes = [max(1, round(args.steps * s.steps / total)) for s in stages]
+        sizes[0] += args.steps - sum(sizes)
+        stages = [Stage.from_dict({**s.to_dict(), "steps": n, "warmup_steps": min(s.warmup_steps, n - 1)})
+                  for s, n in zip(stages, sizes, strict=True)]
+    return stages
+
+
+FLAGS = [{}, {"quick": True}, {"steps": 100}, {"steps": 3}, {"quick": True, "steps": 6}, {"steps": 1000},
+         {"stages": ["indexer_warmup", "sparse_adaptation"]}, {"stages": ["dense"], "steps": 7},
+         {"seq_len": 64}, {"batch_size": 3}, {"quick": True, "seq_len": 32, "batch_size": 2}]
+
+
+@pytest.mark.parametrize("preset", ["small", "tiny"])
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
+def test_small_recipe_is_the_default_plan(preset, flags):
+    cfg = ModelConfig.from_preset(preset)
+    args = TrainArgs(**flags)
+    assert resolve_stages(args, cfg) == _before(args, cfg)
+    assert resolve_stages(TrainArgs(recipe="small", **flags), cfg) == _before(args, cfg)
+
+
+def test_small_recipe_without_mtp_or_indexer():
+    cfg = ModelConfig.from_preset("small")
+    for has_indexer in (True, False):
+        for depth in (0, 1, 3):
+            want = default_stages(mtp_depth=depth, use_indexer=has_indexer)
+            assert resolve(load_recipe("small"), mtp_depth=depth, has_indexer=has_indexer) == want
+    assert cfg.has_indexer_weights
+
+
+def test_small_recipe_settings_are_the_defaults():
+    assert with_recipe(TrainArgs()).hyper == TrainHyper()
+    filled = with_recipe(TrainArgs())
+    assert (filled.preset, filled.eval_every, filled.eval_batches, filled.checkpoint_every) == ("small", 50, 8, 100)
+    assert default_values()["seq_len"] == 256 and default_values()["batch_size"] == 8
+    assert with_recipe(TrainArgs(optimizer="adamw", eval_every=5)).optimizer == "adamw"  # a flag wins
+
+
+def test_builtin_recipes_ship_as_package_data():
+    assert {"small", "glm5-dsa"} <= set(builtin_names())
+    path = recipe_path("small")
+    assert path.parent.name == "recipes" and path.parent.parent.name == "glm5lab"
+    assert (ROOT / "recipes").resolve() == path.parent.resolve()  # the top-level folder links there
+    assert recipe_path(str(ROOT / "recipes" / "glm5-dsa.toml")).name == "glm5-dsa.toml"
+
+
+def test_glm5_dsa_recipe_is_the_reports_schedule():
+    recipe = load_recipe("glm5-dsa")
+    assert recipe.preset == "glm5"
+    cfg = ModelConfig.from_preset("glm5")
+    warm, sparse = resolve(recipe, mtp_depth=cfg.mtp_depth, has_indexer=True, world_size=7)
+    assert (warm.steps, warm.lr, warm.lr_end, warm.trainable, warm.use_dsa, warm.lm_weight) == \
+        (1000, 5e-3, 2e-4, "indexer", False, 0.0)
+    assert warm.indexer_weight == 1.0 and warm.seq_len == 202752
+    assert warm.batch_size * warm.grad_accum * 7 == 14  # 14 sequences a step: 1 x 2 micro-batches x 7
+    assert (sparse.lr, sparse.lr_end, sparse.use_dsa, sparse.trainable, sparse.indexer_weight) == \
+        (1e-5, None, True, "all", 1.0)
+    per_step = 14 * 202752
+    assert sparse.steps == -(-20_000_000_000 // per_step) == 7046  # 20B tokens, rounded up to whole steps
+    with pytest.raises(ValueError, match=r"global_batch = 14 is not allowed with batch_size 1 x 4 process"):
+        resolve(recipe, mtp_depth=3, has_indexer=True, world_size=4)
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    return str(path)
+
+
+BASE = """
+[defaults]
+seq_len = 16
+batch_size = 2
+[[stages]]
+name = "a"
+steps = 4
+lr = 1e-3
+"""
+
+
+def test_tokens_global_batch_and_overrides(tmp_path):
+    recipe = load_recipe(_write(tmp_path, BASE + """
+[[stages]]
+name = "b"
+tokens = 1000
+global_batch = 8
+lr = 2e-3
+lr_end = 1e-4
+"""))
+    a, b = resolve(recipe, mtp_depth=0, has_indexer=False, world_size=2)
+    assert (a.grad_accum, a.steps, a.mtp_weights) == (1, 4, ())
+    assert b.grad_accum == 2 and b.steps == 8  # ceil(1000 / (16 x 2 x 2 x 2))
+    a, b = resolve(recipe, mtp_depth=0, has_indexer=False, world_size=1, grad_accum=3, lr=2e-3, batch_size=1)
+    assert (a.grad_accum, b.grad_accum) == (3, 3) and b.steps == 21  # --grad-accum wins over global_batch
+    assert (a.lr, b.lr, b.lr_end) == pytest.approx((2e-3, 4e-3, 2e-4))  # --lr: every stage scaled by 2
+    (b,) = resolve(recipe, mtp_depth=2, has_indexer=False, names=["b"], steps=5)
+    assert b.steps == 5 and b.mtp_weights == (0.3, 0.3)
+
+
+@pytest.mark.parametrize("text, message", [
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nwarmup_step = 1"),
+     r"stages\[0\] key `warmup_step` is not allowed: allowed keys are name, steps, .* \(did you mean `warmup_steps`\?\)"),
+    (BASE.replace("steps = 4", "steps = 4.0"), r"stages\[0\].steps = 4.0 is not allowed: an integer"),
+    (BASE.replace("steps = 4", "steps = 4\ntokens = 10"), r"stages\[0\] \('a'\) sets both `steps` and `tokens`"),
+    (BASE.replace("steps = 4", ""), r"stages\[0\] \('a'\) sets neither `steps` nor `tokens`"),
+    (BASE + "[optimiser]\nname = 'adamw'\n", r"key `optimiser` is not allowed: .*did you mean `optimizer`"),
+    (BASE + "[optimizer]\ngrad_clip = 'big'\n", r"\[optimizer\].grad_clip = 'big' is not allowed: a number"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nuse_dsa = 1"), r"stages\[0\].use_dsa = 1 is not allowed: a boolean"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {stepz = 2}"), r"stages\[0\].quick key `stepz`"),
+    ("name = 'x'\n", r"`stages` is missing"),
+    ("[[stages]\n", r"not valid TOML"),
+])
+def test_bad_recipes_are_one_line(tmp_path, text, message, capsys):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError, match=message):
+        load_recipe(path)
+    assert main(["train", "--recipe", path, "--dry-run", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glm5lab train: error: ") and err.count("\n") == 1
+
+
+def test_unknown_builtin_name():
+    with pytest.raises(ValueError, match=r"--recipe = 'smal' is not allowed: .*glm5-dsa, small \(did you mean `small`"):
+        recipe_path("smal")
+
+
+def test_dry_run_prints_the_plan_of_the_cluster_recipe(capsys):
+    assert main(["train", "--recipe", "glm5-dsa", "--dry-run", "--nproc", "14", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "stage indexer_warmup: steps 1-1,000 (1,000), global batch 14 sequences" in out
+    assert "stage sparse_adaptation: steps 1,001-8,046 (7,046)" in out and "20,000,268,288 tokens" in out
+    assert "1: 0.005," in out and "1000: 0.0002" in out  # the lr curve, start to end
+    assert "memory per process (bf16 weights; ledger, `glm5lab ledger --gpus 14 --ep 1 --mode train`)" in out
+
+
+def test_default_out_names_the_recipe():
+    parse = lambda *a: build_parser().parse_args(["train", *a])  # noqa: E731
+    assert default_out(parse()) == "runs/small"
+    assert default_out(parse("--recipe", "small", "--seq-len", "256")) == "runs/small"
+    assert default_out(parse("--recipe", "glm5-dsa")) == "runs/glm5-dsa"
+    assert default_out(parse("--recipe", "glm5-dsa", "--preset", "tiny", "--lr", "1e-3")) == "runs/glm5-dsa-tiny-lr0.001"
+    assert default_out(parse("--grad-accum", "4")) == "runs/small-accum4"
+
+
+def test_grad_accum_run_counts_every_micro_batch(tmp_path, monkeypatch):
+    """A run with --grad-accum: metrics.jsonl's tokens count all micro-batches; run.json keeps the recipe."""
+    import json
+
+    from glm5lab.train.loop import train
+    from tests.conftest import write_word_corpus
+
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    write_word_corpus(tmp_path / "texts")
+    cfg = ModelConfig.from_preset("tiny", vocab_size=320)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    run = tmp_path / "run"
+    train(TrainArgs(config=str(tmp_path / "config.json"), data=str(tmp_path / "texts"), out=str(run), progress=False,
+                    quick=True, steps=3, stages=["dense"], seq_len=16, batch_size=2, grad_accum=2, eval_every=0))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in rows] == [2 * 2 * 16] * 3
+    info = json.loads((run / "run.json").read_text())
+    assert info["args"]["recipe"] is None and info["recipe"]["name"] == "small"
+    assert info["recipe"]["source"].endswith("small.toml") and info["stages"][0]["grad_accum"] == 2
+    assert dataclasses.asdict(TrainArgs())["recipe"] is None
