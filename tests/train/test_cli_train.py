@@ -118,18 +118,20 @@ def test_quick_run_on_the_default_corpus(tmp_path):
 
 
 def test_help_states_the_defaults_the_run_uses():
-    """The "(default X" in each train flag's help is `TrainArgs`' default, itself `TrainHyper`'s
-    for the step's settings: the help cannot drift from the one copy of the defaults."""
+    """The "(default X" in each train flag's help is `TrainArgs`' default or, for the fields the recipe sets, the
+    default recipe's (recipes/small.toml, whose optimizer settings equal `TrainHyper`'s): the help cannot drift."""
     import re
 
     from glm5lab.cli import build_parser
     from glm5lab.train.loop import TrainArgs
+    from glm5lab.train.recipe import default_values
     from glm5lab.train.step import TrainHyper
 
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     checked = []
-    for action in train._actions:
+    for action in train._actions:  # a TrainArgs field left None takes the default recipe's value
         default = getattr(TrainArgs, action.dest, None)
+        default = default_values().get(action.dest) if default is None else default
         said = re.search(r"(?:^|\()default ([^\s,;)]+)", action.help or "")
         if said and default is not None and not isinstance(default, bool):
             assert said.group(1) == str(default) or float(said.group(1)) == default, action.dest

@@ -106,3 +106,49 @@ def test_split_batch_rows_and_refusal():
     assert isinstance(pairs[0], tuple) and pairs[1][1].tolist() == [[106, 107], [108, 109], [110, 111]]
     with pytest.raises(ValueError, match="grad_accum = 4"):
         split_batch(rows, 4)
+
+
+DRIVER = """
+import sys
+from glm5lab.train.loop import TrainArgs, train
+from tests.train.test_loop import _plan
+out, batch, accum = sys.argv[1], int(sys.argv[2]), int(sys.argv[4])
+plan = [{**stage, "grad_accum": accum} for stage in _plan(steps=(2, 1, 2), batch=batch)]
+train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
+                eval_every=0, checkpoint_every=0, stage_plan=plan))
+"""
+
+
+def test_fsdp_accumulation_matches_one_process(tmp_path, monkeypatch):
+    """torchrun 2 processes x 2 micro-batches of 1 (FSDP2, gradient sync on the last micro-batch only) == one
+    process with the same 4 global rows in one batch: logged losses within 1e-4 relative (the loop's FSDP
+    tolerance, tests/train/test_fsdp.py), tokens counted alike."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import write_word_corpus
+    from tests.train.test_fsdp import _free_port, _losses
+
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    write_word_corpus(tmp_path / "texts")
+    cfg = ModelConfig.from_preset("tiny", vocab_size=320)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, str(driver), str(tmp_path / "one"), "4", str(tmp_path), "1"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={_free_port()}", str(driver), str(tmp_path / "two"), "1", str(tmp_path), "2"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == len(b) == 5
+    for row_a, row_b in zip(a, b, strict=True):
+        for x, y in zip(row_a, row_b, strict=True):
+            assert (x is None) == (y is None) and (x is None or abs(x - y) <= 1e-4 * max(1.0, abs(x))), (a, b)
+    tokens = lambda run: [json.loads(r)["tokens"] for r in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert tokens(tmp_path / "one") == tokens(tmp_path / "two") == [4 * 24] * 5

@@ -120,7 +120,8 @@ def model_config(args: TrainArgs) -> ModelConfig:
     """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset.
     Raises ConfigError (unknown field or preset, bad value) and ValueError when the model cannot
     fit in this machine's memory (`_check_fits`), before anything is allocated."""
-    cfg = ModelConfig.from_hf(args.init or args.config) if (args.init or args.config) else ModelConfig.from_preset(args.preset)
+    source = args.init or args.config
+    cfg = ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset or "small")
     _check_fits(cfg)
     return cfg
 
