@@ -190,3 +190,8 @@ def test_grad_accum_run_counts_every_micro_batch(tmp_path, monkeypatch):
     assert info["args"]["recipe"] is None and info["recipe"]["name"] == "small"
     assert info["recipe"]["source"].endswith("small.toml") and info["stages"][0]["grad_accum"] == 2
     assert dataclasses.asdict(TrainArgs())["recipe"] is None
+
+
+def test_nproc_only_with_dry_run(capsys):
+    assert main(["train", "--nproc", "2", "--threads", "1"]) == 2
+    assert "--nproc = 2 is not allowed: only with --dry-run" in capsys.readouterr().err

@@ -105,6 +105,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     fields["progress"] = not args.no_progress
     if args.out is None:
         fields["out"] = default_out(args)
+    if args.nproc is not None and not args.dry_run:
+        refuse("--nproc", args.nproc, "only with --dry-run (a run's process count is torchrun's)")
     if args.dry_run:
         from glm5lab.train.plan import dry_run
 

@@ -214,9 +214,10 @@ def train(args: TrainArgs) -> dict:
         _write_run_files(run_dir, args, model.config, stages, ctx)
     if ctx.is_main and extended:
         record_extension(run_dir, asdict(args), stages, sum(s.steps for s in stages) - extended)
+        last = stages[-1]
+        lr = "at its constant lr" if last.lr_end is None else f"its lr holding {last.lr_end:g} after its step {last.decay_steps}"
         _notice(f"extending {run_dir} by {extended} steps to {sum(s.steps for s in stages)}: the last stage "
-                f"{stages[-1].name!r} now runs {stages[-1].steps} steps (its lr holds lr_end after step "
-                f"{stages[-1].decay_steps})")
+                f"{last.name!r} now runs {last.steps} steps ({lr})")
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
     loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
     if metrics is not None and args.resume:
@@ -346,6 +347,10 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
     old = {"stages": saved_stages, **{k: saved["args"].get(k, default_values().get(k, getattr(TrainArgs, k))) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
     differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k])})" for k in old if old[k] != new[k]]
+    done = sum(d["steps"] for d in saved_stages)
+    if args.steps is not None and args.steps < done and not args.stage_plan:
+        raise ValueError(f"--resume: --steps {args.steps} is fewer than the {done} steps of the run in {run_dir}: a "
+                         f"run is extended (--steps above {done}), never shortened")
     longer = extend_plan([Stage.from_dict(d) for d in saved_stages], stages, args.steps)
     if longer is not None and all(k.startswith("stages") for k in differ):
         return longer
