@@ -105,3 +105,47 @@ def test_extend_plan_rules():
     assert extend_plan(saved, _stages(6, 3, 2), total=None) is None  # another stage list
     assert continue_position({"step": 9, "stage": 2, "in_stage": 0}, plan) == {"step": 9, "stage": 1, "in_stage": 3}
     assert continue_position({"step": 4, "stage": 0, "in_stage": 4}, plan) == {"step": 4, "stage": 0, "in_stage": 4}
+
+
+RECIPE = """
+name = "ext"
+[model]
+config = "config.json"
+[optimizer]
+name = "adamw"
+[evaluation]
+eval_every = 0
+[defaults]
+seq_len = 24
+batch_size = 2
+[[stages]]
+name = "dense"
+steps = 2
+lr = 3e-3
+lr_end = 1e-3
+[[stages]]
+name = "sparse_adaptation"
+steps = 2
+lr = 1e-3
+lr_end = 1e-4
+use_dsa = true
+indexer_weight = 1.0
+"""
+
+
+def test_steps_extends_a_recipe_run_and_fewer_are_refused(corpus):
+    """--steps N on --resume is the run's new total (the recipe's split kept, the last stage grows); fewer steps
+    than the run has are refused in one line."""
+    (corpus / "ext.toml").write_text(RECIPE)
+    run = corpus / "run"
+    args = dict(recipe=str(corpus / "ext.toml"), data=str(corpus / "texts"), out=str(run), progress=False)
+    train(TrainArgs(**args))
+    with pytest.raises(ValueError, match=r"--resume: --steps 3 is fewer than the 4 steps of the run in .*never "
+                       "shortened"):
+        train(TrainArgs(**args, steps=3, resume=True))
+    summary = train(TrainArgs(**args, steps=6, resume=True))
+    assert summary["steps"] == 6 and [s["steps"] for s in summary["stages"]] == [2, 4]
+    rows = _rows(run)
+    assert [r["stage"] for r in rows] == ["dense"] * 2 + ["sparse_adaptation"] * 4
+    assert [r["lr"] for r in rows[2:]] == pytest.approx([1e-3, 1e-4, 1e-4, 1e-4])
+    assert json.loads((run / "run.json").read_text())["recipe"]["name"] == "ext"
