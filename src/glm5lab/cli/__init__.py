@@ -4,6 +4,7 @@
                    [--gpus G --ep E --mode train|serve [--batch B] [--cache-dtype DTYPE]]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
                    [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--ep N] [--threads N] ...
+                   [--recipe FILE|NAME] [--dry-run [--nproc N]] [--lr LR] [--grad-accum A]
     glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
