@@ -10,15 +10,20 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from glm5lab.tokenizer import cached_tokenizer, encode_documents, load_tokenizer
+from glm5lab.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
 from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
+from glm5lab.train.shards import ShardedTokens, is_token_folder, open_token_folder, tokenizer_sha256
+from glm5lab.validate import refuse
 
 
 @dataclass
 class TrainingData:
+    """A run's tokenizer and token streams: in-memory int32 arrays (a text corpus), or `ShardedTokens` read on
+    demand from a token folder (`token_folder_data`)."""
+
     tokenizer: Tokenizer
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: np.ndarray | ShardedTokens
+    val_tokens: np.ndarray | ShardedTokens
     source: str
 
 
@@ -29,7 +34,11 @@ def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str
     tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
     at `vocab_size` and cached beside the data. A run that continues from a `checkpoint` folder (resume,
     `--init`) uses the tokenizer.json saved there, so its weights keep the vocabulary they were trained with.
-    Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`."""
+    Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`.
+
+    `data` may be a token folder (`glm5lab tokenize`): then `token_folder_data`, memmap-backed splits."""
+    if data is not None and is_token_folder(data):
+        return token_folder_data(vocab_size, data, tokenizer=tokenizer, checkpoint=checkpoint)
     source, train_docs, val_docs = split_corpus(data, seed)
     saved = checkpoint / "tokenizer.json" if checkpoint is not None else None
     if tokenizer:
@@ -42,6 +51,40 @@ def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
                          f"{vocab_size}: use a model config with vocab_size >= the tokenizer's")
     return TrainingData(tok, encode_documents(tok, train_docs), encode_documents(tok, val_docs), str(source))
+
+
+def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None,
+                      checkpoint: Path | None = None) -> TrainingData:
+    """TrainingData of a token folder (`glm5lab.train.shards`): its train/val splits as `ShardedTokens` (read on
+    demand, never loaded) and its tokenizer.json. The split and its seed are the folder's (fixed when it was
+    tokenized). Raises ValueError (one line each) for a bad folder (`open_token_folder`), a tokenizer.json that
+    is missing or differs from the index's sha256, a `tokenizer` or a `checkpoint`'s tokenizer.json (resume,
+    --init) other than the folder's, and a vocabulary that does not fit `vocab_size`."""
+    folder = Path(folder)
+    tokens = open_token_folder(folder)
+    want = tokens.index["tokenizer_sha256"]
+    if not tokens.tokenizer_file.is_file():
+        raise ValueError(f"token folder {folder} has no {TOKENIZER_FILE}: tokenize the corpus again")
+    tok = load_tokenizer(tokens.tokenizer_file)
+    if tokenizer_sha256(tok) != want:
+        raise ValueError(f"token folder {folder}: its {TOKENIZER_FILE} (sha256 {tokenizer_sha256(tok)[:12]}) is not "
+                         f"the one its shards were written with (index.json: {want[:12]}): tokenize the corpus again")
+    if tokenizer:
+        given = tokenizer_sha256(load_tokenizer(Path(tokenizer)))
+        if given != want:
+            refuse("--tokenizer", tokenizer, f"token folder {folder} holds another tokenizer's shards (sha256 "
+                   f"{want[:12]}, this one {given[:12]}): drop --tokenizer (the folder's tokenizer.json is used), "
+                   "or tokenize the corpus with this tokenizer")
+    saved = checkpoint / TOKENIZER_FILE if checkpoint is not None else None
+    if saved is not None and saved.is_file() and tokenizer_sha256(load_tokenizer(saved)) != want:
+        raise ValueError(f"checkpoint {checkpoint} was trained with another tokenizer (sha256 "
+                         f"{tokenizer_sha256(load_tokenizer(saved))[:12]}) than the token folder {folder}'s "
+                         f"({want[:12]}): resume with another tokenizer is not allowed; tokenize the corpus with "
+                         f"--tokenizer {saved}")
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"token folder {folder}: its tokenizer has {tok.get_vocab_size()} tokens but the model's "
+                         f"vocab_size is {vocab_size}: use a model config with vocab_size >= the tokenizer's")
+    return TrainingData(tok, tokens.train, tokens.val, str(folder))
 
 
 def split_corpus(data, seed: int) -> tuple[Path, list, list]:
