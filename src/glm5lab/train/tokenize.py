@@ -186,14 +186,21 @@ def tokenize_corpus(data, out, *, tokenizer=None, vocab_size: int, text_field: s
         _encode_into(tok, pairs, writers, progress)
 
     settled(assigner, docs, write)
+    return finish_folder(out, tok, writers, split=assigner.record(), source=str(source), text_field=text_field,
+                         tokenizer_source=str(tokenizer) if tokenizer else f"trained: byte-level BPE, vocab_size "
+                         f"{vocab_size}")
+
+
+def finish_folder(out: Path, tok, writers: dict, **meta) -> dict:
+    """Close the splits' `ShardWriter`s, then write `tokenizer.json` and, last, `index.json` (each atomically)
+    into `out`; `meta` (split rule, source, ...) goes into the index as is. Returns the index."""
     splits = {}
     for split, w in writers.items():
         w.close()
         splits[split] = {"documents": w.documents, "tokens": w.tokens, "shards": w.shards}
-    index = {"format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": tok.get_vocab_size(),
-             "tokenizer_sha256": tokenizer_sha256(tok), "shard_size": shard_size, "splits": splits,
-             "split": assigner.record(), "source": str(source), "text_field": text_field,
-             "tokenizer_source": str(tokenizer) if tokenizer else f"trained: byte-level BPE, vocab_size {vocab_size}",
+    some = next(iter(writers.values()))
+    index = {"format": FORMAT, "version": VERSION, "dtype": some.dtype.name, "vocab_size": tok.get_vocab_size(),
+             "tokenizer_sha256": tokenizer_sha256(tok), "shard_size": some.shard_size, "splits": splits, **meta,
              "glm5lab_version": glm5lab.__version__}
     atomic_write_text(out / TOKENIZER_FILE, tok.to_str())
     atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
