@@ -178,3 +178,15 @@ def test_cli_train_on_a_token_folder_and_init_with_another_tokenizer(folders, tm
               "--out", str(tmp_path / "run2"))
     assert r.returncode == 2 and "resume with another tokenizer is not allowed" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_held_out_prompts_from_a_token_folder(folders, tmp_path):
+    from glm5lab.train.data import held_out_prompts
+
+    texts, tokens = folders
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "tokenizer.json").write_text(open_token_folder(tokens).tokenizer_file.read_text())
+    a, info_a = held_out_prompts(checkpoint, 3, 12, data=str(texts))
+    b, info_b = held_out_prompts(checkpoint, 3, 12, data=str(tokens))
+    assert a == b and info_a["val_tokens"] == info_b["val_tokens"] and info_a["val_documents"] == info_b["val_documents"]

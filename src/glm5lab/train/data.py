@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from glm5lab.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
 from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
-from glm5lab.train.shards import ShardedTokens, is_token_folder, open_token_folder, tokenizer_sha256
+from glm5lab.train.shards import ShardedTokens, is_token_folder, open_token_folder, read_index, tokenizer_sha256
 from glm5lab.validate import refuse
 
 
@@ -115,7 +115,8 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     checkpoint's tokenizer.json, cut into non-overlapping windows of `length` tokens (`pack`), of which
     `count` are taken evenly spaced over the split (first and last included). Returns (prompts, info: corpus,
     split_seed, val_documents, val_tokens, windows, rows taken, run_json found). Raises ValueError when the
-    checkpoint has no tokenizer.json or the split holds fewer than `count` windows."""
+    checkpoint has no tokenizer.json or the split holds fewer than `count` windows. A token folder as the corpus
+    gives its own validation split (read on demand; refused when the checkpoint's tokenizer is another)."""
     import torch
 
     from glm5lab.train.batches import pack
@@ -127,14 +128,19 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     tok_path = checkpoint / "tokenizer.json"
     if not tok_path.is_file():
         raise ValueError(f"{checkpoint} has no tokenizer.json: cannot encode held-out text for it")
-    source, _, val_docs = split_corpus(data or run_args.get("data"), seed)
-    val = encode_documents(load_tokenizer(tok_path), val_docs)
+    corpus = data or run_args.get("data")
+    if corpus is not None and is_token_folder(corpus):  # the folder's split; refused if another tokenizer's
+        source, val = corpus, token_folder_data(1 << 62, corpus, checkpoint=checkpoint).val_tokens
+        n_docs = read_index(Path(corpus))["splits"]["val"]["documents"]
+    else:
+        source, _, val_docs = split_corpus(corpus, seed)
+        val, n_docs = encode_documents(load_tokenizer(tok_path), val_docs), len(val_docs)
     windows = pack(val, length - 1)
     n = windows.shape[0]
     if n < count:
         raise ValueError(f"the validation split holds {n} windows of {length} tokens; fewer than the {count} "
                          "prompts asked for")
     rows = torch.linspace(0, n - 1, count).round().long()
-    info = {"corpus": str(source), "split_seed": seed, "val_documents": len(val_docs), "val_tokens": len(val),
+    info = {"corpus": str(source), "split_seed": seed, "val_documents": n_docs, "val_tokens": len(val),
             "windows": n, "rows": rows.tolist(), "run_json": bool(run)}
     return [windows[r].tolist() for r in rows], info

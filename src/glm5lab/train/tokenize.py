@@ -38,7 +38,7 @@ from glm5lab.validate import int_at_least
 VAL_FRACTION = 0.05  # split_documents' default, the one `glm5lab train` uses
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens per shard: 200 MB of uint16
 BATCH_DOCS = 256  # documents per encode_batch_fast call (encode_documents' chunk)
-BATCH_CHARS = 8 << 20  # ... or fewer, once their text passes 8 M characters
+BATCH_CHARS = 1 << 20  # ... or fewer, once their text passes 1 M characters (the batch's Encodings take ~100 B a token)
 _OWN_FILE = re.compile(r"^(index\.json|tokenizer\.json|(train|val)-\d{6}\.bin(\.tmp)?|\.(index|tokenizer)\.json\..+\.tmp)$")
 
 
