@@ -12,8 +12,10 @@ vocabulary 4096 trained on the corpus's training split (`cached_tokenizer`, cach
 timed in turn:
 - `glm5lab tokenize` (`tokenize_corpus`): stream the files, split by document, encode in batches of
   `BATCH_DOCS` documents with `encode_batch_fast`, append to uint16 shards, write the index;
-- `tokenizers` alone on the same texts already in memory, the same batches: `encode_batch_fast` (no offsets;
-  what glm5lab uses) and `encode_batch` (with offsets), the ids discarded.
+- `tokenizers` alone on the same texts already in memory, the ids discarded: `encode_batch_fast` (no offsets;
+  what glm5lab uses) and `encode_batch` (with offsets) on tokenize's batches (`BATCH_DOCS` documents or
+  `BATCH_CHARS` characters, whichever comes first), and `encode_batch_fast` on `BATCH_DOCS` documents a call
+  (`encode_documents`' batches: larger here, whole plays).
 MB/s counts the UTF-8 bytes of the text. `tokenizers` encodes a batch's documents on its Rayon thread pool
 (`RAYON_NUM_THREADS`, default one per CPU); the figures say which. Peak RSS of the process after the
 tokenize case (`ru_maxrss`) shows that it streams: it stays far below the text's size.
@@ -53,7 +55,8 @@ def main() -> None:
     from glm5lab.train.corpus import cache_root, fetch_default_corpus
     from glm5lab.train.data import split_corpus
     from glm5lab.train.sources import iter_documents
-    from glm5lab.train.tokenize import BATCH_DOCS, tokenize_corpus
+    from glm5lab.train.corpus import Document
+    from glm5lab.train.tokenize import BATCH_CHARS, BATCH_DOCS, _batches, tokenize_corpus
 
     facts = env_facts("cpu")
     facts["load_average_start"] = list(os.getloadavg())
@@ -77,19 +80,25 @@ def main() -> None:
         nbytes = sum(len(t.encode()) for t in texts)
         tokens = sum(s["tokens"] for s in index["splits"].values())
         docs = sum(s["documents"] for s in index["splits"].values())
-        for name in ("encode_batch_fast", "encode_batch"):
+        same = [[d.text for d, _ in b] for b in _batches((Document("", t), False) for t in texts)]
+        whole = [texts[lo:lo + BATCH_DOCS] for lo in range(0, len(texts), BATCH_DOCS)]
+        for name, batches, label in (("encode_batch_fast", same, "tokenize's batches"),
+                                     ("encode_batch", same, "tokenize's batches"),
+                                     ("encode_batch_fast", whole, f"{BATCH_DOCS} documents a call")):
             encode, count = getattr(tok, name), 0
             t0 = time.perf_counter()
-            for lo in range(0, len(texts), BATCH_DOCS):
-                count += sum(len(e.ids) for e in encode(texts[lo:lo + BATCH_DOCS], add_special_tokens=False))
-            results[f"tokenizers {name} (texts in memory)"] = time.perf_counter() - t0
+            for batch in batches:
+                count += sum(len(e.ids) for e in encode(batch, add_special_tokens=False))
+            results[f"tokenizers {name}, texts in memory, {label}"] = time.perf_counter() - t0
             assert count + docs - len(index["splits"]) == tokens, (name, count, tokens)  # + EOT between documents
     rows = [[name, f"{s:.1f}", f"{nbytes / MB / s:.2f}", f"{tokens / s / 1e6:.2f}"] for name, s in results.items()]
-    print(f"{nbytes / MB:.1f} MB of text ({docs:,} documents, {tokens:,} tokens; vocabulary 4096); tokenizers' "
+    print(f"{nbytes / MB:.1f} MB of text ({docs:,} documents, {tokens:,} tokens; vocabulary 4096; batches of "
+          f"{BATCH_DOCS} documents or {BATCH_CHARS:,} characters); tokenizers' "
           f"Rayon threads: {rayon}; load average at start {facts['load_average_start']}\n")
     print(markdown_table(["case", "s", "MB/s", "M tokens/s"], rows))
     first = next(iter(results.values()))
-    print(f"\nglm5lab tokenize runs at {results['tokenizers encode_batch_fast (texts in memory)'] / first:.2f}x "
+    fast = results["tokenizers encode_batch_fast, texts in memory, tokenize's batches"]
+    print(f"\nglm5lab tokenize runs at {fast / first:.2f}x "
           f"encode_batch_fast's rate; peak RSS {rss_tokenize:.0f} MB after it ({rss_before:.0f} MB before; "
           f"the text is {nbytes / MB:.0f} MB)")
     facts["load_average_end"] = list(os.getloadavg())

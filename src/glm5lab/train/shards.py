@@ -146,7 +146,7 @@ class TokenWindows:
         if isinstance(key, (int, np.integer)) or (hasattr(key, "ndim") and key.ndim == 0):
             return self.rows(np.array([int(key)]))[0]
         if isinstance(key, slice):
-            return self.rows(np.arange(len(self))[key])
+            return self.rows(np.arange(*key.indices(len(self))))
         return self.rows(np.asarray(key, dtype=np.int64).reshape(-1))
 
     def rows(self, rows: np.ndarray):
