@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,7 +84,17 @@ def cached_tokenizer(train_texts: Iterable[str], vocab_size: int, cache_dir: Pat
     return train_tokenizer(texts, vocab_size, folder)
 
 
-def _texts_key(texts: Sequence[str]) -> str:
+def cached_tokenizer_streamed(train_texts: Callable[[], Iterable[str]], vocab_size: int, cache_dir: Path) -> Tokenizer:
+    """`cached_tokenizer` for a corpus read as a stream: `train_texts()` returns a fresh iterator over the same
+    texts each call (once for the cache key, once more to train on a cache miss), so the texts are never held
+    in memory together. The same texts give the same cache entry and tokenizer as `cached_tokenizer`."""
+    folder = Path(cache_dir) / f"tokenizer-v{vocab_size}-{_texts_key(train_texts())}"
+    if (folder / TOKENIZER_FILE).is_file():
+        return load_tokenizer(folder)
+    return train_tokenizer(train_texts(), vocab_size, folder)
+
+
+def _texts_key(texts: Iterable[str]) -> str:
     h = hashlib.sha256(f"glm5lab-bpe-{_CACHE_FORMAT}".encode())
     for text in texts:
         data = text.encode("utf-8")

@@ -12,6 +12,8 @@
     glm5lab ablate STUDY [--quick] [--scale cpu|gpu] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient,
                    mtp, indexcache, baseline; `glm5lab ablate summary` rebuilds the README table)
     glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick] [--compare RUN_B ...]
+    glm5lab tokenize [DATA] --out DIR [--tokenizer PATH] [--vocab-size V] [--text-field NAME] [--shard-size N]
+                   [--seed S]   (token shards that `glm5lab train --data DIR` streams; docs/data.md)
 
 train, generate, ablate and report take --threads N; without it the CPU threads follow
 `glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
@@ -37,6 +39,7 @@ from pathlib import Path
 from glm5lab.cli.ablate import add_ablate_parser
 from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
+from glm5lab.cli.tokenize import add_tokenize_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.deployment import check_layout, deployment, render_deployment
 from glm5lab.ledger import ledger, render
@@ -300,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_ablate_parser(sub)
     add_report_parser(sub)
+    add_tokenize_parser(sub)
     for name in COMPUTE_COMMANDS:
         sub.choices[name].add_argument(
             "--threads", type=parse_threads, metavar="N",

@@ -10,15 +10,20 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from glm5lab.tokenizer import cached_tokenizer, encode_documents, load_tokenizer
+from glm5lab.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
 from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
+from glm5lab.train.shards import ShardedTokens, is_token_folder, open_token_folder, read_index, tokenizer_sha256
+from glm5lab.validate import refuse
 
 
 @dataclass
 class TrainingData:
+    """A run's tokenizer and token streams: in-memory int32 arrays (a text corpus), or `ShardedTokens` read on
+    demand from a token folder (`token_folder_data`)."""
+
     tokenizer: Tokenizer
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: np.ndarray | ShardedTokens
+    val_tokens: np.ndarray | ShardedTokens
     source: str
 
 
@@ -29,7 +34,11 @@ def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str
     tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
     at `vocab_size` and cached beside the data. A run that continues from a `checkpoint` folder (resume,
     `--init`) uses the tokenizer.json saved there, so its weights keep the vocabulary they were trained with.
-    Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`."""
+    Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`.
+
+    `data` may be a token folder (`glm5lab tokenize`): then `token_folder_data`, memmap-backed splits."""
+    if data is not None and is_token_folder(data):
+        return token_folder_data(vocab_size, data, tokenizer=tokenizer, checkpoint=checkpoint)
     source, train_docs, val_docs = split_corpus(data, seed)
     saved = checkpoint / "tokenizer.json" if checkpoint is not None else None
     if tokenizer:
@@ -42,6 +51,40 @@ def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
                          f"{vocab_size}: use a model config with vocab_size >= the tokenizer's")
     return TrainingData(tok, encode_documents(tok, train_docs), encode_documents(tok, val_docs), str(source))
+
+
+def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None,
+                      checkpoint: Path | None = None) -> TrainingData:
+    """TrainingData of a token folder (`glm5lab.train.shards`): its train/val splits as `ShardedTokens` (read on
+    demand, never loaded) and its tokenizer.json. The split and its seed are the folder's (fixed when it was
+    tokenized). Raises ValueError (one line each) for a bad folder (`open_token_folder`), a tokenizer.json that
+    is missing or differs from the index's sha256, a `tokenizer` or a `checkpoint`'s tokenizer.json (resume,
+    --init) other than the folder's, and a vocabulary that does not fit `vocab_size`."""
+    folder = Path(folder)
+    tokens = open_token_folder(folder)
+    want = tokens.index["tokenizer_sha256"]
+    if not tokens.tokenizer_file.is_file():
+        raise ValueError(f"token folder {folder} has no {TOKENIZER_FILE}: tokenize the corpus again")
+    tok = load_tokenizer(tokens.tokenizer_file)
+    if tokenizer_sha256(tok) != want:
+        raise ValueError(f"token folder {folder}: its {TOKENIZER_FILE} (sha256 {tokenizer_sha256(tok)[:12]}) is not "
+                         f"the one its shards were written with (index.json: {want[:12]}): tokenize the corpus again")
+    if tokenizer:
+        given = tokenizer_sha256(load_tokenizer(Path(tokenizer)))
+        if given != want:
+            refuse("--tokenizer", tokenizer, f"token folder {folder} holds another tokenizer's shards (sha256 "
+                   f"{want[:12]}, this one {given[:12]}): drop --tokenizer (the folder's tokenizer.json is used), "
+                   "or tokenize the corpus with this tokenizer")
+    saved = checkpoint / TOKENIZER_FILE if checkpoint is not None else None
+    if saved is not None and saved.is_file() and tokenizer_sha256(load_tokenizer(saved)) != want:
+        raise ValueError(f"checkpoint {checkpoint} was trained with another tokenizer (sha256 "
+                         f"{tokenizer_sha256(load_tokenizer(saved))[:12]}) than the token folder {folder}'s "
+                         f"({want[:12]}): resume with another tokenizer is not allowed; tokenize the corpus with "
+                         f"--tokenizer {saved}")
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"token folder {folder}: its tokenizer has {tok.get_vocab_size()} tokens but the model's "
+                         f"vocab_size is {vocab_size}: use a model config with vocab_size >= the tokenizer's")
+    return TrainingData(tok, tokens.train, tokens.val, str(folder))
 
 
 def split_corpus(data, seed: int) -> tuple[Path, list, list]:
@@ -72,7 +115,8 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     checkpoint's tokenizer.json, cut into non-overlapping windows of `length` tokens (`pack`), of which
     `count` are taken evenly spaced over the split (first and last included). Returns (prompts, info: corpus,
     split_seed, val_documents, val_tokens, windows, rows taken, run_json found). Raises ValueError when the
-    checkpoint has no tokenizer.json or the split holds fewer than `count` windows."""
+    checkpoint has no tokenizer.json or the split holds fewer than `count` windows. A token folder as the corpus
+    gives its own validation split (read on demand; refused when the checkpoint's tokenizer is another)."""
     import torch
 
     from glm5lab.train.batches import pack
@@ -84,14 +128,19 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     tok_path = checkpoint / "tokenizer.json"
     if not tok_path.is_file():
         raise ValueError(f"{checkpoint} has no tokenizer.json: cannot encode held-out text for it")
-    source, _, val_docs = split_corpus(data or run_args.get("data"), seed)
-    val = encode_documents(load_tokenizer(tok_path), val_docs)
+    corpus = data or run_args.get("data")
+    if corpus is not None and is_token_folder(corpus):  # the folder's split; refused if another tokenizer's
+        source, val = corpus, token_folder_data(1 << 62, corpus, checkpoint=checkpoint).val_tokens
+        n_docs = read_index(Path(corpus))["splits"]["val"]["documents"]
+    else:
+        source, _, val_docs = split_corpus(corpus, seed)
+        val, n_docs = encode_documents(load_tokenizer(tok_path), val_docs), len(val_docs)
     windows = pack(val, length - 1)
     n = windows.shape[0]
     if n < count:
         raise ValueError(f"the validation split holds {n} windows of {length} tokens; fewer than the {count} "
                          "prompts asked for")
     rows = torch.linspace(0, n - 1, count).round().long()
-    info = {"corpus": str(source), "split_seed": seed, "val_documents": len(val_docs), "val_tokens": len(val),
+    info = {"corpus": str(source), "split_seed": seed, "val_documents": n_docs, "val_tokens": len(val),
             "windows": n, "rows": rows.tolist(), "run_json": bool(run)}
     return [windows[r].tolist() for r in rows], info

@@ -54,18 +54,19 @@ def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_batches: int 
     rows = windows_NL1 if n_batches is None else windows_NL1[: n_batches * stage.batch_size * world_size]
     device = next(model.parameters()).device
     model.eval()
-    sums = []
+    sums, targets, utf8 = [], 0, 0
     for i in range(0, len(rows), stage.batch_size):
-        batch = rows[i:i + stage.batch_size].to(device)
+        rows_BL1 = rows[i:i + stage.batch_size]  # read per batch: a token folder's windows are never all loaded
+        batch = rows_BL1.to(device)
         logits_BLV = model(batch[:, :-1], use_dsa=stage.use_dsa).logits
         nll = F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="none")
         sums.append(nll.double().sum())
+        targets += rows_BL1[:, 1:].numel()
+        utf8 += 0 if byte_lengths_V is None else target_bytes(byte_lengths_V, rows_BL1[:, 1:])
     model.train()
     if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
         model.reshard()
-    targets = rows[:, 1:]
-    utf8 = None if byte_lengths_V is None else target_bytes(byte_lengths_V, targets)
-    return Evaluation(float(torch.stack(sums).sum()), targets.numel(), utf8)
+    return Evaluation(float(torch.stack(sums).sum()), targets, None if byte_lengths_V is None else utf8)
 
 
 def run_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor | None:

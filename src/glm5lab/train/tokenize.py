@@ -1,0 +1,272 @@
+"""`glm5lab tokenize DATA --out DIR`: a corpus to a token folder (`glm5lab.train.shards`), streamed.
+
+Documents are read (`glm5lab.train.sources.iter_documents`), encoded a batch at a time and appended to the
+open shard of their split, so memory does not grow with the corpus. The split is `split_documents`'s, by
+document (score = SHA-256 of `seed:name` < val_fraction), decided per document while streaming; its
+fallbacks need the whole corpus seen (no validation document: the lowest-score one moves to validation; no
+training document: the highest-score one moves back; one document: its text is cut at a paragraph
+boundary), so a pass that ends in one of them is run again with that assignment fixed (only tiny corpora).
+Each split's stream is `encode_documents(tokenizer, docs)` of its documents, in input order: the same
+tokens `glm5lab train --data DATA` builds in memory. Without `--tokenizer` the byte-level BPE is trained on
+the training split at `vocab_size` and cached as `prepare_data` does (`cached_tokenizer_streamed`).
+
+Atomicity: a shard is written as `NAME.tmp` and renamed when full; `tokenizer.json` then `index.json` last,
+each atomically; a folder without `index.json` is not a token folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import glm5lab
+from glm5lab.io_utils import atomic_write_text
+from glm5lab.tokenizer import cached_tokenizer_streamed, eot_id, load_tokenizer
+from glm5lab.train.corpus import Document, _score, _split_one, cache_root, fetch_default_corpus
+from glm5lab.train.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
+                                  tokenizer_sha256)
+from glm5lab.train.sources import iter_documents
+from glm5lab.validate import int_at_least
+
+VAL_FRACTION = 0.05  # split_documents' default, the one `glm5lab train` uses
+DEFAULT_SHARD_SIZE = 100_000_000  # tokens per shard: 200 MB of uint16
+BATCH_DOCS = 256  # documents per encode_batch_fast call (encode_documents' chunk)
+BATCH_CHARS = 1 << 20  # ... or fewer, once their text passes 1 M characters (the batch's Encodings take ~100 B a token)
+_OWN_FILE = re.compile(r"^(index\.json|tokenizer\.json|(train|val)-\d{6}\.bin(\.tmp)?|\.(index|tokenizer)\.json\..+\.tmp)$")
+
+
+@dataclass
+class SplitAssigner:
+    """Which split a streamed document goes to: `split_documents(docs, VAL_FRACTION, seed)` one document at a
+    time. `sides(docs)` yields (document, is_val) and records what the fallbacks need; after a whole pass,
+    `settle()` fixes the fallback the pass ran into and returns True when the pass must be run again."""
+
+    seed: int
+    val_fraction: float = VAL_FRACTION
+    moved: str | None = None  # the document a fallback moved across (None: none did)
+    to_val: bool = True  # the direction of `moved`
+    single: Document | None = None  # the one document of a one-document corpus
+    _seen: dict = field(default_factory=dict)
+
+    def sides(self, docs: Iterator[Document]) -> Iterator[tuple[Document, bool]]:
+        if self.single is not None:
+            (train,), (val,) = _split_one(self.single, self.val_fraction)
+            yield train, False
+            yield val, True
+            return
+        seen = self._seen = {"count": 0, "val": 0, "min": None, "max": None, "first": None}
+        for doc in docs:
+            u = _score(doc.name, self.seed)
+            is_val = self.to_val if doc.name == self.moved else u < self.val_fraction
+            seen["count"] += 1
+            seen["val"] += is_val
+            seen["first"] = seen["first"] or doc
+            if seen["min"] is None or u < seen["min"][0]:
+                seen["min"] = (u, doc.name)
+            if seen["max"] is None or u > seen["max"][0]:
+                seen["max"] = (u, doc.name)
+            yield doc, is_val
+
+    def settle(self) -> bool:
+        """After a complete pass of `sides`: fix a fallback if the pass needs one; True when it did (run the
+        pass again). Raises ValueError for a corpus without documents."""
+        seen = self._seen
+        if self.single is not None or self.moved is not None:
+            return False
+        if seen.get("count", 0) == 0:
+            raise ValueError("the corpus holds no documents")
+        if seen["count"] == 1:
+            self.single = seen["first"]
+        elif seen["val"] == 0:
+            self.moved, self.to_val = seen["min"][1], True
+        elif seen["val"] == seen["count"]:
+            self.moved, self.to_val = seen["max"][1], False
+        else:
+            return False
+        return True
+
+    def record(self) -> dict:
+        """The split rule as index.json keeps it."""
+        return {"by": "document", "val_fraction": self.val_fraction, "seed": self.seed, "moved": self.moved,
+                "moved_to": None if self.moved is None else ("val" if self.to_val else "train"),
+                "single": None if self.single is None else self.single.name}
+
+
+def settled(assigner: SplitAssigner, docs: Callable[[], Iterator[Document]], consume) -> None:
+    """Run `consume(assigner.sides(docs()))` until a pass needs no fallback (at most twice)."""
+    consume(assigner.sides(docs()))
+    if assigner.settle():
+        consume(assigner.sides(docs()))
+
+
+class ShardWriter:
+    """Appends token ids of one split to shards of `shard_size` tokens in `folder`: the open shard is
+    `NAME.tmp`, renamed to NAME once full (or at `close`). `shards` lists the finished ones."""
+
+    def __init__(self, folder: Path, split: str, dtype: str, shard_size: int):
+        self.folder, self.split, self.dtype, self.shard_size = folder, split, np.dtype(dtype), shard_size
+        self.shards: list[dict] = []
+        self.documents = 0
+        self._file, self._count = None, 0
+
+    def append(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype, copy=False)
+        while ids.size:
+            if self._file is None:
+                self._file = open(self._tmp(len(self.shards)), "wb")
+            take = min(ids.size, self.shard_size - self._count)
+            self._file.write(ids[:take].tobytes())
+            self._count += take
+            ids = ids[take:]
+            if self._count == self.shard_size:
+                self._finish()
+
+    def close(self) -> list[dict]:
+        """Finish the open shard (a split with no tokens gets one empty shard); returns `shards`."""
+        if self._file is not None or not self.shards:
+            if self._file is None:
+                self._file = open(self._tmp(len(self.shards)), "wb")
+            self._finish()
+        return self.shards
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards) + self._count
+
+    def _tmp(self, index: int) -> Path:
+        return self.folder / f"{shard_name(self.split, index)}.tmp"
+
+    def _finish(self) -> None:
+        index = len(self.shards)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp(index), self.folder / shard_name(self.split, index))
+        self.shards.append({"file": shard_name(self.split, index), "tokens": self._count})
+        self._file, self._count = None, 0
+
+    def abort(self) -> None:
+        """Close and delete everything written (a pass run again starts from nothing)."""
+        if self._file is not None:
+            self._file.close()
+            self._tmp(len(self.shards)).unlink(missing_ok=True)
+        for s in self.shards:
+            (self.folder / s["file"]).unlink(missing_ok=True)
+        self.shards, self._file, self._count, self.documents = [], None, 0, 0
+
+
+def tokenize_corpus(data, out, *, tokenizer=None, vocab_size: int, text_field: str = "text",
+                    shard_size: int = DEFAULT_SHARD_SIZE, seed: int = 0, progress: bool = True) -> dict:
+    """Write the token folder of corpus `data` (a path as `iter_documents` reads; None: the default Shakespeare
+    corpus) into `out` (a new or empty folder, or one an interrupted run left without index.json) and return
+    its index (also written to `out/index.json`). `tokenizer`: a tokenizer.json (or folder holding one); None:
+    the byte-level BPE of `prepare_data`, trained on the training split at `vocab_size` and cached.
+    Raises ValueError for a bad --shard-size, an --out that holds other files or a token folder already,
+    and as `iter_documents` / `split_documents` for bad input; FileNotFoundError for a missing DATA."""
+    int_at_least("--shard-size", shard_size, 1)
+    source = Path(data) if data else fetch_default_corpus()
+    out = _prepare_out(Path(out))
+    docs = lambda: iter_documents(source, text_field)  # noqa: E731
+    assigner = SplitAssigner(seed)
+    tok = load_tokenizer(Path(tokenizer)) if tokenizer else _trained_tokenizer(assigner, docs, vocab_size)
+    n_ids = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    dtype = dtype_for(n_ids)
+    writers = {split: ShardWriter(out, split, dtype, shard_size) for split in SPLITS}
+
+    def write(pairs):
+        for w in writers.values():
+            w.abort()
+        _encode_into(tok, pairs, writers, progress)
+
+    settled(assigner, docs, write)
+    return finish_folder(out, tok, writers, split=assigner.record(), source=str(source), text_field=text_field,
+                         tokenizer_source=str(tokenizer) if tokenizer else f"trained: byte-level BPE, vocab_size "
+                         f"{vocab_size}")
+
+
+def finish_folder(out: Path, tok, writers: dict, **meta) -> dict:
+    """Close the splits' `ShardWriter`s, then write `tokenizer.json` and, last, `index.json` (each atomically)
+    into `out`; `meta` (split rule, source, ...) goes into the index as is. Returns the index."""
+    splits = {}
+    for split, w in writers.items():
+        w.close()
+        splits[split] = {"documents": w.documents, "tokens": w.tokens, "shards": w.shards}
+    some = next(iter(writers.values()))
+    index = {"format": FORMAT, "version": VERSION, "dtype": some.dtype.name, "vocab_size": tok.get_vocab_size(),
+             "tokenizer_sha256": tokenizer_sha256(tok), "shard_size": some.shard_size, "splits": splits, **meta,
+             "glm5lab_version": glm5lab.__version__}
+    atomic_write_text(out / TOKENIZER_FILE, tok.to_str())
+    atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def _trained_tokenizer(assigner: SplitAssigner, docs, vocab_size: int):
+    """`cached_tokenizer` on the training split's texts, streamed (the split settled first)."""
+    settled(assigner, docs, lambda pairs: sum(1 for _ in pairs))
+    texts = lambda: (d.text for d, is_val in assigner.sides(docs()) if not is_val)  # noqa: E731
+    return cached_tokenizer_streamed(texts, vocab_size, cache_root() / "tokenizers")
+
+
+def _encode_into(tok, pairs, writers: dict, progress: bool) -> None:
+    """Encode (document, is_val) pairs a batch at a time and append each to its split's writer, `<|endoftext|>`
+    before every document but the first of its split (`encode_documents`' join)."""
+    from tqdm import tqdm
+
+    sep = np.array([eot_id(tok)], dtype=np.int64)
+    bar = tqdm(unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True, desc="tokenize")
+    start, chars = time.perf_counter(), 0
+    try:
+        for batch in _batches(pairs):
+            encs = tok.encode_batch_fast([d.text for d, _ in batch], add_special_tokens=False)
+            for split in SPLITS:
+                parts, w = [], writers[split]
+                for (doc, is_val), enc in zip(batch, encs):
+                    if is_val == (split == "val"):
+                        parts += [sep, np.asarray(enc.ids, dtype=np.int64)] if w.documents else [
+                            np.asarray(enc.ids, dtype=np.int64)]
+                        w.documents += 1
+                if parts:
+                    ids = np.concatenate(parts)
+                    w.append(ids)
+                    bar.update(ids.size)
+            chars += sum(len(d.text) for d, _ in batch)
+            bar.set_postfix_str(f"{sum(w.documents for w in writers.values()):,} docs, "
+                                f"{chars / 1e6 / max(time.perf_counter() - start, 1e-9):.1f} M chars/s", refresh=False)
+    finally:
+        bar.close()
+
+
+def _batches(pairs) -> Iterator[list]:
+    batch, chars = [], 0
+    for pair in pairs:
+        batch.append(pair)
+        chars += len(pair[0].text)
+        if len(batch) == BATCH_DOCS or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _prepare_out(out: Path) -> Path:
+    """`out`, created; files an interrupted `glm5lab tokenize` left (shards, .tmp, tokenizer.json, no index)
+    are removed. Raises ValueError when it is a file, holds a token folder already, or holds other files."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / INDEX_FILE).exists():
+        raise ValueError(f"--out {out} holds a token folder already ({INDEX_FILE}): remove it or choose another folder")
+    entries = list(out.iterdir())
+    other = sorted(p.name for p in entries if not _OWN_FILE.match(p.name))
+    if other:
+        raise ValueError(f"--out {out} holds other files ({', '.join(other[:5])}): give a new or empty folder")
+    for p in entries:
+        p.unlink()
+    return out

@@ -1,0 +1,173 @@
+"""`glm5lab tokenize`: streamed documents equal `load_documents`, the streamed split equals `split_documents`
+(fallbacks included), parquet/arrow through `datasets`, shards equal the in-memory token stream, an
+interrupted run leaves no index and no half-written shard, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from glm5lab.cli import main
+from glm5lab.tokenizer import encode_documents, load_tokenizer, train_tokenizer
+from glm5lab.train.corpus import Document, _score, load_documents, split_documents
+from glm5lab.train.data import prepare_data
+from glm5lab.train.shards import ShardedTokens, dtype_for, open_token_folder
+from glm5lab.train.sources import iter_documents
+from glm5lab.train.tokenize import ShardWriter, SplitAssigner, settled, tokenize_corpus
+from tests.conftest import write_word_corpus
+
+VOCAB = 300
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+
+
+def test_streamed_documents_equal_load_documents(tmp_path):
+    root = write_word_corpus(tmp_path / "c", docs=3, words_per_doc=50)
+    (root / "sub").mkdir()
+    (root / "sub" / "notes.md").write_text("\ufeffline one\r\nline two\r\n")
+    (root / "sub" / "rows.jsonl").write_text('{"text": "first row"}\n{"text": "second\\nrow", "x": 1}\n')
+    (root / "skip.csv").write_text("a,b\n")
+    assert list(iter_documents(root)) == load_documents(root)
+    assert list(iter_documents(root / "sub" / "rows.jsonl")) == load_documents(root / "sub" / "rows.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "a\u2028b"}\n')  # str.splitlines cuts at U+2028: so do both
+    with pytest.raises(ValueError) as a:
+        load_documents(bad)
+    with pytest.raises(ValueError) as b:
+        list(iter_documents(bad))
+    assert str(a.value) == str(b.value) and "line 2" in str(a.value)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 0.97])
+def test_streamed_split_equals_split_documents(fraction):
+    rng = random.Random(0)
+    for trial in range(40):
+        docs = [Document(f"d{trial}-{i}", f"text {i}\n\nmore {i}") for i in range(rng.randint(1, 6))]
+        seed = rng.randint(0, 3)
+        assigner, got = SplitAssigner(seed, fraction), []
+        settled(assigner, lambda: iter(docs), lambda pairs: got.__setitem__(slice(None), list(pairs)))
+        train, val = split_documents(docs, fraction, seed)
+        assert [d for d, v in got if not v] == train and [d for d, v in got if v] == val
+
+
+@pytest.mark.parametrize("n_docs", [1, 2, 40])
+def test_shards_equal_the_in_memory_stream(tmp_path, n_docs):
+    """1 document: its text is cut; 2: no document scores below 0.05 with seed 0, the lowest moves to val; 40: some
+    do, no fallback."""
+    texts = write_word_corpus(tmp_path / "texts", docs=n_docs, words_per_doc=300)
+    index = tokenize_corpus(texts, tmp_path / "tok", vocab_size=VOCAB, shard_size=250, progress=False)
+    memory, folder = prepare_data(VOCAB, str(texts), 0), open_token_folder(tmp_path / "tok")
+    assert np.array_equal(np.asarray(folder.train), memory.train_tokens)
+    assert np.array_equal(np.asarray(folder.val), memory.val_tokens)
+    train_docs, val_docs = split_documents(load_documents(texts), seed=0)
+    assert index["splits"]["train"]["documents"] == len(train_docs) and index["splits"]["val"]["documents"] == len(val_docs)
+    assert index["split"]["single"] == (None if n_docs > 1 else "doc0.txt")
+    natural = any(_score(d.name, 0) < 0.05 for d in load_documents(texts))
+    assert (index["split"]["moved"] is not None) == (n_docs > 1 and not natural) and natural == (n_docs == 40)
+    assert all(s["tokens"] == 250 for s in index["splits"]["train"]["shards"][:-1]) and index["dtype"] == "uint16"
+
+
+def _datasets():
+    return pytest.importorskip("datasets")
+
+
+def test_parquet_and_arrow_through_datasets(tmp_path):
+    datasets = _datasets()
+    rows = [" ".join(["the king", "the sea", "a fool"][i % 3] for _ in range(20 + i)) for i in range(30)]
+    table = datasets.Dataset.from_dict({"id": list(range(30)), "body": rows})
+    (tmp_path / "pq").mkdir()
+    table.to_parquet(str(tmp_path / "pq" / "part-0.parquet"))
+    table.save_to_disk(str(tmp_path / "arrow"))
+    tok = train_tokenizer(rows, VOCAB, tmp_path / "tk")
+    docs = [Document(f"part-0.parquet:{i}", t) for i, t in enumerate(rows)]
+    assert list(iter_documents(tmp_path / "pq", "body")) == docs
+    train, val = split_documents(docs, seed=0)
+    index = tokenize_corpus(tmp_path / "pq", tmp_path / "t1", tokenizer=tmp_path / "tk", vocab_size=VOCAB,
+                            text_field="body", shard_size=100, progress=False)
+    folder = open_token_folder(tmp_path / "t1")
+    assert np.array_equal(np.asarray(folder.train), encode_documents(tok, train))
+    assert np.array_equal(np.asarray(folder.val), encode_documents(tok, val))
+    assert index["text_field"] == "body" and index["splits"]["val"]["documents"] == len(val)
+    arrow_docs = list(iter_documents(tmp_path / "arrow", "body"))
+    assert [d.text for d in arrow_docs] == rows and arrow_docs[0].name == "data-00000-of-00001.arrow:0"
+    with pytest.raises(ValueError, match=r"part-0.parquet has no column 'text' \(its columns: id, body\); name the "
+                                         r"text column with --text-field NAME"):
+        tokenize_corpus(tmp_path / "pq", tmp_path / "t2", tokenizer=tmp_path / "tk", vocab_size=VOCAB, progress=False)
+    assert not (tmp_path / "t2" / "index.json").exists()
+
+
+def test_an_interrupted_run_leaves_no_index_and_no_partial_shard(tmp_path, monkeypatch):
+    texts = write_word_corpus(tmp_path / "texts", docs=6, words_per_doc=400)
+    finished = []
+    real = ShardWriter._finish
+
+    def stop_after_two(self):
+        if len(finished) == 2:
+            raise KeyboardInterrupt
+        finished.append(1)
+        real(self)
+    monkeypatch.setattr(ShardWriter, "_finish", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_corpus(texts, tmp_path / "tok", vocab_size=VOCAB, shard_size=200, progress=False)
+    left = sorted(p.name for p in (tmp_path / "tok").iterdir())
+    assert "index.json" not in left and left[:2] == ["train-000000.bin", "train-000001.bin"]
+    assert all((tmp_path / "tok" / n).stat().st_size == 400 for n in left if n.endswith(".bin"))  # full shards only
+    with pytest.raises(ValueError, match="has no index.json: not a token folder"):
+        prepare_data(VOCAB, str(tmp_path / "tok"), 0)
+    monkeypatch.setattr(ShardWriter, "_finish", real)
+    tokenize_corpus(texts, tmp_path / "tok", vocab_size=VOCAB, shard_size=200, progress=False)  # a rerun cleans up
+    assert np.array_equal(np.asarray(open_token_folder(tmp_path / "tok").train), prepare_data(VOCAB, str(texts), 0).train_tokens)
+    assert not list((tmp_path / "tok").glob("*.tmp"))
+
+
+def test_uint32_shards_for_a_large_vocabulary(tmp_path):
+    assert (dtype_for(65536), dtype_for(65537), dtype_for(151552)) == ("uint16", "uint32", "uint32")
+    ids = np.array([0, 65535, 65536, 151551], dtype=np.int64)
+    w = ShardWriter(tmp_path, "val", "uint32", 3)
+    w.append(ids)
+    shards = w.close()
+    t = ShardedTokens([tmp_path / s["file"] for s in shards], [s["tokens"] for s in shards], "uint32")
+    assert np.array_equal(t[0:4], ids) and (tmp_path / "val-000001.bin").stat().st_size == 4
+
+
+def test_cli_tokenize_and_its_refusals(tmp_path, capsys):
+    texts = write_word_corpus(tmp_path / "texts", docs=5, words_per_doc=200)
+    out = tmp_path / "tok"
+    assert main(["tokenize", str(texts), "--out", str(out), "--vocab-size", str(VOCAB), "--shard-size", "500",
+                 "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert f"train with: glm5lab train --data {out}" in said and "uint16" in said
+    assert json.loads((out / "index.json").read_text())["tokenizer_sha256"]
+    assert load_tokenizer(out).get_vocab_size() <= VOCAB
+    for argv, message in [
+        (["--out", str(out)], "holds a token folder already (index.json)"),
+        (["--out", str(texts)], "holds other files (doc0.txt"),
+        (["--out", str(tmp_path / "x"), "--shard-size", "0"], "--shard-size = 0 is not allowed: an integer >= 1"),
+    ]:
+        assert main(["tokenize", str(texts), *argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("glm5lab tokenize: error: ") and message in err and err.count("\n") == 1
+
+
+def test_parquet_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import datasets -> ImportError
+    assert main(["tokenize", str(tmp_path / "a.parquet"), "--out", str(tmp_path / "tok"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "needs the `datasets` library: pip install -e .[data]" in err and err.count("\n") == 1
+
+
+def test_streamed_tokenizer_training_equals_cached_tokenizer(tmp_path):
+    from glm5lab.tokenizer import cached_tokenizer, cached_tokenizer_streamed
+
+    texts = [d.text for d in load_documents(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300))]
+    a = cached_tokenizer(texts, VOCAB, tmp_path / "a")
+    b = cached_tokenizer_streamed(lambda: iter(texts), VOCAB, tmp_path / "b")
+    assert a.to_str() == b.to_str()
+    assert [p.name for p in (tmp_path / "a").iterdir()] == [p.name for p in (tmp_path / "b").iterdir()]
