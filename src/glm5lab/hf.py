@@ -54,20 +54,32 @@ def _mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
 
 def to_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict -> checkpoint tensors (contiguous, split per expert, MTP renamed + copies)."""
-    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
     out = {}
     for key, t in state.items():
-        name = ckpt_mtp + key[len(ours_mtp):] if key.startswith(ours_mtp) else key
-        m = _EXPERT_RE.match(name)
-        if m:
-            for e in range(t.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e].contiguous()
-        else:
-            out[name] = t.contiguous()
+        out.update(checkpoint_tensors(key, t, cfg))
     if cfg.num_nextn_predict_layers:
-        for suffix, main_key in _MTP_SHARED.items():
-            out[ckpt_mtp + suffix] = state[main_key].clone()
+        for name, main_key in mtp_copies(cfg).items():
+            out[name] = state[main_key].clone()
     return out
+
+
+def checkpoint_tensors(key: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """One entry of our state dict -> its checkpoint tensors (contiguous): the same name, or the MTP
+    layer's renamed, or a stacked expert weight [E, ...] split into E tensors. The MTP copies of the
+    embedding and head are not included (`mtp_copies`). Works on meta tensors (names and shapes only)."""
+    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
+    name = ckpt_mtp + key[len(ours_mtp):] if key.startswith(ours_mtp) else key
+    m = _EXPERT_RE.match(name)
+    if m:
+        return {f"{m.group(1)}.{e}.{m.group(2)}.weight": t[e].contiguous() for e in range(t.shape[0])}
+    return {name: t.contiguous()}
+
+
+def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """{checkpoint name: our state-dict key} of the copies of the embedding and output head that the MTP
+    layer carries in the checkpoint (DeepSeek-V3 layout); {} for a model without MTP layer."""
+    ckpt_mtp = _mtp_prefixes(cfg)[1]
+    return {ckpt_mtp + suffix: main for suffix, main in _MTP_SHARED.items()} if cfg.num_nextn_predict_layers else {}
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_mtp: bool) -> dict[str, torch.Tensor]:
