@@ -11,6 +11,7 @@
     glm5lab ablate STUDY [--quick] [--scale cpu|gpu] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient,
                    mtp, indexcache, baseline; `glm5lab ablate summary` rebuilds the README table)
     glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick] [--compare RUN_B ...]
+    glm5lab export CHECKPOINT --out DIR [--max-shard-size 5GB]
 
 train, generate, ablate and report take --threads N; without it the CPU threads follow
 `glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
@@ -34,6 +35,7 @@ import sys
 from pathlib import Path
 
 from glm5lab.cli.ablate import add_ablate_parser
+from glm5lab.cli.export import add_export_parser
 from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
 from glm5lab.config import ConfigError, ModelConfig
@@ -267,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_ablate_parser(sub)
     add_report_parser(sub)
+    add_export_parser(sub)
     for name in COMPUTE_COMMANDS:
         sub.choices[name].add_argument(
             "--threads", type=parse_threads, metavar="N",
