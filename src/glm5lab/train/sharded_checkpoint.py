@@ -97,8 +97,8 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, tokenize
 
 def check_sharded_complete(folder: Path) -> dict:
     """The trainer state of a sharded checkpoint after checking that its files are there: config.json,
-    trainer_state.json, DCP's .metadata, every shard file the metadata names, an RNG file per saving rank.
-    Raises ResumeError naming what is missing or unreadable."""
+    trainer_state.json, DCP's .metadata, every shard file the metadata names (as long as it says), an RNG file
+    per saving rank. Raises ResumeError naming what is missing, truncated or unreadable."""
     folder = Path(folder)
     missing = [f for f in ("config.json", SHARDED_STATE, DCP_METADATA) if not (folder / f).is_file()]
     if missing:
@@ -110,10 +110,16 @@ def check_sharded_complete(folder: Path) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise ResumeError(f"{folder / SHARDED_STATE} cannot be read (truncated or corrupt: {type(e).__name__} "
                           f"{e})") from None
-    files = sorted({item.relative_path for item in _read_metadata(folder).storage_data.values()})
-    missing = [f for f in files + [rng_file(r) for r in range(world)] if not (folder / f).is_file()]
+    ends = {}  # shard file -> the bytes its metadata says it holds
+    for item in _read_metadata(folder).storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    missing = [f for f in sorted(ends) + [rng_file(r) for r in range(world)] if not (folder / f).is_file()]
     if missing:
         raise ResumeError(f"checkpoint {folder} is incomplete (missing {', '.join(missing)})")
+    short = [f"{f} holds {(folder / f).stat().st_size:,} bytes of {n:,}" for f, n in sorted(ends.items())
+             if (folder / f).stat().st_size < n]
+    if short:
+        raise ResumeError(f"checkpoint {folder} is truncated ({'; '.join(short)})")
     return state
 
 
@@ -165,7 +171,8 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, ctx) -> dict:
     try:
         read_dcp(target, folder, no_dist=ctx.world_size == 1)
     except (CheckpointException, RuntimeError, OSError, ValueError) as e:
-        reason = " ".join(str(e).split())[:300]
+        first = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        reason = " ".join(f"{type(first).__name__}: {first}".split())[:300]
         raise ResumeError(f"checkpoint {folder} cannot be read (truncated or corrupt: {reason})") from None
     # set_state_dict replaces the optimizer's whole state (torch's load_state_dict): the state get_state_dict
     # made up for a fresh optimizer (a zero-gradient step at lr 0) does not survive
