@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from glm5lab import ModelConfig
+from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import ResumeError
 from glm5lab.export import load_checkpoint_model
 from glm5lab.train.loop import TrainArgs, train
@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 def _run(root, out, *, procs, batch, ep=1, resume=False):
     """The driver in `procs` processes (torchrun with gloo for 2); returns its stderr."""
-    root = getattr(root, "root", root)
+    root = root.root if isinstance(root, Runs) else root
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "GLM5LAB_CACHE": str(root / "cache")}
     launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                   f"--nproc_per_node={procs}", f"--master_port={_free_port()}"]
@@ -215,3 +215,36 @@ def test_rescale_stages_keeps_the_global_batch_by_batch_or_accumulation():
     with pytest.raises(ValueError, match=r"stage 'a' has a global batch of 2 processes x batch 3 x grad_accum 1, "
                        r"which 4 processes cannot keep"):
         rescale_stages([Stage("a", 2, 1e-3, 8, 3)], 2, 4)
+
+
+def test_export_of_a_sharded_checkpoint_gives_the_trained_model_here_and_in_transformers(runs, tmp_path, monkeypatch):
+    """The --ep 2 run's DCP checkpoint -> HF shards of at most 300 kB: the tensors `save_pretrained` writes of the
+    trained model, read a shard's worth at a time (never the whole model); GLM5ForCausalLM and transformers'
+    GlmMoeDsaForCausalLM load it with the trained model's logits."""
+    import glm5lab.export
+    from glm5lab.export import export_checkpoint
+    from glm5lab.hf import load_transformers_twin, read_checkpoint
+    from tests.conftest import HF_LOGITS_ATOL
+
+    read_bytes = []
+    real = glm5lab.export.read_dcp
+
+    def counting(target, folder, **kw):
+        read_bytes.append(sum(t.numel() * t.element_size() for t in target["model"].values()))
+        real(target, folder, **kw)
+
+    monkeypatch.setattr(glm5lab.export, "read_dcp", counting)
+    out = export_checkpoint(runs / "ep", tmp_path / "out", max_shard_bytes=300_000)
+    monkeypatch.setattr(glm5lab.export, "read_dcp", real)
+    trained = load_checkpoint_model(runs / "ep" / "checkpoints" / "step-000007")
+    trained.save_pretrained(tmp_path / "saved")
+    ours, saved = read_checkpoint(out), read_checkpoint(tmp_path / "saved")
+    assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in ours)
+    total = sum(t.numel() * t.element_size() for t in trained.state_dict().values())
+    assert len(read_bytes) == len(list(out.glob("model-*.safetensors"))) > 3 and max(read_bytes) < total / 2
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))  # > index_topk 8: DSA on
+    with torch.no_grad():
+        expected = trained(ids).logits
+        assert torch.equal(GLM5ForCausalLM.from_pretrained(out).eval()(ids).logits, expected)
+        assert (load_transformers_twin(out)(ids).logits - expected).abs().max() < HF_LOGITS_ATOL
+    assert expected.std() > 0.1
