@@ -58,14 +58,7 @@ def load_checkpoint_model(path) -> GLM5ForCausalLM:
     """The model of a checkpoint (a run folder, a step folder; DCP or HF), in one process, fp32 on CPU, eval
     mode. A DCP checkpoint is resharded to whole tensors while loading (no process group needed). Raises
     ValueError when `path` is no checkpoint, ConfigError / CheckpointError for a bad one."""
-    folder = resolve_checkpoint(path)
-    if not is_sharded(folder):
-        return GLM5ForCausalLM.from_pretrained(folder).eval()
-    model = GLM5ForCausalLM(ModelConfig.from_hf(folder))
-    state = model.state_dict()
-    read_dcp({"model": state}, folder, no_dist=True)
-    model.load_state_dict(state)
-    return model.eval()
+    return GLM5ForCausalLM.from_pretrained(resolve_checkpoint(path)).eval()
 
 
 def export_checkpoint(path, out, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:

@@ -248,3 +248,18 @@ def test_export_of_a_sharded_checkpoint_gives_the_trained_model_here_and_in_tran
         assert torch.equal(GLM5ForCausalLM.from_pretrained(out).eval()(ids).logits, expected)
         assert (load_transformers_twin(out)(ids).logits - expected).abs().max() < HF_LOGITS_ATOL
     assert expected.std() > 0.1
+
+
+def test_from_pretrained_reads_a_sharded_checkpoint(runs):
+    """`GLM5ForCausalLM.from_pretrained` of a DCP step folder (what generate, report and --init call): the trained
+    weights, whole; mtp=False leaves the MTP layer out; dtype casts all but the fp32-kept tensors."""
+    folder = runs / "ep" / "checkpoints" / "step-000007"
+    full = GLM5ForCausalLM.from_pretrained(folder).state_dict()
+    exported = load_checkpoint_model(runs / "ep").state_dict()
+    assert full.keys() == exported.keys() and all(torch.equal(full[k], exported[k]) for k in full)
+    assert full["model.mtp_layers.0.eh_proj.weight"].shape == (64, 128)
+    plain = GLM5ForCausalLM.from_pretrained(folder, mtp=False, dtype=torch.bfloat16)
+    assert plain.config.num_nextn_predict_layers == 0 and not any("mtp" in k for k in plain.state_dict())
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert plain.state_dict()[bias].dtype == torch.float32 and torch.equal(plain.state_dict()[bias], full[bias])
+    assert plain.state_dict()["model.embed_tokens.weight"].dtype == torch.bfloat16

@@ -184,3 +184,30 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, ctx) -> dict:
         raise ResumeError(f"{rng} cannot be read (truncated or corrupt: {type(e).__name__})") from None
     return state
 
+
+
+def load_sharded_model(cls, folder: Path, *, dtype=None, device=None, mtp: bool | None = None):
+    """`cls(config)` with the weights of the sharded checkpoint in `folder`, whole, in one process (no process
+    group): what `GLM5ForCausalLM.from_pretrained` returns for such a folder. Built on the meta device, then
+    materialised and filled by `dcp.load` (each tensor reassembled from every rank's shards). mtp: False = the
+    model without its MTP layer (its weights are not read); None or True = with it, as the config says. dtype,
+    device: as `from_pretrained`. Raises ResumeError when a file is missing or truncated, ConfigError for a bad
+    config.json."""
+    from glm5lab.config import ModelConfig
+
+    check_sharded_complete(folder)
+    cfg = ModelConfig.from_hf(folder)
+    if mtp is False:
+        cfg = cfg.replace(num_nextn_predict_layers=0)
+    with torch.device("meta"):
+        model = cls(cfg)
+    model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    state = model.state_dict()
+    read_dcp({"model": state}, folder, no_dist=True)
+    if dtype is not None:
+        model.to(dtype)
+    if device is not None:
+        model.to(device)
+    return model
