@@ -3,8 +3,8 @@ continues bit for bit (with and without --ep); a resume at another world size (2
 --ep) keeps the global batch and continues the uninterrupted run's losses within fp32 rounding; a corrupt
 checkpoint falls back to the one before; another model's checkpoint is refused naming the fields.
 
-The reference runs (module fixture, each trained when a test first needs it, 13-25 s on 2 busy cores): 7 steps of the tiny model over three stages
-(3 dense, 1 indexer warm-up, 3 sparse), global batch 4 x 24 tokens: "two" (2 processes x 2), "ep" (2 processes
+The reference runs (module fixture, each trained when a test first needs it, 13-25 s on 2 busy cores): 7 steps
+of the tiny model over three stages (3 dense, 1 indexer warm-up, 3 sparse), global batch 4 x 24 tokens: "two" (2 processes x 2), "ep" (2 processes
 x 2, --ep 2), "one" (1 process x 4). Checkpoints at the stage ends (steps 3, 4, 7; the newest two are kept), so
 a cut run resumes from step 4 and trains the sparse stage (DSA top-k, indexer KL, MTP) again."""
 

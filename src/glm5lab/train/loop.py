@@ -5,10 +5,11 @@ clipping, optimizer, router bias) is `glm5lab.train.step.run_stages`; this modul
 the run folder, resume (a stage's batch is a pure function of the stage and step, so resume is exact), one JSON
 object per step in `metrics.jsonl`, periodic validation, checkpoints, the progress bar and `summary.json`.
 Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.train.dist`) and
-each rank reads its slice of every global batch; `ep` (`--ep N`) adds expert parallelism
-(`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`. `compile=True` (`--compile`, one process
-only) runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`); the rest of the step
-stays eager.
+each rank reads its slice of every global batch and writes its own shards of each checkpoint
+(`glm5lab.train.sharded_checkpoint`; a resume may change the process count: `glm5lab.train.resume`); `ep`
+(`--ep N`) adds expert parallelism (`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`.
+`compile=True` (`--compile`, one process only) runs the losses' forward and backward through torch.compile
+(`glm5lab.train.compile`); the rest of the step stays eager.
 """
 
 from __future__ import annotations
