@@ -42,6 +42,7 @@ def is_sharded(folder: Path) -> bool:
 
 
 def rng_file(rank: int) -> str:
+    """The name of rank `rank`'s RNG file in a sharded checkpoint folder (rng-00000.pt, ...)."""
     return f"rng-{rank:05d}.pt"
 
 
