@@ -157,9 +157,9 @@ def _corrupt(path):
 
 
 @pytest.mark.parametrize("damage", ["__1_0.distcp", pytest.param(".metadata", marks=pytest.mark.slow),
-                                    pytest.param("rng-00001.pt", marks=pytest.mark.slow)])
+                                    pytest.param("rng-00000.pt", marks=pytest.mark.slow)])
 def test_a_corrupt_sharded_checkpoint_falls_back_to_the_one_before(runs, tmp_path, damage):
-    """Step 7 damaged (a shard truncated, DCP's metadata truncated or missing, an RNG file truncated): the
+    """Step 7 damaged (a shard, DCP's metadata or the RNG file rank 0 reads truncated): the
     1-process resume says so and continues from step 4 with the uninterrupted run's losses."""
     run = tmp_path / "run"
     shutil.copytree(runs / "ep", run)

@@ -160,7 +160,9 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, ctx) -> dict:
     that saved it). Raises ResumeError when a file is missing or a shard cannot be read (collective: every
     rank raises)."""
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
 
     state = check_sharded_complete(folder)
     keys = saved_keys(folder)
@@ -175,9 +177,11 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, ctx) -> dict:
         first = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
         reason = " ".join(f"{type(first).__name__}: {first}".split())[:300]
         raise ResumeError(f"checkpoint {folder} cannot be read (truncated or corrupt: {reason})") from None
-    # set_state_dict replaces the optimizer's whole state (torch's load_state_dict): the state get_state_dict
-    # made up for a fresh optimizer (a zero-gradient step at lr 0) does not survive
-    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
+    set_model_state_dict(model, target["model"])
+    # torch's load_state_dict replaces the optimizer's whole state: the state get_state_dict made up for a fresh
+    # optimizer (a zero-gradient step at lr 0) does not survive. strict=False: a parameter that never had a
+    # gradient (the indexer during the dense stage) has no state, in the checkpoint as in the run that saved it
+    set_optimizer_state_dict(model, optimizer, target["optimizer"], options=StateDictOptions(strict=False))
     rng = Path(folder) / rng_file(ctx.rank if ctx.rank < state["world_size"] else 0)
     try:
         state["rng"] = torch.load(rng, map_location="cpu", weights_only=False)
