@@ -7,7 +7,9 @@
     RUN/checkpoints/latest         name of the newest complete checkpoint
 
 A checkpoint is assembled in a hidden temp folder and renamed into place, then `latest` is
-rewritten atomically: a run killed at any moment leaves every earlier checkpoint intact.
+rewritten atomically: a run killed at any moment leaves every earlier checkpoint intact. This is a
+single process's checkpoint; a distributed run writes sharded ones in the same layout
+(`glm5lab.train.sharded_checkpoint`), and `glm5lab.train.resume` reads either at any process count.
 """
 
 from __future__ import annotations

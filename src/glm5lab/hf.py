@@ -54,20 +54,32 @@ def _mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
 
 def to_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict -> checkpoint tensors (contiguous, split per expert, MTP renamed + copies)."""
-    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
     out = {}
     for key, t in state.items():
-        name = ckpt_mtp + key[len(ours_mtp):] if key.startswith(ours_mtp) else key
-        m = _EXPERT_RE.match(name)
-        if m:
-            for e in range(t.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e].contiguous()
-        else:
-            out[name] = t.contiguous()
+        out.update(checkpoint_tensors(key, t, cfg))
     if cfg.num_nextn_predict_layers:
-        for suffix, main_key in _MTP_SHARED.items():
-            out[ckpt_mtp + suffix] = state[main_key].clone()
+        for name, main_key in mtp_copies(cfg).items():
+            out[name] = state[main_key].clone()
     return out
+
+
+def checkpoint_tensors(key: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """One entry of our state dict -> its checkpoint tensors (contiguous): the same name, or the MTP
+    layer's renamed, or a stacked expert weight [E, ...] split into E tensors. The MTP copies of the
+    embedding and head are not included (`mtp_copies`). Works on meta tensors (names and shapes only)."""
+    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
+    name = ckpt_mtp + key[len(ours_mtp):] if key.startswith(ours_mtp) else key
+    m = _EXPERT_RE.match(name)
+    if m:
+        return {f"{m.group(1)}.{e}.{m.group(2)}.weight": t[e].contiguous() for e in range(t.shape[0])}
+    return {name: t.contiguous()}
+
+
+def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
+    """{checkpoint name: our state-dict key} of the copies of the embedding and output head that the MTP
+    layer carries in the checkpoint (DeepSeek-V3 layout); {} for a model without MTP layer."""
+    ckpt_mtp = _mtp_prefixes(cfg)[1]
+    return {ckpt_mtp + suffix: main for suffix, main in _MTP_SHARED.items()} if cfg.num_nextn_predict_layers else {}
 
 
 def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_mtp: bool) -> dict[str, torch.Tensor]:
@@ -178,7 +190,8 @@ def _has_mtp_weights(tensors, cfg: ModelConfig) -> bool:
 
 
 def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = None):
-    """Build `cls(config)` from an HF-layout folder and load its weights exactly.
+    """Build `cls(config)` from an HF-layout folder and load its weights exactly. A distributed run's sharded
+    checkpoint folder (trainer_state.json, DCP shards) is read too (`glm5lab.train.sharded_checkpoint`).
 
     mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but the weights lack
     it, e.g. a folder written by transformers, the model is built without it and a warning says so); True =
@@ -192,6 +205,10 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
         olds = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
         hint = f" (an interrupted save left the previous checkpoint at {olds[0]}: rename it back)" if olds else ""
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist{hint}")
+    if (folder / "trainer_state.json").is_file():  # a distributed run's sharded (DCP) checkpoint
+        from glm5lab.train.sharded_checkpoint import load_sharded_model
+
+        return load_sharded_model(cls, folder, dtype=dtype, device=device, mtp=mtp)
     cfg = ModelConfig.from_hf(folder)
     tensors = read_checkpoint(folder)
     if cfg.num_nextn_predict_layers and not _has_mtp_weights(tensors, cfg):

@@ -230,17 +230,3 @@ def test_resume_with_other_settings_is_refused_naming_them(corpus, change, messa
     with pytest.raises(ValueError, match=message):
         train(TrainArgs(**{**_args(corpus, run, resume=True).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1],
                            **change}))
-
-
-def test_resume_with_another_ep_is_refused(corpus):
-    """A run trained with --ep 2 (its run.json says so) resumed with another --ep is refused naming ep: its
-    records (run.json, the EP figures in metrics.jsonl, the report) would describe the run wrongly."""
-    run = corpus / "run"
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))
-    (run / "summary.json").unlink()
-    info = json.loads((run / "run.json").read_text())
-    info["args"]["ep"] = 2
-    (run / "run.json").write_text(json.dumps(info))
-    with pytest.raises(ValueError, match=r"--resume: ep differs from the run in .*resume with the arguments the run "
-                       "started with"):
-        train(TrainArgs(**{**_args(corpus, run, resume=True).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))

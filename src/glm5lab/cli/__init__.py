@@ -14,6 +14,7 @@
     glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick] [--compare RUN_B ...]
     glm5lab tokenize [DATA] --out DIR [--tokenizer PATH] [--vocab-size V] [--text-field NAME] [--shard-size N]
                    [--seed S]   (token shards that `glm5lab train --data DIR` streams; docs/data.md)
+    glm5lab export CHECKPOINT --out DIR [--max-shard-size 5GB]   (HF safetensors; docs/checkpoints.md)
 
 train, generate, ablate and report take --threads N; without it the CPU threads follow
 `glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
@@ -37,6 +38,7 @@ import sys
 from pathlib import Path
 
 from glm5lab.cli.ablate import add_ablate_parser
+from glm5lab.cli.export import add_export_parser
 from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
 from glm5lab.cli.tokenize import add_tokenize_parser
@@ -304,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ablate_parser(sub)
     add_report_parser(sub)
     add_tokenize_parser(sub)
+    add_export_parser(sub)
     for name in COMPUTE_COMMANDS:
         sub.choices[name].add_argument(
             "--threads", type=parse_threads, metavar="N",

@@ -165,7 +165,8 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
             raise FileNotFoundError(f"--model {path}: checkpoints/latest points to {ckpt}, which has no "
                                     "config.json (deleted or incomplete checkpoint)")
         return ckpt, True
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+    sharded = (folder / "trainer_state.json").is_file()  # a distributed run's checkpoint (docs/checkpoints.md)
+    if (folder / "config.json").is_file() and (sharded or any(folder.glob("*.safetensors"))):
         return folder, False
     if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():
         raise FileNotFoundError(f"--model {path}: this run folder has no checkpoints/latest yet (no checkpoint "

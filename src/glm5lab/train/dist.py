@@ -112,7 +112,9 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
 
 
 def full_model(model, ctx: DistContext):
-    """A module whose state_dict holds full tensors (for saving); the model itself when unsharded."""
+    """A module whose state_dict holds full tensors, on rank 0 (None on the others); the model itself when
+    unsharded. Gathers the whole model: training saves sharded checkpoints instead
+    (`glm5lab.train.sharded_checkpoint`); tests and benchmarks compare against it."""
     if ctx.world_size == 1:
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -148,24 +150,13 @@ def mean_over_ranks(values: dict, ctx: DistContext) -> dict:
 
 def optimizer_state(model, optimizer, ctx: DistContext) -> dict:
     """The optimizer state to checkpoint: plain `state_dict()` in one process; under FSDP2 the
-    full (unsharded, CPU) state keyed by parameter name, gathered on every rank."""
+    full (unsharded, CPU) state keyed by parameter name, gathered (the save before sharded checkpoints,
+    kept for `benchmarks/sharded_checkpoint.py`'s comparison)."""
     if ctx.world_size == 1:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(model, optimizer, state: dict, ctx: DistContext) -> None:
-    """Inverse of `optimizer_state` (same world size as the run that saved it)."""
-    if ctx.world_size == 1:
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    # strict=False: a parameter that never had a gradient (the indexer during the dense stage) has no state,
-    # in the saved dict as in a fresh optimizer; one process's `load_state_dict` accepts the same
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def barrier(ctx: DistContext) -> None:

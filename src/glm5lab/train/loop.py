@@ -5,10 +5,11 @@ clipping, optimizer, router bias) is `glm5lab.train.step.run_stages`; this modul
 the run folder, resume (a stage's batch is a pure function of the stage and step, so resume is exact), one JSON
 object per step in `metrics.jsonl`, periodic validation, checkpoints, the progress bar and `summary.json`.
 Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.train.dist`) and
-each rank reads its slice of every global batch; `ep` (`--ep N`) adds expert parallelism
-(`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`. `compile=True` (`--compile`, one process
-only) runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`); the rest of the step
-stays eager.
+each rank reads its slice of every global batch and writes its own shards of each checkpoint
+(`glm5lab.train.sharded_checkpoint`; a resume may change the process count: `glm5lab.train.resume`); `ep`
+(`--ep N`) adds expert parallelism (`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`.
+`compile=True` (`--compile`, one process only) runs the losses' forward and backward through torch.compile
+(`glm5lab.train.compile`); the rest of the step stays eager.
 """
 
 from __future__ import annotations
@@ -24,12 +25,9 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import (
-    ResumeError, check_complete, has_checkpoint, latest_pointer, load_trainer_state, prune_checkpoints,
-    resume_candidates, rng_state, save_checkpoint, set_rng_state,
+    has_checkpoint, latest_pointer, prune_checkpoints, resume_candidates, rng_state, save_checkpoint, set_rng_state,
 )
-from glm5lab.config import ConfigError
 from glm5lab.environment import git_commit
-from glm5lab.hf import CheckpointError
 from glm5lab.io_utils import atomic_write_text
 from glm5lab.train import dist
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
@@ -39,6 +37,8 @@ from glm5lab.train.expert_parallel import check_ep, pop_ep_metrics
 from glm5lab.train.extend import continue_position, extend_plan, record_extension
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
+from glm5lab.train.resume import first_complete, rescale_stages, resume_checkpoint, started_world_size
+from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
 from glm5lab.validate import finite
@@ -192,20 +192,24 @@ def train(args: TrainArgs) -> dict:
     extended = 0
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
-        stages, extended = _check_same_plan(run_dir, args, stages, cfg, ctx.world_size)
+        started = started_world_size(run_dir)  # the plan is compared as the run resolved it, then rescaled
+        planned = stages if started == ctx.world_size else resolve_stages(args, cfg, started)
+        planned, extended = _check_same_plan(run_dir, args, planned, cfg)
         _check_not_finished(run_dir, extended)
+        stages, note = rescale_stages(planned, started, ctx.world_size)  # the same global batch
+        if note:
+            say(note)
     model = build_model(args, cfg)
-    resumed = _resume_weights(run_dir, model, report=say) if args.resume else None
-    checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
+    checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
+    resumed = resume_checkpoint(run_dir, model, optimizer, ctx, report=say) if args.resume else None
     if resumed is not None:
         start = continue_position(resumed["position"], stages) if extended else resumed["position"]
         if start["stage"] < len(stages):  # else trained to the end, stopped before summary.json: finish it
-            dist.load_optimizer_state(model, optimizer, resumed["optimizer"], ctx)
             set_rng_state(resumed["rng"])
         if ctx.is_main:
             _notice(resume_message(run_dir, resumed["folder"], start, stages))
@@ -319,13 +323,13 @@ def _init_folder(path: Path) -> str:
     return str(latest if latest is not None and not any(path.glob("*.safetensors")) else path)
 
 
-def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_config: ModelConfig,
-                     world_size: int = 1) -> tuple[list[Stage], int]:
+def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
+                     model_config: ModelConfig) -> tuple[list[Stage], int]:
     """A resumed run must continue the plan it started with: same model config (checked first, before
-    any data is read), stages, data, seed, optimizer, expert-parallel size (`--ep`: the run's records describe
-    one layout) and process count (a batch is per process, so another count would change the global batch; the
-    checkpoint is not resharded). The one change allowed is more steps (`glm5lab.train.extend.extend_plan`).
-    Returns (the plan to train, steps added: 0 unless extended)."""
+    any data is read), stages (as resolved for the process count the run started with), data, seed and
+    optimizer. Another process count or --ep is not refused: the checkpoint is resharded on load and
+    `rescale_stages` keeps each stage's global batch. The one change of plan allowed is more steps
+    (`glm5lab.train.extend.extend_plan`). Returns (the plan to train, steps added: 0 unless extended)."""
     saved_cfg = run_dir / "config.json"
     if saved_cfg.is_file():
         ours = model_config.to_dict()
@@ -335,14 +339,8 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage], model_
             raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
                              f"{diff[:8]} differ); resume with the run's own --preset/--config")
     saved = json.loads((run_dir / "run.json").read_text())
-    started = saved.get("world_size", 1)
-    if started != world_size:
-        batch = stages[0].batch_size
-        raise ValueError(f"--resume: the run in {run_dir} was trained with {_procs(started)} (a global batch of "
-                         f"{started} x {batch}) and this resume runs {_procs(world_size)} (it would continue at "
-                         f"{world_size} x {batch}); resume with {_launch(started)} (resuming at another process "
-                         "count is not supported yet)")
-    keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip", "ep")
+    # another process count or --ep is allowed: the checkpoint is resharded and the global batch kept (`rescale_stages`)
+    keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
     old = {"stages": saved_stages, **{k: saved["args"].get(k, default_values().get(k, getattr(TrainArgs, k))) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
@@ -367,14 +365,6 @@ def _check_not_finished(run_dir: Path, extended: int) -> None:
         raise ValueError(f"--resume: the run in {run_dir} is already complete (its summary is summary.json): "
                          f"nothing to continue (give more --steps, or a recipe with a longer last stage, to extend "
                          f"it). To train again, choose another --out DIR or remove {run_dir}")
-
-
-def _procs(n: int) -> str:
-    return f"{n} process{'es' * (n > 1)}"
-
-
-def _launch(n: int) -> str:
-    return "one process (no torchrun)" if n == 1 else f"torchrun --nproc-per-node {n}"
 
 
 def _stage_diff(old: list[dict], new: list[dict]) -> str:
@@ -414,33 +404,6 @@ def _check_creatable(run_dir: Path) -> None:
         raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None
     for folder in missing:  # deepest first
         folder.rmdir()
-
-
-def _resume_weights(run_dir: Path, model, report) -> dict:
-    """Load into `model` the weights of the newest checkpoint that verifies (`resume_candidates`:
-    `latest` first, then older ones), `report(message)` for each one skipped, and return its
-    trainer state with "folder" added. Raises ResumeError listing why each candidate failed;
-    ValueError when a checkpoint holds another model config (that is not corruption: no fallback)."""
-    failures = []
-    for folder in resume_candidates(run_dir):
-        try:
-            check_complete(folder)
-            loaded = GLM5ForCausalLM.from_pretrained(folder, mtp=model.config.num_nextn_predict_layers > 0)
-            state = load_trainer_state(folder)
-        except (ResumeError, CheckpointError, ConfigError, OSError) as e:
-            failures.append(f"{folder.name}: {e}")
-            report(f"checkpoint {folder} is unusable ({e}); trying the one before it")
-            continue
-        if loaded.config != model.config:
-            diff = sorted(k for k, v in loaded.config.to_dict().items() if model.config.to_dict()[k] != v)
-            raise ValueError(f"--resume: the checkpoint {folder} was trained with another model config (fields "
-                             f"{diff} differ); resume with the run's own --preset/--config")
-        model.load_state_dict(loaded.state_dict())
-        if failures:
-            report(f"resuming from {folder.name}, the newest checkpoint that verifies; steps after it are trained again")
-        return {**state, "folder": folder}
-    raise ResumeError(f"--resume: no checkpoint in {run_dir / 'checkpoints'} can be read: {'; '.join(failures)}; "
-                      "start again without --resume in another --out")
 
 
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
@@ -530,8 +493,13 @@ class _Loop:
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:
             stage_index, in_stage = stage_index + 1, 0
+        position = {"step": self.step, "stage": stage_index, "in_stage": in_stage}
+        if self.ctx.world_size > 1:  # each rank writes its own shards: nothing is gathered
+            save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt, self.data.tokenizer, position,
+                                    self.ctx, ep=self.args.ep)
+            return
         state = {"optimizer": dist.optimizer_state(self.model, self.opt, self.ctx), "rng": rng_state(),
-                 "position": {"step": self.step, "stage": stage_index, "in_stage": in_stage}}
+                 "position": position}
         model = dist.full_model(self.model, self.ctx)
         if self.ctx.is_main:
             save_checkpoint(self.run_dir, self.step, model, self.data.tokenizer, state)
