@@ -148,7 +148,7 @@ def test_bad_recipes_are_one_line(tmp_path, text, message, capsys):
 
 
 def test_unknown_builtin_name():
-    with pytest.raises(ValueError, match=r"--recipe = 'smal' is not allowed: .*glm5-dsa, small \(did you mean `small`"):
+    with pytest.raises(ValueError, match=r"--recipe = 'smal' is not allowed: .*glm5-dsa, small, tiny \(did you mean `small`"):
         recipe_path("smal")
 
 
