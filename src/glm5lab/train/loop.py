@@ -111,7 +111,7 @@ def model_config(args: TrainArgs) -> ModelConfig:
     Raises ConfigError (unknown field or preset, bad value) and ValueError when the model cannot
     fit in this machine's memory (`_check_fits`), before anything is allocated."""
     cfg = ModelConfig.from_hf(args.init or args.config) if (args.init or args.config) else ModelConfig.from_preset(args.preset)
-    _check_fits(cfg)
+    _check_fits(cfg, dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return cfg
 
 
@@ -124,15 +124,20 @@ def build_model(args: TrainArgs, cfg: ModelConfig | None = None) -> GLM5ForCausa
     return GLM5ForCausalLM(cfg)
 
 
-def _check_fits(cfg: ModelConfig) -> None:
-    """fp32 training holds weights, gradients and two optimizer states: about 16 bytes a parameter."""
+def _check_fits(cfg: ModelConfig, world_size: int = 1, local_world_size: int = 1) -> None:
+    """fp32 training holds weights, gradients and two optimizer states: about 16 bytes a parameter, split over
+    the `world_size` ranks (FSDP2 shards all four; under torchrun each rank builds on the meta device and
+    allocates only its shards); this host holds `local_world_size` of them (LOCAL_WORLD_SIZE). Raises
+    ValueError when this host's share exceeds its physical memory."""
     from glm5lab.ledger import count
 
-    need = 16 * count(cfg, embeddings=True, mtp=True)
+    params = count(cfg, embeddings=True, mtp=True)
+    need = 16 * params * local_world_size // world_size
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
+        share = "" if world_size == 1 else f", {local_world_size} of {world_size} shards on this host"
         raise ValueError(f"this model needs about {need / 2**30:,.0f} GiB to train in fp32 (16 bytes x "
-                         f"{need // 16:,} parameters) but this machine has {have / 2**30:,.0f} GiB: use a smaller "
+                         f"{params:,} parameters{share}) but this machine has {have / 2**30:,.0f} GiB: use a smaller "
                          "preset (small, tiny) or shard it over more machines with torchrun")
 
 
@@ -180,12 +185,14 @@ def train(args: TrainArgs) -> dict:
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
         _check_same_plan(run_dir, args, stages, cfg, ctx.world_size)
-    model = build_model(args, cfg)
+    model, record = (build_model(args, cfg), None) if ctx.world_size == 1 else dist.build_meta(cfg, args.seed)
     resumed = _resume_weights(run_dir, model, report=say) if args.resume else None
     checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
+    if record is not None:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
+        _materialize(model, ctx, record, resumed["folder"] if resumed else (Path(args.init) if args.init else None))
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
     if resumed is not None:
@@ -204,6 +211,17 @@ def train(args: TrainArgs) -> dict:
         loop.last_val = metrics.last_validation()
     loop.run(start)
     return loop.finish()
+
+
+def _materialize(model, ctx, record, weights: Path | None) -> None:
+    """The sharded meta model's shards on the device: the seeded init's values (`dist.materialize`), then, from
+    `weights` (an HF checkpoint folder: --init, or the checkpoint --resume continues), tensor by tensor
+    (`glm5lab.train.sharded_load`)."""
+    from glm5lab.train.sharded_load import CheckpointTensors, load_into_shards
+
+    dist.materialize(model, ctx, record)
+    if weights is not None:
+        load_into_shards(model, CheckpointTensors(weights, model.config), ctx)
 
 
 def _notice(message: str) -> None:
@@ -401,7 +419,8 @@ def _resume_weights(run_dir: Path, model, report) -> dict:
             diff = sorted(k for k, v in loaded.config.to_dict().items() if model.config.to_dict()[k] != v)
             raise ValueError(f"--resume: the checkpoint {folder} was trained with another model config (fields "
                              f"{diff} differ); resume with the run's own --preset/--config")
-        model.load_state_dict(loaded.state_dict())
+        if not any(p.is_meta for p in model.parameters()):  # a meta model (torchrun) loads after sharding
+            model.load_state_dict(loaded.state_dict())
         if failures:
             report(f"resuming from {folder.name}, the newest checkpoint that verifies; steps after it are trained again")
         return {**state, "folder": folder}
