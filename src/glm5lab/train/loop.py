@@ -6,9 +6,12 @@ the run folder, resume (a stage's batch is a pure function of the stage and step
 object per step in `metrics.jsonl`, periodic validation, checkpoints, the progress bar and `summary.json`.
 Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.train.dist`) and
 each rank reads its slice of every global batch; `ep` (`--ep N`) adds expert parallelism
-(`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`. `compile=True` (`--compile`, one process
-only) runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`); the rest of the step
-stays eager.
+(`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`. Under torchrun each rank builds the model on
+the meta device and allocates and initialises only its shards (`dist.build_meta`, `dist.materialize`: the values
+of one process's seeded init). `compile=True` (`--compile`) runs the losses' forward and backward through
+torch.compile (`glm5lab.train.compile`: one graph per stage in one process, each block under torchrun); the rest
+of the step stays eager. `activation_checkpointing` recomputes each block in the backward; `tensorboard` also
+logs the metrics to `tb/`.
 """
 
 from __future__ import annotations
@@ -69,10 +72,16 @@ class TrainArgs:
     checkpoint_every: int = 100
     progress: bool = True
     compile: bool = False
-    """torch.compile the training step's forward and backward (`glm5lab.train.compile`); one process only."""
+    """torch.compile the training step's forward and backward (`glm5lab.train.compile`): in one process one
+    graph per stage (`CompiledLosses`); under torchrun each block on its own, inside FSDP2 (`compile_blocks`)."""
     ep: int = 1
     """Expert-parallel size (`--ep`, under torchrun): routed experts split by expert over groups of `ep` ranks
     (`glm5lab.train.expert_parallel`); it divides the process count and n_routed_experts."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block and the MTP layer in the backward (`--activation-checkpointing`;
+    `glm5lab.train.activation_checkpoint`); losses and gradients equal a run without it."""
+    tensorboard: bool = False
+    """Also write metrics.jsonl's scalars to the run folder's tb/ (`--tensorboard`; `glm5lab.train.tensorboard`)."""
     stage_plan: list[dict] = field(default_factory=list)
 
     @property
@@ -190,6 +199,7 @@ def train(args: TrainArgs) -> dict:
     checkpoint = resumed["folder"] if resumed else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
+    _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
     if record is not None:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
         _materialize(model, ctx, record, resumed["folder"] if resumed else (Path(args.init) if args.init else None))
@@ -207,10 +217,28 @@ def train(args: TrainArgs) -> dict:
         _write_run_files(run_dir, args, model.config, stages, ctx)
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
     loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
+    if args.tensorboard and ctx.is_main:
+        from glm5lab.train.tensorboard import TensorBoardLog
+
+        loop.tb = TensorBoardLog(run_dir / "tb", start["step"] if args.resume else None)
     if metrics is not None and args.resume:
         loop.last_val = metrics.last_validation()
     loop.run(start)
     return loop.finish()
+
+
+def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
+    """What is applied to each block before sharding, in torchtitan's order: activation checkpointing
+    (`--activation-checkpointing`), then, under torchrun, compiling each block (`--compile`; one process
+    compiles the whole step instead: `CompiledLosses`)."""
+    if args.activation_checkpointing:
+        from glm5lab.train.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    if args.compile and ctx.world_size > 1:
+        from glm5lab.train.compile import compile_blocks
+
+        compile_blocks(model)
 
 
 def _materialize(model, ctx, record, weights: Path | None) -> None:
@@ -306,9 +334,10 @@ def _check_args(args: TrainArgs) -> None:
                              "outside it")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
-    if args.compile and dist.world_size() > 1:
-        raise ValueError(f"--compile is not supported with {dist.world_size()} processes (torchrun, FSDP2): "
-                         "run without --compile, or in one process")
+    if args.tensorboard:
+        from glm5lab.train.tensorboard import check_available
+
+        check_available()
 
 
 def _init_folder(path: Path) -> str:
@@ -447,7 +476,8 @@ class _Loop:
         self.step = 0
         self.last_val = None  # (step, loss, tokens) of the latest periodic validation
         self.stream = (None, None)  # (stage index, its BatchStream)
-        if args.compile:
+        self.tb = None  # a TensorBoardLog (--tensorboard, main rank)
+        if args.compile and ctx.world_size == 1:  # under torchrun the blocks are compiled (`_wrap_blocks`)
             from glm5lab.train.compile import CompiledLosses
 
             self.losses = CompiledLosses(shard)
@@ -465,6 +495,8 @@ class _Loop:
                        optimizer=self.opt, start=start)
         finally:  # an error or Ctrl-C then prints on its own line, below the bar
             self.bar.close()
+            if self.tb is not None:
+                self.tb.close()
 
     def batch(self, index: int, stage: Stage, i: int) -> torch.Tensor:
         """This rank's windows [B, T + 1] of step i of stage `index`, on the device: its stage's
@@ -493,6 +525,8 @@ class _Loop:
             self.last_val = (self.step, result.loss, result.tokens)
         if self.metrics is not None:
             self.metrics.write(record)
+        if self.tb is not None:
+            self.tb.write(record)
         self.bar.set_postfix_str(progress_text(record, stage, self.last_val), refresh=False)
         self.bar.update(1)  # draws the postfix of this step
         if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
