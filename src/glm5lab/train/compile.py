@@ -82,16 +82,22 @@ class CompiledLosses:
             return self._fn(self.model, window_BT1, stage)
 
 
-def compile_blocks(model, backend: str | None = None) -> str:
-    """`glm5lab train --compile` under torchrun: compile each main decoder layer and the MTP layer on its own
-    (`module.compile`, static shapes), before `fully_shard` wraps them, as torchtitan does; FSDP2's all-gathers
-    and reduce-scatters and the rest of the step (embedding, head, losses, optimizer) stay eager, so the
-    collectives sit between compiled blocks. With --activation-checkpointing, apply that first (the compiled
-    block then contains the checkpointed forward). The one-process path is `CompiledLosses` (one graph per
-    stage). Scalar outputs are captured while a block traces (`experts_grouped`'s tile count); a data-dependent
-    host read (the all-to-all split sizes of --ep) is a graph break, around which dynamo compiles the rest.
-    backend: a `torch.compile` backend; None = $GLM5LAB_COMPILE_BACKEND, else `BACKEND`. Returns the backend
-    used. The module tree and parameter names do not change (no `OptimizedModule` wrapper)."""
+def compile_blocks(model, backend: str | None = None, *, checkpointed: bool = False) -> str:
+    """`glm5lab train --compile` under torchrun: compile each main decoder layer's and the MTP layer's forward on
+    its own (static shapes), before `fully_shard` wraps them (torchtitan's per-block compile); FSDP2's hooks
+    (all-gathers, reduce-scatters) and the rest of the step (embedding, head, losses, optimizer) stay eager,
+    around the compiled blocks. The block's `forward` is replaced on the instance by its compiled form, so the
+    module tree and parameter names do not change (no `OptimizedModule`). Apply it before
+    `apply_activation_checkpointing`, which then checkpoints the compiled forward eagerly: dynamo cannot trace a
+    checkpointed region whose forward has side effects (the router-load counts, the IndexCache selection handed
+    to later layers), and would run such blocks uncompiled. Scalar outputs are captured while a block traces
+    (`experts_grouped`'s tile count); a data-dependent host read (the all-to-all split sizes of --ep) is a graph
+    break, around which dynamo compiles the rest. The one-process path is `CompiledLosses` (one graph per stage).
+    backend: a `torch.compile` backend; None = $GLM5LAB_COMPILE_BACKEND, else `BACKEND`. checkpointed: the blocks
+    will be checkpointed: shapes then stay static (`dynamic=False`), so the recomputation in the backward runs the
+    very graph the forward ran (dynamo's automatic dynamic shapes could swap in a dynamic graph in between,
+    whose saved tensors differ: torch.utils.checkpoint's CheckpointError); else dynamo's default (a dimension
+    that changes, such as the rows an all-to-all delivers, becomes dynamic). Returns the backend."""
     import os
 
     from glm5lab.train.activation_checkpoint import blocks
@@ -103,5 +109,5 @@ def compile_blocks(model, backend: str | None = None) -> str:
     n = len(blocks(model)) * (1 + model.config.mtp_depth) * 3
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
     for block in blocks(model):
-        block.compile(backend=backend, dynamic=False)
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=False if checkpointed else None)
     return backend
