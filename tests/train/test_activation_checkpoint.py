@@ -74,3 +74,16 @@ def test_garbled_recomputation_would_fail():
     finally:
         ac_mod._recompute = original
     assert any(not torch.equal(got[1][k], want[1][k]) for k in want[1])
+
+
+def test_cli_flags_and_the_refused_combination(monkeypatch):
+    from glm5lab.cli import build_parser
+    from glm5lab.train.loop import TrainArgs, train
+
+    parsed = build_parser().parse_args(["train", "--activation-checkpointing", "--tensorboard"])
+    assert parsed.activation_checkpointing is True and parsed.tensorboard is True
+    plain = build_parser().parse_args(["train"])
+    assert plain.activation_checkpointing is False and plain.tensorboard is False
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^--compile with --activation-checkpointing and --ep 2 is not supported"):
+        train(TrainArgs(preset="tiny", compile=True, activation_checkpointing=True, ep=2))
