@@ -5,7 +5,9 @@ CPUs) and `shard_model` applies `fully_shard` to every decoder block, the MTP la
 Each rank reads its slice of every global batch (`BatchStream(rank=, world_size=)`), so N ranks
 with batch B see what one process with batch N*B sees. A single process skips all of it. With
 `--ep N` (`shard_model(..., ep=N)`) the routed experts are also split by expert over groups of N
-ranks and tokens reach them by all-to-all (`glm5lab.train.expert_parallel`).
+ranks and tokens reach them by all-to-all (`glm5lab.train.expert_parallel`). Under torchrun the model is built on
+the meta device (`build_meta`), sharded, then allocated and initialised shard by shard (`materialize`): no rank
+holds the whole model, and the values equal one process's seeded init (`glm5lab.train.meta_init`).
 Source: torch.distributed.fsdp.fully_shard (FSDP2) documentation; torchtitan's parallelize step.
 """
 
