@@ -1,8 +1,8 @@
 """Under torchrun (2 processes, gloo on CPU): every rank builds the model on the meta device and initialises only
 its own shards, with the values of one process's seeded init (FSDP2 alone and with --ep 2), each rank holding
 half the parameter elements; and a run with --activation-checkpointing and --ep 2 trains to one process's losses,
-gradient norms and router loads; under `-m slow`, so do runs with --compile (per block; aot_eager and inductor)
-with --activation-checkpointing, and with --ep 2. (tests/train/test_fsdp.py and test_expert_parallel.py compare plain FSDP2 and EP runs, also built this
+gradient norms and router loads; under `-m slow`, so do runs with --compile (per block; aot_eager and inductor),
+alone and with --ep 2. (tests/train/test_fsdp.py and test_expert_parallel.py compare plain FSDP2 and EP runs, also built this
 way, with one process.)"""
 
 import json
@@ -51,12 +51,12 @@ for name, ep, compile, ac in RUNS:
 """
 
 RUNS = [("ep-ac", 2, False, True)]
-"""(name, --ep, --compile, --activation-checkpointing) of the 2-process runs (the three together are refused)."""
+"""(name, --ep, --compile, --activation-checkpointing) of the 2-process runs (compile with AC is refused)."""
 
-SLOW_RUNS = [("compile-ac", 1, True, True), ("ep-compile", 2, True, False)]
-"""--compile under torchrun: each block kind, MTP depth length and stage compiles its own graph (with
---activation-checkpointing static shapes), and with --ep dynamo recompiles the expert-parallel frames until the
-all-to-all sizes become dynamic: many minutes on this shared 2-core CPU even with aot_eager."""
+SLOW_RUNS = [("compile", 1, True, False), ("ep-compile", 2, True, False)]
+"""--compile under torchrun: each block kind, MTP depth length and stage compiles its own graph, and with --ep
+dynamo recompiles the expert-parallel frames until the all-to-all sizes become dynamic: many minutes on this
+shared 2-core CPU even with aot_eager."""
 
 TOL = 1e-4
 """Relative, fp32: FSDP2 and EP reduce gradients in another order than one process (test_fsdp.py's)."""

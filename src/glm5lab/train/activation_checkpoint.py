@@ -5,9 +5,8 @@ applied from outside the model.
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: the forward keeps only the block's inputs, and
 the backward runs the block again to get its activations (one more forward per block: about a third more
 compute, for activation memory of one block instead of all). Apply it before `fully_shard`, as torchtitan does
-(FSDP2's hooks sit outside the checkpointed region; its pre-backward all-gather precedes the recomputation), and
-after compiling the blocks (`glm5lab.train.compile.compile_blocks`: the checkpoint runs eagerly around the
-compiled forward, whose side effects dynamo could not trace inside a checkpointed region). The module tree and parameter names do not change (the layer's
+(FSDP2's hooks sit outside the checkpointed region; its pre-backward all-gather precedes the recomputation).
+Under torchrun it is not combined with --compile (`glm5lab.train.compile.compile_blocks` says why). The module tree and parameter names do not change (the layer's
 `forward` is replaced on the instance, no wrapper module), so checkpoints, the optimizer's group table and
 `state_dict` keys are as without it.
 

@@ -82,22 +82,20 @@ class CompiledLosses:
             return self._fn(self.model, window_BT1, stage)
 
 
-def compile_blocks(model, backend: str | None = None, *, checkpointed: bool = False) -> str:
+def compile_blocks(model, backend: str | None = None) -> str:
     """`glm5lab train --compile` under torchrun: compile each main decoder layer's and the MTP layer's forward on
     its own (static shapes), before `fully_shard` wraps them (torchtitan's per-block compile); FSDP2's hooks
     (all-gathers, reduce-scatters) and the rest of the step (embedding, head, losses, optimizer) stay eager,
     around the compiled blocks. The block's `forward` is replaced on the instance by its compiled form, so the
-    module tree and parameter names do not change (no `OptimizedModule`). Apply it before
-    `apply_activation_checkpointing`, which then checkpoints the compiled forward eagerly: dynamo cannot trace a
-    checkpointed region whose forward has side effects (the router-load counts, the IndexCache selection handed
-    to later layers), and would run such blocks uncompiled. Scalar outputs are captured while a block traces
+    module tree and parameter names do not change (no `OptimizedModule`). Not combined with activation
+    checkpointing (refused by `glm5lab train`): compiled inside a checkpoint, dynamo cannot trace a forward with
+    side effects (the router-load counts, the IndexCache selection handed to later layers) and leaves the block
+    uncompiled; checkpointed around it, the backward's recomputation met another graph than the forward in a
+    stage change (torch.utils.checkpoint's CheckpointError). Scalar outputs are captured while a block traces
     (`experts_grouped`'s tile count); a data-dependent host read (the all-to-all split sizes of --ep) is a graph
     break, around which dynamo compiles the rest. The one-process path is `CompiledLosses` (one graph per stage).
-    backend: a `torch.compile` backend; None = $GLM5LAB_COMPILE_BACKEND, else `BACKEND`. checkpointed: the blocks
-    will be checkpointed: shapes then stay static (`dynamic=False`), so the recomputation in the backward runs the
-    very graph the forward ran (dynamo's automatic dynamic shapes could swap in a dynamic graph in between,
-    whose saved tensors differ: torch.utils.checkpoint's CheckpointError); else dynamo's default (a dimension
-    that changes, such as the rows an all-to-all delivers, becomes dynamic). Returns the backend."""
+    backend: a `torch.compile` backend; None = $GLM5LAB_COMPILE_BACKEND, else `BACKEND`. Shapes: dynamo's default
+    (a dimension that changes, such as the rows an all-to-all delivers, becomes dynamic). Returns the backend."""
     import os
 
     from glm5lab.train.activation_checkpoint import blocks
@@ -109,5 +107,5 @@ def compile_blocks(model, backend: str | None = None, *, checkpointed: bool = Fa
     n = len(blocks(model)) * (1 + model.config.mtp_depth) * 3
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, n)
     for block in blocks(model):
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=False if checkpointed else None)
+        block.forward = torch.compile(block.forward, backend=backend)
     return backend

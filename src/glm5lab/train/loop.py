@@ -229,13 +229,12 @@ def train(args: TrainArgs) -> dict:
 
 def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
     """What is applied to each block before sharding: under torchrun, compiling each block (`--compile`; one
-    process compiles the whole step instead: `CompiledLosses`), then activation checkpointing around it
-    (`--activation-checkpointing`; this order, not torchtitan's, because of the blocks' side effects:
-    `compile_blocks`)."""
+    process compiles the whole step instead: `CompiledLosses`), or activation checkpointing
+    (`--activation-checkpointing`; the two together are refused under torchrun: `_check_args`)."""
     if args.compile and ctx.world_size > 1:
         from glm5lab.train.compile import compile_blocks
 
-        compile_blocks(model, checkpointed=args.activation_checkpointing)
+        compile_blocks(model)
     if args.activation_checkpointing:
         from glm5lab.train.activation_checkpoint import apply_activation_checkpointing
 
@@ -335,10 +334,10 @@ def _check_args(args: TrainArgs) -> None:
                              "outside it")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
-    if args.compile and args.activation_checkpointing and args.ep > 1 and dist.world_size() > 1:
-        raise ValueError(f"--compile with --activation-checkpointing and --ep {args.ep} is not supported: the "
-                         "rows each all-to-all delivers change every step, and a checkpointed block must recompute "
-                         "with the graph its forward ran; drop one of the three (docs/scaling.md)")
+    if args.compile and args.activation_checkpointing and dist.world_size() > 1:
+        raise ValueError(f"--compile with --activation-checkpointing is not supported with {dist.world_size()} "
+                         "processes (torchrun): the backward's recomputation of a compiled block can meet another "
+                         "graph than its forward ran; use one of the two (docs/scaling.md)")
     if args.tensorboard:
         from glm5lab.train.tensorboard import check_available
 
