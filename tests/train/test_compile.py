@@ -1,6 +1,7 @@
 """`glm5lab train --compile`: the compiled training losses equal eager's (dense stage and a DSA
 stage, top-k below the sequence length), in one graph each (no graph break); a compiled run's
-checkpoints load into an eager model, resume, and train like an eager run; torchrun is refused.
+checkpoints load into an eager model, resume, and train like an eager run (under torchrun, where each block is
+compiled: test_scale_torchrun.py).
 
 The default suite compiles with the "aot_eager" backend (dynamo's graph capture and AOTAutograd's
 forward/backward split, which is where graph breaks and stale-state bugs would show, without
@@ -151,12 +152,6 @@ def test_compiled_run_checkpoints_load_into_eager_and_resume(corpus, monkeypatch
     assert loaded.keys() == reference.keys() and not any("_orig_mod" in k for k in loaded)
     for key in reference:
         torch.testing.assert_close(loaded[key], reference[key], **COMPILE_TOL, msg=key)
-
-
-def test_compile_under_torchrun_is_refused(corpus, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"--compile is not supported with 2 processes \(torchrun, FSDP2\)"):
-        train(TrainArgs(**{**_args(corpus, corpus / "run").__dict__, "compile": True}))
 
 
 def test_bad_window_is_a_clear_error():

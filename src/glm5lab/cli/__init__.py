@@ -5,6 +5,7 @@
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
                    [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--ep N] [--threads N] ...
                    [--recipe FILE|NAME] [--dry-run [--nproc N]] [--lr LR] [--grad-accum A]
+                   [--activation-checkpointing] [--tensorboard]
     glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
                    [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
@@ -242,11 +243,19 @@ def add_train_parser(sub) -> None:
                    help="aux-loss-free router bias step per update (default 1.5e-2, chosen for the default 420-step run: BENCHMARKS.md; 0 disables)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step's forward and backward (inductor); the first step of "
-                   "each stage then includes compiling (minutes on a CPU with an empty cache); one process only "
-                   "(refused under torchrun); default eager")
+                   "each stage then includes compiling (minutes on a CPU with an empty cache); under torchrun each "
+                   "decoder block and the MTP layer is compiled on its own, inside FSDP2 (docs/scaling.md); "
+                   "default eager")
     p.add_argument("--ep", type=int, metavar="N", help="expert parallelism under torchrun: routed experts split by "
                    "expert over groups of N processes, tokens sent to them by all-to-all (N divides the process "
                    "count and n_routed_experts; docs/training.md); default 1")
+    p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+                   help="recompute each decoder block and the MTP layer in the backward instead of keeping their "
+                   "activations (about a third more compute, much less activation memory; same losses; "
+                   "docs/scaling.md)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write the metrics.jsonl scalars (losses, lr, grad norm, tokens/s, expert load, EP "
+                   "figures, validation) to a TensorBoard log in the run folder's tb/")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_recipe_flags(p)
     p.set_defaults(func=cmd_train)

@@ -113,6 +113,17 @@ class Step:
     def add_indexer_kl(self, kl: torch.Tensor) -> None:
         self._indexer_kls.append(kl)
 
+    def running_state(self) -> tuple:
+        """What the layers hand on through the step (the published selection, the KLs so far), as an
+        opaque value for `restore_running_state`: activation checkpointing re-runs a layer in the backward
+        with the state it saw in the forward (`glm5lab.train.activation_checkpoint`)."""
+        return self._topk, len(self._indexer_kls)
+
+    def restore_running_state(self, state: tuple) -> None:
+        """Back to `running_state()`'s value: that selection, and the KLs added since dropped."""
+        self._topk = state[0]
+        del self._indexer_kls[state[1]:]
+
     def mask(self, window: int | None = None) -> torch.Tensor:
         """Bool [B|1, T, S]: key visible to query (causal; with `window`, its last `window` keys
         only). Built once per forward and window, shared by the layers."""

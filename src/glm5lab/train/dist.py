@@ -5,13 +5,16 @@ CPUs) and `shard_model` applies `fully_shard` to every decoder block, the MTP la
 Each rank reads its slice of every global batch (`BatchStream(rank=, world_size=)`), so N ranks
 with batch B see what one process with batch N*B sees. A single process skips all of it. With
 `--ep N` (`shard_model(..., ep=N)`) the routed experts are also split by expert over groups of N
-ranks and tokens reach them by all-to-all (`glm5lab.train.expert_parallel`).
+ranks and tokens reach them by all-to-all (`glm5lab.train.expert_parallel`). Under torchrun the model is built on
+the meta device (`build_meta`), sharded, then allocated and initialised shard by shard (`materialize`): no rank
+holds the whole model, and the values equal one process's seeded init (`glm5lab.train.meta_init`).
 Source: torch.distributed.fsdp.fully_shard (FSDP2) documentation; torchtitan's parallelize step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -81,7 +84,8 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     from glm5lab.train.expert_parallel import apply_expert_parallel, check_ep
 
     check_ep(ep, ctx.world_size, model.config)
-    model.to(ctx.device)
+    if not _on_meta(model):  # a meta model (`build_meta`) is allocated on the device by `materialize`
+        model.to(ctx.device)
     if ctx.world_size == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -109,6 +113,41 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
         fully_shard(layer, mesh=world, mp_policy=low)
     fully_shard(model, mesh=world, mp_policy=low)
     return model
+
+
+def _on_meta(model) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def build_meta(cfg, seed: int):
+    """(model, record): `torch.manual_seed(seed); GLM5ForCausalLM(cfg)` built on the meta device (no
+    memory), with what `materialize` needs to give each rank's shards the values of that seeded CPU build
+    (`glm5lab.train.meta_init`). The CPU generator ends where the CPU build leaves it."""
+    from glm5lab import GLM5ForCausalLM
+    from glm5lab.train.meta_init import record_build
+
+    return record_build(lambda: GLM5ForCausalLM(cfg), seed)
+
+
+def materialize(model, ctx: DistContext, record) -> None:
+    """Allocate the (sharded) meta model on `ctx.device` (`to_empty`) and fill each parameter and
+    buffer with this rank's part of the seeded CPU build's value (`build_meta`'s record): one parameter's
+    full value on the CPU at a time, sliced by its DTensor placements (FSDP2's Shard(0) over the world;
+    experts Shard(0) on "ep", then FSDP2 on "dp"). Call after `shard_model`, before loading any weights."""
+    model.to_empty(device=ctx.device)
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    record.materialize([(record.named[name], t) for name, t in tensors], functools.partial(local_part, ctx=ctx))
+
+
+def local_part(target: torch.Tensor, full: torch.Tensor, *, ctx: DistContext) -> torch.Tensor:
+    """This rank's part of the full value `full` of the (possibly DTensor) `target`: its local shard,
+    cut locally by `target`'s placements (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor):
+        return full.to(ctx.device)
+    mesh = target.device_mesh
+    return distribute_tensor(full.to(mesh.device_type), mesh, target.placements, src_data_rank=None).to_local()
 
 
 def full_model(model, ctx: DistContext):

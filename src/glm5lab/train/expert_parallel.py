@@ -135,7 +135,9 @@ def apply_expert_parallel(model, mesh) -> EPStats:
     check_ep(ep_mesh.size(), dist.get_world_size(), model.config)
     for moe in moes:
         for name, p in list(moe.experts.named_parameters(recurse=False)):
-            setattr(moe.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
+            # a meta model (`dist.build_meta`): cut locally, no values to scatter (`dist.materialize` fills them)
+            shard = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None if p.is_meta else 0)
+            setattr(moe.experts, name, nn.Parameter(shard,
                                                     requires_grad=p.requires_grad))
         moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank(), stats)
     return stats

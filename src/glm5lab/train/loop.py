@@ -7,9 +7,12 @@ object per step in `metrics.jsonl`, periodic validation, checkpoints, the progre
 Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.train.dist`) and
 each rank reads its slice of every global batch and writes its own shards of each checkpoint
 (`glm5lab.train.sharded_checkpoint`; a resume may change the process count: `glm5lab.train.resume`); `ep`
-(`--ep N`) adds expert parallelism (`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`.
-`compile=True` (`--compile`, one process only) runs the losses' forward and backward through torch.compile
-(`glm5lab.train.compile`); the rest of the step stays eager.
+(`--ep N`) adds expert parallelism (`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`. Under
+torchrun each rank builds the model on the meta device and allocates and initialises only its shards
+(`dist.build_meta`, `dist.materialize`: the values of one process's seeded init). `compile=True` (`--compile`)
+runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`: one graph per stage in one
+process, each block under torchrun); the rest of the step stays eager. `activation_checkpointing` recomputes each
+block in the backward; `tensorboard` also logs the metrics to `tb/`.
 """
 
 from __future__ import annotations
@@ -73,10 +76,16 @@ class TrainArgs:
     checkpoint_every: int | None = None
     progress: bool = True
     compile: bool = False
-    """torch.compile the training step's forward and backward (`glm5lab.train.compile`); one process only."""
+    """torch.compile the training step's forward and backward (`glm5lab.train.compile`): in one process one
+    graph per stage (`CompiledLosses`); under torchrun each block on its own, inside FSDP2 (`compile_blocks`)."""
     ep: int = 1
     """Expert-parallel size (`--ep`, under torchrun): routed experts split by expert over groups of `ep` ranks
     (`glm5lab.train.expert_parallel`); it divides the process count and n_routed_experts."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block and the MTP layer in the backward (`--activation-checkpointing`;
+    `glm5lab.train.activation_checkpoint`); losses and gradients equal a run without it."""
+    tensorboard: bool = False
+    """Also write metrics.jsonl's scalars to the run folder's tb/ (`--tensorboard`; `glm5lab.train.tensorboard`)."""
     stage_plan: list[dict] = field(default_factory=list)
     recipe: str | None = None
     """`--recipe`: a recipe file or built-in name (`glm5lab.train.recipe`); None = `small`, the default run."""
@@ -122,7 +131,7 @@ def model_config(args: TrainArgs) -> ModelConfig:
     fit in this machine's memory (`_check_fits`), before anything is allocated."""
     source = args.init or args.config
     cfg = ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset or "small")
-    _check_fits(cfg)
+    _check_fits(cfg, dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return cfg
 
 
@@ -135,15 +144,20 @@ def build_model(args: TrainArgs, cfg: ModelConfig | None = None) -> GLM5ForCausa
     return GLM5ForCausalLM(cfg)
 
 
-def _check_fits(cfg: ModelConfig) -> None:
-    """fp32 training holds weights, gradients and two optimizer states: about 16 bytes a parameter."""
+def _check_fits(cfg: ModelConfig, world_size: int = 1, local_world_size: int = 1) -> None:
+    """fp32 training holds weights, gradients and two optimizer states: about 16 bytes a parameter, split over
+    the `world_size` ranks (FSDP2 shards all four; under torchrun each rank builds on the meta device and
+    allocates only its shards); this host holds `local_world_size` of them (LOCAL_WORLD_SIZE). Raises
+    ValueError when this host's share exceeds its physical memory."""
     from glm5lab.ledger import count
 
-    need = 16 * count(cfg, embeddings=True, mtp=True)
+    params = count(cfg, embeddings=True, mtp=True)
+    need = 16 * params * local_world_size // world_size
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
+        share = "" if world_size == 1 else f", {local_world_size} of {world_size} shards on this host"
         raise ValueError(f"this model needs about {need / 2**30:,.0f} GiB to train in fp32 (16 bytes x "
-                         f"{need // 16:,} parameters) but this machine has {have / 2**30:,.0f} GiB: use a smaller "
+                         f"{params:,} parameters{share}) but this machine has {have / 2**30:,.0f} GiB: use a smaller "
                          "preset (small, tiny) or shard it over more machines with torchrun")
 
 
@@ -199,11 +213,14 @@ def train(args: TrainArgs) -> dict:
         stages, note = rescale_stages(planned, started, ctx.world_size)  # the same global batch
         if note:
             say(note)
-    model = build_model(args, cfg)
+    model, record = (build_model(args, cfg), None) if ctx.world_size == 1 else dist.build_meta(cfg, args.seed)
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
+    _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
+    if record is not None:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
+        _materialize(model, ctx, record, Path(args.init) if args.init else None)  # --resume loads below
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
     resumed = resume_checkpoint(run_dir, model, optimizer, ctx, report=say) if args.resume else None
@@ -224,10 +241,42 @@ def train(args: TrainArgs) -> dict:
                 f"{last.name!r} now runs {last.steps} steps ({lr})")
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
     loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
+    if args.tensorboard and ctx.is_main:
+        from glm5lab.train.tensorboard import TensorBoardLog
+
+        loop.tb = TensorBoardLog(run_dir / "tb", start["step"] if args.resume else None)
     if metrics is not None and args.resume:
         loop.last_val = metrics.last_validation()
     loop.run(start)
     return loop.finish()
+
+
+def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
+    """What is applied to each block before sharding: under torchrun, compiling each block (`--compile`; one
+    process compiles the whole step instead: `CompiledLosses`), or activation checkpointing
+    (`--activation-checkpointing`; the two together are refused under torchrun: `_check_args`)."""
+    if args.compile and ctx.world_size > 1:
+        from glm5lab.train.compile import compile_blocks
+
+        compile_blocks(model)
+    if args.activation_checkpointing:
+        from glm5lab.train.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+
+
+def _materialize(model, ctx, record, weights: Path | None) -> None:
+    """The sharded meta model's shards on the device: the seeded init's values (`dist.materialize`), then, from
+    `weights` (--init's checkpoint folder): an HF folder tensor by tensor
+    (`glm5lab.train.sharded_load`), a sharded one through DCP (`load_sharded_weights`)."""
+    from glm5lab.train.sharded_checkpoint import is_sharded, load_sharded_weights
+    from glm5lab.train.sharded_load import CheckpointTensors, load_into_shards
+
+    dist.materialize(model, ctx, record)
+    if weights is not None and is_sharded(weights):  # a distributed run's checkpoint: DCP reshards it
+        load_sharded_weights(weights, model, ctx)
+    elif weights is not None:
+        load_into_shards(model, CheckpointTensors(weights, model.config), ctx)
 
 
 def _notice(message: str) -> None:
@@ -312,9 +361,14 @@ def _check_args(args: TrainArgs) -> None:
                              "outside it")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
-    if args.compile and dist.world_size() > 1:
-        raise ValueError(f"--compile is not supported with {dist.world_size()} processes (torchrun, FSDP2): "
-                         "run without --compile, or in one process")
+    if args.compile and args.activation_checkpointing and dist.world_size() > 1:
+        raise ValueError(f"--compile with --activation-checkpointing is not supported with {dist.world_size()} "
+                         "processes (torchrun): the backward's recomputation of a compiled block can meet another "
+                         "graph than its forward ran; use one of the two (docs/scaling.md)")
+    if args.tensorboard:
+        from glm5lab.train.tensorboard import check_available
+
+        check_available()
 
 
 def _init_folder(path: Path) -> str:
@@ -432,7 +486,8 @@ class _Loop:
         self.step = 0
         self.last_val = None  # (step, loss, tokens) of the latest periodic validation
         self.stream = (None, None)  # (stage index, its BatchStream)
-        if args.compile:
+        self.tb = None  # a TensorBoardLog (--tensorboard, main rank)
+        if args.compile and ctx.world_size == 1:  # under torchrun the blocks are compiled (`_wrap_blocks`)
             from glm5lab.train.compile import CompiledLosses
 
             self.losses = CompiledLosses(shard)
@@ -450,6 +505,8 @@ class _Loop:
                        optimizer=self.opt, start=start)
         finally:  # an error or Ctrl-C then prints on its own line, below the bar
             self.bar.close()
+            if self.tb is not None:
+                self.tb.close()
 
     def batch(self, index: int, stage: Stage, i: int) -> torch.Tensor:
         """This rank's windows [A * B, T + 1] of step i of stage `index` (A = grad_accum micro-batches of B), on
@@ -479,6 +536,8 @@ class _Loop:
             self.last_val = (self.step, result.loss, result.tokens)
         if self.metrics is not None:
             self.metrics.write(record)
+        if self.tb is not None:
+            self.tb.write(record)
         self.bar.set_postfix_str(progress_text(record, stage, self.last_val), refresh=False)
         self.bar.update(1)  # draws the postfix of this step
         if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:

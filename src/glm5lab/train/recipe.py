@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 from glm5lab.train.stages import Stage
-from glm5lab.validate import is_int, refuse
+from glm5lab.validate import refuse
 
 DEFAULT_RECIPE = "small"
 QUICK_DIVISOR = 25

@@ -191,6 +191,22 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, ctx) -> dict:
 
 
 
+def load_sharded_weights(folder: Path, model, ctx) -> None:
+    """Load only the model weights of the sharded checkpoint in `folder` into `model` as this run laid it out
+    (sharded by `dist.shard_model` and materialised, any world size and --ep; one process without a process
+    group): `glm5lab train --init` of a distributed run's checkpoint under torchrun. Raises ResumeError when a
+    file is missing or a shard cannot be read."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    check_sharded_complete(folder)
+    target = {"model": get_model_state_dict(model)}
+    try:
+        read_dcp(target, folder, no_dist=ctx.world_size == 1)
+    except (CheckpointException, RuntimeError, OSError, ValueError) as e:
+        raise ResumeError(f"checkpoint {folder} cannot be read (truncated or corrupt: {type(e).__name__})") from None
+    set_model_state_dict(model, target["model"])
+
 def load_sharded_model(cls, folder: Path, *, dtype=None, device=None, mtp: bool | None = None):
     """`cls(config)` with the weights of the sharded checkpoint in `folder`, whole, in one process (no process
     group): what `GLM5ForCausalLM.from_pretrained` returns for such a folder. Built on the meta device, then

@@ -1,0 +1,70 @@
+"""`glm5lab train --tensorboard`: the scalars of `metrics.jsonl` as a TensorBoard log in the run folder's `tb/`.
+
+Each metrics record becomes scalars at its global step, tagged by its `metrics.jsonl` key: numbers as they are
+(loss, lm_loss, indexer_kl, lr, grad_norm, tokens, tokens_per_s, step_time_s, ep_imbalance, a2a_bytes, val_loss,
+val_tokens); lists element by element (`mtp_losses/1` is MTP depth 1, `ep_tokens/0` EP index 0); the expert
+loads (tokens per expert, per MoE layer) as each layer's busiest expert over the mean
+(`expert_load/max_over_mean/layer{i}`, 1.0 = balanced) and the worst layer's (`expert_load/max_over_mean`).
+Written by the main rank only, as `metrics.jsonl`. A resumed run continues the same log: events past the
+resumed step (written before the stop, trained again now) are dropped (`SummaryWriter(purge_step=)`), as
+`metrics.jsonl` drops its lines past that step.
+Source: torch.utils.tensorboard.SummaryWriter (`add_scalar`, `purge_step`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+INSTALL = "pip install tensorboard"
+
+
+def check_available() -> None:
+    """Raise ValueError (one line, naming the install command) when the `tensorboard` package is missing."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--tensorboard needs the tensorboard package, which is not installed: {INSTALL} "
+                         "(or bash scripts/setup.sh again)") from None
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """{tag: value} of one metrics record (module docstring); None values, the step, and strings
+    (the stage name) are left out."""
+    out = {}
+    for key, value in record.items():
+        if key in ("step", "stage_step") or value is None or isinstance(value, (str, bool)):
+            continue
+        if key == "expert_load":
+            out.update(_expert_load(value))
+        elif isinstance(value, list):
+            first = 1 if key == "mtp_losses" else 0  # depths count from 1
+            out.update({f"{key}/{i + first}": float(v) for i, v in enumerate(value) if v is not None})
+        else:
+            out[key] = float(value)
+    return out
+
+
+def _expert_load(loads: list[list[int]]) -> dict[str, float]:
+    ratios = [max(layer) / (sum(layer) / len(layer)) for layer in loads if layer and sum(layer)]
+    out = {f"expert_load/max_over_mean/layer{i}": r for i, r in enumerate(ratios)}
+    if ratios:
+        out["expert_load/max_over_mean"] = max(ratios)
+    return out
+
+
+class TensorBoardLog:
+    """`SummaryWriter` on `folder` (created); `resume_step`: the step a resumed run continues after
+    (its later events are purged), None for a new run."""
+
+    def __init__(self, folder: Path, resume_step: int | None = None):
+        check_available()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=None if resume_step is None else resume_step + 1)
+
+    def write(self, record: dict) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
