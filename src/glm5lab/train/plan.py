@@ -75,4 +75,5 @@ def stage_lines(stage: Stage, world: int, first_step: int) -> list[str]:
 
 
 def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:,.1f} GiB"
+    """Bytes in GiB, or in MiB below 1 GiB (a tiny model's figures would read 0.0 GiB)."""
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
