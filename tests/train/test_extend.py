@@ -9,22 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glm5lab import ModelConfig
 from glm5lab.train.extend import continue_position, extend_plan
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.stages import Stage
-from tests.conftest import write_word_corpus
+from tests.train.test_loop import corpus  # noqa: F401 (the fixture)
 
 TIMING = ("tokens_per_s", "step_time_s")
-
-
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
-    write_word_corpus(tmp_path / "texts")
-    cfg = ModelConfig.from_preset("tiny", vocab_size=320)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
-    return tmp_path
 
 
 def _plan(last_steps: int, decay_steps=None) -> list[dict]:

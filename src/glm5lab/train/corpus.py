@@ -121,16 +121,22 @@ def load_documents(path: Path) -> list[Document]:
                                 f"{'/'.join(SUFFIXES)} files")
     if path.is_file():
         return _load_file(path, path.name)
-    every = sorted(p for p in path.rglob("*") if p.is_file())
-    files = [p for p in every if p.suffix.lower() in SUFFIXES]
+    return [doc for f in corpus_files(path, SUFFIXES) for doc in _load_file(f, f.relative_to(path).as_posix())]
+
+
+def corpus_files(folder: Path, suffixes: Sequence[str]) -> list[Path]:
+    """The files under `folder` (recursively, sorted by path) whose suffix is one of `suffixes`; the others are
+    named in one line on stderr as skipped, never skipped silently. Raises ValueError when there is none."""
+    every = sorted(p for p in folder.rglob("*") if p.is_file())
+    files = [p for p in every if p.suffix.lower() in suffixes]
     if not files:
-        raise ValueError(f"folder {path} holds no {'/'.join(SUFFIXES)} files (searched recursively)")
-    skipped = [p.relative_to(path).as_posix() for p in every if p.suffix.lower() not in SUFFIXES]
+        raise ValueError(f"folder {folder} holds no {'/'.join(suffixes)} files (searched recursively)")
+    skipped = [p.relative_to(folder).as_posix() for p in every if p.suffix.lower() not in suffixes]
     if skipped:
         shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
-        print(f"glm5lab: corpus folder {path}: reading its {len(files)} {'/'.join(SUFFIXES)} files; skipping "
+        print(f"glm5lab: corpus folder {folder}: reading its {len(files)} {'/'.join(suffixes)} files; skipping "
               f"{len(skipped)} other file{'s' * (len(skipped) > 1)}: {shown}", file=sys.stderr, flush=True)
-    return [doc for f in files for doc in _load_file(f, f.relative_to(path).as_posix())]
+    return files
 
 
 def _load_file(path: Path, name: str) -> list[Document]:

@@ -11,11 +11,10 @@ the train/validation split, never depends on the other files. `datasets` is the 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from glm5lab.train.corpus import SUFFIXES, Document, _load_file
+from glm5lab.train.corpus import SUFFIXES, Document, _load_file, corpus_files
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 ALL_SUFFIXES = SUFFIXES + TABLE_SUFFIXES
@@ -36,16 +35,7 @@ def iter_documents(path, text_field: str = "text") -> Iterator[Document]:
     if path.is_file():
         yield from _file_documents(path, path.name, text_field)
         return
-    every = sorted(p for p in path.rglob("*") if p.is_file())
-    files = [p for p in every if p.suffix.lower() in ALL_SUFFIXES]
-    if not files:
-        raise ValueError(f"folder {path} holds no {'/'.join(ALL_SUFFIXES)} files (searched recursively)")
-    skipped = [p.relative_to(path).as_posix() for p in every if p.suffix.lower() not in ALL_SUFFIXES]
-    if skipped:
-        shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
-        print(f"glm5lab: corpus folder {path}: reading its {len(files)} {'/'.join(ALL_SUFFIXES)} files; skipping "
-              f"{len(skipped)} other file{'s' * (len(skipped) > 1)}: {shown}", file=sys.stderr, flush=True)
-    for f in files:
+    for f in corpus_files(path, ALL_SUFFIXES):
         yield from _file_documents(f, f.relative_to(path).as_posix(), text_field)
 
 
