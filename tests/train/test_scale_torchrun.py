@@ -101,7 +101,7 @@ def _reference(corpus, tmp_path):  # noqa: F811
     return out
 
 
-def test_meta_init_and_checkpointed_compiled_ep_run_equal_one_process(corpus, tmp_path):  # noqa: F811
+def test_meta_init_and_checkpointed_ep_run_equal_one_process(corpus, tmp_path):  # noqa: F811
     _check(_torchrun(tmp_path, corpus, "two", "aot_eager"), _reference(corpus, tmp_path))
 
 
