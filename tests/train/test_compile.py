@@ -126,6 +126,7 @@ def test_inductor_losses_equal_eager(stage_name):
     _compare(stage_name, "inductor")
 
 
+@pytest.mark.slow  # 37 s: a compiled run end to end (the per-stage graph tests above stay in the default suite)
 def test_compiled_run_checkpoints_load_into_eager_and_resume(corpus, monkeypatch):  # noqa: F811
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -34,7 +34,8 @@ def reference():
     return {case.name: ep_harness.run(case) for case in CASES}
 
 
-@pytest.mark.parametrize("world,ep", MESHES, ids=["ep2", "ep4", "dp2xep2"])
+@pytest.mark.parametrize("world,ep", [MESHES[0], pytest.param(*MESHES[1], marks=pytest.mark.slow), MESHES[2]],
+                         ids=["ep2", "ep4", "dp2xep2"])  # ep4: 4 processes, 17 s: slow
 def test_expert_parallel_trains_as_one_process(world, ep, reference, tmp_path):
     got = ep_harness.spawn(world, ep, CASES, str(tmp_path))
     for case in CASES:

@@ -119,6 +119,7 @@ train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts"
 """
 
 
+@pytest.mark.slow  # 19 s under torchrun; the accumulation itself is pinned by the one-process tests above
 def test_fsdp_accumulation_matches_one_process(tmp_path, monkeypatch):
     """torchrun 2 processes x 2 micro-batches of 1 (FSDP2, gradient sync on the last micro-batch only) == one
     process with the same 4 global rows in one batch: logged losses within 1e-4 relative (the loop's FSDP
