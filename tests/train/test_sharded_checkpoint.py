@@ -137,6 +137,10 @@ def test_resume_at_another_world_size_keeps_the_global_batch(runs, tmp_path, sou
     cut = _cut(runs / source, tmp_path / "cut")
     err = _run(runs, cut, procs=procs, batch=batch, ep=ep, resume=True)
     assert (notice in err) if notice else ("resuming at" not in err), err
+    started_ep = 2 if source == "ep" else 1  # another --ep is said too, in its own line
+    assert (f"resuming with --ep {ep} a run started with --ep {started_ep}: its experts are resharded on load"
+            in err) == (ep != started_ep), err
+    assert ("a run started with --ep" in err) == (ep != started_ep), err
     ref, got = _rows(runs / source), _rows(cut)
     assert [r["step"] for r in got] == list(range(1, 8)) and got[:4] == ref[:4]
     for a, b in zip(ref[4:], got[4:], strict=True):

@@ -40,7 +40,7 @@ from glm5lab.train.expert_parallel import check_ep, pop_ep_metrics
 from glm5lab.train.extend import continue_position, extend_plan, record_extension
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
-from glm5lab.train.resume import first_complete, rescale_stages, resume_checkpoint, started_world_size
+from glm5lab.train.resume import ep_note, first_complete, rescale_stages, resume_checkpoint, started_world_size
 from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
@@ -211,8 +211,9 @@ def train(args: TrainArgs) -> dict:
         planned, extended = _check_same_plan(run_dir, args, planned, cfg)
         _check_not_finished(run_dir, extended)
         stages, note = rescale_stages(planned, started, ctx.world_size)  # the same global batch
-        if note:
-            say(note)
+        for line in (note, ep_note(run_dir, args.ep)):  # nothing of the layout changes silently
+            if line:
+                say(line)
     model, record = (build_model(args, cfg), None) if ctx.world_size == 1 else dist.build_meta(cfg, args.seed)
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)

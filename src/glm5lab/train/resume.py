@@ -148,6 +148,15 @@ def started_world_size(run_dir: Path) -> int:
     return json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1)
 
 
+def ep_note(run_dir: Path, ep: int) -> str | None:
+    """The notice line when a resume runs another `--ep` than the run in `run_dir` started with (its run.json;
+    1 when not recorded): the experts are resharded on load. None when it is the same."""
+    started = json.loads((Path(run_dir) / "run.json").read_text())["args"].get("ep") or 1
+    if started == ep:
+        return None
+    return f"resuming with --ep {ep} a run started with --ep {started}: its experts are resharded on load"
+
+
 def rescale_stages(stages: list[Stage], started: int, world_size: int) -> tuple[list[Stage], str | None]:
     """The stages of a run that started with `started` processes, for `world_size` processes, keeping each
     stage's global batch (batch_size x grad_accum x processes): the per-process batch_size scaled when
