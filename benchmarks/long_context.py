@@ -116,18 +116,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                     "--quick: none)")
     p.add_argument("--png", default=None, help="figure path (default docs/figures/long_context.png; --quick: none)")
     p.add_argument("--quick", action="store_true", help="T = 512, 1K, 2K, IndexCache at 1K: validates the script")
+    p.add_argument("--costs", action="store_true",
+                   help="the mixer comparison instead (issue 28, `mixer_costs.py`): dense MLA, DSA, DSA + IndexCache, "
+                        "SWA, the 1:1 interleave, Gated DeltaNet, SimpleGDN; record benchmarks/results/"
+                        "attention_costs.json, figure docs/figures/attention_costs.png")
+    p.add_argument("--window", type=int, default=None,
+                   help="--costs: SWA window (default max T / 32: the report's 4096 at 128K scaled to 64K = 2048)")
+    p.add_argument("--dense-cap", type=int, default=16384,
+                   help="--costs: longest T of dense MLA's and the 1:1 model's chunked prefill (0 = none; --quick: none)")
     args = p.parse_args(argv)
+    args.argv = argv
     if args.quick:
         args.lengths, args.ic_lengths = "512,1024,2048", "1024"
+    if args.costs:
+        args.ic_lengths, args.dense_cap = "", 0 if args.quick else args.dense_cap
+    name = "attention_costs" if args.costs else "long_context"
     default_out = not args.quick
     if args.json_out is None:
-        args.json_out = str(ROOT / "benchmarks/results/long_context.json") if default_out else ""
+        args.json_out = str(ROOT / f"benchmarks/results/{name}.json") if default_out else ""
     if args.png is None:
-        args.png = str(ROOT / "docs/figures/long_context.png") if default_out else ""
+        args.png = str(ROOT / f"docs/figures/{name}.png") if default_out else ""
     args.length_list = [int(x) for x in args.lengths.split(",") if x]
     args.ic_list = [int(x) for x in args.ic_lengths.split(",") if x]
     if not args.length_list or min(args.length_list + args.ic_list) <= 256:
         p.error("--lengths needs a length, and every length must exceed index_topk (256): below it DSA selects nothing")
+    if args.costs:
+        args.window = args.window or max(args.length_list) // 32
+        if args.window < 1 or args.dense_cap < 0:
+            p.error(f"--window must be >= 1 and --dense-cap >= 0, got {args.window} and {args.dense_cap}")
     return args
 
 
@@ -547,6 +563,8 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.costs:
+        return costs_main(args)
     device = setup_device(args)
     torch.set_grad_enabled(False)
     env, dtype = env_facts(device), model_dtype(device)
@@ -584,6 +602,24 @@ def main(argv=None) -> dict:
     if args.png:
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         plot(rec, Path(args.png))
+    print_json_line(rec)
+    return rec
+
+
+def costs_main(args) -> dict:
+    """`--costs`: run `mixer_costs`, write its record and figure (atomically), print the JSON line."""
+    import mixer_costs
+
+    from glm5lab.io_utils import atomic_write_text
+    from glm5lab.report.attention_costs import plot as plot_costs
+
+    rec = mixer_costs.run(args)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(args.json_out), json.dumps(rec, indent=1) + "\n")
+    if args.png:
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        plot_costs(rec, Path(args.png))
     print_json_line(rec)
     return rec
 

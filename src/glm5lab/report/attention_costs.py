@@ -1,0 +1,129 @@
+"""The recorded mixer comparison (`benchmarks/long_context.py --costs`, issue 28): its figure and report table.
+
+The benchmark writes one JSON record (`benchmarks/results/attention_costs.json` in the source tree)
+and a PNG drawn by `plot` (`docs/figures/attention_costs.png`); `glm5lab report` reads the record
+with `load_record` and shows `render_section` beside the long-context curve, redrawing the PNG from
+the record into the report folder. Every figure is per layer (a multi-layer model's total divided by
+its layers: DSA + IndexCache 4, the SWA 1:1 interleave 2); state bytes are per sequence of T tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glm5lab.ablate.results import markdown_table
+
+RESULT = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "attention_costs.json"
+"""Where the benchmark records the comparison in a source checkout (absent in an installed package)."""
+PNG_NAME = "attention_costs.png"
+STYLES = {"dense": "o-", "dsa": "s-", "dsa_indexcache": "v--", "swa": "^-", "swa_interleave": "^--", "gdn": "D-",
+          "simple_gdn": "d--"}
+
+
+def load_record(path: Path | None = None) -> dict | None:
+    """The recorded comparison (`RESULT` by default), or None when the file is absent, unreadable
+    or not an attention_costs record."""
+    try:
+        record = json.loads(Path(path or RESULT).read_text())
+    except (OSError, ValueError):
+        return None
+    if (isinstance(record, dict) and record.get("benchmark") == "attention_costs"
+            and isinstance(record.get("points"), list) and record["points"] and isinstance(record.get("mixers"), dict)):
+        return record
+    return None
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def longest_rows(record: dict) -> list[list[str]]:
+    """One row per mixer at the longest recorded T: prefill s, decode ms, state MiB (measured /
+    ledger), prefill peak MiB, all per layer ('-' where not run); the uncached dense reference last."""
+    p = max(record["points"], key=lambda e: e["T"])
+    rows = []
+    for key, spec in record["mixers"].items():
+        pre, dec, st = p["prefill"].get(key), p["decode"][key], p["state"][key]
+        rows.append([spec["label"], _fmt(pre and pre["per_layer_s"], ".3f"), f"{dec['per_layer_s'] * 1e3:.2f}",
+                     f"{st['measured_per_layer'] / 2**20:.2f} / {st['ledger_per_layer'] / 2**20:.2f}",
+                     _fmt(pre and pre.get("peak_bytes") and pre["peak_bytes"] / 2**20, ".0f")])
+    ref = p["dense_reference"]
+    rows.append(["dense MLA, uncached SDPA forward", f"{ref['s']:.3f}", "-", "-",
+                 _fmt(ref.get("peak_bytes") and ref["peak_bytes"] / 2**20, ".0f")])
+    return rows
+
+
+def goal_line(g: dict) -> str:
+    verdict = "not decided by these lengths" if g.get("met") is None else "met" if g["met"] else "MISSED"
+    return f"{g['text']}: {g.get('shown')} -> {verdict}"
+
+
+def render_section(record: dict | None, png: str | None = None) -> str:
+    """Markdown for the report: the mixers at the longest recorded T with how it was recorded
+    (command, date, commit, threads, load), the SWA goals, and the figure `png` when given; one
+    line saying it is not recorded when `record` is None."""
+    if record is None:
+        return ("\n### Attention costs on one stack\n\nNot recorded (no benchmarks/results/attention_costs.json "
+                "beside this package; run `benchmarks/long_context.py --costs` in a source checkout).\n")
+    env, T = record.get("env", {}), max(e["T"] for e in record["points"])
+    head = (f"\n### Attention costs on one stack (per layer, at {T // 1024}K tokens)\n\nRecorded by "
+            f"`{record.get('command')}` on {env.get('date_utc')} UTC, git {str(env.get('git_commit'))[:12]}, "
+            f"{env.get('device')} {record.get('dtype')}, {env.get('torch_threads')} torch threads (load "
+            f"{env.get('load_average_start')} -> {env.get('load_average_end')}). Bench-preset widths for every "
+            f"mixer, random init; prefill = chunked cached `prefill` (256), decode = one `decode_step` at T cached "
+            f"tokens; SWA window {record.get('window')}; dense K/V chunked prefill capped at "
+            f"{record.get('dense_cap') or 'no cap'} tokens ('-').\n\n")
+    table = markdown_table(["mixer", "prefill s", "decode ms", "state MiB (measured / ledger)", "prefill peak MiB"],
+                           longest_rows(record))
+    lines = [f"- {goal_line(g)}" for g in record.get("goals", {}).values()]
+    img = f"\n![attention costs]({png})\n" if png else ""
+    return head + table + "\n\n" + "\n".join(lines) + "\n" + img
+
+
+def _series(record: dict, key: str, panel: str) -> tuple[list, list]:
+    """(T values, per-layer values) of mixer `key` on one panel ("prefill" s, "decode" ms, "state" MiB)."""
+    pts = []
+    for e in record["points"]:
+        if panel == "state":
+            pts.append((e["T"], e["state"][key]["measured_per_layer"] / 2**20))
+        elif panel == "decode":
+            pts.append((e["T"], e["decode"][key]["per_layer_s"] * 1e3))
+        elif e["prefill"].get(key):
+            pts.append((e["T"], e["prefill"][key]["per_layer_s"]))
+    return [t for t, _ in pts], [v for _, v in pts]
+
+
+def plot(record: dict, path: Path) -> Path:
+    """Three log-log panels against context T: prefill seconds, decode milliseconds per token and
+    state bytes per sequence, per layer, one line per mixer (the uncached dense forward dotted on
+    the prefill panel). Returns `path`."""
+    from matplotlib.ticker import FuncFormatter
+
+    from glm5lab.report.long_context import _context_axis, _two_five
+    from glm5lab.report.plots import _plt, _save
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.4))
+    panels = (("prefill", "prefill of T tokens: seconds per layer"),
+              ("decode", "one decode step at T cached tokens: ms per layer"),
+              ("state", "state per sequence: MiB per layer (measured)"))
+    for ax, (panel, title) in zip(axes, panels, strict=True):
+        for key, spec in record["mixers"].items():
+            xs, ys = _series(record, key, panel)
+            if xs:
+                ax.plot(xs, ys, STYLES.get(key, "o-"), label=spec["label"], ms=5)
+        if panel == "prefill":
+            ref = [(e["T"], e["dense_reference"]["s"]) for e in record["points"]]
+            ax.plot([t for t, _ in ref], [s for _, s in ref], "o:", color="gray",
+                    label="dense MLA, uncached SDPA forward")
+        ax.set(yscale="log", title=title)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_two_five))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        _context_axis(ax)
+        ax.legend(fontsize=7)
+    env = record.get("env", {})
+    fig.suptitle(f"Token mixers on one stack (bench-preset widths), {env.get('device')} {record.get('dtype')}, "
+                 f"{env.get('torch_threads')} thread(s); SWA window {record.get('window')}", fontsize=10)
+    return _save(fig, plt, Path(path))
