@@ -124,12 +124,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--costs: SWA window (default max T / 32: the report's 4096 at 128K scaled to 64K = 2048)")
     p.add_argument("--dense-cap", type=int, default=16384,
                    help="--costs: longest T of dense MLA's and the 1:1 model's chunked prefill (0 = none; --quick: none)")
+    p.add_argument("--reference-cap", type=int, default=32768,
+                   help="--costs: longest T of the uncached dense reference forward (0 = none)")
+    p.add_argument("--mixers", default=None, help="--costs: mixers to compare, comma-separated (default all; "
+                                                   "dense is always in: the reference)")
     args = p.parse_args(argv)
     args.argv = argv
     if args.quick:
         args.lengths, args.ic_lengths = "512,1024,2048", "1024"
     if args.costs:
-        args.ic_lengths, args.dense_cap = "", 0 if args.quick else args.dense_cap
+        args.ic_lengths = ""
+        if args.quick:
+            args.dense_cap = args.reference_cap = 0
     name = "attention_costs" if args.costs else "long_context"
     default_out = not args.quick
     if args.json_out is None:
@@ -142,8 +148,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--lengths needs a length, and every length must exceed index_topk (256): below it DSA selects nothing")
     if args.costs:
         args.window = args.window or max(args.length_list) // 32
-        if args.window < 1 or args.dense_cap < 0:
-            p.error(f"--window must be >= 1 and --dense-cap >= 0, got {args.window} and {args.dense_cap}")
+        if args.window < 1 or min(args.dense_cap, args.reference_cap) < 0:
+            p.error(f"--window must be >= 1, --dense-cap and --reference-cap >= 0, got {args.window}, "
+                    f"{args.dense_cap}, {args.reference_cap}")
+        from mixer_costs import MIXERS
+
+        given = [m for m in (args.mixers or ",".join(MIXERS)).split(",") if m]
+        unknown = sorted(set(given) - set(MIXERS))
+        if unknown:
+            p.error(f"--mixers {','.join(unknown)} is not allowed: choose from {', '.join(MIXERS)}")
+        args.mixer_list = [m for m in MIXERS if m in given or m == "dense"]
     return args
 
 

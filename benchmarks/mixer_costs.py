@@ -35,6 +35,7 @@ the ledger; SWA decode per token flat (max / min <= 1.2) over the T >= 4 x windo
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -152,65 +153,102 @@ def zero_filled(model, T: int):
     return cache
 
 
+def timed_cpu(fn, device) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call (`common.timed`'s synchronisation). With one
+    thread the CPU seconds leave out the time the process waited for a core: the figure a loaded
+    machine distorts least."""
+    c0 = time.process_time()
+    s, _ = timed(fn, device)
+    return s, time.process_time() - c0
+
+
+def measure_calls(cases: dict, *, repeats: int, device, clocks: dict, after=None, memory: bool = True,
+                  warm: int = 0) -> dict:
+    """`warm` untimed rounds, then `repeats` rounds of every case in turn (interleaved), each call
+    timed (`timed_cpu`), with the seconds inside its mixers (`clocks[name]`) and, with `memory`,
+    its peak-memory rise (`long_context.measure`'s method: malloc_trim, `common.PeakMemory`).
+    after(name): run untimed after each call (a rollback). Returns {name: {"s", "cpu_s", "mixer_s":
+    medians, "s_repeats", "cpu_s_repeats", "peak_bytes": the max rise or None}}."""
+    from long_context import _trim
+
+    rec = {n: {"s": [], "cpu": [], "mix": [], "peak": []} for n in cases}
+    peak = PeakMemory(device)
+    for rnd in range(warm + repeats):
+        for name, fn in cases.items():
+            if memory:
+                _trim(device)
+                peak.reset()
+            clocks[name].reset()
+            s, cpu = timed_cpu(fn, device)
+            if rnd >= warm:
+                r = rec[name]
+                r["s"].append(s), r["cpu"].append(cpu), r["mix"].append(clocks[name].total)
+                r["peak"].append(max(0, peak.rise_bytes()) if memory else None)
+            if after:
+                after(name)
+    return {n: {"s": median(r["s"]), "cpu_s": median(r["cpu"]), "mixer_s": median(r["mix"]),
+                "s_repeats": [round(x, 6) for x in r["s"]], "cpu_s_repeats": [round(x, 6) for x in r["cpu"]],
+                "peak_bytes": max(r["peak"]) if memory else None} for n, r in rec.items()}
+
+
 def decode_times(models: dict, caches: dict, tok, T: int, *, steps: int, device, clocks: dict) -> dict:
-    """{key: {"s": median seconds of one `decode_step`, "mixer_s": median seconds inside its token
-    mixers, "s_repeats"}}: 3 warm-up steps each, then `steps` rounds of every model in turn, each
-    step rolled back to T untimed."""
+    """`measure_calls` of one `decode_step` per model at T cached tokens: 3 warm-up rounds, `steps`
+    timed, each step rolled back to T untimed; no memory tracking (its reset makes the next call
+    fault its pages back in, which would be counted as the step's time)."""
     from glm5lab.infer import decode_step
 
-    secs, mix = {k: [] for k in models}, {k: [] for k in models}
-    for rnd in range(3 + steps):
-        for key, model in models.items():
-            clocks[key].reset()
-            s, _ = timed(lambda m=model, c=caches[key]: decode_step(m, tok, c), device)
-            caches[key].truncate(T)
-            if rnd >= 3:
-                secs[key].append(s)
-                mix[key].append(clocks[key].total)
-    return {k: {"s": median(secs[k]), "mixer_s": median(mix[k]), "s_repeats": [round(s, 6) for s in secs[k]]}
-            for k in models}
+    cases = {k: (lambda m=m, c=caches[k]: decode_step(m, tok, c)) for k, m in models.items()}
+    return measure_calls(cases, repeats=steps, warm=3, device=device, clocks=clocks, memory=False,
+                         after=lambda k: caches[k].truncate(T))
 
 
 def repeats_for(args, T: int) -> int:
-    return args.repeats or (2 if T < 16384 else 1)
+    return args.repeats or (2 if T < 8192 else 1)
 
 
 def costs_point(args, models: dict, ids, tok, device, clocks: dict) -> dict:
-    """Every figure at T = ids.shape[1]: prefill (and the uncached dense reference), decode, state."""
-    from long_context import measure
-
+    """Every figure at T = ids.shape[1]: prefill (and the uncached dense reference up to
+    --reference-cap), decode, state; per layer = total / the model's layers."""
     T, keeps = ids.shape[1], {k: {} for k in models}
     run = [k for k in models if not (k in CAPPED and args.dense_cap and T > args.dense_cap)]
     cases = {k: (lambda m=models[k], kp=keeps[k]: cached_prefill(m, ids, args.chunk, kp)) for k in run}
-    cases["dense_reference"] = lambda m=models["dense"]: m(ids, logits_to_keep=1).logits[0, -1]
-    cl = {**clocks, "dense_reference": clocks["dense"]}
-    pre, _ = measure(cases, device=device, repeats=repeats_for(args, T), clocks=cl)
-    for k, n in ((k, MIXERS[k]["layers"]) for k in run):
-        pre[k].update(per_layer_s=pre[k]["s"] / n, mixer_per_layer_s=pre[k]["attention_s"] / n)
+    if not args.reference_cap or T <= args.reference_cap:
+        cases["dense_reference"] = lambda m=models["dense"]: m(ids, logits_to_keep=1).logits[0, -1]
+    pre = measure_calls(cases, repeats=repeats_for(args, T), device=device,
+                        clocks={**clocks, "dense_reference": clocks["dense"]})
     caches = {k: keeps[k].pop("cache") if k in run else zero_filled(models[k], T) for k in models}
     dec = decode_times(models, caches, tok, T, steps=args.decode_steps, device=device, clocks=clocks)
-    for k, d in dec.items():
-        n = MIXERS[k]["layers"]
-        d.update(per_layer_s=d["s"] / n, mixer_per_layer_s=d["mixer_s"] / n,
-                 cache="prefill" if k in run else "zeros")
     del caches
+    for k in models:
+        for res in (pre.get(k), dec[k]):
+            if res:
+                _per_layer(res, MIXERS[k]["layers"])
+        dec[k]["cache"] = "prefill" if k in run else "zeros"
     out = {"T": T, "repeats": repeats_for(args, T), "prefill": {k: pre.get(k) for k in models},
-           "dense_reference": pre["dense_reference"], "decode": dec,
+           "dense_reference": pre.get("dense_reference"), "decode": dec,
            "state": {k: state_bytes(m, T) for k, m in models.items()}}
-    _log(f"T={T} prefill s/layer: " + ", ".join(f"{k} {_f(p and p['per_layer_s'], '.3f')}" for k, p in
-                                                out["prefill"].items())
-         + f", dense reference {pre['dense_reference']['s']:.3f}; decode ms/layer: "
-         + ", ".join(f"{k} {d['per_layer_s'] * 1e3:.2f}" for k, d in dec.items()))
+    _log(f"T={T} prefill s/layer (wall, cpu): " + ", ".join(
+        f"{k} {_f(p and p['per_layer_s'], '.3f')}/{_f(p and p['cpu_per_layer_s'], '.3f')}"
+        for k, p in out["prefill"].items()) + "; decode ms/layer: "
+        + ", ".join(f"{k} {d['per_layer_s'] * 1e3:.2f}/{d['cpu_per_layer_s'] * 1e3:.2f}" for k, d in dec.items()))
     return out
+
+
+def _per_layer(res: dict, layers: int) -> None:
+    res.update(per_layer_s=res["s"] / layers, cpu_per_layer_s=res["cpu_s"] / layers,
+               mixer_per_layer_s=res["mixer_s"] / layers)
 
 
 def goals(points: list[dict], window: int) -> dict:
     """The issue's two goals for the curve, from the points (each as `costs_point` returns):
     "swa_state": at the longest T, SWA's state bytes = window / T x dense MLA's, exactly, measured
-    and by the ledger; "swa_decode_flat": SWA's decode step per layer, max / min over the
-    T >= 4 x window, <= 1.2 (None where fewer than two such T)."""
+    and by the ledger; "swa_decode_flat": SWA's decode step per layer, max / min of its median CPU
+    time over the T >= 4 x window, <= 1.2 (None where fewer than two such T; the wall-time ratio beside)."""
     last = max(points, key=lambda p: p["T"])
     T, st = last["T"], last["state"]
+    if "swa" not in st:
+        return {"swa_state": {"text": "SWA state bytes", "shown": "not measured", "met": None},
+                "swa_decode_flat": {"text": "SWA decode flat", "shown": "not measured", "met": None}}
     exact = {src: st["swa"][src] * T == st["dense"][src] * min(window, T) for src in ("measured", "ledger")}
     ratio = {src: st["swa"][src] / st["dense"][src] for src in ("measured", "ledger")}
     state_goal = {"text": f"SWA state bytes at {_k(T)} = window/{_k(T)} ({min(window, T) / T:.5f}) of "
@@ -218,13 +256,15 @@ def goals(points: list[dict], window: int) -> dict:
                   "target": min(window, T) / T, "value": ratio,
                   "shown": f"measured {ratio['measured']:.5f}, ledger {ratio['ledger']:.5f}",
                   "met": exact["measured"] and exact["ledger"]}
-    far = sorted((p["T"], p["decode"]["swa"]["per_layer_s"]) for p in points if p["T"] >= 4 * window)
-    flat = {"text": f"SWA decode per token flat from {_k(4 * window)} to {_k(T)} (max / min <= "
-                    f"{FLAT_WITHIN})", "target": FLAT_WITHIN, "value": None, "shown": "not measured", "met": None}
+    far = sorted((p["T"], p["decode"]["swa"]) for p in points if p["T"] >= 4 * window)
+    flat = {"text": f"SWA decode per token flat from {_k(4 * window)} to {_k(T)} (max / min of the step's CPU time "
+                    f"<= {FLAT_WITHIN})", "target": FLAT_WITHIN, "value": None, "shown": "not measured", "met": None}
     if len(far) >= 2:
-        ms = [s * 1e3 for _, s in far]
-        flat.update(value=max(ms) / min(ms), met=max(ms) / min(ms) <= FLAT_WITHIN,
-                    shown=f"{max(ms) / min(ms):.3f} ({', '.join(f'{_k(t)} {m:.2f} ms' for (t, _), m in zip(far, ms))})")
+        cpu = [d["cpu_per_layer_s"] * 1e3 for _, d in far]
+        wall = [d["per_layer_s"] * 1e3 for _, d in far]
+        flat.update(value=max(cpu) / min(cpu), wall_value=max(wall) / min(wall), met=max(cpu) / min(cpu) <= FLAT_WITHIN,
+                    shown=f"{max(cpu) / min(cpu):.3f} ({', '.join(f'{_k(t)} {m:.2f} ms' for (t, _), m in zip(far, cpu))}"
+                          f"; wall time {max(wall) / min(wall):.3f})")
     return {"swa_state": state_goal, "swa_decode_flat": flat}
 
 
@@ -243,32 +283,39 @@ def _log(msg: str) -> None:
 
 
 def table_rows(rec: dict) -> list[list[str]]:
-    """One row per (T, mixer): prefill s per layer (whole, mixers), decode ms per layer (whole,
-    mixers), state MiB per layer (measured / ledger), prefill peak MiB; '-' where not run."""
+    """One row per (T, mixer): prefill s per layer (wall, CPU, inside the mixers), decode ms per
+    layer (wall, CPU, inside the mixers), state MiB per layer (measured / ledger), prefill peak
+    MiB; '-' where not run; then the uncached dense reference."""
     rows = []
     for p in rec["points"]:
-        for k, spec in MIXERS.items():
+        for k, spec in rec["mixers"].items():
             pre, dec, st = p["prefill"][k], p["decode"][k], p["state"][k]
-            rows.append([p["T"], spec["label"], _f(pre and pre["per_layer_s"], ".3f"),
-                         _f(pre and pre["mixer_per_layer_s"], ".3f"), f"{dec['per_layer_s'] * 1e3:.2f}",
-                         f"{dec['mixer_per_layer_s'] * 1e3:.2f}" + ("" if dec["cache"] == "prefill" else " (z)"),
+            rows.append([p["T"], spec["label"], *_times(pre, 1, ".3f"),
+                         *_times(dec, 1e3, ".2f", "" if dec["cache"] == "prefill" else " (z)"),
                          f"{st['measured_per_layer'] / 2**20:.2f} / {st['ledger_per_layer'] / 2**20:.2f}",
                          mib(pre and pre["peak_bytes"])])
         ref = p["dense_reference"]
-        rows.append([p["T"], "dense MLA, uncached SDPA forward (reference)", f"{ref['s']:.3f}",
-                     f"{ref['attention_s']:.3f}", "-", "-", "-", mib(ref["peak_bytes"])])
+        rows.append([p["T"], "dense MLA, uncached SDPA forward (reference)", *_times(ref, 1, ".3f"), "-", "-", "-",
+                     "-", mib(ref and ref["peak_bytes"])])
     return rows
+
+
+def _times(res: dict | None, scale: float, spec: str, mark: str = "") -> list[str]:
+    keys = ("per_layer_s", "cpu_per_layer_s", "mixer_per_layer_s") if res and "per_layer_s" in res else (
+        "s", "cpu_s", "mixer_s")
+    return [_f(res and res[k] * scale, spec) + mark for k in keys]
 
 
 def print_tables(rec: dict) -> None:
     env = rec["env"]
     print(f"### Attention costs on one stack, per layer ({rec['device']} {rec['dtype']}, {env['torch_threads']} "
           f"thread(s), load {env['load_average_start']} -> {env.get('load_average_end')}; SWA window "
-          f"{rec['window']}; chunked prefill of dense K/V capped at {rec['dense_cap'] or 'none'})\n")
-    print(markdown_table(["T", "mixer", "prefill s", "in mixers s", "decode ms", "in mixers ms",
+          f"{rec['window']}; chunked prefill of dense K/V up to {rec['dense_cap'] or 'every T'}, the uncached "
+          f"reference up to {rec['reference_cap'] or 'every T'})\n")
+    print(markdown_table(["T", "mixer", "prefill s", "CPU s", "in mixers s", "decode ms", "CPU ms", "in mixers ms",
                           "state MiB (measured / ledger)", "prefill peak MiB"], table_rows(rec)))
     print("\n(z): decode over a zero-filled cache of T tokens (prefill capped). Per layer = total / layers "
-          "(IndexCache 4, 1:1 interleave 2).")
+          "(IndexCache 4, 1:1 interleave 2). Wall-clock medians; CPU: the process's CPU time (the time it ran).")
     for g in rec["goals"].values():
         verdict = "not decided" if g["met"] is None else "met" if g["met"] else "MISSED"
         print(f"- goal: {g['text']}: {g['shown']} -> {verdict}")
@@ -284,7 +331,7 @@ def run(args) -> dict:
     device = setup_device(args)
     torch.set_grad_enabled(False)
     env, max_T = env_facts(device), max(args.length_list)
-    models = make_models(MIXERS, window=args.window, max_T=max_T, seed=args.seed, device=device)
+    models = make_models(args.mixer_list, window=args.window, max_T=max_T, seed=args.seed, device=device)
     clocks = {k: MixerClock(m) for k, m in models.items()}
     gen = torch.Generator().manual_seed(args.seed)
     ids_all = torch.randint(0, 4096, (1, max_T), generator=gen).to(device)
@@ -297,13 +344,14 @@ def run(args) -> dict:
     env["load_average_end"] = load_average()
     cfg = models["dense"].config
     rec = {"benchmark": "attention_costs",
-           "command": " ".join(["benchmarks/long_context.py", *(args.argv if args.argv is not None else sys.argv[1:])]),
-           "args": {k: v for k, v in vars(args).items() if k not in ("length_list", "ic_list", "argv")},
+           "command": " ".join(["OMP_NUM_THREADS=" + str(os.environ.get("OMP_NUM_THREADS", "")), ".venv/bin/python",
+                                "benchmarks/long_context.py", *(args.argv if args.argv is not None else sys.argv[1:])]),
+           "args": {k: v for k, v in vars(args).items() if k not in ("length_list", "ic_list", "argv", "mixer_list")},
            "device": str(device), "dtype": str(model_dtype(device)).removeprefix("torch."),
            "model": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                                                   "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_topk")},
-           "window": args.window, "dense_cap": args.dense_cap,
-           "mixers": {k: {"label": s["label"], "layers": s["layers"]} for k, s in MIXERS.items()},
+           "window": args.window, "dense_cap": args.dense_cap, "reference_cap": args.reference_cap,
+           "mixers": {k: {"label": MIXERS[k]["label"], "layers": MIXERS[k]["layers"]} for k in args.mixer_list},
            "points": points, "goals": goals(points, args.window), "env": env}
     print_tables(rec)
     return rec

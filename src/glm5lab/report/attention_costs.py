@@ -39,19 +39,28 @@ def _fmt(x, spec: str) -> str:
 
 
 def longest_rows(record: dict) -> list[list[str]]:
-    """One row per mixer at the longest recorded T: prefill s, decode ms, state MiB (measured /
-    ledger), prefill peak MiB, all per layer ('-' where not run); the uncached dense reference last."""
+    """One row per mixer at the longest recorded T: prefill s and decode ms (wall / CPU), state MiB
+    (measured / ledger), prefill peak MiB, all per layer ('-' where not run); the uncached dense
+    reference last when it ran there."""
     p = max(record["points"], key=lambda e: e["T"])
     rows = []
     for key, spec in record["mixers"].items():
         pre, dec, st = p["prefill"].get(key), p["decode"][key], p["state"][key]
-        rows.append([spec["label"], _fmt(pre and pre["per_layer_s"], ".3f"), f"{dec['per_layer_s'] * 1e3:.2f}",
+        rows.append([spec["label"], _pair(pre, "per_layer_s", "cpu_per_layer_s", 1, ".3f"),
+                     _pair(dec, "per_layer_s", "cpu_per_layer_s", 1e3, ".2f"),
                      f"{st['measured_per_layer'] / 2**20:.2f} / {st['ledger_per_layer'] / 2**20:.2f}",
                      _fmt(pre and pre.get("peak_bytes") and pre["peak_bytes"] / 2**20, ".0f")])
-    ref = p["dense_reference"]
-    rows.append(["dense MLA, uncached SDPA forward", f"{ref['s']:.3f}", "-", "-",
-                 _fmt(ref.get("peak_bytes") and ref["peak_bytes"] / 2**20, ".0f")])
+    ref = p.get("dense_reference")
+    if ref:
+        rows.append(["dense MLA, uncached SDPA forward", _pair(ref, "s", "cpu_s", 1, ".3f"), "-", "-",
+                     _fmt(ref.get("peak_bytes") and ref["peak_bytes"] / 2**20, ".0f")])
     return rows
+
+
+def _pair(res: dict | None, wall: str, cpu: str, scale: float, spec: str) -> str:
+    if not res:
+        return "-"
+    return f"{res[wall] * scale:{spec}} / {res[cpu] * scale:{spec}}"
 
 
 def goal_line(g: dict) -> str:
@@ -72,9 +81,10 @@ def render_section(record: dict | None, png: str | None = None) -> str:
             f"{env.get('device')} {record.get('dtype')}, {env.get('torch_threads')} torch threads (load "
             f"{env.get('load_average_start')} -> {env.get('load_average_end')}). Bench-preset widths for every "
             f"mixer, random init; prefill = chunked cached `prefill` (256), decode = one `decode_step` at T cached "
-            f"tokens; SWA window {record.get('window')}; dense K/V chunked prefill capped at "
+            f"tokens; wall-clock and CPU time (the process's: what a loaded machine distorts least); SWA window {record.get('window')}; dense K/V chunked prefill capped at "
             f"{record.get('dense_cap') or 'no cap'} tokens ('-').\n\n")
-    table = markdown_table(["mixer", "prefill s", "decode ms", "state MiB (measured / ledger)", "prefill peak MiB"],
+    table = markdown_table(["mixer", "prefill s (wall / CPU)", "decode ms (wall / CPU)", "state MiB (measured / ledger)",
+                            "prefill peak MiB"],
                            longest_rows(record))
     lines = [f"- {goal_line(g)}" for g in record.get("goals", {}).values()]
     img = f"\n![attention costs]({png})\n" if png else ""
@@ -88,9 +98,9 @@ def _series(record: dict, key: str, panel: str) -> tuple[list, list]:
         if panel == "state":
             pts.append((e["T"], e["state"][key]["measured_per_layer"] / 2**20))
         elif panel == "decode":
-            pts.append((e["T"], e["decode"][key]["per_layer_s"] * 1e3))
+            pts.append((e["T"], e["decode"][key]["cpu_per_layer_s"] * 1e3))
         elif e["prefill"].get(key):
-            pts.append((e["T"], e["prefill"][key]["per_layer_s"]))
+            pts.append((e["T"], e["prefill"][key]["cpu_per_layer_s"]))
     return [t for t, _ in pts], [v for _, v in pts]
 
 
@@ -105,8 +115,8 @@ def plot(record: dict, path: Path) -> Path:
 
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.4))
-    panels = (("prefill", "prefill of T tokens: seconds per layer"),
-              ("decode", "one decode step at T cached tokens: ms per layer"),
+    panels = (("prefill", "prefill of T tokens: CPU seconds per layer"),
+              ("decode", "one decode step at T cached tokens: CPU ms per layer"),
               ("state", "state per sequence: MiB per layer (measured)"))
     for ax, (panel, title) in zip(axes, panels, strict=True):
         for key, spec in record["mixers"].items():
@@ -114,7 +124,7 @@ def plot(record: dict, path: Path) -> Path:
             if xs:
                 ax.plot(xs, ys, STYLES.get(key, "o-"), label=spec["label"], ms=5)
         if panel == "prefill":
-            ref = [(e["T"], e["dense_reference"]["s"]) for e in record["points"]]
+            ref = [(e["T"], e["dense_reference"]["cpu_s"]) for e in record["points"] if e.get("dense_reference")]
             ax.plot([t for t, _ in ref], [s for _, s in ref], "o:", color="gray",
                     label="dense MLA, uncached SDPA forward")
         ax.set(yscale="log", title=title)
@@ -125,5 +135,6 @@ def plot(record: dict, path: Path) -> Path:
         ax.legend(fontsize=7)
     env = record.get("env", {})
     fig.suptitle(f"Token mixers on one stack (bench-preset widths), {env.get('device')} {record.get('dtype')}, "
-                 f"{env.get('torch_threads')} thread(s); SWA window {record.get('window')}", fontsize=10)
+                 f"{env.get('torch_threads')} thread(s), times in CPU seconds; SWA window {record.get('window')}",
+                 fontsize=10)
     return _save(fig, plt, Path(path))
