@@ -192,3 +192,15 @@ def test_steps_over_a_ring_equal_the_uncached_forward():
         assert_close(pre.logits_BV[b], full[n - 1])
         assert_close(step[b], full[n])
         assert_close(ver[b], full[n + 1:n + 4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", list(ATTENTION))
+@torch.no_grad()
+def test_compiled_generation_over_rings_equals_eager(attention):
+    """The compiled steps (static shapes) write and roll back the rings as the eager ones do."""
+    m = _model("1:1 interleave", attention)
+    prompts = [_ids(1, n, seed=n)[0].tolist() for n in (3, 11, 17)]
+    eager = generate(m, prompts, 8, prefill_chunk=4, speculative="mtp", draft_steps=3)
+    assert generate(m, prompts, 8, prefill_chunk=4, speculative="mtp", draft_steps=3, compile=True).tokens == eager.tokens
+    assert generate(m, prompts, 8, prefill_chunk=4, compile=True).tokens == eager.tokens

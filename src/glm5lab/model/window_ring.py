@@ -106,7 +106,7 @@ class WindowRing:
 
     def _record(self, name, lengths_B, slots_BW, old_BW, new_BT) -> None:
         last = self.last
-        if last is None or last.start_B is not lengths_B or name in last.new:  # a new forward
+        if last is None or name in last.new:  # each buffer is written once per forward: a new forward
             last = self.last = _LastForward(lengths_B, slots_BW, {}, {})
         last.old[name], last.new[name] = old_BW, new_BT
 
