@@ -133,7 +133,8 @@ def test_state_widths_and_bytes():
     gqa8 = lg.state(ModelConfig.from_preset("gqa-8"), dtype="fp8")
     assert gqa8["per_layer_values"] == {"gqa": 2048, "indexer": 0}
     assert gqa8["main"] == {"attention_values": 78 * 2048, "indexer_values": 0, "values": 78 * 2048,
-                            "bytes_per_token": 78 * 2048, "bytes_for_context": 78 * 2048 * 202752}
+                            "window_values": 0, "window_tokens": 0, "window_bytes": 0, "recurrent_bytes": 0,
+                            "fixed_bytes": 0, "bytes_per_token": 78 * 2048, "bytes_for_context": 78 * 2048 * 202752}
     tiny = lg.state(ModelConfig.from_preset("tiny"), dtype="fp32")
     assert tiny["main"]["values"] == 4 * (32 + 8) + 2 * 16  # indexer keys on the 2 full layers only
     assert tiny["main"]["bytes_per_token"] == 4 * tiny["main"]["values"]

@@ -111,12 +111,13 @@ def train_bytes(cfg: ModelConfig, gpus: int, dtype: str) -> dict[str, int]:
 def serve_bytes(cfg: ModelConfig, ep: int, dtype: str, cache_dtype: str, context: int | None,
                 batch: int) -> dict[str, int]:
     """Bytes per GPU in serving (`SHARDING["serve"]`): weights = (routed experts / ep + every other
-    parameter) in `dtype`; cache = batch x context x the main layers' latent + indexer-key bytes per
-    token in `cache_dtype` (`glm5lab.ledger.state`); "mtp_cache": the MTP layer's, used only as a draft
+    parameter) in `dtype`; cache = batch x the main layers' state for `context` tokens in `cache_dtype`
+    (`glm5lab.ledger.state`'s bytes_for_context: latent + indexer-key bytes per token x context, plus
+    sliding-window rings and Gated DeltaNet states); "mtp_cache": the MTP layer's, used only as a draft
     head, not in "total". Activations, CUDA graphs and runtime buffers are not counted."""
     weights = per_gpu_params(cfg, mode="serve", gpus=ep, ep=ep)["total"] * _nbytes(dtype)
     s = state(cfg, dtype=cache_dtype, context=context)
-    cache, mtp = (batch * s["context"] * s[part]["bytes_per_token"] for part in ("main", "mtp"))
+    cache, mtp = (batch * s[part]["bytes_for_context"] for part in ("main", "mtp"))
     return {"weights": weights, "cache": cache, "total": weights + cache, "mtp_cache": mtp}
 
 

@@ -186,12 +186,29 @@ def router_bias_elements(cfg: ModelConfig) -> dict[str, int]:
     return {"main": main, "mtp": mtp}
 
 
-def _state_of(cfg: ModelConfig, specs) -> dict[str, int]:
-    """Per-token values of the layers' caches, as `KVCache` allocates them (`index_cache`)."""
-    widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}  # gdn: a fixed-size state, 0 per token
-    attn = sum(widths.get(mixer_kind(spec), 0) for spec in specs)
+def _state_of(cfg: ModelConfig, specs, nbytes: int, L: int) -> dict[str, int]:
+    """The caches of `specs` as `KVCache` allocates them for a row of L tokens: per-token values of the
+    attention layers (`index_cache` indexer keys included), the rings of the sliding-window layers
+    (min(window, L) tokens each) and the recurrent states of the Gated DeltaNet layers, in bytes."""
+    widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}
+    attn = sum(widths[spec.attention] for spec in specs if spec.mixer == "attention")
     index = sum(cfg.index_head_dim for spec in specs if spec.index_cache)
-    return {"attention_values": attn, "indexer_values": index, "values": attn + index}
+    window = sum(widths[spec.attention] for spec in specs if spec.mixer == "swa")
+    window_tokens = min(cfg.sliding_window, L) if window else 0
+    recurrent = sum(recurrent_state_bytes(cfg, spec, nbytes) for spec in specs if spec.recurrent)
+    return {"attention_values": attn, "indexer_values": index, "values": attn + index,
+            "window_values": window, "window_tokens": window_tokens, "window_bytes": window * window_tokens * nbytes,
+            "recurrent_bytes": recurrent, "fixed_bytes": window * window_tokens * nbytes + recurrent}
+
+
+def recurrent_state_bytes(cfg: ModelConfig, spec: LayerSpec, nbytes: int) -> int:
+    """Bytes per row of one Gated DeltaNet / SimpleGDN layer's decode state (`RecurrentState`): the
+    fp32 matrix per head [H, K, V] and, for Gated DeltaNet, its conv window [2 Hk K + H V, kernel - 1]
+    at `nbytes` per value (the cache dtype)."""
+    if spec.mixer == "gdn":
+        hv, hk, k, v = cfg.gdn_dims
+        return hv * k * v * 4 + (2 * hk * k + hv * v) * (cfg.linear_conv_kernel_dim - 1) * nbytes
+    return cfg.num_attention_heads * cfg.qk_head_dim * cfg.v_head_dim * 4
 
 
 def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) -> dict:
@@ -201,8 +218,12 @@ def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) 
     `gqa_cache_width` (K and V of every KV head: 2048 in GQA-8), each listed in "per_layer_values" only when
     the model has such a layer; plus `index_head_dim` indexer-key values (128) per full-indexer layer when
     `use_dsa`. One dtype for all of it (DeepSeek-V3.2 keeps indexer keys in fp8: pass dtype="fp8" to bound
-    that). The MTP layer is reported apart (it holds a cache only when used as a draft head). Raises
-    ValueError for an unknown dtype or a context outside 1..max_position_embeddings."""
+    that). A sliding-window ("swa") layer holds its width for min(sliding_window, context) tokens only (a
+    ring, `glm5lab.model.window_ring`: "window_bytes"), a Gated DeltaNet / SimpleGDN layer a fixed state
+    ("recurrent_bytes", its matrices in fp32); neither is in "bytes_per_token", both are in "fixed_bytes"
+    and "bytes_for_context" = bytes_per_token x context + fixed_bytes (per sequence). The MTP layer is
+    reported apart (it holds a cache only when used as a draft head). Raises ValueError for an unknown
+    dtype or a context outside 1..max_position_embeddings."""
     nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
     every = _blocks(cfg, mtp=False) + _blocks(cfg, mtp=True)
     kinds = {mixer_kind(spec) for spec in every}
@@ -211,9 +232,9 @@ def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) 
            "per_layer_values": {**{a: w for a, w in widths.items() if a in kinds},
                                 "indexer": cfg.index_head_dim if any(spec.index_cache for spec in every) else 0}}
     for part in ("main", "mtp"):
-        s = _state_of(cfg, _blocks(cfg, mtp=part == "mtp"))
+        s = _state_of(cfg, _blocks(cfg, mtp=part == "mtp"), nbytes, L)
         s["bytes_per_token"] = s["values"] * nbytes
-        s["bytes_for_context"] = s["bytes_per_token"] * L
+        s["bytes_for_context"] = s["bytes_per_token"] * L + s["fixed_bytes"]
         out[part] = s
     return out
 
@@ -364,6 +385,11 @@ def _state_lines(s: dict) -> list[str]:
         x = s[part]
         lines.append(f"  {label:<12}{x['attention_values']:>9,} attention + {x['indexer_values']:>7,} indexer values"
                      f" = {_bytes(x['bytes_per_token']):>11}/token, {_bytes(x['bytes_for_context']):>11} for the context")
+        if x["window_values"]:
+            lines.append(f"  {'':<12}+ sliding-window rings: {x['window_values']:,} values x {x['window_tokens']:,} "
+                         f"tokens = {_bytes(x['window_bytes'])} per sequence, whatever the context")
+        if x["recurrent_bytes"]:
+            lines.append(f"  {'':<12}+ Gated DeltaNet states: {_bytes(x['recurrent_bytes'])} per sequence")
     return lines
 
 

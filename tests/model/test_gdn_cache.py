@@ -95,6 +95,7 @@ def test_state_bytes_are_fixed_per_row_and_per_token_bytes_match_the_ledger(mixe
     conv = (2 * cfg.gdn_dims[1] * k + hv * v) * (cfg.linear_conv_kernel_dim - 1)
     simple = cfg.num_attention_heads * cfg.qk_head_dim * cfg.v_head_dim
     assert cache.state_bytes_per_row() == 4 * (hv * k * v + conv + simple)
+    assert cache.state_bytes_per_row() == ledger.state(cfg, dtype="fp32", context=10)["main"]["recurrent_bytes"]
     assert cache.nbytes() == 2 * (10 * cache.bytes_per_token() + cache.state_bytes_per_row())
 
 

@@ -130,7 +130,8 @@ def _compile(name: str, mode: str | None, device: torch.device):
 
 def _mark_static(cache) -> None:
     """CUDA graphs: the cache buffers, written in place every step, become static inputs."""
-    for layer in cache.layers:
+    rings = [ring.buffers for ring in cache.rings if ring is not None]
+    for layer in (*cache.layers, *rings):
         for buf in layer.values():
             torch._dynamo.mark_static_address(buf, guard=False)
 

@@ -7,9 +7,13 @@ What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowh
 per MLA layer `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe] (576 values per token
 in GLM-5), plus `index_keys` [B, S_max, J] (the lightning indexer's keys) on layers with `index_cache` (an
 "own" indexer and `use_dsa`; SWA layers holding indexer weights keep none). Per GQA layer: `k` [B, S_max, G,
-X] and `v` [B, S_max, G, V]. Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size
-`RecurrentState` (`glm5lab.model.recurrent_state`), which rolls back only within the last forward.
-`bytes_per_token` equals the ledger's `state(...)["main"]["bytes_per_token"]` in the same dtype.
+X] and `v` [B, S_max, G, V]. Per sliding-window ("swa") layer: the same buffers, but as a ring of
+min(window, S_max) slots (`WindowRing`, `glm5lab.model.window_ring`): constant memory whatever the
+context. Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState`
+(`glm5lab.model.recurrent_state`). Rings and recurrent states roll back only within the last forward.
+`bytes_per_token` (the per-token buffers) equals the ledger's `state(...)["main"]["bytes_per_token"]` in
+the same dtype, and `state_bytes_per_row` (rings and recurrent states) its `"fixed_bytes"` at a context
+of S_max tokens.
 
 Each row has its own length (`lengths`, int64 [B]): a forward of T new tokens writes them at
 slots lengths[b] .. lengths[b]+T-1 of row b and attends causally from there; slots past a row's
@@ -29,6 +33,7 @@ import torch
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import Step
+from glm5lab.model.window_ring import WindowRing, ring_slots
 from glm5lab.validate import int_at_least
 
 
@@ -62,8 +67,13 @@ class KVCache:
             raise ValueError(f"cache capacity {capacity} is not allowed: at most max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         self.capacity, self.dtype, self.specs = capacity, dtype, specs
-        self.layers = [{name: torch.zeros(batch, capacity, *shape, dtype=dtype, device=device)
+        self.layers = [{} if spec.window is not None else
+                       {name: torch.zeros(batch, capacity, *shape, dtype=dtype, device=device)
                         for name, shape in layer_buffers(cfg, spec).items()} for spec in specs]
+        self.rings: list[WindowRing | None] = [
+            None if spec.window is None else
+            WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, dtype=dtype, device=device)
+            for spec in specs]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.extent_bound = 0  # host-side upper bound of lengths.max()
         self.forward_start = self.lengths  # row lengths before the last forward (recurrent rollback limit)
@@ -92,12 +102,14 @@ class KVCache:
         return self.lengths.shape[0]
 
     def bytes_per_token(self) -> int:
-        """Bytes held per token per row, over all layers."""
+        """Bytes held per token per row, over all layers (sliding-window rings excluded: they hold
+        a fixed number of tokens, `state_bytes_per_row`)."""
         return sum(buf[0, 0].numel() * buf.element_size() for layer in self.layers for buf in layer.values())
 
     def state_bytes_per_row(self) -> int:
-        """Bytes of the fixed-size recurrent state (Gated DeltaNet layers) per row."""
-        return sum(r.nbytes_per_row() for r in self.recurrent if r is not None)
+        """Bytes per row of the fixed-size state: the recurrent states (Gated DeltaNet layers) and
+        the rings of min(window, capacity) tokens (sliding-window layers)."""
+        return sum(r.nbytes_per_row() for r in (*self.recurrent, *self.rings) if r is not None)
 
     def nbytes(self) -> int:
         """Bytes of all buffers: batch x (capacity x bytes_per_token + state_bytes_per_row)."""
@@ -172,10 +184,13 @@ class KVCache:
         if bool((new < 0).any()) or bool((new > self.lengths).any()):
             raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {new.tolist()}: "
                              "each new length must lie in 0..the current length")
-        if any(r is not None for r in self.recurrent) and bool((new < self.lengths).any()):
+        if self._rolls_back_by_record() and bool((new < self.lengths).any()):
             if bool((new < self.forward_start).any()):
+                kinds = " and ".join(k for k, layers in (("Gated DeltaNet", self.recurrent),
+                                                         ("sliding-window (ring buffer)", self.rings))
+                                     if any(r is not None for r in layers))
                 raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {new.tolist()}: this "
-                                 "model has Gated DeltaNet layers, whose state rolls back only within the last "
+                                 f"model has {kinds} layers, whose state rolls back only within the last "
                                  f"forward (to lengths >= {self.forward_start.tolist()})")
         self.rewind(new)
         self.extent_bound = int(new.max()) if self.batch else 0
@@ -185,18 +200,22 @@ class KVCache:
         models (the bound `extent_bound` is kept): lengths_B, int64 [B], must lie between the
         last forward's start (recurrent layers) or 0 and each row's current length. For callers
         that computed the lengths themselves (`glm5lab.infer.steps`)."""
-        if any(r is not None for r in self.recurrent):
-            for r in self.recurrent:
+        if self._rolls_back_by_record():
+            for r in (*self.recurrent, *self.rings):
                 if r is not None:
                     r.rollback(lengths_B - self.forward_start)
         self.lengths = lengths_B
+
+    def _rolls_back_by_record(self) -> bool:
+        """Whether some layer's state (recurrent, ring) rolls back by its last forward's record."""
+        return any(r is not None for r in (*self.recurrent, *self.rings))
 
     def keep_rows(self, rows_N: torch.Tensor) -> None:
         """Keep only rows `rows_N` (int64 [N], in this order): finished sequences leave the batch."""
         self.layers = [{name: buf.index_select(0, rows_N) for name, buf in layer.items()} for layer in self.layers]
         self.lengths = self.lengths.index_select(0, rows_N)
         self.forward_start = self.forward_start.index_select(0, rows_N)
-        for r in self.recurrent:
+        for r in (*self.recurrent, *self.rings):
             if r is not None:
                 r.keep_rows(rows_N)
 

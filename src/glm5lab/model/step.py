@@ -36,6 +36,7 @@ import torch
 
 from glm5lab.model.topk import TopK
 from glm5lab.model.visibility import visible
+from glm5lab.model.window_ring import ring_mask, ring_slots
 
 DECODE_MAX_TOKENS = 16
 """A forward of at most this many new tokens per row is decode-sized (a decode step, a
@@ -53,6 +54,7 @@ def is_decode_sized(T: int) -> bool:
 
 if TYPE_CHECKING:
     from glm5lab.model.recurrent_state import RecurrentState
+    from glm5lab.model.window_ring import WindowRing
 
 
 class Step:
@@ -126,9 +128,16 @@ class Step:
 
     def mask(self, window: int | None = None) -> torch.Tensor:
         """Bool [B|1, T, S]: key visible to query (causal; with `window`, its last `window` keys
-        only). Built once per forward and window, shared by the layers."""
+        only). A cached step's `window` layers read a ring (`glm5lab.model.window_ring`): their mask is
+        over the ring's keys (`ring_mask`, S = R or R + T). Built once per forward and window, shared by
+        the layers."""
         if window not in self._shared:
-            self._shared[window] = visible(self.offsets, self.T, self.extent, window=window, device=self.cos.device)
+            if self.cached and window is not None:
+                R = ring_slots(window, self.cache.capacity)
+                self._shared[window] = ring_mask(self.offsets, self.T, R, window)
+            else:
+                self._shared[window] = visible(self.offsets, self.T, self.extent, window=window,
+                                               device=self.cos.device)
         return self._shared[window]
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +153,7 @@ class Step:
         """Layer i's view: its cache buffers and recurrent state (none when uncached)."""
         if not self.cached:
             return LayerStep(self, {}, None)
-        return LayerStep(self, self.cache.layers[i], self.cache.recurrent[i])
+        return LayerStep(self, self.cache.layers[i], self.cache.recurrent[i], self.cache.rings[i])
 
 
 class LayerStep:
@@ -153,8 +162,9 @@ class LayerStep:
     `step.publish_topk(...)`, ... via attribute access); assigning to it raises AttributeError (a
     layer hands results on through the step's methods). A plain class for the same reason as `Step`."""
 
-    def __init__(self, step: Step, buffers: dict[str, torch.Tensor], recurrent: RecurrentState | None = None):
-        for name, value in (("step", step), ("buffers", buffers), ("recurrent", recurrent)):
+    def __init__(self, step: Step, buffers: dict[str, torch.Tensor], recurrent: RecurrentState | None = None,
+                 ring: WindowRing | None = None):
+        for name, value in (("step", step), ("buffers", buffers), ("recurrent", recurrent), ("ring", ring)):
             object.__setattr__(self, name, value)
 
     def __getattr__(self, name):
@@ -168,9 +178,12 @@ class LayerStep:
     def write(self, name: str, new_BT: torch.Tensor) -> torch.Tensor:
         """Store new_BT ([B, T, ...]) at the step's slots; return buffer `name` [B, S, ...] in
         new_BT's dtype (a cache kept in another dtype, `KVCache.for_model(dtype=)`, is read back
-        cast). With no cache, returns new_BT itself (S = T)."""
+        cast). With no cache, returns new_BT itself (S = T). A sliding-window layer's ring returns
+        the keys of `ring_key_positions` instead (`WindowRing.write`)."""
         if not self.step.cached:
             return new_BT
+        if self.ring is not None:
+            return self.ring.write(name, new_BT, self.step.offsets)
         buf = self.buffers[name]
         rows_B1, slots_BT = self.step.slots()
         buf[rows_B1, slots_BT] = new_BT.to(buf.dtype)
