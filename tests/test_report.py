@@ -263,3 +263,22 @@ def test_expert_parallel_section_and_plot(tmp_path):
     plain = [{k: v for k, v in r.items() if not k.startswith(("ep_", "a2a"))} for r in rows]
     assert _expert_parallel(SimpleNamespace(metrics=plain), {}) == ""
     assert plots.expert_parallel(plain, tmp_path / "none.png") is None
+
+
+def test_report_shows_the_attention_costs_record_and_says_when_there_is_none(run, tmp_path, monkeypatch):
+    from glm5lab.report import attention_costs
+    from tests.test_attention_costs import _record
+
+    record = tmp_path / "attention_costs.json"
+    record.write_text(json.dumps(_record()))
+    monkeypatch.setattr(attention_costs, "RESULT", record)
+    text = write_report(run, out=tmp_path / "with", measure=False).read_text()
+    assert "### Attention costs on one stack (per layer, at 64K tokens)" in text
+    assert "| SWA | 0.640 / 0.576 | 3.30 / 2.20 | 4.50 / 4.50 | 64 |" in text
+    assert "![attention costs](attention_costs.png)" in text
+    data = (tmp_path / "with" / "attention_costs.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000
+    monkeypatch.setattr(attention_costs, "RESULT", tmp_path / "absent.json")
+    text = write_report(run, out=tmp_path / "without", measure=False).read_text()
+    assert "Not recorded (no benchmarks/results/attention_costs.json" in text
+    assert not (tmp_path / "without" / "attention_costs.png").exists()

@@ -8,17 +8,21 @@ import math
 
 from glm5lab.ablate.results import markdown_table
 from glm5lab.report import compare
+from glm5lab.report.attention_costs import render_section as attention_costs_section
 from glm5lab.report.long_context import render_section as long_context_section
 from glm5lab.report.series import BALANCED, imbalance, load_stats, stage_rows, validation
 
 
 def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
-           generated: dict, moe_names: list[str], long_context: dict | None = None, others: list | None = None) -> str:
+           generated: dict, moe_names: list[str], long_context: dict | None = None, others: list | None = None,
+           attention_costs: dict | None = None) -> str:
     """Assemble report.md (`rec`: a RunRecord; `pngs`: name -> file name or None; moe_names: the
     names of metrics.jsonl's `expert_load` entries; long_context: the recorded long-context
     cost curve, `glm5lab.report.long_context.load_record()`, shown in the throughput section;
-    others: RunRecords compared against, the "Comparison" section after Quality)."""
+    others: RunRecords compared against, the "Comparison" section after Quality; attention_costs: the
+    recorded mixer comparison, `glm5lab.report.attention_costs.load_record()`, shown after the curve)."""
     curve = long_context_section(long_context, pngs.get("long_context"))
+    curve += attention_costs_section(attention_costs, pngs.get("attention_costs"))
     parts = [_header(rec, generated), _quality(rec, pngs), compare.section(rec, others or [], pngs.get("compare")),
              _tokens(rec), _params(ledger_text),
              _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names), _ablations(rec),

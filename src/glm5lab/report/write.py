@@ -7,7 +7,7 @@ from pathlib import Path
 
 from glm5lab.environment import environment, git_commit
 from glm5lab.io_utils import atomic_write_text
-from glm5lab.report import long_context, plots
+from glm5lab.report import attention_costs, long_context, plots
 from glm5lab.report.collect import load_run
 from glm5lab.report.probe import ProbeSizes, probe
 from glm5lab.report.render import render
@@ -48,6 +48,8 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
                                      _tmp(out, "compare.png")) if others else None}
     curve = long_context.load_record()
     pngs["long_context"] = long_context.plot(curve, _tmp(out, long_context.PNG_NAME)) if curve else None
+    costs = attention_costs.load_record()
+    pngs["attention_costs"] = attention_costs.plot(costs, _tmp(out, attention_costs.PNG_NAME)) if costs else None
     pngs = {k: _publish(p) for k, p in pngs.items()}
     if not others:  # a plain report after a --compare one: no stale comparison figure beside it
         (out / "compare.png").unlink(missing_ok=True)
@@ -55,7 +57,7 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     generated = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "version": __version__,
                  "git_commit": git_commit()}
     text = render(rec, render_ledger(ledger(cfg, dtype="bf16", name=str(rec.run_dir))), state_rows, probed,
-                  environment(), pngs, generated, _moe_names(cfg), curve, others)
+                  environment(), pngs, generated, _moe_names(cfg), curve, others, costs)
     atomic_write_text(out / "report.md", text)
     return out / "report.md"
 
