@@ -142,3 +142,20 @@ def test_absent_record_is_one_line_and_bad_files_are_not_records(tmp_path):
 def test_plot_writes_a_png(tmp_path):
     data = plot(_record(), tmp_path / "ac.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000
+
+
+@pytest.mark.slow
+def test_a_short_run_writes_a_record_the_report_reads(tmp_path):
+    """The whole `--costs` path at two short lengths (~1 min on a loaded 2-core CPU): every mixer
+    measured, state bytes equal to the ledger's, the SWA goals decided, the record and figure written."""
+    lc = _module("long_context")
+    out, png = tmp_path / "ac.json", tmp_path / "ac.png"
+    rec = lc.main(["--costs", "--lengths", "320,1280", "--decode-steps", "1", "--repeats", "1", "--threads", "1",
+                   "--json-out", str(out), "--png", str(png)])
+    assert load_record(out)["points"][1]["T"] == 1280 and png.read_bytes()[:4] == b"\x89PNG"
+    assert rec["window"] == 40 and rec["goals"]["swa_state"]["met"] is True
+    assert rec["goals"]["swa_decode_flat"]["met"] is not None  # 320 and 1280 are >= 4 x 40
+    for point in rec["points"]:
+        assert all(s["measured"] == s["ledger"] for s in point["state"].values())
+        assert all(p is not None and p["s"] > 0 for p in point["prefill"].values())
+        assert point["dense_reference"]["s"] > 0

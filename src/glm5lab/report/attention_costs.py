@@ -121,8 +121,11 @@ def plot(record: dict, path: Path) -> Path:
     for ax, (panel, title) in zip(axes, panels, strict=True):
         for key, spec in record["mixers"].items():
             xs, ys = _series(record, key, panel)
+            zeros = [e["T"] for e in record["points"] if e["decode"][key].get("cache") == "zeros"]
+            label = spec["label"] + (f" (from {zeros[0] // 1024}K: zero-filled cache)" if panel == "decode" and zeros
+                                     else "")
             if xs:
-                ax.plot(xs, ys, STYLES.get(key, "o-"), label=spec["label"], ms=5)
+                ax.plot(xs, ys, STYLES.get(key, "o-"), label=label, ms=5)
         if panel == "prefill":
             ref = [(e["T"], e["dense_reference"]["cpu_s"]) for e in record["points"] if e.get("dense_reference")]
             ax.plot([t for t, _ in ref], [s for _, s in ref], "o:", color="gray",
