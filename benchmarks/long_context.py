@@ -49,6 +49,12 @@ machine: the figures are wall-clock.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py            # 1K..64K; IC at 4K, 16K, 32K
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py --quick    # 512..2K; IC at 1K; writes nothing
     .venv/bin/python benchmarks/long_context.py --lengths 4096,8192 --ic-lengths '' --json-out /tmp/lc.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py --costs --threads 1   # every mixer (issue 28)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py --costs --quick       # ~2 min, writes nothing
+
+`--costs` runs the mixer comparison of `mixer_costs.py` instead (dense MLA, DSA, DSA + IndexCache,
+SWA, the 1:1 interleave, Gated DeltaNet, SimpleGDN; its own record benchmarks/results/
+attention_costs.json and figure docs/figures/attention_costs.png; the curve above is not re-run).
 
 Prints markdown tables and the goals' verdicts, writes the record (`--json-out`, default
 benchmarks/results/long_context.json; `glm5lab report` shows it) and the figure (`--png`,

@@ -16,10 +16,11 @@ Each, the same way (what `glm5lab.generate` runs):
   the cache allocated inside the timed call; seconds, per layer, and the time inside the token
   mixers (`MixerClock`: every layer's `self_attn`, projections included); peak-memory rise
   (`common.PeakMemory`, as issue 14: cache included). Beside dense MLA, issue 14's best dense
-  reference: the uncached forward `model(ids, logits_to_keep=1)` (per-head K/V, causal SDPA).
+  reference: the uncached forward `model(ids, logits_to_keep=1)` (per-head K/V, causal SDPA), up to
+  `--reference-cap` tokens (128 s at 64K in issue 14).
   Dense MLA's chunked prefill (and the 1:1 model's, half dense) re-expands per-head K/V of every
   cached key for each chunk (the "expanded" route): O(T^2) work at a low rate, the slowest case;
-  above `--dense-cap` tokens it is not run (said in the tables; the uncached reference still is);
+  above `--dense-cap` tokens it is not run ("-" in the tables);
 - decode: one `glm5lab.infer.decode_step` at T cached tokens, rolled back after each step
   (`KVCache.truncate`, not timed: a Gated DeltaNet / ring rollback replays), median of
   `--decode-steps` after 3 warm-up steps, all mixers interleaved. Where the prefill was capped the
@@ -27,10 +28,14 @@ Each, the same way (what `glm5lab.generate` runs):
 - state bytes per sequence: `KVCache.for_model(model, 1, T).nbytes()` (capacity T; recurrent
   states and sliding-window rings included), beside the ledger's `state(cfg, dtype="fp32",
   context=T)["main"]["bytes_for_context"]`; both also per layer.
-Timing: `long_context.measure` (interleaved rounds, medians; `--repeats`, default 2 below 16K, 1
-from 16K on) after one warm-up prefill per model at min(max T, 4608) tokens.
+Timing (`measure_calls`): interleaved rounds (every mixer, then the next round), medians of wall
+seconds and of the process's CPU seconds (one thread: the time the call ran, which waiting for a
+core on a loaded machine does not inflate); `--repeats`, default 2 below 8K, 1 from 8K on; after
+one warm-up prefill per model at min(max T, 4608) tokens.
 Goals (`goals`): SWA state at the longest T = window / T of dense MLA's, exactly, measured and by
-the ledger; SWA decode per token flat (max / min <= 1.2) over the T >= 4 x window.
+the ledger; SWA decode per token flat (max / min of the CPU time <= 1.2) over the T >= 4 x window.
+Run time, 1 thread, the default (1K..64K, every mixer): 31 min on the 2-core CPU at load 4-6
+(16 CPU minutes of timed calls); --quick ~2 min.
 """
 
 from __future__ import annotations
@@ -263,9 +268,13 @@ def goals(points: list[dict], window: int) -> dict:
         cpu = [d["cpu_per_layer_s"] * 1e3 for _, d in far]
         wall = [d["per_layer_s"] * 1e3 for _, d in far]
         flat.update(value=max(cpu) / min(cpu), wall_value=max(wall) / min(wall), met=max(cpu) / min(cpu) <= FLAT_WITHIN,
-                    shown=f"{max(cpu) / min(cpu):.3f} ({', '.join(f'{_k(t)} {m:.2f} ms' for (t, _), m in zip(far, cpu))}"
-                          f"; wall time {max(wall) / min(wall):.3f})")
+                    shown=f"{max(cpu) / min(cpu):.3f} ({_listing([t for t, _ in far], cpu)}; wall time "
+                          f"{max(wall) / min(wall):.3f})")
     return {"swa_state": state_goal, "swa_decode_flat": flat}
+
+
+def _listing(Ts: list[int], ms: list[float]) -> str:
+    return ", ".join(f"{_k(t)} {m:.2f} ms" for t, m in zip(Ts, ms, strict=True))
 
 
 def _k(T: int) -> str:

@@ -92,7 +92,8 @@ def test_every_mixer_has_the_same_widths_and_its_state_bytes_match_the_ledger():
     models = costs.make_models(costs.MIXERS, window=window, max_T=T, seed=0, device="cpu")
     for key, model in models.items():
         cfg = model.config
-        assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (1024, 8, costs.MIXERS[key]["layers"])
+        layers = costs.MIXERS[key]["layers"]
+        assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (1024, 8, layers)
         st = costs.state_bytes(model, T)
         assert st["measured"] == st["ledger"], key
     latent = 4 * (512 + 64)

@@ -81,11 +81,11 @@ def render_section(record: dict | None, png: str | None = None) -> str:
             f"{env.get('device')} {record.get('dtype')}, {env.get('torch_threads')} torch threads (load "
             f"{env.get('load_average_start')} -> {env.get('load_average_end')}). Bench-preset widths for every "
             f"mixer, random init; prefill = chunked cached `prefill` (256), decode = one `decode_step` at T cached "
-            f"tokens; wall-clock and CPU time (the process's: what a loaded machine distorts least); SWA window {record.get('window')}; dense K/V chunked prefill capped at "
-            f"{record.get('dense_cap') or 'no cap'} tokens ('-').\n\n")
-    table = markdown_table(["mixer", "prefill s (wall / CPU)", "decode ms (wall / CPU)", "state MiB (measured / ledger)",
-                            "prefill peak MiB"],
-                           longest_rows(record))
+            "tokens; wall-clock and CPU time (the process's: what a loaded machine distorts least); SWA window "
+            f"{record.get('window')}; dense K/V chunked prefill capped at {record.get('dense_cap') or 'no cap'} "
+            "tokens ('-').\n\n")
+    table = markdown_table(["mixer", "prefill s (wall / CPU)", "decode ms (wall / CPU)",
+                            "state MiB (measured / ledger)", "prefill peak MiB"], longest_rows(record))
     lines = [f"- {goal_line(g)}" for g in record.get("goals", {}).values()]
     img = f"\n![attention costs]({png})\n" if png else ""
     return head + table + "\n\n" + "\n".join(lines) + "\n" + img
