@@ -28,7 +28,7 @@ import textwrap
 
 from glm5lab.alltoall import a2a_bytes, a2a_per_token  # noqa: F401  (re-exported: the ledger's public names)
 from glm5lab.config import LayerSpec, ModelConfig
-from glm5lab.validate import DTYPES, dtype_name
+from glm5lab.validate import DTYPES, TORCH_NAMES, dtype_name, refuse
 
 COMPONENTS = ("embedding", "attention", "indexer", "dense_ffn", "routed_experts", "shared_experts",
               "router", "norms", "eh_proj", "output")
@@ -186,33 +186,48 @@ def router_bias_elements(cfg: ModelConfig) -> dict[str, int]:
     return {"main": main, "mtp": mtp}
 
 
+INDEX_SCALE_BYTES = 4
+"""Bytes of the fp32 scale stored per token beside fp8 indexer keys (`glm5lab.model.fp8_keys`)."""
+
+
 def _state_of(cfg: ModelConfig, specs) -> dict[str, int]:
     """Per-token values of the layers' caches, as `KVCache` allocates them (`index_cache`)."""
     widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}  # gdn: a fixed-size state, 0 per token
     attn = sum(widths.get(mixer_kind(spec), 0) for spec in specs)
-    index = sum(cfg.index_head_dim for spec in specs if spec.index_cache)
-    return {"attention_values": attn, "indexer_values": index, "values": attn + index}
+    index_layers = sum(1 for spec in specs if spec.index_cache)
+    return {"attention_values": attn, "indexer_values": index_layers * cfg.index_head_dim, "values":
+            attn + index_layers * cfg.index_head_dim, "index_layers": index_layers}
 
 
-def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) -> dict:
+def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, index_dtype: str | None = None) -> dict:
     """Inference state per token and for `context` tokens (default `max_position_embeddings`).
 
     Per MLA layer `mla_cache_width` values (latent + shared RoPE key: 576 in GLM-5); per GQA layer
     `gqa_cache_width` (K and V of every KV head: 2048 in GQA-8), each listed in "per_layer_values" only when
     the model has such a layer; plus `index_head_dim` indexer-key values (128) per full-indexer layer when
-    `use_dsa`. One dtype for all of it (DeepSeek-V3.2 keeps indexer keys in fp8: pass dtype="fp8" to bound
-    that). The MTP layer is reported apart (it holds a cache only when used as a draft head). Raises
-    ValueError for an unknown dtype or a context outside 1..max_position_embeddings."""
-    nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
+    `use_dsa`. The attention values in `dtype`; the indexer keys in `index_dtype` (default: `dtype`), and when
+    that is "fp8" (float8_e4m3fn, as DeepSeek-V3.2 serves them: `KVCache(index_cache_dtype="fp8")`) 1 byte per
+    value plus a 4-byte fp32 scale per token per index-cache layer (`INDEX_SCALE_BYTES`). Per part:
+    "indexer_bytes_per_token" (keys and scales) and "bytes_per_token" (everything), which equals
+    `KVCache.bytes_per_token()` for the same dtypes. The MTP layer is reported apart (it holds a cache only when
+    used as a draft head). Raises ValueError for an unknown dtype or a context outside
+    1..max_position_embeddings."""
+    index_dtype = dtype if index_dtype is None else index_dtype
+    if index_dtype not in DTYPES and index_dtype not in TORCH_NAMES:
+        refuse("index_dtype", index_dtype, f"None (= dtype) or one of {', '.join(DTYPES)}")
+    nbytes, ibytes, L = _dtype_bytes(dtype), _dtype_bytes(index_dtype), _context(cfg, context)
+    scale_bytes = INDEX_SCALE_BYTES if dtype_name(index_dtype) == "fp8" else 0
     every = _blocks(cfg, mtp=False) + _blocks(cfg, mtp=True)
     kinds = {mixer_kind(spec) for spec in every}
     widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}
-    out = {"dtype": dtype, "bytes_per_value": nbytes, "context": L,
+    out = {"dtype": dtype, "bytes_per_value": nbytes, "index_dtype": index_dtype, "index_bytes_per_value": ibytes,
+           "index_scale_bytes": scale_bytes, "context": L,
            "per_layer_values": {**{a: w for a, w in widths.items() if a in kinds},
                                 "indexer": cfg.index_head_dim if any(spec.index_cache for spec in every) else 0}}
     for part in ("main", "mtp"):
         s = _state_of(cfg, _blocks(cfg, mtp=part == "mtp"))
-        s["bytes_per_token"] = s["values"] * nbytes
+        s["indexer_bytes_per_token"] = s["indexer_values"] * ibytes + s.pop("index_layers") * scale_bytes
+        s["bytes_per_token"] = s["attention_values"] * nbytes + s["indexer_bytes_per_token"]
         s["bytes_for_context"] = s["bytes_per_token"] * L
         out[part] = s
     return out
@@ -311,10 +326,12 @@ def report_note(cfg: ModelConfig) -> str:
     return REPORT_NOTE if any(counts == conventions(ModelConfig.from_preset(n)) for n in REPORT_SHAPES) else GENERAL_NOTE
 
 
-def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, name: str = "") -> dict:
+def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, name: str = "",
+           index_dtype: str | None = None) -> dict:
     """Everything, as a JSON-serialisable dict. `total_params` / `activated_params` = every parameter the
     model holds (with embedding+output, with MTP); one key per convention of `CONVENTIONS`, each {"total",
-    "activated"}; "report_note" from `report_note`. Raises ValueError (bad dtype or context)."""
+    "activated"}; "report_note" from `report_note`; "state" from `state` (index_dtype: the indexer keys'
+    dtype there). Raises ValueError (bad dtype, index_dtype or context)."""
     conv = conventions(cfg)
     full = conv["with_embeddings_with_mtp"]
     return {
@@ -323,7 +340,7 @@ def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None,
         "params": {"main": main_params(cfg), "main_activated": main_params(cfg, active=True),
                    "mtp": mtp_params(cfg), "mtp_activated": mtp_params(cfg, active=True)},
         "buffers": {"e_score_correction_bias": router_bias_elements(cfg)},
-        "state": state(cfg, dtype=dtype, context=context),
+        "state": state(cfg, dtype=dtype, context=context, index_dtype=index_dtype),
         "flops_per_token": flops(cfg, context=context),
     }
 
@@ -359,7 +376,10 @@ def _param_lines(d: dict) -> list[str]:
 
 
 def _state_lines(s: dict) -> list[str]:
-    lines = [f"state per token ({s['dtype']}, {s['bytes_per_value']} B/value), context {s['context']:,}:"]
+    index = "" if s["index_dtype"] == s["dtype"] and not s["index_scale_bytes"] else (
+        f"; indexer keys {s['index_dtype']}, {s['index_bytes_per_value']} B/value"
+        + (f" + a {s['index_scale_bytes']} B scale per token per layer" if s["index_scale_bytes"] else ""))
+    lines = [f"state per token ({s['dtype']}, {s['bytes_per_value']} B/value{index}), context {s['context']:,}:"]
     for part, label in (("main", "main layers"), ("mtp", "MTP layer")):
         x = s[part]
         lines.append(f"  {label:<12}{x['attention_values']:>9,} attention + {x['indexer_values']:>7,} indexer values"
