@@ -212,10 +212,11 @@ def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, 
     `KVCache.bytes_per_token()` for the same dtypes. The MTP layer is reported apart (it holds a cache only when
     used as a draft head). Raises ValueError for an unknown dtype or a context outside
     1..max_position_embeddings."""
+    nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
     index_dtype = dtype if index_dtype is None else index_dtype
     if index_dtype not in DTYPES and index_dtype not in TORCH_NAMES:
         refuse("index_dtype", index_dtype, f"None (= dtype) or one of {', '.join(DTYPES)}")
-    nbytes, ibytes, L = _dtype_bytes(dtype), _dtype_bytes(index_dtype), _context(cfg, context)
+    ibytes = _dtype_bytes(index_dtype)
     scale_bytes = INDEX_SCALE_BYTES if dtype_name(index_dtype) == "fp8" else 0
     every = _blocks(cfg, mtp=False) + _blocks(cfg, mtp=True)
     kinds = {mixer_kind(spec) for spec in every}

@@ -30,6 +30,8 @@ import contextlib
 
 import torch
 
+from glm5lab.validate import refuse
+
 E4M3_MAX = 448.0
 """float8_e4m3fn's largest finite value (`torch.finfo(torch.float8_e4m3fn).max`)."""
 FP8 = torch.float8_e4m3fn
@@ -47,8 +49,8 @@ def index_cache_fp8(value) -> bool:
         return False
     if value is FP8 or (isinstance(value, str) and value == "fp8"):
         return True
-    raise ValueError(f"index_cache_dtype {value!r} is not allowed: None or 'auto' (the cache's dtype), 'fp8' or "
-                     "torch.float8_e4m3fn (float8_e4m3fn keys with one fp32 scale per token)")
+    refuse("index_cache_dtype", value, "None or 'auto' (the cache's dtype), 'fp8' or torch.float8_e4m3fn "
+           "(float8_e4m3fn keys with one fp32 scale per token)")
 
 
 def quantize_per_token(k_BTJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
