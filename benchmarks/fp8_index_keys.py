@@ -251,6 +251,7 @@ def fp8_copy(model, cache: KVCache, T: int) -> KVCache:
     return fp8
 
 
+@torch.no_grad()
 def decode_cost(args, device) -> dict:
     from glm5lab.infer import decode_step, prefill
     from glm5lab.infer.compiled import CompiledSteps
@@ -399,7 +400,7 @@ def main(argv=None) -> dict:
     rec["model"] = {"checkpoint": str(checkpoint), "max_position_embeddings_trained": trained_max,
                     "max_position_embeddings_used": model.config.max_position_embeddings,
                     "own_indexer_layers": [i for i, s in enumerate(model.layer_specs) if s.indexer == "own"]}
-    with torch.no_grad():
+    with torch.no_grad():  # no autograd graph: the cache writes would otherwise chain every chunk's
         rec["quality"] = quality(args, model, checkpoint)
     del model
     if not args.skip_decode:
