@@ -78,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode steps timed eager and/or compiled (`glm5lab.infer.compiled`; default eager,compiled; "
                    "--quick eager)")
     p.add_argument("--skip-decode", action="store_true", help="only the quality part")
+    p.add_argument("--skip-quality", action="store_true", help="only the decode part (no trained model needed)")
     p.add_argument("--device", default="cpu", choices=("cpu",), help="CPU only (the figures are fp32 CPU)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="small sizes to validate the script (~1-2 min)")
@@ -321,6 +322,10 @@ def print_tables(rec: dict) -> None:
     env = rec["env"]
     print(f"\nthreads {env['torch_threads']}, load average at start {env['load_average_start']}, "
           f"end {rec['load_average_end']}; commit {env.get('git_commit')}\n")
+    if rec.get("model"):
+        m = rec["model"]
+        print(f"model {m['checkpoint']}: max_position_embeddings {m['max_position_embeddings_trained']} raised to "
+              f"{m['max_position_embeddings_used']} (RoPE extrapolates); own indexer layers {m['own_indexer_layers']}\n")
     q = rec["quality"]
     if q:
         rows = []
@@ -393,16 +398,17 @@ def main(argv=None) -> dict:
     env.setdefault("git_commit", git_commit())
     rec = {"benchmark": "fp8_index_keys", "command": " ".join(["benchmarks/fp8_index_keys.py", *(argv or sys.argv[1:])]),
            "env": env, "quick": args.quick, "quality": {}, "decode": None}
-    checkpoint = resolve_checkpoint(args.model)
-    model = GLM5ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, device=device, mtp=False).eval()
-    trained_max = model.config.max_position_embeddings
-    model.config = model.config.replace(max_position_embeddings=max(trained_max, *args.contexts))
-    rec["model"] = {"checkpoint": str(checkpoint), "max_position_embeddings_trained": trained_max,
-                    "max_position_embeddings_used": model.config.max_position_embeddings,
-                    "own_indexer_layers": [i for i, s in enumerate(model.layer_specs) if s.indexer == "own"]}
-    with torch.no_grad():  # no autograd graph: the cache writes would otherwise chain every chunk's
-        rec["quality"] = quality(args, model, checkpoint)
-    del model
+    if not args.skip_quality:
+        checkpoint = resolve_checkpoint(args.model)
+        model = GLM5ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, device=device, mtp=False).eval()
+        trained_max = model.config.max_position_embeddings
+        model.config = model.config.replace(max_position_embeddings=max(trained_max, *args.contexts))
+        rec["model"] = {"checkpoint": str(checkpoint), "max_position_embeddings_trained": trained_max,
+                        "max_position_embeddings_used": model.config.max_position_embeddings,
+                        "own_indexer_layers": [i for i, s in enumerate(model.layer_specs) if s.indexer == "own"]}
+        with torch.no_grad():  # no autograd graph: the cache writes would otherwise chain every chunk's
+            rec["quality"] = quality(args, model, checkpoint)
+        del model
     if not args.skip_decode:
         rec["decode"] = decode_cost(args, device)
     rec["load_average_end"] = load_average()
