@@ -16,6 +16,8 @@ and the bytes and step time of DSA decode at 32K.
      the minimum of the layer means.
    - pass fp8: the same prefill into `KVCache(index_cache_dtype="fp8")`. Delta loss = mean next-token NLL
      (nats, over the L - 1 targets of each window) of pass fp8 minus pass fp32.
+   - bf16 keys (k rounded to bfloat16, the usual GPU cache dtype): recall only, to show how much of the
+     miss any rounding of the keys causes at this k and context.
    - `--hadamard`: also the keys (and, equivalently, the queries) rotated by the normalised Hadamard matrix
      before quantization (DeepSeek-V3.2's indexer rotates q and k so: `rotate_activation`); since H is
      orthogonal, q . dq(q8(k H)) H^T = (q H) . dq(q8(k H)): the scores the rotated fp8 cache gives.
@@ -174,12 +176,13 @@ def quality(args, model, checkpoint) -> dict:
     variants = {"fp8": fp8_roundtrip}
     if args.hadamard:
         variants["fp8_hadamard"] = rotated_roundtrip(hadamard(cfg.index_head_dim))
+    variants["bf16"] = lambda k_BSJ: k_BSJ.to(torch.bfloat16).float()  # for scale: recall only, no NLL pass
     out = {}
     for L, n in zip(args.contexts, args.windows, strict=True):
         t0 = time.perf_counter()
         windows, info = held_out_prompts(checkpoint, n, L)
         probe = RecallProbe(model, variants)
-        nll = {name: 0.0 for name in ("fp32", *variants)}
+        nll = {name: 0.0 for name in ("fp32", *variants) if name != "bf16"}
         targets = 0
         try:
             for w in windows:
@@ -342,12 +345,13 @@ def print_tables(rec: dict) -> None:
             for name, s in r["recall"].items():
                 rows.append([L, name, r["windows"], r["targets"], f"{s['mean_over_layers']:.4f}",
                              f"{s['min_over_layers']:.4f}", f"{s['all_kept']:.3f}", f"{r['nll']['fp32']:.4f}",
-                             f"{r['nll'][name]:.4f}", f"{r['nll'][name] - r['nll']['fp32']:+.5f}",
+                             *((f"{r['nll'][name]:.4f}", f"{r['nll'][name] - r['nll']['fp32']:+.5f}") if name in r["nll"]
+                               else ("-", "-")),
                              r["load_average"]])
         print("\nPer context: recall over layers (mean / minimum of the layer means; fraction of all queries with "
               "recall 1) and next-token NLL (nats) with fp32 vs fp8 index keys:\n")
         print(markdown_table(["context", "keys", "windows", "targets", "recall mean", "recall min layer",
-                              "recall 1", "NLL fp32", "NLL fp8", "delta NLL", "load avg"], rows))
+                              "recall 1", "NLL fp32 keys", "NLL these keys", "delta NLL", "load avg"], rows))
     d = rec["decode"]
     if d:
         b, ms = d["index_key_bytes_read"], d["ms"]
