@@ -34,8 +34,8 @@ and the bytes and step time of DSA decode at 32K.
 
 Goals (issue 28): recall >= 0.99 at 4K and 16K (the minimum over layers of the per-layer mean recall); 4x
 fewer index-key bytes per decode step at 32K (the values; with the 4-byte scale per token it is 512 / 132 =
-3.88x for 128-wide keys, printed as measured). Run time, 1 thread, loaded 2-core machine: --quick ~1-2 min;
-the default ~10-15 min.
+3.88x for 128-wide keys, printed as measured). Run time, 1 thread, loaded 2-core machine: --quick ~30 s; the
+default ~5 min (16K: ~2 min per window with --hadamard; the decode part ~1.5 min, its compilation included).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_index_keys.py --threads 1
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_index_keys.py --threads 1 --quick

@@ -6,7 +6,8 @@ Legend: B rows (sequences), S_max capacity (tokens per row), C `kv_lora_rank`, R
 What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowhere else:
 per MLA layer `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe] (576 values per token
 in GLM-5), plus `index_keys` [B, S_max, J] (the lightning indexer's keys) on layers with `index_cache` (an
-"own" indexer and `use_dsa`; SWA layers holding indexer weights keep none). Per GQA layer: `k` [B, S_max, G,
+"own" indexer and `use_dsa`; SWA layers holding indexer weights keep none); with `index_cache_dtype="fp8"` those
+keys are float8_e4m3fn beside `index_key_scales` fp32 [B, S_max], one scale per token (`glm5lab.model.fp8_keys`). Per GQA layer: `k` [B, S_max, G,
 X] and `v` [B, S_max, G, V]. Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size
 `RecurrentState` (`glm5lab.model.recurrent_state`), which rolls back only within the last forward.
 `bytes_per_token` equals the ledger's `state(...)["main"]["bytes_per_token"]` in the same dtype.
