@@ -45,6 +45,17 @@ def test_ledger_reads_a_config_file_and_a_checkpoint_folder(tmp_path):
         assert d["state"]["bytes_per_value"] == 1
 
 
+def test_ledger_index_dtype_flag():
+    r = run("ledger", "--preset", "glm5", "--index-dtype", "fp8", "--context", "1000", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["state"] == ledger(ModelConfig.from_preset("glm5"), context=1000, index_dtype="fp8")["state"]
+    assert d["state"]["main"]["bytes_per_token"] == 78 * (576 * 2 + 128 + 4)
+    assert "indexer keys fp8, 1 B/value + a 4 B scale per token per layer" in r.stdout
+    r = run("ledger", "--preset", "glm5", "--index-dtype", "fp8", "--gpus", "8", "--ep", "8", "--mode", "serve")
+    assert r.returncode == 2 and "--index-dtype = 'fp8' is not allowed: only for the ledger table" in r.stderr
+
+
 def test_table_without_json_has_no_json_line():
     r = run("ledger", "--preset", "tiny")
     assert r.returncode == 0 and not r.stdout.strip().splitlines()[-1].startswith("{")

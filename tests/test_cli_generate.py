@@ -96,6 +96,18 @@ def test_sampling_and_prefill_chunk_options_reach_the_library(capsys, folders, r
     assert d["tokens"] == expected
 
 
+def test_index_cache_dtype_reaches_the_library(capsys, folders, reference):
+    ids, _, _ = reference
+    model = GLM5ForCausalLM.from_pretrained(folders["ckpt"], mtp=False)
+    expected = generate(model, ids, N, index_cache_dtype="fp8").tokens[0]
+    d = cli_json(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, "--max-new-tokens", N,
+                 "--index-cache-dtype", "fp8")
+    assert d["tokens"] == expected
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(folders["ckpt"]), "--prompt", PROMPT, "--index-cache-dtype", "int8"])
+    assert e.value.code == 2 and "--index-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_stop_token_ends_generation(capsys, folders, reference):
     _, tokens, _ = reference
     stop = tokens[2]
@@ -336,7 +348,7 @@ def test_help_lists_every_option(capsys):
     for option in ("--model DIR", "--prompt TEXT", "--prompt-ids", "--tokenizer FILE", "--max-new-tokens N",
                    "--temperature T", "--top-k K", "--top-p P", "--seed S", "--stop TEXT_OR_ID", "--speculative {mtp}",
                    "--draft-steps N", "--device {cpu,cuda}", "--dtype {fp32,bf16}", "--prefill-chunk N", "--compile",
-                   "--json"):
+                   "--index-cache-dtype {auto,fp8}", "--json"):
         assert option in text, option
     assert "(default 64)" in text and "0 = greedy" in text
 

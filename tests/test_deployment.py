@@ -132,10 +132,11 @@ def test_cli_prints_the_serve_accounts_and_json():
     assert lines[0] == ("glm5lab ledger glm5: serve on 8 GPUs, expert parallel 8 (32 routed experts per EP rank "
                         "per MoE layer)")
     assert "weights (fp8, 1 B/value)" in text and "103.59 GiB (111.23 GB)" in text
-    assert "cache (fp8, main layers, batch 1 x context 202,752)" in text and "10.37 GiB (11.13 GB)" in text
+    # fp8 cache: 576 latent + 128 indexer-key values, 1 B each, + the keys' 4 B fp32 scale, per token per layer
+    assert "cache (fp8, main layers, batch 1 x context 202,752)" in text and "10.43 GiB (11.20 GB)" in text
     assert "dispatch 86,016 B + combine 86,016 B; x 75 MoE layers = 12.902 MB per token" in text
     d = json.loads(lines[-1])
-    assert d["per_gpu_bytes"]["weights"] == 111_229_637_888 and d["per_gpu_bytes"]["cache"] == 22_267_035_648 // 2
+    assert d["per_gpu_bytes"]["weights"] == 111_229_637_888 and d["per_gpu_bytes"]["cache"] == 78 * (704 + 4) * 202_752
     assert d["a2a"]["dispatch"] == 86016 and d["mode"] == "serve" and d["sharding"]
 
 

@@ -134,11 +134,39 @@ def test_state_widths_and_bytes():
     assert gqa8["per_layer_values"] == {"gqa": 2048, "indexer": 0}
     assert gqa8["main"] == {"attention_values": 78 * 2048, "indexer_values": 0, "values": 78 * 2048,
                             "window_values": 0, "window_tokens": 0, "window_bytes": 0, "recurrent_bytes": 0,
-                            "fixed_bytes": 0, "bytes_per_token": 78 * 2048, "bytes_for_context": 78 * 2048 * 202752}
+                            "fixed_bytes": 0, "indexer_bytes_per_token": 0, "bytes_per_token": 78 * 2048,
+                            "bytes_for_context": 78 * 2048 * 202752}
     tiny = lg.state(ModelConfig.from_preset("tiny"), dtype="fp32")
     assert tiny["main"]["values"] == 4 * (32 + 8) + 2 * 16  # indexer keys on the 2 full layers only
     assert tiny["main"]["bytes_per_token"] == 4 * tiny["main"]["values"]
     assert lg.state(ModelConfig.from_preset("tiny", use_dsa=False))["main"]["indexer_values"] == 0
+
+
+def test_state_fp8_index_keys_count_a_byte_per_value_and_a_scale_per_token():
+    """index_dtype="fp8": per index-cache layer J fp8 values + a 4-byte fp32 scale per token (GLM-5: 128 + 4 = 132
+    B against 256 in bf16, 512 in fp32); the default index_dtype is dtype, so dtype="fp8" counts the scales too."""
+    glm5 = ModelConfig.from_preset("glm5")
+    s = lg.state(glm5, dtype="bf16", index_dtype="fp8", context=1000)
+    assert s["index_dtype"] == "fp8" and s["index_bytes_per_value"] == 1 and s["index_scale_bytes"] == 4
+    assert s["main"]["indexer_bytes_per_token"] == 78 * (128 + 4) and s["mtp"]["indexer_bytes_per_token"] == 132
+    assert s["main"]["bytes_per_token"] == 78 * (576 * 2 + 132)
+    assert s["main"]["bytes_for_context"] == 78 * (576 * 2 + 132) * 1000
+    fp32 = lg.state(glm5, dtype="fp32", context=1000)
+    assert fp32["index_dtype"] == "fp32" and fp32["main"]["indexer_bytes_per_token"] == 78 * 512
+    assert fp32["main"]["indexer_bytes_per_token"] / s["main"]["indexer_bytes_per_token"] == 512 / 132
+    assert lg.state(glm5, dtype="fp8")["main"]["bytes_per_token"] == 78 * (576 + 132)
+    assert lg.state(glm5, dtype="fp8", index_dtype="bf16")["main"]["bytes_per_token"] == 78 * (576 + 256)
+    tiny = lg.state(ModelConfig.from_preset("tiny"), dtype="fp32", index_dtype="fp8")
+    assert tiny["main"]["bytes_per_token"] == 4 * (4 * (32 + 8)) + 2 * (16 + 4)
+    gqa8 = lg.state(ModelConfig.from_preset("gqa-8"), dtype="bf16", index_dtype="fp8")  # no indexer keys: no scales
+    assert gqa8["main"]["indexer_bytes_per_token"] == 0 and gqa8["main"]["bytes_per_token"] == 78 * 2048 * 2
+    assert lg.ledger(glm5, index_dtype="fp8")["state"]["main"]["indexer_bytes_per_token"] == 78 * 132
+
+
+@pytest.mark.parametrize("bad", ["int8", "e4m3", 1])
+def test_state_refuses_an_unknown_index_dtype_in_one_line(bad):
+    with pytest.raises(ValueError, match=r"^index_dtype = .* is not allowed: None \(= dtype\) or one of fp32, bf16"):
+        lg.state(ModelConfig.from_preset("tiny"), index_dtype=bad)
 
 
 @pytest.mark.parametrize("L", [1, 2, 7, 8, 9, 50])

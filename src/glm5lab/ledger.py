@@ -28,7 +28,7 @@ import textwrap
 
 from glm5lab.alltoall import a2a_bytes, a2a_per_token  # noqa: F401  (re-exported: the ledger's public names)
 from glm5lab.config import LayerSpec, ModelConfig
-from glm5lab.validate import DTYPES, dtype_name
+from glm5lab.validate import DTYPES, TORCH_NAMES, dtype_name, refuse
 
 COMPONENTS = ("embedding", "attention", "indexer", "dense_ffn", "routed_experts", "shared_experts",
               "router", "norms", "eh_proj", "output")
@@ -186,6 +186,10 @@ def router_bias_elements(cfg: ModelConfig) -> dict[str, int]:
     return {"main": main, "mtp": mtp}
 
 
+INDEX_SCALE_BYTES = 4
+"""Bytes of the fp32 scale stored per token beside fp8 indexer keys (`glm5lab.model.fp8_keys`)."""
+
+
 def _state_of(cfg: ModelConfig, specs, nbytes: int, L: int) -> dict[str, int]:
     """The caches of `specs` as `KVCache` allocates them for a row of L tokens: per-token values of the
     attention layers (`index_cache` indexer keys included), the rings of the sliding-window layers
@@ -197,6 +201,7 @@ def _state_of(cfg: ModelConfig, specs, nbytes: int, L: int) -> dict[str, int]:
     window_tokens = min(cfg.sliding_window, L) if window else 0
     recurrent = sum(recurrent_state_bytes(cfg, spec, nbytes) for spec in specs if spec.recurrent)
     return {"attention_values": attn, "indexer_values": index, "values": attn + index,
+            "index_layers": sum(1 for spec in specs if spec.index_cache),
             "window_values": window, "window_tokens": window_tokens, "window_bytes": window * window_tokens * nbytes,
             "recurrent_bytes": recurrent, "fixed_bytes": window * window_tokens * nbytes + recurrent}
 
@@ -211,29 +216,40 @@ def recurrent_state_bytes(cfg: ModelConfig, spec: LayerSpec, nbytes: int) -> int
     return cfg.num_attention_heads * cfg.qk_head_dim * cfg.v_head_dim * 4
 
 
-def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None) -> dict:
+def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, index_dtype: str | None = None) -> dict:
     """Inference state per token and for `context` tokens (default `max_position_embeddings`).
 
     Per MLA layer `mla_cache_width` values (latent + shared RoPE key: 576 in GLM-5); per GQA layer
     `gqa_cache_width` (K and V of every KV head: 2048 in GQA-8), each listed in "per_layer_values" only when
     the model has such a layer; plus `index_head_dim` indexer-key values (128) per full-indexer layer when
-    `use_dsa`. One dtype for all of it (DeepSeek-V3.2 keeps indexer keys in fp8: pass dtype="fp8" to bound
-    that). A sliding-window ("swa") layer holds its width for min(sliding_window, context) tokens only (a
-    ring, `glm5lab.model.window_ring`: "window_bytes"), a Gated DeltaNet / SimpleGDN layer a fixed state
-    ("recurrent_bytes", its matrices in fp32); neither is in "bytes_per_token", both are in "fixed_bytes"
-    and "bytes_for_context" = bytes_per_token x context + fixed_bytes (per sequence). The MTP layer is
-    reported apart (it holds a cache only when used as a draft head). Raises ValueError for an unknown
-    dtype or a context outside 1..max_position_embeddings."""
+    `use_dsa`. The attention values in `dtype`; the indexer keys in `index_dtype` (default: `dtype`), and when
+    that is "fp8" (float8_e4m3fn, as DeepSeek-V3.2 serves them: `KVCache(index_cache_dtype="fp8")`) 1 byte per
+    value plus a 4-byte fp32 scale per token per index-cache layer (`INDEX_SCALE_BYTES`). Per part:
+    "indexer_bytes_per_token" (keys and scales) and "bytes_per_token" (everything), which equals
+    `KVCache.bytes_per_token()` for the same dtypes. A sliding-window ("swa") layer holds its width for
+    min(sliding_window, context) tokens only (a ring, `glm5lab.model.window_ring`: "window_bytes"), a Gated
+    DeltaNet / SimpleGDN layer a fixed state ("recurrent_bytes", its matrices in fp32); neither is in
+    "bytes_per_token", both are in "fixed_bytes" and "bytes_for_context" = bytes_per_token x context +
+    fixed_bytes (per sequence). The MTP layer is reported apart (it holds a cache only when
+    used as a draft head). Raises ValueError for an unknown dtype or a context outside
+    1..max_position_embeddings."""
     nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
+    index_dtype = dtype if index_dtype is None else index_dtype
+    if index_dtype not in DTYPES and index_dtype not in TORCH_NAMES:
+        refuse("index_dtype", index_dtype, f"None (= dtype) or one of {', '.join(DTYPES)}")
+    ibytes = _dtype_bytes(index_dtype)
+    scale_bytes = INDEX_SCALE_BYTES if dtype_name(index_dtype) == "fp8" else 0
     every = _blocks(cfg, mtp=False) + _blocks(cfg, mtp=True)
     kinds = {mixer_kind(spec) for spec in every}
     widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}
-    out = {"dtype": dtype, "bytes_per_value": nbytes, "context": L,
+    out = {"dtype": dtype, "bytes_per_value": nbytes, "index_dtype": index_dtype, "index_bytes_per_value": ibytes,
+           "index_scale_bytes": scale_bytes, "context": L,
            "per_layer_values": {**{a: w for a, w in widths.items() if a in kinds},
                                 "indexer": cfg.index_head_dim if any(spec.index_cache for spec in every) else 0}}
     for part in ("main", "mtp"):
         s = _state_of(cfg, _blocks(cfg, mtp=part == "mtp"), nbytes, L)
-        s["bytes_per_token"] = s["values"] * nbytes
+        s["indexer_bytes_per_token"] = s["indexer_values"] * ibytes + s.pop("index_layers") * scale_bytes
+        s["bytes_per_token"] = s["attention_values"] * nbytes + s["indexer_bytes_per_token"]
         s["bytes_for_context"] = s["bytes_per_token"] * L + s["fixed_bytes"]
         out[part] = s
     return out
@@ -332,10 +348,12 @@ def report_note(cfg: ModelConfig) -> str:
     return REPORT_NOTE if any(counts == conventions(ModelConfig.from_preset(n)) for n in REPORT_SHAPES) else GENERAL_NOTE
 
 
-def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, name: str = "") -> dict:
+def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, name: str = "",
+           index_dtype: str | None = None) -> dict:
     """Everything, as a JSON-serialisable dict. `total_params` / `activated_params` = every parameter the
     model holds (with embedding+output, with MTP); one key per convention of `CONVENTIONS`, each {"total",
-    "activated"}; "report_note" from `report_note`. Raises ValueError (bad dtype or context)."""
+    "activated"}; "report_note" from `report_note`; "state" from `state` (index_dtype: the indexer keys'
+    dtype there). Raises ValueError (bad dtype, index_dtype or context)."""
     conv = conventions(cfg)
     full = conv["with_embeddings_with_mtp"]
     return {
@@ -344,7 +362,7 @@ def ledger(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None,
         "params": {"main": main_params(cfg), "main_activated": main_params(cfg, active=True),
                    "mtp": mtp_params(cfg), "mtp_activated": mtp_params(cfg, active=True)},
         "buffers": {"e_score_correction_bias": router_bias_elements(cfg)},
-        "state": state(cfg, dtype=dtype, context=context),
+        "state": state(cfg, dtype=dtype, context=context, index_dtype=index_dtype),
         "flops_per_token": flops(cfg, context=context),
     }
 
@@ -380,7 +398,10 @@ def _param_lines(d: dict) -> list[str]:
 
 
 def _state_lines(s: dict) -> list[str]:
-    lines = [f"state per token ({s['dtype']}, {s['bytes_per_value']} B/value), context {s['context']:,}:"]
+    index = "" if s["index_dtype"] == s["dtype"] and not s["index_scale_bytes"] else (
+        f"; indexer keys {s['index_dtype']}, {s['index_bytes_per_value']} B/value"
+        + (f" + a {s['index_scale_bytes']} B scale per token per layer" if s["index_scale_bytes"] else ""))
+    lines = [f"state per token ({s['dtype']}, {s['bytes_per_value']} B/value{index}), context {s['context']:,}:"]
     for part, label in (("main", "main layers"), ("mtp", "MTP layer")):
         x = s[part]
         lines.append(f"  {label:<12}{x['attention_values']:>9,} attention + {x['indexer_values']:>7,} indexer values"

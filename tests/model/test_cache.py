@@ -307,10 +307,13 @@ def meta_model(cfg: ModelConfig) -> GLM5ForCausalLM:
 @pytest.mark.parametrize("make_cfg", [lambda: ModelConfig.from_preset("tiny"), lambda: ModelConfig.from_preset("small"),
                                       gqa_cfg, mixed_cfg], ids=["tiny", "small", "gqa", "mla-gqa-mixed"])
 @pytest.mark.parametrize("dtype, name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
-def test_bytes_per_token_equals_ledger(make_cfg, dtype, name):
+@pytest.mark.parametrize("index", [None, "fp8"], ids=["index-keys-as-cache", "fp8-index-keys"])
+def test_bytes_per_token_equals_ledger(make_cfg, dtype, name, index):
+    """fp8 index keys (`index_cache_dtype="fp8"`): 1 byte per value + a 4-byte fp32 scale per token per layer."""
     cfg = make_cfg()
-    model, ledger = meta_model(cfg), state(cfg, dtype=name)
-    main, mtp = KVCache.for_model(model, 3, 8, dtype=dtype), KVCache.for_mtp(model, 3, 8, dtype=dtype)
+    model, ledger = meta_model(cfg), state(cfg, dtype=name, index_dtype=index)
+    main = KVCache.for_model(model, 3, 8, dtype=dtype, index_cache_dtype=index)
+    mtp = KVCache.for_mtp(model, 3, 8, dtype=dtype, index_cache_dtype=index)
     assert main.bytes_per_token() == ledger["main"]["bytes_per_token"]
     assert mtp.bytes_per_token() == ledger["mtp"]["bytes_per_token"]
     assert main.nbytes() == 3 * 8 * ledger["main"]["bytes_per_token"]
@@ -354,6 +357,9 @@ def test_glm5_cache_is_576_latent_plus_128_index_key_per_layer():
     assert cache.bytes_per_token() == ledger["main"]["bytes_per_token"] == 78 * (576 + 128) * 2
     mtp = KVCache.for_mtp(model, 1, 8, dtype=torch.bfloat16)
     assert mtp.bytes_per_token() == ledger["mtp"]["bytes_per_token"] == (576 + 128) * 2
+    fp8 = KVCache.for_model(model, 1, 8, dtype=torch.bfloat16, index_cache_dtype="fp8")
+    assert fp8.bytes_per_token() == state(cfg, dtype="bf16", index_dtype="fp8")["main"]["bytes_per_token"] \
+        == 78 * (576 * 2 + 128 + 4)
 
 
 # ---------------------------------------------------------------- 7. overflow and bad arguments

@@ -1,6 +1,6 @@
 """The `glm5lab` command: one entry point, one subcommand per task, thin over the library.
 
-    glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--context N] [--json]
+    glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--index-dtype D] [--context N] [--json]
                    [--gpus G --ep E --mode train|serve [--batch B] [--cache-dtype DTYPE]]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
                    [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--ep N] [--threads N] ...
@@ -76,13 +76,16 @@ DEPLOYMENT_FLAGS = ("gpus", "ep", "mode")
 def cmd_ledger(args: argparse.Namespace) -> int:
     cfg, label = load_config(args.preset, args.config)
     if _deployment_asked(args):
+        if args.index_dtype is not None:
+            refuse("--index-dtype", args.index_dtype, "only for the ledger table (the deployment accounts keep the "
+                   "indexer keys in --cache-dtype)")
         check_layout(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
                      batch=1 if args.batch is None else args.batch, flag="--")
         d = deployment(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
                        cache_dtype=args.cache_dtype, context=args.context, batch=args.batch or 1, name=label)
         text = render_deployment(d)
     else:
-        d = ledger(cfg, dtype=args.dtype, context=args.context, name=label)
+        d = ledger(cfg, dtype=args.dtype, context=args.context, name=label, index_dtype=args.index_dtype)
         text = render(d)
     print(text)
     if args.json:
@@ -296,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                    help="element type of the cached state, for its bytes (default bf16); with --mode also "
                    "of the weights (and in training of the gradients; fp8 only with --mode serve)")
+    p.add_argument("--index-dtype", dest="index_dtype", choices=list(DTYPES),
+                   help="element type of the cached indexer keys, for their bytes (default: --dtype); fp8 = "
+                   "float8_e4m3fn keys plus a 4-byte fp32 scale per token per layer, as DeepSeek-V3.2 serves them "
+                   "(`glm5lab generate --index-cache-dtype fp8`)")
     p.add_argument("--context", type=int, metavar="N",
                    help="context length in tokens for state bytes and FLOPs (default: the model's "
                    "max_position_embeddings; larger values are refused)")

@@ -63,6 +63,10 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"],
                    help="weight and cache dtype (default: fp32 on cpu, bf16 on cuda)")
+    p.add_argument("--index-cache-dtype", dest="index_cache_dtype", choices=["auto", "fp8"], default="auto",
+                   help="dtype of the cached DSA indexer keys: auto = the cache's (--dtype), fp8 = float8_e4m3fn with "
+                   "one fp32 scale per token, as DeepSeek-V3.2 serves them (132 instead of 512 bytes per token per "
+                   "indexer layer at 128-wide keys in fp32; the keys the indexer scores are rounded, docs/inference.md)")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
                    help=f"prefill the prompt in pieces of N tokens (default {DEFAULT_PREFILL_CHUNK}; the result "
                    "does not depend on it)")
@@ -96,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = encode_prompt(args, tokenizer)
     stops = parse_stops(args.stop or [], tokenizer)
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   speculative=args.speculative, stop_tokens=stops,
+                   speculative=args.speculative, stop_tokens=stops, index_cache_dtype=args.index_cache_dtype,
                    draft_steps=DEFAULT_DRAFT_STEPS if args.draft_steps is None else args.draft_steps,
                    prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     check_request(config, prompt_ids, args.max_new_tokens, **options)  # the library's checks, before the weights

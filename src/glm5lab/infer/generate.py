@@ -34,6 +34,7 @@ from glm5lab.infer.sampling import BatchGenerator, Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
 from glm5lab.infer.steps import decode_step, draft, prefill, verify
 from glm5lab.model.cache import KVCache
+from glm5lab.model.fp8_keys import index_cache_fp8
 from glm5lab.validate import int_at_least
 
 SPECULATIVE = (None, "mtp")
@@ -88,7 +89,8 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
              draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
              on_tokens: Callable[[list[list[int]]], None] | None = None, attn_impl: str = "auto",
-             stop_when: Callable[[int, list[int]], bool] | None = None, compile: bool = False) -> GenerateOutput:
+             stop_when: Callable[[int, list[int]], bool] | None = None, compile: bool = False,
+             index_cache_dtype=None) -> GenerateOutput:
     """Generate up to `max_new_tokens` tokens after each prompt.
 
     input_ids: int64 tensor [T] or [B, T], a list of ints, or a list of lists of ints (prompts of different
@@ -104,7 +106,10 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     decode, verification and draft steps as compiled graphs (`glm5lab.infer.compiled`; the prefill stays
     eager), compiled on the first call per batch size, cache capacity (a multiple of 256) and draft_steps
     (`stats.compile_seconds`). Finished rows then stay in the batch, frozen (the shape is static). Same tokens
-    as compile=False; attention models only (ValueError for Gated DeltaNet layers). Returns
+    as compile=False; attention models only (ValueError for Gated DeltaNet layers). index_cache_dtype: None /
+    "auto" (the indexer keys cached in the model's dtype) or "fp8" / torch.float8_e4m3fn (float8_e4m3fn keys with
+    one fp32 scale per token, as DeepSeek-V3.2 serves them: `KVCache`, `glm5lab.model.fp8_keys`), for the main
+    and the draft head's caches. Returns
     GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for speculative runs. Raises
     ValueError (naming the argument) on bad input, and when a prompt plus max_new_tokens (+ draft_steps + 1)
     exceeds max_position_embeddings."""
@@ -117,7 +122,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     prompts, sampling, stops = check_request(model.config, input_ids, max_new_tokens, temperature=temperature,
                                              top_k=top_k, top_p=top_p, seed=seed, speculative=speculative,
                                              draft_steps=draft_steps, stop_tokens=stop_tokens,
-                                             prefill_chunk=prefill_chunk)
+                                             prefill_chunk=prefill_chunk, index_cache_dtype=index_cache_dtype)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device)
     if seed is not None:
@@ -126,6 +131,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
         generator.seed()
     run = _Run(model, prompts, max_new_tokens, sampling, BatchGenerator(generator, len(prompts)), stops, on_tokens,
                attn_impl, device, stop_when, compiled)
+    run.index_cache_dtype = index_cache_dtype
     if speculative == "mtp":
         run.speculative(draft_steps, prefill_chunk)
     else:
@@ -139,7 +145,8 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
 def check_request(config, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                   top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
                   draft_steps: int = 3, stop_tokens: Iterable[int] = (),
-                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> tuple[list[list[int]], Sampling, frozenset[int]]:
+                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                  index_cache_dtype=None) -> tuple[list[list[int]], Sampling, frozenset[int]]:
     """Every check `generate` makes on its arguments, against a `ModelConfig` only (so a CLI can
     refuse a request before loading weights). Returns (prompts as lists of ids, the `Sampling`,
     the stop-token set). Raises ValueError/TypeError as `generate` documents."""
@@ -147,6 +154,7 @@ def check_request(config, input_ids, max_new_tokens: int, *, temperature: float 
     sampling = Sampling(temperature, top_k, top_p).check(config.vocab_size)
     _check_args(config, prompts, max_new_tokens, speculative, draft_steps, prefill_chunk)
     stops = _stop_set(stop_tokens, config.vocab_size)
+    index_cache_fp8(index_cache_dtype)
     if seed is not None and (not _is_id(seed) or not -2**63 <= int(seed) < 2**64):
         raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
     return prompts, sampling, stops
@@ -156,6 +164,8 @@ class _Run:
     """State of one generate call: rows still running (`alive`, global row ids), their emitted
     tokens, statistics. Finished rows leave the batch; compiled, they stay in it, frozen (`settle`)
     (`finished`: the batch shape of the compiled graphs is static)."""
+
+    index_cache_dtype = None  # the caches' indexer keys (`KVCache`'s option), set by `generate`
 
     def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device, stop_when,
                  compiled):
@@ -250,7 +260,7 @@ class _Run:
 
     def plain(self, chunk):
         capacity = self.capacity(int(self.lens.max()) + self.max_new)
-        cache = KVCache.for_model(self.model, len(self.prompts), capacity)
+        cache = KVCache.for_model(self.model, len(self.prompts), capacity, index_cache_dtype=self.index_cache_dtype)
         logits_BV = self.prefill(cache, chunk, keep_hidden=False).logits_BV
         t0, since = time.perf_counter(), None
         while True:
@@ -268,8 +278,8 @@ class _Run:
         self.chunk = chunk
         B, P = len(self.prompts), int(self.lens.max())
         capacity = self.capacity(P + self.max_new + k + 1)
-        cache = KVCache.for_model(self.model, B, capacity)
-        mtp_cache = KVCache.for_mtp(self.model, B, capacity)
+        cache = KVCache.for_model(self.model, B, capacity, index_cache_dtype=self.index_cache_dtype)
+        mtp_cache = KVCache.for_mtp(self.model, B, capacity, index_cache_dtype=self.index_cache_dtype)
         pre = self.prefill(cache, chunk, keep_hidden=True)
         logits_BV, h_BPD = pre.logits_BV, pre.hidden_BPD
         acceptance = AcceptanceStats(k)

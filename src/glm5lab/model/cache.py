@@ -6,7 +6,9 @@ Legend: B rows (sequences), S_max capacity (tokens per row), C `kv_lora_rank`, R
 What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowhere else:
 per MLA layer `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe] (576 values per token
 in GLM-5), plus `index_keys` [B, S_max, J] (the lightning indexer's keys) on layers with `index_cache` (an
-"own" indexer and `use_dsa`; SWA layers holding indexer weights keep none). Per GQA layer: `k` [B, S_max, G,
+"own" indexer and `use_dsa`; SWA layers holding indexer weights keep none); with `index_cache_dtype="fp8"` those
+keys are float8_e4m3fn beside `index_key_scales` fp32 [B, S_max], one scale per token
+(`glm5lab.model.fp8_keys`). Per GQA layer: `k` [B, S_max, G,
 X] and `v` [B, S_max, G, V]. Per sliding-window ("swa") layer: the same buffers, but as a ring of
 min(window, S_max) slots (`WindowRing`, `glm5lab.model.window_ring`): constant memory whatever the
 context. Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState`
@@ -31,6 +33,7 @@ import contextlib
 import torch
 
 from glm5lab.config import LayerSpec, ModelConfig
+from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, index_cache_fp8
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import Step
 from glm5lab.model.window_ring import WindowRing, ring_slots
@@ -54,10 +57,15 @@ def layer_buffers(cfg: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...
 class KVCache:
     """Caches of a stack of layers (the main model's, or the MTP layer's) for B rows of up to
     `capacity` tokens each. Build with `KVCache.for_model(model, ...)` / `KVCache.for_mtp(...)`.
-    Buffers are zero-filled at construction (memory is allocated once, up front)."""
+    Buffers are zero-filled at construction (memory is allocated once, up front).
+
+    index_cache_dtype: None / "auto" (the indexer keys in `dtype`, as everything else), or "fp8" /
+    torch.float8_e4m3fn: "index_keys" in float8_e4m3fn plus "index_key_scales" fp32 [B, capacity], one scale per
+    token, quantized on write and dequantized on read (`glm5lab.model.fp8_keys`; DeepSeek-V3.2's serving
+    layout); a `dtype` of float8_e4m3fn implies it. ValueError for another value."""
 
     def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], batch: int, capacity: int, *,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, index_cache_dtype=None):
         int_at_least("cache batch", batch, 1)
         int_at_least("cache capacity", capacity, 1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -67,6 +75,7 @@ class KVCache:
             raise ValueError(f"cache capacity {capacity} is not allowed: at most max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         self.capacity, self.dtype, self.specs = capacity, dtype, specs
+        self.index_fp8 = index_cache_fp8(index_cache_dtype) or dtype == FP8  # checked before any allocation
         self.layers = [{} if spec.window is not None else
                        {name: torch.zeros(batch, capacity, *shape, dtype=dtype, device=device)
                         for name, shape in layer_buffers(cfg, spec).items()} for spec in specs]
@@ -74,28 +83,35 @@ class KVCache:
             None if spec.window is None else
             WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, dtype=dtype, device=device)
             for spec in specs]
+        if self.index_fp8:
+            self.layers = [_fp8_index_keys(layer, batch, capacity, device) for layer in self.layers]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.extent_bound = 0  # host-side upper bound of lengths.max()
         self.forward_start = self.lengths  # row lengths before the last forward (recurrent rollback limit)
         self.recurrent: list[RecurrentState | None] = [None] * len(specs)
 
     @classmethod
-    def for_model(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
-        """Cache of the main decoder layers of a `GLM5ForCausalLM` (dtype/device: the model's).
-        "gdn" / "simple_gdn" layers get a `RecurrentState` (fixed size, rollback by replay)."""
-        cache = cls(model.config, model.layer_specs, batch, capacity, **_where(model, dtype))
+    def for_model(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
+                  index_cache_dtype=None) -> KVCache:
+        """Cache of the main decoder layers of a `GLM5ForCausalLM` (dtype/device: the model's;
+        index_cache_dtype: see the class). "gdn" / "simple_gdn" layers get a `RecurrentState` (fixed size,
+        rollback by replay)."""
+        cache = cls(model.config, model.layer_specs, batch, capacity, **_where(model, dtype),
+                    index_cache_dtype=index_cache_dtype)
         for i, layer in enumerate(model.model.layers):
             if cache.specs[i].recurrent:
                 cache.recurrent[i] = layer.self_attn.new_state(batch, **_where(model, dtype))
         return cache
 
     @classmethod
-    def for_mtp(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
-        """Cache of the MTP layer (the speculative draft head). Raises ValueError without one."""
+    def for_mtp(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
+                index_cache_dtype=None) -> KVCache:
+        """Cache of the MTP layer (the speculative draft head; index_cache_dtype: see the class, for an MTP
+        layer that keeps indexer keys). Raises ValueError without one."""
         cfg = model.config
         if not cfg.num_nextn_predict_layers:
             raise ValueError("this model has no MTP layer (num_nextn_predict_layers=0)")
-        return cls(cfg, model.mtp_specs, batch, capacity, **_where(model, dtype))
+        return cls(cfg, model.mtp_specs, batch, capacity, **_where(model, dtype), index_cache_dtype=index_cache_dtype)
 
     @property
     def batch(self) -> int:
@@ -218,6 +234,17 @@ class KVCache:
         for r in (*self.recurrent, *self.rings):
             if r is not None:
                 r.keep_rows(rows_N)
+
+
+def _fp8_index_keys(layer: dict, batch: int, capacity: int, device) -> dict:
+    """A layer's buffers with each buffer of `SCALE_BUFFERS` ("index_keys") in float8_e4m3fn plus its fp32
+    per-token scales [B, capacity] (zeros: unwritten slots are masked, never read)."""
+    out = dict(layer)
+    for name, scales in SCALE_BUFFERS.items():
+        if name in layer:
+            out[name] = torch.zeros(layer[name].shape, dtype=FP8, device=device)
+            out[scales] = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
+    return out
 
 
 def _where(model, dtype):

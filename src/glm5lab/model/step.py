@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glm5lab.model.fp8_keys import SCALE_BUFFERS, write_quantized
 from glm5lab.model.topk import TopK
 from glm5lab.model.visibility import visible
 from glm5lab.model.window_ring import ring_mask, ring_slots
@@ -178,12 +179,15 @@ class LayerStep:
     def write(self, name: str, new_BT: torch.Tensor) -> torch.Tensor:
         """Store new_BT ([B, T, ...]) at the step's slots; return buffer `name` [B, S, ...] in
         new_BT's dtype (a cache kept in another dtype, `KVCache.for_model(dtype=)`, is read back
-        cast). With no cache, returns new_BT itself (S = T). A sliding-window layer's ring returns
+        cast; fp8 indexer keys, `index_cache_dtype="fp8"`, are quantized on write and read back
+        dequantized). With no cache, returns new_BT itself (S = T). A sliding-window layer's ring returns
         the keys of `ring_key_positions` instead (`WindowRing.write`)."""
         if not self.step.cached:
             return new_BT
         if self.ring is not None:
             return self.ring.write(name, new_BT, self.step.offsets)
+        if SCALE_BUFFERS.get(name) in self.buffers:  # fp8 indexer keys: quantized per token (fp8_keys)
+            return write_quantized(self.buffers, name, *self.step.slots(), new_BT, self.step.extent)
         buf = self.buffers[name]
         rows_B1, slots_BT = self.step.slots()
         buf[rows_B1, slots_BT] = new_BT.to(buf.dtype)
