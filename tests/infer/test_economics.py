@@ -114,11 +114,11 @@ def test_round_is_the_sum_of_its_forwards():
     dr = ec.drafts(cfg, shape, k)
     mtp_cache = ec.cache_bytes(cfg, (cfg.mtp_layer,), batch=2, context=100, queries=4) \
         + 2 * ec.cache_bytes(cfg, (cfg.mtp_layer,), batch=2, context=100, queries=1)
-    assert dr.forwards == 3 and dr.head == 3 * head and dr.cache == mtp_cache
+    assert dr.forwards == 0 and dr.draft_forwards == 3 and dr.head == 3 * head and dr.cache == mtp_cache
     assert dr.weights == pytest.approx(ec.weight_bytes(cfg, 8, part="mtp", logits=False)
                                        + 2 * (ec.weight_bytes(cfg, 2, part="mtp") - head), rel=1e-12)
     rnd = ec.speculative_round(cfg, shape, k)
-    assert rnd.forwards == 4 and rnd.bytes == pytest.approx(ver.bytes + dr.bytes, rel=1e-12)
+    assert rnd.forwards == 1 and rnd.draft_forwards == 3 and rnd.bytes == pytest.approx(ver.bytes + dr.bytes, rel=1e-12)
 
 
 def test_predicted_speedup_limits():
@@ -126,6 +126,8 @@ def test_predicted_speedup_limits():
     cfg, shape = tiny(), ec.Shape(batch=1, context=64)
     assert ec.predicted_speedup(cfg, shape, k=3, acceptance_length=2.0, bandwidth=1e30, overhead=1e-3) \
         == pytest.approx(2.0 / 4, rel=1e-9)
+    assert ec.predicted_speedup(cfg, shape, k=3, acceptance_length=2.0, bandwidth=1e30, overhead=1e-3,
+                                draft_overhead=0.0) == pytest.approx(2.0, rel=1e-9)
     ratio = ec.plain_step(cfg, shape).bytes / ec.speculative_round(cfg, shape, 3).bytes
     assert ec.predicted_speedup(cfg, shape, k=3, acceptance_length=2.5, bandwidth=1e9) == pytest.approx(2.5 * ratio)
     assert ec.plain_step(cfg, shape).seconds(1e9, 1e-3) == pytest.approx(ec.plain_step(cfg, shape).bytes / 1e9 + 1e-3)

@@ -5,7 +5,8 @@ Legend: B rows, L cached tokens per row (the context), k drafts per round, E rou
 token, n tokens in one forward (all rows), D hidden, V vocab.
 
 Decoding is memory bound: a forward costs the bytes it must read at least, over the host's bandwidth, plus a
-fixed per-forward overhead (launches, dispatch, host work), t = bytes / bandwidth + forwards x overhead.
+fixed per-forward overhead (launches, dispatch, host work), t = bytes / bandwidth + forwards x overhead
+(an MTP-layer forward may be given its own overhead: one layer where the main model has many).
 
 What one forward of T tokens per row reads (`forward_bytes`):
 - weights, once per forward: every dense part (attention, the indexers that run, dense FFNs, shared experts,
@@ -44,13 +45,15 @@ PARTS = ("main", "mtp")
 @dataclass(frozen=True)
 class Cost:
     """Bytes read and forwards run by one step or round: weights (the model's parameters, output head
-    apart), head (the output head's reads), cache (the KV/index cache); forwards counts the per-forward
-    overheads (the output head run alone on the drafts' pending pass is part of that forward)."""
+    apart), head (the output head's reads), cache (the KV/index cache); forwards: main-model forwards,
+    draft_forwards: MTP-layer forwards (the output head run alone after the drafts' pending pass is part of
+    that forward), each paying its per-forward overhead in `seconds`."""
 
     weights: float = 0.0
     head: float = 0.0
     cache: float = 0.0
     forwards: int = 0
+    draft_forwards: int = 0
 
     @property
     def bytes(self) -> float:
@@ -58,16 +61,18 @@ class Cost:
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(self.weights + other.weights, self.head + other.head, self.cache + other.cache,
-                    self.forwards + other.forwards)
+                    self.forwards + other.forwards, self.draft_forwards + other.draft_forwards)
 
     def times(self, n: int) -> Cost:
-        return Cost(n * self.weights, n * self.head, n * self.cache, n * self.forwards)
+        return Cost(n * self.weights, n * self.head, n * self.cache, n * self.forwards, n * self.draft_forwards)
 
-    def seconds(self, bandwidth: float, overhead: float = 0.0) -> float:
-        """bytes / bandwidth (bytes per second) + forwards x overhead (seconds per forward)."""
+    def seconds(self, bandwidth: float, overhead: float = 0.0, draft_overhead: float | None = None) -> float:
+        """bytes / bandwidth (bytes per second) + forwards x overhead + draft_forwards x draft_overhead
+        (seconds per forward; draft_overhead defaults to overhead)."""
         finite("bandwidth", bandwidth, positive=True)
         finite("overhead", overhead)
-        return self.bytes / bandwidth + self.forwards * overhead
+        per_draft = overhead if draft_overhead is None else finite("draft_overhead", draft_overhead)
+        return self.bytes / bandwidth + self.forwards * overhead + self.draft_forwards * per_draft
 
 
 def distinct_experts(n_experts: int, per_token: int, tokens: int) -> float:
@@ -166,7 +171,7 @@ def forward_cost(cfg: ModelConfig, shape: Shape, tokens: int, *, part: str = "ma
     specs = cfg.layers if part == "main" else (cfg.mtp_layer,)
     cache = cache_bytes(cfg, specs, batch=shape.batch, context=shape.context, queries=tokens,
                         bytes_per_value=shape.cache_bytes, index_bytes_per_value=shape.index_bytes)
-    return Cost(weights, head, cache, 1)
+    return Cost(weights, head, cache, 1, 0) if part == "main" else Cost(weights, head, cache, 0, 1)
 
 
 def plain_step(cfg: ModelConfig, shape: Shape) -> Cost:
@@ -196,12 +201,12 @@ def speculative_round(cfg: ModelConfig, shape: Shape, k: int) -> Cost:
 
 
 def predicted_speedup(cfg: ModelConfig, shape: Shape, *, k: int, acceptance_length: float, bandwidth: float,
-                      overhead: float = 0.0) -> float:
-    """acceptance_length x t(plain step) / t(round), t = bytes / bandwidth + forwards x overhead
-    (bandwidth in bytes/s, overhead in seconds per forward). Raises ValueError for an acceptance length
-    outside 1..k+1 or a non-positive bandwidth."""
+                      overhead: float = 0.0, draft_overhead: float | None = None) -> float:
+    """acceptance_length x t(plain step) / t(round), t = bytes / bandwidth + forwards x overhead (+ MTP
+    forwards x draft_overhead, default overhead); bandwidth in bytes/s, overheads in seconds per forward.
+    Raises ValueError for an acceptance length outside 1..k+1 or a non-positive bandwidth."""
     finite("acceptance_length", acceptance_length)
     if not 1.0 <= acceptance_length <= k + 1:
         raise ValueError(f"acceptance_length={acceptance_length} is not allowed: 1..k+1={k + 1}")
-    t_plain = plain_step(cfg, shape).seconds(bandwidth, overhead)
-    return acceptance_length * t_plain / speculative_round(cfg, shape, k).seconds(bandwidth, overhead)
+    t_plain = plain_step(cfg, shape).seconds(bandwidth, overhead, draft_overhead)
+    return acceptance_length * t_plain / speculative_round(cfg, shape, k).seconds(bandwidth, overhead, draft_overhead)

@@ -1,0 +1,156 @@
+"""`benchmarks/speculative.py --map`: runs the regime map (`speculative_map`), prints its tables, the goals'
+verdicts, GLM-5's predicted speedup, and the JSON line.
+
+Goals (issue 28): the byte model predicts every measured speedup within 20%; at least one regime where k = 3
+speculation is >= 1.3x plain, or the measured reason why none exists. A regime "pays" when its measured
+speedup is >= 1.0x; it "cannot" pay when the byte model's bound (acceptance length x plain bytes / round
+bytes: overheads 0) is below 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import speculative_map as sm
+from common import markdown_table, verdict
+
+from glm5lab.environment import load_average
+from glm5lab.infer.compiled import CompiledSteps
+from glm5lab.train.data import held_out_prompts
+
+GOALS = {"within": 0.20, "speedup": 1.3}
+
+
+def run_map(args, checkpoint, env) -> dict:
+    """Measure every regime of `args` (see speculative.py's --map flags); print; return the JSON record."""
+    from speculative import load_model
+
+    base = load_model(checkpoint, "cpu")
+    k, p_max = args.map_k, max(args.acceptance_context_list)
+    (stream_ids,), data_info = held_out_prompts(checkpoint, 1, p_max, data=args.data, split_seed=args.split_seed)
+    env["bandwidth_bytes_per_s"] = bandwidth = sm.calibrate_bandwidth()
+    print(f"bandwidth: {bandwidth / 1e9:.2f} GB/s (x.sum() over 1 GiB fp32, median of 5), "
+          f"{env['torch_threads']} thread(s), load average {load_average()}", flush=True)
+    kinds, check = {}, None
+    for kind in args.attention_list:
+        model = sm.variant(base, use_dsa=kind == "dsa", max_positions=p_max)
+        compiled = CompiledSteps(model)
+        t0 = time.perf_counter()
+        stream = sm.prefill_stream(model, stream_ids)
+        prefill_s = time.perf_counter() - t0
+        print(f"{kind}: prefilled {p_max} held-out tokens in {prefill_s:.1f} s", flush=True)
+        acc = sm.acceptance_by_context(model, stream, args.acceptance_context_list, rows=max(args.batch_list),
+                                       margin=args.margin, k=k, n=args.rounds)
+        over = sm.overheads(model, bandwidth, args.batch_list, compiled, steps=args.rounds, repeats=args.repeats)
+        print(f"{kind}: acceptance {[round(a.acceptance_length, 2) for a in acc.values()]}, overhead per forward "
+              f"{ {b: round(o * 1e3, 3) for b, o in over.items()} } ms; load average {load_average()}", flush=True)
+        rows = sm.measure_kind(model, stream, args, acc, bandwidth, over, compiled)
+        kinds[kind] = {"prefill_s": prefill_s, "overhead_s": over, "regimes": rows,
+                       "acceptance": {L: a.as_dict() for L, a in acc.items()}, "compile_s": compiled.seconds}
+        if args.check_generate and (check is None) and (kind == "dsa" or kind == args.attention_list[-1]):
+            check = generate_check(model, checkpoint, args, kinds[kind], compiled)
+        del stream, model
+    env["load_average_end"] = load_average()
+    glm5 = sm.glm5_prediction()
+    return report(args, kinds, check, glm5, data_info, checkpoint, env)
+
+
+def generate_check(model, checkpoint, args, kind: dict, compiled) -> dict:
+    """generate() vs the map's formula at batch 1, context 512 (4 held-out prompts of 384 tokens, 64 new)."""
+    prompts, _ = held_out_prompts(checkpoint, 4, 384, data=args.data, split_seed=args.split_seed)
+    prompt_state = sm.prefill_stream(model, prompts[0] + prompts[1][:128])
+    st = sm.regime_state(model, prompt_state, batch=1, context=512, margin=args.margin, k=args.map_k)
+    t = sm.time_cases(model, st, args.map_k, args.rounds, args.repeats, compiled)
+    out = sm.check_generate(model, prompts, 64, args.map_k, t)
+    print(f"generate() check, batch 1, context 512: generate {out['generate_speedup']:.2f}x, map formula "
+          f"{out['map_formula_speedup']:.2f}x (acceptance {out['acceptance_length']:.2f})", flush=True)
+    return out
+
+
+def mark(row: dict) -> str:
+    """Where speculation pays (measured >= 1.0x), where the byte bound says it cannot (< 1), else neither."""
+    if row["measured_speedup"] >= 1.0:
+        return "**pays**"
+    return "cannot (bound < 1)" if row["predicted"]["bound"] < 1.0 else "loses"
+
+
+def map_table(kinds: dict) -> str:
+    rows = []
+    for kind, d in kinds.items():
+        for r in d["regimes"]:
+            t, p = r["t"], r["predicted"]
+            rows.append([kind, r["context"], r["batch"], f"{t['plain'] * 1e3:.2f}", f"{t['round'] * 1e3:.2f}",
+                         f"{r['verify_in_steps']:.2f}", f"{r['draft_in_steps']:.2f}",
+                         f"{p['t']['verify'] / p['t']['plain']:.2f}", f"{r['acceptance_length']:.2f}",
+                         f"**{r['measured_speedup']:.2f}x**", f"{p['speedup']:.2f}x", f"{100 * r['error']:+.0f}%",
+                         f"{p['bound']:.2f}x", f"{p['mib']['plain']:.1f} / {p['mib']['round']:.1f}", mark(r)])
+    return markdown_table(["attention", "context", "batch", "plain step ms", "round ms", "verify (steps)",
+                           "drafts (steps)", "predicted verify (steps)", "acceptance length", "measured speedup",
+                           "predicted speedup", "error", "byte bound", "MiB read: step / round", "verdict"], rows)
+
+
+def acceptance_table(kinds: dict) -> str:
+    rows = []
+    for kind, d in kinds.items():
+        for L, a in d["acceptance"].items():
+            rows.append([kind, L, f"{a['acceptance_length']:.2f}", " / ".join(f"{x:.2f}" for x in a["acceptance_rate"]),
+                         a["verify_steps"]])
+    return markdown_table(["attention", "context", "acceptance length", "rate per draft position",
+                           "verifications"], rows)
+
+
+def glm5_table(glm5: list) -> str:
+    keys = [k for k in glm5[0] if k.startswith("overhead_")]
+    rows = [[r["context"], r["batch"], f"{r['plain_gb']:.1f}", f"{r['round_gb']:.1f}", f"{r['bound']:.2f}x",
+             *(f"{r[k]:.2f}x" for k in keys)] for r in glm5]
+    return markdown_table(["context", "batch", "GB read: step", "GB read: round (k=4)", "bandwidth-bound (overhead 0)",
+                           *(k.replace("overhead_", "overhead ").replace("ms", " ms/forward") for k in keys)], rows)
+
+
+def report(args, kinds, check, glm5, data_info, checkpoint, env) -> dict:
+    regimes = [r for d in kinds.values() for r in d["regimes"]]
+    worst = max((abs(r["error"]) for r in regimes), default=None)
+    best = max(regimes, key=lambda r: r["measured_speedup"], default=None)
+    met = {"within": worst is not None and worst <= GOALS["within"],
+           "speedup": best is not None and best["measured_speedup"] >= GOALS["speedup"]}
+    print(f"\nMTP speculative regime map: {checkpoint}, compiled, greedy, fp32, k = {args.map_k}, "
+          f"{env['torch_threads']} thread(s), load average {env['load_average_start']} -> {env['load_average_end']}\n")
+    print(map_table(kinds))
+    print("\nacceptance against context (greedy, 16 rows of held-out text each):\n")
+    print(acceptance_table(kinds))
+    print(f"\nbandwidth {env['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; overhead per forward (ms) "
+          + "; ".join(f"{kind}: " + ", ".join(f"B={b} {o * 1e3:.3f}" for b, o in d["overhead_s"].items())
+                      for kind, d in kinds.items()))
+    if check:
+        print(f"- generate() at batch 1, context 512: {check['generate_speedup']:.2f}x end to end vs the map's "
+              f"formula {check['map_formula_speedup']:.2f}x ({100 * (check['ratio'] - 1):+.0f}%)")
+    print(f"- goal: the byte model within {GOALS['within']:.0%} of every measured speedup: worst "
+          f"{100 * worst:.0f}% ({verdict(met['within'])})" if worst is not None else "- no regimes")
+    if best:
+        print(f"- goal: a regime >= {GOALS['speedup']}x: best {best['measured_speedup']:.2f}x at "
+              f"{best['context']} tokens, batch {best['batch']} ({verdict(met['speedup'])})")
+    print("\nGLM-5 (glm5 preset; fp8 weights, bf16 latents, fp8 index keys), k = 4, acceptance length 2.76, "
+          f"{sm.GLM5_HOST['gpus']} x H200 ({sm.GLM5_HOST['bandwidth'] / 1e12:.1f} TB/s in all); an MTP forward "
+          "pays 1/78 of a main forward's overhead:\n")
+    print(glm5_table(glm5) + "\n")
+    return {"benchmark": "speculative_map", "goals": {
+                "within": {"target": GOALS["within"], "value": worst, "met": met["within"]},
+                "speedup": {"target": GOALS["speedup"], "value": best and best["measured_speedup"],
+                            "met": met["speedup"], "at": best and {"context": best["context"], "batch": best["batch"]}}},
+            "kinds": _jsonable(kinds), "generate_check": check, "glm5": glm5, "data": data_info,
+            "config": {"model": str(checkpoint), "k": args.map_k, "batches": args.batch_list,
+                       "contexts": args.context_list, "acceptance_contexts": args.acceptance_context_list,
+                       "rounds": args.rounds, "repeats": args.repeats, "margin": args.margin, "quick": args.quick},
+            "env": env}
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return x
