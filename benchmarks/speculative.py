@@ -27,8 +27,20 @@ the MTP layer over k+1 pending pairs and k-1 chained drafts, each with the outpu
 (`common.weight_bytes_read`). Speculation can then be at most acceptance length x W(1) / round
 bytes faster than plain decoding: the "byte bound" column, at the measured acceptance length.
 
+Economics columns (on by default, `--no-economics` drops them): per case, a verification of k+1 tokens and a
+whole round timed in units of one decode step (same mode, batch 1, one held-out row in a cache of the capacity the
+compiled calls used), and the speedup the byte model (`glm5lab.infer.economics`: weights with the distinct routed
+experts, cache reads, the MTP layer and its output head, a per-forward overhead) predicts at the case's measured
+acceptance length, beside the measured speedup; bandwidth and overhead calibrated in this process first
+(`speculative_map.calibrate_bandwidth`, `speculative_map.overheads`), never fitted to a speedup.
+
+`--map`: the regime map instead (`speculative_map.py`, `speculative_map_report.py`): batch x context x dense/DSA
+attention, compiled, k = 3, measured and predicted speedups, acceptance against context, GLM-5's predicted speedup.
+
     .venv/bin/python benchmarks/speculative.py                          # runs/small, 8 x 128 -> 128
     .venv/bin/python benchmarks/speculative.py --model /tmp/bench_quick_run --quick
+    .venv/bin/python benchmarks/speculative.py --map --threads 1        # the regime map (see BENCHMARKS.md)
+    .venv/bin/python benchmarks/speculative.py --map --quick --model /tmp/bench_quick_run
 
 Prints a markdown table, then one JSON line with every figure.
 """
@@ -83,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--acceptance-contexts", default="512,2048,8192,32768",
                    help="--map: contexts where acceptance is measured (eager, 16 rows; no graphs to compile)")
     p.add_argument("--attention", default="dense,dsa", help="--map: dense (use_dsa=False) and/or dsa")
+    p.add_argument("--save", default=None, help="--map: also write the measurements (JSON) here after each attention kind")
     p.add_argument("--map-k", type=int, default=3, help="--map: drafts per round")
     p.add_argument("--rounds", type=int, default=12, help="--map: plain steps / rounds per timed run")
     p.add_argument("--check-generate", default=True, action=argparse.BooleanOptionalAction,
@@ -111,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--attention must be a comma-separated subset of dense,dsa, got {args.attention!r}")
     if any(c % 256 or c < 512 for c in args.context_list):
         p.error(f"--contexts must be multiples of 256 (the compiled cache bucket), at least 512, got {args.contexts!r}")
+    if args.map and args.device != "cpu":
+        p.error("--map runs on CPU (fp32) only")
     args.margin = args.rounds * (args.map_k + 1) + args.map_k + 2  # room for the timed tokens
     if any(k < 1 for k in args.k_list):
         p.error("--draft-steps must be >= 1")
@@ -211,8 +226,9 @@ def economics_columns(model, checkpoint, args, res: dict, env: dict) -> None:
     env["economics_context"] = cap
     for mode in args.mode_list:
         compiled = CompiledSteps(model) if mode == "compiled" else None
-        over = sm.overheads(model, bw, [1], compiled, steps=n, repeats=args.repeats)[1]
-        env[f"overhead_s_{mode}"] = over
+        points = sm.overheads(model, bw, [1] + [k + 1 for k in args.k_list], compiled, steps=n, repeats=args.repeats)
+        over = sm.interpolate(points)
+        env[f"overhead_s_{mode}"] = points
         for name, r in res.items():
             if "acceptance_length" not in r or (name.endswith(" compiled") != (mode == "compiled")):
                 continue
@@ -288,8 +304,10 @@ def report(res, sampled, mismatches, args, cfg, checkpoint, data_info, env) -> d
           + (f"- verify / round in decode steps: timed at batch 1 on one held-out row in a {env.get('economics_context')}"
              f"-slot cache (speculative_map.py); predicted speedup: glm5lab.infer.economics at the measured acceptance, "
              f"bandwidth {env['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 GiB x.sum()), overhead per forward "
-             + ", ".join(f"{m} {env[f'overhead_s_{m}'] * 1e3:.3f} ms" for m in args.mode_list)
-             + " (decode step at a 256-slot cache minus its bytes / bandwidth)\n" if args.economics else "")
+             + "; ".join(f"{m} " + ", ".join(f"n={n}: {o * 1e3:.3f} ms" for n, o in env[f'overhead_s_{m}'].items())
+                         for m in args.mode_list)
+             + " (a decode step of n rows at a 256-slot cache minus its bytes / bandwidth; an MTP forward pays "
+               "1/num_hidden_layers of it)\n" if args.economics else "")
           + f"- prompts: validation split of {data_info['corpus']} (split seed {data_info['split_seed']}, "
           f"{data_info['val_tokens']} tokens), windows {data_info['rows']} of {data_info['windows']}\n"
           f"- greedy speculative == plain greedy: "

@@ -22,9 +22,12 @@ runs), greedy, fp32:
 - measured speedup = acceptance length x t(plain step) / t(round), per regime, with the acceptance of its
   context; `check_generate` confirms that figure against `generate()`'s end to end at one short regime.
 - predicted: `glm5lab.infer.economics` with that acceptance, bandwidth and per-forward overhead calibrated
-  in this process before any regime (`calibrate`): bandwidth = bytes / seconds of `x.sum()` over a 1 GiB
-  fp32 tensor (DRAM; median of 5); overhead per batch size = t(plain step) at a 256-slot cache minus its
-  bytes / bandwidth (the calibration cache is not a map context). Nothing is fitted to a speedup.
+  in this process before any regime: bandwidth = bytes / seconds of `x.sum()` over a 1 GiB fp32 tensor
+  (DRAM; median of 5, `calibrate_bandwidth`); overhead of a forward of n tokens (all rows) = t(plain step at
+  batch n) at a 256-slot cache minus its bytes / bandwidth, for n = each batch B and B x (k+1) (`overheads`,
+  `interpolate`: what the fixed launch/dispatch cost and the per-token compute add to the bytes); an MTP-layer
+  forward pays 1/num_hidden_layers of it (one block; `draft_share`). The calibration cache is not a map
+  context. Nothing is fitted to a speedup.
 """
 
 from __future__ import annotations
@@ -239,17 +242,18 @@ def acceptance(model, st: State, k: int, n: int, compiled) -> AcceptanceStats:
     return stats
 
 
-def overheads(model, bandwidth: float, batches, compiled, *, steps: int, repeats: int) -> dict[int, float]:
-    """Per-forward overhead per batch size: t(plain step) at a CALIBRATION_CONTEXT-slot cache (rows at half of
-    it, random tokens) minus the byte model's bytes / bandwidth for that step."""
+def overheads(model, bandwidth: float, tokens, compiled, *, steps: int, repeats: int) -> dict[int, float]:
+    """Per-forward overhead by tokens per forward n: t(plain step at batch n) at a CALIBRATION_CONTEXT-slot
+    cache (rows at half of it, random tokens) minus the byte model's bytes / bandwidth for that step. A
+    verification of B x (k+1) tokens then pays the overhead measured on a plain step of as many tokens."""
     out = {}
     gen = torch.Generator().manual_seed(0)
-    for B in batches:
-        cache = KVCache.for_model(model, B, CALIBRATION_CONTEXT)
+    for n in sorted(set(tokens)):
+        cache = KVCache.for_model(model, n, CALIBRATION_CONTEXT)
         with torch.no_grad():
-            prefill(model, torch.randint(0, model.config.vocab_size, (B, CALIBRATION_CONTEXT // 2), generator=gen),
+            prefill(model, torch.randint(0, model.config.vocab_size, (n, CALIBRATION_CONTEXT // 2), generator=gen),
                     cache)
-        base, tok = cache.lengths.clone(), torch.zeros(B, dtype=torch.long)
+        base, tok = cache.lengths.clone(), torch.zeros(n, dtype=torch.long)
 
         def run():
             with torch.no_grad():
@@ -258,18 +262,37 @@ def overheads(model, bandwidth: float, batches, compiled, *, steps: int, repeats
             cache.truncate(base)
         run()
         t = median([timed(run, "cpu")[0] / steps for _ in range(repeats)])
-        pred = ec.plain_step(model.config, ec.Shape(B, CALIBRATION_CONTEXT)).seconds(bandwidth)
-        out[B] = t - pred
+        out[n] = t - ec.plain_step(model.config, ec.Shape(n, CALIBRATION_CONTEXT)).seconds(bandwidth)
     return out
 
 
+def interpolate(points: dict[int, float]):
+    """The overhead as a function of tokens per forward: piecewise linear through the calibrated points,
+    linear beyond the last two (constant with one point)."""
+    xs = sorted(points)
+
+    def fn(n: int) -> float:
+        if len(xs) == 1:
+            return points[xs[0]]
+        i = max(1, min(len(xs) - 1, sum(x < n for x in xs)))
+        x0, x1 = xs[i - 1], xs[i]
+        return points[x0] + (points[x1] - points[x0]) * (n - x0) / (x1 - x0)
+    return fn
+
+
+def draft_share(cfg) -> float:
+    """The share of a main forward's overhead an MTP-layer forward pays: one block of num_hidden_layers."""
+    return 1.0 / cfg.num_hidden_layers
+
+
 def predict(cfg, *, batch: int, context: int, k: int, acceptance_length: float, bandwidth: float,
-            overhead: float) -> dict:
-    """The byte model's seconds and speedup for one regime (fp32 weights and cache)."""
-    shape = ec.Shape(batch, context)
+            overhead) -> dict:
+    """The byte model's seconds and speedup for one regime (fp32 weights and cache); overhead: `interpolate`'s
+    function (an MTP forward pays `draft_share` of it)."""
+    shape, share = ec.Shape(batch, context), draft_share(cfg)
     plain, rnd = ec.plain_step(cfg, shape), ec.speculative_round(cfg, shape, k)
     ver, dr = ec.verification(cfg, shape, k), ec.drafts(cfg, shape, k)
-    t = {name: c.seconds(bandwidth, overhead) for name, c in
+    t = {name: c.seconds(bandwidth, overhead, lambda n: share * overhead(n)) for name, c in
          (("plain", plain), ("round", rnd), ("verify", ver), ("draft", dr))}
     return {"t": t, "speedup": acceptance_length * t["plain"] / t["round"],
             "bound": acceptance_length * plain.bytes / rnd.bytes,
@@ -322,7 +345,7 @@ def measure_kind(model, stream: Stream, args, acc: dict, bandwidth: float, over:
             st = full if B == full.cache.batch else rows_of(full, B)
             t = time_cases(model, st, k, args.rounds, args.repeats, compiled)
             p = predict(model.config, batch=B, context=L, k=k, acceptance_length=a.acceptance_length,
-                        bandwidth=bandwidth, overhead=over[B])
+                        bandwidth=bandwidth, overhead=interpolate(over))
             row = {"context": L, "batch": B, "t": t, "acceptance_length": a.acceptance_length,
                    "measured_speedup": a.acceptance_length * t["plain"] / t["round"],
                    "verify_in_steps": t["verify"] / t["plain"], "draft_in_steps": t["draft"] / t["plain"],

@@ -9,7 +9,9 @@ bytes: overheads 0) is below 1.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,7 @@ import speculative_map as sm
 from common import markdown_table, verdict
 
 from glm5lab.environment import load_average
+from glm5lab.io_utils import atomic_write_text
 from glm5lab.infer.compiled import CompiledSteps
 from glm5lab.train.data import held_out_prompts
 
@@ -43,12 +46,15 @@ def run_map(args, checkpoint, env) -> dict:
         print(f"{kind}: prefilled {p_max} held-out tokens in {prefill_s:.1f} s", flush=True)
         acc = sm.acceptance_by_context(model, stream, args.acceptance_context_list, rows=max(args.batch_list),
                                        margin=args.margin, k=k, n=args.rounds)
-        over = sm.overheads(model, bandwidth, args.batch_list, compiled, steps=args.rounds, repeats=args.repeats)
+        tokens = [b for b in args.batch_list] + [b * (k + 1) for b in args.batch_list]
+        over = sm.overheads(model, bandwidth, tokens, compiled, steps=args.rounds, repeats=args.repeats)
         print(f"{kind}: acceptance {[round(a.acceptance_length, 2) for a in acc.values()]}, overhead per forward "
               f"{ {b: round(o * 1e3, 3) for b, o in over.items()} } ms; load average {load_average()}", flush=True)
         rows = sm.measure_kind(model, stream, args, acc, bandwidth, over, compiled)
         kinds[kind] = {"prefill_s": prefill_s, "overhead_s": over, "regimes": rows,
                        "acceptance": {L: a.as_dict() for L, a in acc.items()}, "compile_s": compiled.seconds}
+        if args.save:  # the measurements so far, before anything else can fail
+            atomic_write_text(Path(args.save), json.dumps(_jsonable({"kinds": kinds, "env": env})))
         if args.check_generate and (check is None) and (kind == "dsa" or kind == args.attention_list[-1]):
             check = generate_check(model, checkpoint, args, kinds[kind], compiled)
         del stream, model
@@ -83,11 +89,12 @@ def map_table(kinds: dict) -> str:
             t, p = r["t"], r["predicted"]
             rows.append([kind, r["context"], r["batch"], f"{t['plain'] * 1e3:.2f}", f"{t['round'] * 1e3:.2f}",
                          f"{r['verify_in_steps']:.2f}", f"{r['draft_in_steps']:.2f}",
-                         f"{p['t']['verify'] / p['t']['plain']:.2f}", f"{r['acceptance_length']:.2f}",
+                         f"{p['t']['verify'] / p['t']['plain']:.2f} / {p['t']['draft'] / p['t']['plain']:.2f}",
+                         f"{r['acceptance_length']:.2f}",
                          f"**{r['measured_speedup']:.2f}x**", f"{p['speedup']:.2f}x", f"{100 * r['error']:+.0f}%",
                          f"{p['bound']:.2f}x", f"{p['mib']['plain']:.1f} / {p['mib']['round']:.1f}", mark(r)])
     return markdown_table(["attention", "context", "batch", "plain step ms", "round ms", "verify (steps)",
-                           "drafts (steps)", "predicted verify (steps)", "acceptance length", "measured speedup",
+                           "drafts (steps)", "predicted verify / drafts (steps)", "acceptance length", "measured speedup",
                            "predicted speedup", "error", "byte bound", "MiB read: step / round", "verdict"], rows)
 
 
@@ -121,7 +128,7 @@ def report(args, kinds, check, glm5, data_info, checkpoint, env) -> dict:
     print("\nacceptance against context (greedy, 16 rows of held-out text each):\n")
     print(acceptance_table(kinds))
     print(f"\nbandwidth {env['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; overhead per forward (ms) "
-          + "; ".join(f"{kind}: " + ", ".join(f"B={b} {o * 1e3:.3f}" for b, o in d["overhead_s"].items())
+          + "; ".join(f"{kind}: " + ", ".join(f"n={b} {o * 1e3:.3f}" for b, o in d["overhead_s"].items())
                       for kind, d in kinds.items()))
     if check:
         print(f"- generate() at batch 1, context 512: {check['generate_speedup']:.2f}x end to end vs the map's "

@@ -52,6 +52,14 @@ def test_rows_of_and_byte_model_prediction(model_and_stream):
     for a, b in zip(sub.cache.layers, st.cache.layers, strict=True):
         for name in a:
             assert torch.equal(a[name], b[name][:2])
-    p = sm.predict(model.config, batch=2, context=64, k=3, acceptance_length=2.0, bandwidth=1e10, overhead=1e-4)
+    p = sm.predict(model.config, batch=2, context=64, k=3, acceptance_length=2.0, bandwidth=1e10,
+                   overhead=sm.interpolate({2: 1e-4, 8: 3e-4}))
     assert p["speedup"] == pytest.approx(2.0 * p["t"]["plain"] / p["t"]["round"])
     assert p["t"]["round"] == pytest.approx(p["t"]["verify"] + p["t"]["draft"])
+
+
+def test_interpolate_is_exact_at_the_points_and_linear_between():
+    fn = sm.interpolate({1: 1.0, 4: 2.5, 16: 4.0})
+    assert [fn(1), fn(4), fn(16)] == [1.0, 2.5, 4.0]
+    assert fn(2) == 1.5 and fn(10) == 3.25 and fn(64) == 10.0  # beyond: the last segment's slope, 0.125 a token
+    assert sm.interpolate({3: 7.0})(100) == 7.0

@@ -128,6 +128,11 @@ def test_predicted_speedup_limits():
         == pytest.approx(2.0 / 4, rel=1e-9)
     assert ec.predicted_speedup(cfg, shape, k=3, acceptance_length=2.0, bandwidth=1e30, overhead=1e-3,
                                 draft_overhead=0.0) == pytest.approx(2.0, rel=1e-9)
+    per_token = ec.predicted_speedup(cfg, shape, k=3, acceptance_length=2.0, bandwidth=1e30,
+                                     overhead=lambda n: 1e-3 * n, draft_overhead=0.0)
+    assert per_token == pytest.approx(2.0 * 1 / 4, rel=1e-9)  # the verification's 4 tokens cost 4 plain steps
+    rnd = ec.speculative_round(cfg, ec.Shape(batch=2, context=64), 3)
+    assert rnd.calls == (("mtp", 8), ("mtp", 2), ("mtp", 2), ("main", 8))
     ratio = ec.plain_step(cfg, shape).bytes / ec.speculative_round(cfg, shape, 3).bytes
     assert ec.predicted_speedup(cfg, shape, k=3, acceptance_length=2.5, bandwidth=1e9) == pytest.approx(2.5 * ratio)
     assert ec.plain_step(cfg, shape).seconds(1e9, 1e-3) == pytest.approx(ec.plain_step(cfg, shape).bytes / 1e9 + 1e-3)

@@ -33,7 +33,10 @@ expectation of K uniform choices per token; DeepSeek-V3.2 / `glm5lab.model.dsa` 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Union
 
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.ledger import block_params
@@ -42,37 +45,56 @@ from glm5lab.validate import finite, int_at_least
 PARTS = ("main", "mtp")
 
 
+Overhead = Union[float, Callable[[int], float]]
+"""Seconds per forward: a constant, or a function of the forward's tokens (all rows: B x T)."""
+
+
 @dataclass(frozen=True)
 class Cost:
     """Bytes read and forwards run by one step or round: weights (the model's parameters, output head
-    apart), head (the output head's reads), cache (the KV/index cache); forwards: main-model forwards,
-    draft_forwards: MTP-layer forwards (the output head run alone after the drafts' pending pass is part of
-    that forward), each paying its per-forward overhead in `seconds`."""
+    apart), head (the output head's reads), cache (the KV/index cache); calls: one (part, tokens) per forward
+    ("main" or "mtp"; tokens over all rows; the output head run alone after the drafts' pending pass is part
+    of that forward), each paying its per-forward overhead in `seconds`."""
 
     weights: float = 0.0
     head: float = 0.0
     cache: float = 0.0
-    forwards: int = 0
-    draft_forwards: int = 0
+    calls: tuple[tuple[str, int], ...] = ()
 
     @property
     def bytes(self) -> float:
         return self.weights + self.head + self.cache
 
+    @property
+    def forwards(self) -> int:
+        return sum(part == "main" for part, _ in self.calls)
+
+    @property
+    def draft_forwards(self) -> int:
+        return sum(part == "mtp" for part, _ in self.calls)
+
     def __add__(self, other: Cost) -> Cost:
         return Cost(self.weights + other.weights, self.head + other.head, self.cache + other.cache,
-                    self.forwards + other.forwards, self.draft_forwards + other.draft_forwards)
+                    self.calls + other.calls)
 
     def times(self, n: int) -> Cost:
-        return Cost(n * self.weights, n * self.head, n * self.cache, n * self.forwards, n * self.draft_forwards)
+        return Cost(n * self.weights, n * self.head, n * self.cache, self.calls * n)
 
-    def seconds(self, bandwidth: float, overhead: float = 0.0, draft_overhead: float | None = None) -> float:
-        """bytes / bandwidth (bytes per second) + forwards x overhead + draft_forwards x draft_overhead
-        (seconds per forward; draft_overhead defaults to overhead)."""
+    def seconds(self, bandwidth: float, overhead: Overhead = 0.0, draft_overhead: Overhead | None = None) -> float:
+        """bytes / bandwidth (bytes per second) + each main forward's overhead + each MTP forward's
+        draft_overhead (default: overhead); an overhead is seconds per forward, or a function of the
+        forward's tokens (all rows) returning them."""
         finite("bandwidth", bandwidth, positive=True)
-        finite("overhead", overhead)
-        per_draft = overhead if draft_overhead is None else finite("draft_overhead", draft_overhead)
-        return self.bytes / bandwidth + self.forwards * overhead + self.draft_forwards * per_draft
+        per_draft = overhead if draft_overhead is None else draft_overhead
+        total = self.bytes / bandwidth
+        for part, tokens in self.calls:
+            o = overhead if part == "main" else per_draft
+            value = o(tokens) if callable(o) else o
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"overhead = {value!r} is not allowed: a finite number of seconds per forward "
+                                 "(a calibration residual may be negative)")
+            total += value
+        return total
 
 
 def distinct_experts(n_experts: int, per_token: int, tokens: int) -> float:
@@ -171,7 +193,7 @@ def forward_cost(cfg: ModelConfig, shape: Shape, tokens: int, *, part: str = "ma
     specs = cfg.layers if part == "main" else (cfg.mtp_layer,)
     cache = cache_bytes(cfg, specs, batch=shape.batch, context=shape.context, queries=tokens,
                         bytes_per_value=shape.cache_bytes, index_bytes_per_value=shape.index_bytes)
-    return Cost(weights, head, cache, 1, 0) if part == "main" else Cost(weights, head, cache, 0, 1)
+    return Cost(weights, head, cache, ((part, n),))
 
 
 def plain_step(cfg: ModelConfig, shape: Shape) -> Cost:
@@ -201,7 +223,7 @@ def speculative_round(cfg: ModelConfig, shape: Shape, k: int) -> Cost:
 
 
 def predicted_speedup(cfg: ModelConfig, shape: Shape, *, k: int, acceptance_length: float, bandwidth: float,
-                      overhead: float = 0.0, draft_overhead: float | None = None) -> float:
+                      overhead: Overhead = 0.0, draft_overhead: Overhead | None = None) -> float:
     """acceptance_length x t(plain step) / t(round), t = bytes / bandwidth + forwards x overhead (+ MTP
     forwards x draft_overhead, default overhead); bandwidth in bytes/s, overheads in seconds per forward.
     Raises ValueError for an acceptance length outside 1..k+1 or a non-positive bandwidth."""
