@@ -110,9 +110,9 @@ def acceptance_table(kinds: dict) -> str:
 
 def glm5_table(glm5: list) -> str:
     keys = [k for k in glm5[0] if k.startswith("overhead_")]
-    rows = [[r["context"], r["batch"], f"{r['plain_gb']:.1f}", f"{r['round_gb']:.1f}", f"{r['bound']:.2f}x",
+    rows = [[r["k"], r["context"], r["batch"], f"{r['plain_gb']:.1f}", f"{r['round_gb']:.1f}", f"{r['bound']:.2f}x",
              *(f"{r[k]:.2f}x" for k in keys)] for r in glm5]
-    return markdown_table(["context", "batch", "GB read: step", "GB read: round (k=4)", "bandwidth-bound (overhead 0)",
+    return markdown_table(["k", "context", "batch", "GB read: step", "GB read: round", "bandwidth-bound (overhead 0)",
                            *(k.replace("overhead_", "overhead ").replace("ms", " ms/forward") for k in keys)], rows)
 
 
@@ -138,7 +138,8 @@ def report(args, kinds, check, glm5, data_info, checkpoint, env) -> dict:
     if best:
         print(f"- goal: a regime >= {GOALS['speedup']}x: best {best['measured_speedup']:.2f}x at "
               f"{best['context']} tokens, batch {best['batch']} ({verdict(met['speedup'])})")
-    print("\nGLM-5 (glm5 preset; fp8 weights, bf16 latents, fp8 index keys), k = 4, acceptance length 2.76, "
+    print("\nGLM-5 (glm5 preset; fp8 weights, bf16 latents, fp8 index keys), acceptance length 2.76 (the report's, "
+          "at 4 speculative steps: k = 4; k = 3 beside it), "
           f"{sm.GLM5_HOST['gpus']} x H200 ({sm.GLM5_HOST['bandwidth'] / 1e12:.1f} TB/s in all); an MTP forward "
           "pays 1/78 of a main forward's overhead:\n")
     print(glm5_table(glm5) + "\n")
