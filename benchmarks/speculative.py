@@ -92,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and predicted by the byte model (glm5lab.infer.economics)")
     p.add_argument("--batches", default="1,4,16", help="--map: batch sizes")
     p.add_argument("--contexts", default="512,2048,8192,32768", help="--map: contexts (cache capacities) timed")
+    p.add_argument("--compiled-contexts", default=None, help="--map: contexts of the compiled map (default --contexts)")
+    p.add_argument("--compiled-batches", default=None, help="--map: batches of the compiled map (default --batches)")
+    p.add_argument("--eager-map", action="store_true",
+                   help="--map: also time every (--contexts x --batches) regime eagerly (no graphs to compile)")
     p.add_argument("--acceptance-contexts", default="512,2048,8192,32768",
                    help="--map: contexts where acceptance is measured (eager, 16 rows; no graphs to compile)")
     p.add_argument("--attention", default="dense,dsa", help="--map: dense (use_dsa=False) and/or dsa")
@@ -118,12 +122,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.k_list = [int(k) for k in args.draft_steps.split(",") if k]
     args.batch_list = [int(b) for b in args.batches.split(",") if b]
     args.context_list = [int(c) for c in args.contexts.split(",") if c]
+    args.compiled_context_list = [int(c) for c in (args.compiled_contexts or args.contexts).split(",") if c]
+    args.compiled_batch_list = [int(b) for b in (args.compiled_batches or args.batches).split(",") if b]
     args.acceptance_context_list = sorted({int(c) for c in args.acceptance_contexts.split(",") if c}
-                                          | set(args.context_list))
+                                          | set(args.context_list) | set(args.compiled_context_list))
     args.attention_list = [a for a in args.attention.split(",") if a]
     if any(a not in ("dense", "dsa") for a in args.attention_list) or not args.attention_list:
         p.error(f"--attention must be a comma-separated subset of dense,dsa, got {args.attention!r}")
-    if any(c % 256 or c < 512 for c in args.context_list):
+    if any(c % 256 or c < 512 for c in args.context_list + args.compiled_context_list):
         p.error(f"--contexts must be multiples of 256 (the compiled cache bucket), at least 512, got {args.contexts!r}")
     if args.map and args.device != "cpu":
         p.error("--map runs on CPU (fp32) only")

@@ -301,13 +301,15 @@ def predict(cfg, *, batch: int, context: int, k: int, acceptance_length: float, 
 
 
 @torch.no_grad()
-def check_generate(model, prompts, n_new: int, k: int, t: dict) -> dict:
-    """generate()'s end-to-end compiled speedup (k drafts vs plain, the same prompts) against the map's
-    formula at that regime: generate's acceptance length x t(plain) / t(round) from `t` (`time_cases`)."""
+def check_generate(model, prompts, n_new: int, k: int, t: dict, *, compile: bool = True) -> dict:
+    """generate()'s end-to-end speedup (k drafts vs plain, the same prompts; `compile` as generate's) against
+    the map's formula at that regime: generate's acceptance length x t(plain) / t(round) from `t` (`time_cases`
+    in the same mode)."""
     def run(spec):
         tps, stats = [], []
         for p in prompts:
-            out = glm5lab.generate(model, [p], n_new, speculative="mtp" if spec else None, draft_steps=k, compile=True)
+            out = glm5lab.generate(model, [p], n_new, speculative="mtp" if spec else None, draft_steps=k,
+                                   compile=compile)
             stats.append(out.stats)
         dec = sum(s.decode_seconds for s in stats)
         new = sum(s.new_tokens for s in stats)
@@ -335,24 +337,30 @@ def acceptance_by_context(model, stream: Stream, contexts, *, rows: int, margin:
             for L in contexts}
 
 
-def measure_kind(model, stream: Stream, args, acc: dict, bandwidth: float, over: dict, compiled) -> list[dict]:
-    """Every (context, batch) regime of one attention kind: timed units, measured and predicted speedups."""
+def measure_kind(model, stream: Stream, args, acc: dict, bandwidth: float, over: dict, compiled, *,
+                 contexts, batches) -> list[dict]:
+    """Every (context, batch) regime of one attention kind in one mode (`compiled`: a `CompiledSteps`, or None
+    for eager): timed units, measured and predicted speedups. The byte model reads `context` slots per row
+    compiled (static shapes: the whole capacity), and the longest row's length at the start eager (the extent
+    an eager step reads: context - margin)."""
     out, k, margin = [], args.map_k, args.margin
-    for L in args.context_list:
-        full = regime_state(model, stream, batch=max(args.batch_list), context=L, margin=margin, k=k)
+    mode = "eager" if compiled is None else "compiled"
+    for L in contexts:
+        full = regime_state(model, stream, batch=max(batches), context=L, margin=margin, k=k)
         a = acc[L]
-        for B in args.batch_list:
+        for B in batches:
             st = full if B == full.cache.batch else rows_of(full, B)
             t = time_cases(model, st, k, args.rounds, args.repeats, compiled)
-            p = predict(model.config, batch=B, context=L, k=k, acceptance_length=a.acceptance_length,
+            read = L if compiled is not None else L - margin
+            p = predict(model.config, batch=B, context=read, k=k, acceptance_length=a.acceptance_length,
                         bandwidth=bandwidth, overhead=interpolate(over))
-            row = {"context": L, "batch": B, "t": t, "acceptance_length": a.acceptance_length,
+            row = {"mode": mode, "context": L, "batch": B, "t": t, "acceptance_length": a.acceptance_length,
                    "measured_speedup": a.acceptance_length * t["plain"] / t["round"],
                    "verify_in_steps": t["verify"] / t["plain"], "draft_in_steps": t["draft"] / t["plain"],
                    "predicted": p}
             row["error"] = p["speedup"] / row["measured_speedup"] - 1
             out.append(row)
-            print(f"  {'dense' if not model.config.use_dsa else 'DSA'} L={L} B={B}: plain {t['plain'] * 1e3:.2f} ms, "
+            print(f"  {mode} {'DSA' if model.config.use_dsa else 'dense'} L={L} B={B}: plain {t['plain'] * 1e3:.2f} ms, "
                   f"round {t['round'] * 1e3:.2f} ms, verify {row['verify_in_steps']:.2f} steps, measured "
                   f"{row['measured_speedup']:.2f}x, predicted {p['speedup']:.2f}x", flush=True)
             del st

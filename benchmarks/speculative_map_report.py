@@ -40,17 +40,22 @@ def run_map(args, checkpoint, env) -> dict:
     for kind in args.attention_list:
         model = sm.variant(base, use_dsa=kind == "dsa", max_positions=p_max)
         compiled = CompiledSteps(model)
+        args.compiled_steps = compiled
         t0 = time.perf_counter()
         stream = sm.prefill_stream(model, stream_ids)
         prefill_s = time.perf_counter() - t0
         print(f"{kind}: prefilled {p_max} held-out tokens in {prefill_s:.1f} s", flush=True)
         acc = sm.acceptance_by_context(model, stream, args.acceptance_context_list, rows=max(args.batch_list),
                                        margin=args.margin, k=k, n=args.rounds)
-        tokens = [b for b in args.batch_list] + [b * (k + 1) for b in args.batch_list]
-        over = sm.overheads(model, bandwidth, tokens, compiled, steps=args.rounds, repeats=args.repeats)
-        print(f"{kind}: acceptance {[round(a.acceptance_length, 2) for a in acc.values()]}, overhead per forward "
-              f"{ {b: round(o * 1e3, 3) for b, o in over.items()} } ms; load average {load_average()}", flush=True)
-        rows = sm.measure_kind(model, stream, args, acc, bandwidth, over, compiled)
+        rows, over = [], {}
+        for mode, steps, contexts, batches in plan(args):
+            tokens = list(batches) + [b * (k + 1) for b in batches]
+            over[mode] = sm.overheads(model, bandwidth, tokens, steps, steps=args.rounds, repeats=args.repeats)
+            print(f"{kind} {mode}: acceptance {[round(a.acceptance_length, 2) for a in acc.values()]}, overhead per "
+                  f"forward { {n: round(o * 1e3, 3) for n, o in over[mode].items()} } ms; load average "
+                  f"{load_average()}", flush=True)
+            rows += sm.measure_kind(model, stream, args, acc, bandwidth, over[mode], steps, contexts=contexts,
+                                    batches=batches)
         kinds[kind] = {"prefill_s": prefill_s, "overhead_s": over, "regimes": rows,
                        "acceptance": {L: a.as_dict() for L, a in acc.items()}, "compile_s": compiled.seconds}
         if args.save:  # the measurements so far, before anything else can fail
@@ -63,14 +68,28 @@ def run_map(args, checkpoint, env) -> dict:
     return report(args, kinds, check, glm5, data_info, checkpoint, env)
 
 
+def plan(args):
+    """(mode, CompiledSteps or None, contexts, batches) per timed mode: the compiled map (--contexts x
+    --batches, or --compiled-contexts / --compiled-batches when given), and the eager one with --eager-map."""
+    out = []
+    if args.eager_map:
+        out.append(("eager", None, args.context_list, args.batch_list))
+    out.append(("compiled", args.compiled_steps, args.compiled_context_list, args.compiled_batch_list))
+    return out
+
+
 def generate_check(model, checkpoint, args, kind: dict, compiled) -> dict:
-    """generate() vs the map's formula at batch 1, context 512 (4 held-out prompts of 384 tokens, 64 new)."""
+    """generate() vs the map's formula at batch 1, context 512 (4 held-out prompts of 384 tokens, 64 new),
+    compiled when the compiled map has that regime, else eager (no new graphs to compile)."""
+    if not (512 in args.compiled_context_list and 1 in args.compiled_batch_list):
+        compiled = None
     prompts, _ = held_out_prompts(checkpoint, 4, 384, data=args.data, split_seed=args.split_seed)
     prompt_state = sm.prefill_stream(model, prompts[0] + prompts[1][:128])
     st = sm.regime_state(model, prompt_state, batch=1, context=512, margin=args.margin, k=args.map_k)
     t = sm.time_cases(model, st, args.map_k, args.rounds, args.repeats, compiled)
-    out = sm.check_generate(model, prompts, 64, args.map_k, t)
-    print(f"generate() check, batch 1, context 512: generate {out['generate_speedup']:.2f}x, map formula "
+    out = sm.check_generate(model, prompts, 64, args.map_k, t, compile=compiled is not None)
+    out["mode"] = "eager" if compiled is None else "compiled"
+    print(f"generate() check ({out['mode']}), batch 1, context 512: generate {out['generate_speedup']:.2f}x, map formula "
           f"{out['map_formula_speedup']:.2f}x (acceptance {out['acceptance_length']:.2f})", flush=True)
     return out
 
@@ -87,13 +106,13 @@ def map_table(kinds: dict) -> str:
     for kind, d in kinds.items():
         for r in d["regimes"]:
             t, p = r["t"], r["predicted"]
-            rows.append([kind, r["context"], r["batch"], f"{t['plain'] * 1e3:.2f}", f"{t['round'] * 1e3:.2f}",
+            rows.append([r["mode"], kind, r["context"], r["batch"], f"{t['plain'] * 1e3:.2f}", f"{t['round'] * 1e3:.2f}",
                          f"{r['verify_in_steps']:.2f}", f"{r['draft_in_steps']:.2f}",
                          f"{p['t']['verify'] / p['t']['plain']:.2f} / {p['t']['draft'] / p['t']['plain']:.2f}",
                          f"{r['acceptance_length']:.2f}",
                          f"**{r['measured_speedup']:.2f}x**", f"{p['speedup']:.2f}x", f"{100 * r['error']:+.0f}%",
                          f"{p['bound']:.2f}x", f"{p['mib']['plain']:.1f} / {p['mib']['round']:.1f}", mark(r)])
-    return markdown_table(["attention", "context", "batch", "plain step ms", "round ms", "verify (steps)",
+    return markdown_table(["mode", "attention", "context", "batch", "plain step ms", "round ms", "verify (steps)",
                            "drafts (steps)", "predicted verify / drafts (steps)", "acceptance length", "measured speedup",
                            "predicted speedup", "error", "byte bound", "MiB read: step / round", "verdict"], rows)
 
@@ -122,16 +141,17 @@ def report(args, kinds, check, glm5, data_info, checkpoint, env) -> dict:
     best = max(regimes, key=lambda r: r["measured_speedup"], default=None)
     met = {"within": worst is not None and worst <= GOALS["within"],
            "speedup": best is not None and best["measured_speedup"] >= GOALS["speedup"]}
-    print(f"\nMTP speculative regime map: {checkpoint}, compiled, greedy, fp32, k = {args.map_k}, "
+    print(f"\nMTP speculative regime map: {checkpoint}, {'eager and ' if args.eager_map else ''}compiled, greedy, "
+          f"fp32, k = {args.map_k}, "
           f"{env['torch_threads']} thread(s), load average {env['load_average_start']} -> {env['load_average_end']}\n")
     print(map_table(kinds))
     print("\nacceptance against context (greedy, 16 rows of held-out text each):\n")
     print(acceptance_table(kinds))
     print(f"\nbandwidth {env['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; overhead per forward (ms) "
-          + "; ".join(f"{kind}: " + ", ".join(f"n={b} {o * 1e3:.3f}" for b, o in d["overhead_s"].items())
-                      for kind, d in kinds.items()))
+          + "; ".join(f"{kind} {mode}: " + ", ".join(f"n={b} {o * 1e3:.3f}" for b, o in over.items())
+                      for kind, d in kinds.items() for mode, over in d["overhead_s"].items()))
     if check:
-        print(f"- generate() at batch 1, context 512: {check['generate_speedup']:.2f}x end to end vs the map's "
+        print(f"- generate() ({check['mode']}) at batch 1, context 512: {check['generate_speedup']:.2f}x end to end vs the map's "
               f"formula {check['map_formula_speedup']:.2f}x ({100 * (check['ratio'] - 1):+.0f}%)")
     print(f"- goal: the byte model within {GOALS['within']:.0%} of every measured speedup: worst "
           f"{100 * worst:.0f}% ({verdict(met['within'])})" if worst is not None else "- no regimes")
