@@ -314,7 +314,7 @@ def report(res, sampled, mismatches, args, cfg, checkpoint, data_info, env) -> d
              + "; ".join(f"{m} " + ", ".join(f"n={n}: {o * 1e3:.3f} ms" for n, o in env[f'overhead_s_{m}'].items())
                          for m in args.mode_list)
              + " (a decode step of n rows at a 256-slot cache minus its bytes / bandwidth; an MTP forward pays "
-               "1/num_hidden_layers of it)\n" if args.economics else "")
+               "as much, speculative_map.DRAFT_SHARE)\n" if args.economics else "")
           + f"- prompts: validation split of {data_info['corpus']} (split seed {data_info['split_seed']}, "
           f"{data_info['val_tokens']} tokens), windows {data_info['rows']} of {data_info['windows']}\n"
           f"- greedy speculative == plain greedy: "

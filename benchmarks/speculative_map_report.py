@@ -138,7 +138,7 @@ def glm5_table(glm5: list) -> str:
 def report(args, kinds, check, glm5, data_info, checkpoint, env) -> dict:
     regimes = [r for d in kinds.values() for r in d["regimes"]]
     worst = max((abs(r["error"]) for r in regimes), default=None)
-    best = max(regimes, key=lambda r: r["measured_speedup"], default=None)
+    best = max((r for r in regimes if r["mode"] == "compiled"), key=lambda r: r["measured_speedup"], default=None)
     met = {"within": worst is not None and worst <= GOALS["within"],
            "speedup": best is not None and best["measured_speedup"] >= GOALS["speedup"]}
     print(f"\nMTP speculative regime map: {checkpoint}, {'eager and ' if args.eager_map else ''}compiled, greedy, "
@@ -156,7 +156,7 @@ def report(args, kinds, check, glm5, data_info, checkpoint, env) -> dict:
     print(f"- goal: the byte model within {GOALS['within']:.0%} of every measured speedup: worst "
           f"{100 * worst:.0f}% ({verdict(met['within'])})" if worst is not None else "- no regimes")
     if best:
-        print(f"- goal: a regime >= {GOALS['speedup']}x: best {best['measured_speedup']:.2f}x at "
+        print(f"- goal: a compiled regime >= {GOALS['speedup']}x: best {best['measured_speedup']:.2f}x at "
               f"{best['context']} tokens, batch {best['batch']} ({verdict(met['speedup'])})")
     print("\nGLM-5 (glm5 preset; fp8 weights, bf16 latents, fp8 index keys), acceptance length 2.76 (the report's, "
           "at 4 speculative steps: k = 4; k = 3 beside it), "
