@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--acceptance-contexts", default="512,2048,8192,32768",
                    help="--map: contexts where acceptance is measured (eager, 16 rows; no graphs to compile)")
     p.add_argument("--attention", default="dense,dsa", help="--map: dense (use_dsa=False) and/or dsa")
+    p.add_argument("--from-json", default=None,
+                   help="--map: print the report of saved measurements (comma-separated --save files or JSON lines of "
+                        "--map runs, their attention kinds merged) instead of measuring")
     p.add_argument("--save", default=None, help="--map: also write the measurements (JSON) here after each attention kind")
     p.add_argument("--map-k", type=int, default=3, help="--map: drafts per round")
     p.add_argument("--rounds", type=int, default=12, help="--map: plain steps / rounds per timed run")
@@ -181,9 +184,9 @@ def main(argv=None) -> dict:
     checkpoint = resolve_checkpoint(path)
     env = env_facts(device)
     if args.map:
-        from speculative_map_report import run_map
+        from speculative_map_report import render_saved, run_map
 
-        record = run_map(args, checkpoint, env)
+        record = render_saved(args, checkpoint) if args.from_json else run_map(args, checkpoint, env)
         print_json_line(record)
         return record
     model = load_model(checkpoint, device)

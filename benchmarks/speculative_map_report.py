@@ -68,6 +68,22 @@ def run_map(args, checkpoint, env) -> dict:
     return report(args, kinds, check, glm5, data_info, checkpoint, env)
 
 
+def render_saved(args, checkpoint) -> dict:
+    """The report of measurements saved earlier (`--from-json A,B`: `--save` files or JSON lines of `--map`
+    runs; their attention kinds merged, later files winning; the generate() check from the one that has it):
+    nothing is measured again, the byte model's predictions are the saved ones."""
+    kinds, envs, check, data_info = {}, [], None, None
+    for path in args.from_json.split(","):
+        d = json.loads(Path(path).read_text().strip().splitlines()[-1])
+        kinds.update(d["kinds"])
+        envs.append(d["env"])
+        check = d.get("generate_check") or check
+        data_info = d.get("data") or data_info
+    env = {**envs[0], "load_average_end": envs[-1].get("load_average_end"), "runs": envs,
+           "from_json": args.from_json}
+    return report(args, kinds, check, sm.glm5_prediction(), data_info, checkpoint, env)
+
+
 def plan(args):
     """(mode, CompiledSteps or None, contexts, batches) per timed mode: the compiled map (--contexts x
     --batches, or --compiled-contexts / --compiled-batches when given), and the eager one with --eager-map."""
@@ -145,7 +161,8 @@ def report(args, kinds, check, glm5, data_info, checkpoint, env) -> dict:
           f"fp32, k = {args.map_k}, "
           f"{env['torch_threads']} thread(s), load average {env['load_average_start']} -> {env['load_average_end']}\n")
     print(map_table(kinds))
-    print("\nacceptance against context (greedy, 16 rows of held-out text each):\n")
+    print("\nacceptance against context (greedy; rows = the largest batch, each continuing held-out text at its own "
+          "position; verifications = rows x rounds):\n")
     print(acceptance_table(kinds))
     print(f"\nbandwidth {env['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; overhead per forward (ms) "
           + "; ".join(f"{kind} {mode}: " + ", ".join(f"n={b} {o * 1e3:.3f}" for b, o in over.items())
