@@ -148,27 +148,14 @@ def load_ours(folder, device, *, dtype: torch.dtype | None = None):
 
 def weight_bytes_read(model, tokens: int, *, part: str = "main", logits: bool = True) -> float:
     """The weight bytes one cached forward of `tokens` new tokens must read at least (the memory
-    bound of decoding): every parameter of `part` ("main": the decoder layers and final norm;
-    "mtp": the MTP layer) except the embedding table, of which it reads `tokens` rows, and the
-    routed experts, of which each MoE layer reads the expected number of distinct experts that
-    tokens x k uniform choices hit, E (1 - (1 - k/E)^tokens); plus the output head when `logits`
-    (the MTP layer shares the main model's)."""
-    cfg, total = model.config, 0.0
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        in_mtp = ".mtp_layers." in name
-        if name.startswith("lm_head."):
-            total += nbytes if logits else 0.0
-        elif name.endswith("embed_tokens.weight"):
-            total += tokens * p[0].numel() * p.element_size()
-        elif in_mtp != (part == "mtp"):
-            continue
-        elif ".mlp.experts." in name:
-            total += nbytes * (1 - (1 - k / E) ** tokens)
-        else:
-            total += nbytes
-    return total
+    bound of decoding), at the model's parameter width: `glm5lab.infer.economics.weight_bytes`
+    (part "main": the decoder layers and final norm; "mtp": the MTP layer; the embedding rows of
+    the tokens; the expected distinct routed experts per MoE layer, E (1 - (1 - k/E)^tokens); the
+    output head when `logits`)."""
+    from glm5lab.infer.economics import weight_bytes
+
+    width = next(model.parameters()).element_size()
+    return weight_bytes(model.config, tokens, part=part, logits=logits, bytes_per_param=width)
 
 
 def hf_cache_bytes(cache) -> dict:

@@ -27,8 +27,20 @@ the MTP layer over k+1 pending pairs and k-1 chained drafts, each with the outpu
 (`common.weight_bytes_read`). Speculation can then be at most acceptance length x W(1) / round
 bytes faster than plain decoding: the "byte bound" column, at the measured acceptance length.
 
+Economics columns (on by default, `--no-economics` drops them): per case, a verification of k+1 tokens and a
+whole round timed in units of one decode step (same mode, batch 1, one held-out row in a cache of the capacity the
+compiled calls used), and the speedup the byte model (`glm5lab.infer.economics`: weights with the distinct routed
+experts, cache reads, the MTP layer and its output head, a per-forward overhead) predicts at the case's measured
+acceptance length, beside the measured speedup; bandwidth and overhead calibrated in this process first
+(`speculative_map.calibrate_bandwidth`, `speculative_map.overheads`), never fitted to a speedup.
+
+`--map`: the regime map instead (`speculative_map.py`, `speculative_map_report.py`): batch x context x dense/DSA
+attention, compiled, k = 3, measured and predicted speedups, acceptance against context, GLM-5's predicted speedup.
+
     .venv/bin/python benchmarks/speculative.py                          # runs/small, 8 x 128 -> 128
     .venv/bin/python benchmarks/speculative.py --model /tmp/bench_quick_run --quick
+    .venv/bin/python benchmarks/speculative.py --map --threads 1        # the regime map (see BENCHMARKS.md)
+    .venv/bin/python benchmarks/speculative.py --map --quick --model /tmp/bench_quick_run
 
 Prints a markdown table, then one JSON line with every figure.
 """
@@ -72,6 +84,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs bf16 weights")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny sizes to validate the script (< 1 min)")
+    p.add_argument("--economics", default=True, action=argparse.BooleanOptionalAction,
+                   help="time a verification of k+1 tokens in decode steps and print the byte model's predicted "
+                        "speedup beside the measured one (glm5lab.infer.economics; calibrated in this process)")
+    p.add_argument("--map", action="store_true",
+                   help="the regime map instead (speculative_map.py): batch x context x dense/DSA, compiled, measured "
+                        "and predicted by the byte model (glm5lab.infer.economics)")
+    p.add_argument("--batches", default="1,4,16", help="--map: batch sizes")
+    p.add_argument("--contexts", default="512,2048,8192,32768", help="--map: contexts (cache capacities) timed")
+    p.add_argument("--compiled-contexts", default=None, help="--map: contexts of the compiled map (default --contexts)")
+    p.add_argument("--compiled-batches", default=None, help="--map: batches of the compiled map (default --batches)")
+    p.add_argument("--eager-map", action="store_true",
+                   help="--map: also time every (--contexts x --batches) regime eagerly (no graphs to compile)")
+    p.add_argument("--acceptance-contexts", default="512,2048,8192,32768",
+                   help="--map: contexts where acceptance is measured (eager, 16 rows; no graphs to compile)")
+    p.add_argument("--attention", default="dense,dsa", help="--map: dense (use_dsa=False) and/or dsa")
+    p.add_argument("--from-json", default=None,
+                   help="--map: print the report of saved measurements (comma-separated --save files or JSON lines of "
+                        "--map runs, their attention kinds merged) instead of measuring")
+    p.add_argument("--save", default=None, help="--map: also write the measurements (JSON) here after each attention kind")
+    p.add_argument("--map-k", type=int, default=3, help="--map: drafts per round")
+    p.add_argument("--rounds", type=int, default=12, help="--map: plain steps / rounds per timed run")
+    p.add_argument("--check-generate", default=True, action=argparse.BooleanOptionalAction,
+                   help="--map: confirm the map's formula against generate() at batch 1, context 512 (DSA)")
     p.add_argument("--strict", default=None, action=argparse.BooleanOptionalAction,
                    help="fail when greedy speculative output differs from plain (default: on for fp32 CPU; bf16 "
                         "CUDA only reports it: the verify forward of k+1 tokens and the 1-token step round "
@@ -82,10 +117,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.prompts, args.prompt_len, args.new_tokens, args.draft_steps = 2, 32, 24, "1,3"
         args.repeats, args.warmup = 1, 1  # the compiled cases compile in the warm-up
+        args.batches, args.contexts, args.acceptance_contexts, args.rounds = "1", "512", "512,1024", 4
+        args.attention = "dsa" if args.attention == "dense,dsa" else args.attention  # compiling dominates: 6 graphs
     args.mode_list = [m for m in args.modes.split(",") if m]
     if not args.mode_list or any(m not in MODES for m in args.mode_list):
         p.error(f"--modes must be a comma-separated subset of {MODES}, got {args.modes!r}")
     args.k_list = [int(k) for k in args.draft_steps.split(",") if k]
+    args.batch_list = [int(b) for b in args.batches.split(",") if b]
+    args.context_list = [int(c) for c in args.contexts.split(",") if c]
+    args.compiled_context_list = [int(c) for c in (args.compiled_contexts or args.contexts).split(",") if c]
+    args.compiled_batch_list = [int(b) for b in (args.compiled_batches or args.batches).split(",") if b]
+    args.acceptance_context_list = sorted({int(c) for c in args.acceptance_contexts.split(",") if c}
+                                          | set(args.context_list) | set(args.compiled_context_list))
+    args.attention_list = [a for a in args.attention.split(",") if a]
+    if any(a not in ("dense", "dsa") for a in args.attention_list) or not args.attention_list:
+        p.error(f"--attention must be a comma-separated subset of dense,dsa, got {args.attention!r}")
+    if any(c % 256 or c < 512 for c in args.context_list + args.compiled_context_list):
+        p.error(f"--contexts must be multiples of 256 (the compiled cache bucket), at least 512, got {args.contexts!r}")
+    if args.map and args.device != "cpu":
+        p.error("--map runs on CPU (fp32) only")
+    args.margin = args.rounds * (args.map_k + 1) + args.map_k + 2  # room for the timed tokens
     if any(k < 1 for k in args.k_list):
         p.error("--draft-steps must be >= 1")
     return args
@@ -132,6 +183,12 @@ def main(argv=None) -> dict:
                          f"`--quick --out DIR` makes a one-minute model), or pass --model DIR")
     checkpoint = resolve_checkpoint(path)
     env = env_facts(device)
+    if args.map:
+        from speculative_map_report import render_saved, run_map
+
+        record = render_saved(args, checkpoint) if args.from_json else run_map(args, checkpoint, env)
+        print_json_line(record)
+        return record
     model = load_model(checkpoint, device)
     prompts, data_info = held_out_prompts(checkpoint, args.prompts, args.prompt_len, data=args.data,
                                           split_seed=args.split_seed)
@@ -154,11 +211,44 @@ def main(argv=None) -> dict:
             r["round_weight_mib"] = round(round_bytes(model, k) / 2**20, 2)
             r["byte_bound_speedup"] = round(byte_bound(model, k, r["acceptance_length"]), 3)
     env["plain_step_weight_mib"] = round(weight_bytes_read(model, 1) / 2**20, 2)
+    if args.economics:
+        economics_columns(model, checkpoint, args, res, env)
     record = report(res, sampled, mismatches, args, model.config, checkpoint, data_info, env)
     print_json_line(record)
     if mismatches and args.strict:
         raise SystemExit(f"greedy speculative output differs from plain greedy: {mismatches[:5]}")
     return record
+
+
+def economics_columns(model, checkpoint, args, res: dict, env: dict) -> None:
+    """Per case, in its mode: a verification of k+1 tokens and a round timed in decode steps, and the byte
+    model's predicted speedup at the case's measured acceptance length (`speculative_map`: one held-out row at
+    batch 1, in a cache of the capacity the compiled `generate` calls used; bandwidth and per-forward overhead
+    calibrated here first, `speculative_map.calibrate_bandwidth` / `overheads`)."""
+    import speculative_map as sm
+
+    from glm5lab.infer.compiled import CompiledSteps, capacity_for
+
+    cap = capacity_for(args.prompt_len + args.new_tokens + max(args.k_list) + 1, model.config.max_position_embeddings)
+    (ids,), _ = held_out_prompts(checkpoint, 1, cap, data=args.data, split_seed=args.split_seed)
+    stream, n = sm.prefill_stream(model, ids), 8
+    env["bandwidth_bytes_per_s"] = bw = sm.calibrate_bandwidth()
+    env["economics_context"] = cap
+    for mode in args.mode_list:
+        compiled = CompiledSteps(model) if mode == "compiled" else None
+        points = sm.overheads(model, bw, [1] + [k + 1 for k in args.k_list], compiled, steps=n, repeats=args.repeats)
+        over = sm.interpolate(points)
+        env[f"overhead_s_{mode}"] = points
+        for name, r in res.items():
+            if "acceptance_length" not in r or (name.endswith(" compiled") != (mode == "compiled")):
+                continue
+            k = int(name.split("=")[1].split()[0])
+            st = sm.regime_state(model, stream, batch=1, context=cap, margin=n * (k + 1) + k + 2, k=k)
+            t = sm.time_cases(model, st, k, n, args.repeats, compiled)
+            p = sm.predict(model.config, batch=1, context=cap, k=k, acceptance_length=r["acceptance_length"],
+                           bandwidth=bw, overhead=over)
+            r.update(verify_in_steps=t["verify"] / t["plain"], round_in_steps=t["round"] / t["plain"],
+                     predicted_speedup=p["speedup"], step_times_s=t)
 
 
 def round_bytes(model, k: int) -> float:
@@ -206,19 +296,29 @@ def report(res, sampled, mismatches, args, cfg, checkpoint, data_info, env) -> d
                      " / ".join(f"{x:.2f}" for x in rate) if rate else "-",
                      r.get("verify_steps", "-"),
                      f"{r['round_weight_mib']:.1f}" if rate else f"{env['plain_step_weight_mib']:.1f}",
-                     f"{r['byte_bound_speedup']:.2f}x" if rate else "-"])
+                     f"{r['byte_bound_speedup']:.2f}x" if rate else "-",
+                     f"{r['verify_in_steps']:.2f}" if "verify_in_steps" in r else "-",
+                     f"{r['round_in_steps']:.2f}" if "round_in_steps" in r else "-",
+                     f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else "-"])
     print(f"speculative decoding: {checkpoint}, {args.prompts} held-out prompts x {args.prompt_len} tokens -> "
           f"{args.new_tokens} greedy tokens, batch 1, {args.device} {'bf16' if args.device == 'cuda' else 'fp32'}, "
           f"{env['torch_threads']} threads\n")
     print(markdown_table(["decoding", "tokens/s", "speedup", "acceptance length",
                           "acceptance rate per draft position", "verify steps", "weights read per round MiB",
-                          "byte bound"], rows))
+                          "byte bound", "verify k+1 (decode steps)", "round (decode steps)", "predicted speedup"], rows))
     print(f"\n- tokens/s = new tokens / decode seconds (prefill and compilation excluded), summed over the prompts; "
           f"median of {args.repeats} repeats after {args.warmup} warm-up (the compiled cases compiled there: "
           f"{env['compile_s']:.1f} s in all), cases interleaved; speedup vs plain in the same mode; byte bound = "
           "acceptance length x plain step weights / round weights (module docstring); load average at start "
           f"{env['load_average_start']}, end {env['load_average_end']}\n"
-          f"- prompts: validation split of {data_info['corpus']} (split seed {data_info['split_seed']}, "
+          + (f"- verify / round in decode steps: timed at batch 1 on one held-out row in a {env.get('economics_context')}"
+             f"-slot cache (speculative_map.py); predicted speedup: glm5lab.infer.economics at the measured acceptance, "
+             f"bandwidth {env['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 GiB x.sum()), overhead per forward "
+             + "; ".join(f"{m} " + ", ".join(f"n={n}: {o * 1e3:.3f} ms" for n, o in env[f'overhead_s_{m}'].items())
+                         for m in args.mode_list)
+             + " (a decode step of n rows at a 256-slot cache minus its bytes / bandwidth; an MTP forward pays "
+               "as much, speculative_map.DRAFT_SHARE)\n" if args.economics else "")
+          + f"- prompts: validation split of {data_info['corpus']} (split seed {data_info['split_seed']}, "
           f"{data_info['val_tokens']} tokens), windows {data_info['rows']} of {data_info['windows']}\n"
           f"- greedy speculative == plain greedy: "
           + ("yes, every prompt and k" if not mismatches else f"NO, {len(mismatches)} differences: {mismatches[:3]}")
