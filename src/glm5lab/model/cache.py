@@ -36,7 +36,7 @@ from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, index_cache_fp8
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import Step
-from glm5lab.model.window_ring import WindowRing, ring_slots
+from glm5lab.model.window_ring import WindowRing
 from glm5lab.validate import int_at_least
 
 
