@@ -51,7 +51,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (counting_compile, markdown_table, median, model_dtype, print_json_line, resolve_checkpoint,
                     setup_device, time_interleaved, verdict, weight_bytes_read)
