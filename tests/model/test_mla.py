@@ -226,7 +226,8 @@ def test_every_route_equals_the_reference_forward_and_backward(scenario, cached,
     if scenario == "swa":  # the window is in force: full attention differs beyond it
         _, full_layer = _layer(dict(indexer="none", index_cache=False))  # the same layer without its window
         full_layer.load_state_dict(layer.state_dict())
-        full_out, _ = _forced(full_layer, x, make_step(), "reference")
+        full_step = _cached_step(cfg, full_layer, T, use_dsa)[0] if cached else make_step()  # its own cache: no ring
+        full_out, _ = _forced(full_layer, x, full_step, "reference")
         if cached or T > W:
             assert (full_out - ref).abs().max() > 1e-3
 
