@@ -59,6 +59,18 @@ def uncached_step(cfg: ModelConfig, T: int, **options) -> Step:
     return Step.uncached(T, cos, sin, **{"use_dsa": cfg.use_dsa, "index_topk": cfg.index_topk, **options})
 
 
+@pytest.fixture(scope="module")
+def single_thread_no_grad():
+    """One torch thread and no autograd for a whole test module (`pytestmark =
+    pytest.mark.usefixtures("single_thread_no_grad")`); both restored after it."""
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    yield
+    torch.set_grad_enabled(grad)
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tiny_cfg() -> ModelConfig:
     return ModelConfig.from_preset("tiny")

@@ -35,14 +35,7 @@ V = 512  # tiny vocab
 ATOL = TOL[torch.float32]["atol"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread_no_grad():
-    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    yield
-    torch.set_grad_enabled(grad)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread_no_grad")
 
 
 def gqa_cfg() -> ModelConfig:

@@ -32,14 +32,7 @@ V = 512  # tiny vocab
 TOPK = 4  # index_topk of the model below: every sequence here is longer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread_no_grad():
-    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    yield
-    torch.set_grad_enabled(grad)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread_no_grad")
 
 
 @pytest.fixture(scope="module")
