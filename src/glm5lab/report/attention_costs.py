@@ -9,10 +9,10 @@ its layers: DSA + IndexCache 4, the SWA 1:1 interleave 2); state bytes are per s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from glm5lab.ablate.results import markdown_table
+from glm5lab.report.long_context import read_benchmark_json
 
 RESULT = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "attention_costs.json"
 """Where the benchmark records the comparison in a source checkout (absent in an installed package)."""
@@ -24,12 +24,9 @@ STYLES = {"dense": "o-", "dsa": "s-", "dsa_indexcache": "v--", "swa": "^-", "swa
 def load_record(path: Path | None = None) -> dict | None:
     """The recorded comparison (`RESULT` by default), or None when the file is absent, unreadable
     or not an attention_costs record."""
-    try:
-        record = json.loads(Path(path or RESULT).read_text())
-    except (OSError, ValueError):
-        return None
-    if (isinstance(record, dict) and record.get("benchmark") == "attention_costs"
-            and isinstance(record.get("points"), list) and record["points"] and isinstance(record.get("mixers"), dict)):
+    record = read_benchmark_json(path or RESULT, "attention_costs")
+    if record is not None and isinstance(record.get("points"), list) and record["points"] \
+            and isinstance(record.get("mixers"), dict):
         return record
     return None
 

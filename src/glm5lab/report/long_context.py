@@ -42,13 +42,18 @@ PUBLISHED = {
 def load_record(path: Path | None = None) -> dict | None:
     """The recorded curve (`RESULT` by default), or None when the file is absent, unreadable or
     not a long_context record."""
+    record = read_benchmark_json(path or RESULT, "long_context")
+    return record if record is not None and isinstance(record.get("curve"), list) else None
+
+
+def read_benchmark_json(path: Path, benchmark: str) -> dict | None:
+    """The JSON object at `path` when it is a record of `benchmark` (its "benchmark" key), else None
+    (absent, unreadable, not JSON, another benchmark's)."""
     try:
-        record = json.loads(Path(path or RESULT).read_text())
+        record = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    if isinstance(record, dict) and record.get("benchmark") == "long_context" and isinstance(record.get("curve"), list):
-        return record
-    return None
+    return record if isinstance(record, dict) and record.get("benchmark") == benchmark else None
 
 
 def _ratio(a, b):
