@@ -130,8 +130,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     else:
         generator.seed()
     run = _Run(model, prompts, max_new_tokens, sampling, BatchGenerator(generator, len(prompts)), stops, on_tokens,
-               attn_impl, device, stop_when, compiled)
-    run.index_cache_dtype = index_cache_dtype
+               attn_impl, device, stop_when, compiled, index_cache_dtype)
     if speculative == "mtp":
         run.speculative(draft_steps, prefill_chunk)
     else:
@@ -165,11 +164,10 @@ class _Run:
     tokens, statistics. Finished rows leave the batch; compiled, they stay in it, frozen (`settle`)
     (`finished`: the batch shape of the compiled graphs is static)."""
 
-    index_cache_dtype = None  # the caches' indexer keys (`KVCache`'s option), set by `generate`
-
     def __init__(self, model, prompts, max_new, sampling, generator, stops, on_tokens, attn_impl, device, stop_when,
-                 compiled):
+                 compiled, index_cache_dtype=None):
         self.model, self.prompts, self.max_new, self.compiled = model, prompts, max_new, compiled
+        self.index_cache_dtype = index_cache_dtype  # the caches' indexer keys (`KVCache`'s option)
         self.finished: set[int] = set()
         self.sampling, self.generator, self.stops = sampling, generator, stops
         self.on_tokens, self.attn_impl, self.device, self.stop_when = on_tokens, attn_impl, device, stop_when

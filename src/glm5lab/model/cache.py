@@ -76,19 +76,28 @@ class KVCache:
                              f"{cfg.max_position_embeddings}")
         self.capacity, self.dtype, self.specs = capacity, dtype, specs
         self.index_fp8 = index_cache_fp8(index_cache_dtype) or dtype == FP8  # checked before any allocation
-        self.layers = [{} if spec.window is not None else
-                       {name: torch.zeros(batch, capacity, *shape, dtype=dtype, device=device)
-                        for name, shape in layer_buffers(cfg, spec).items()} for spec in specs]
+        self.layers = [{} if spec.window is not None else self._buffers(cfg, spec, batch, dtype, device)
+                       for spec in specs]
         self.rings: list[WindowRing | None] = [
             None if spec.window is None else
             WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, dtype=dtype, device=device)
             for spec in specs]
-        if self.index_fp8:
-            self.layers = [_fp8_index_keys(layer, batch, capacity, device) for layer in self.layers]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.extent_bound = 0  # host-side upper bound of lengths.max()
         self.forward_start = self.lengths  # row lengths before the last forward (recurrent rollback limit)
         self.recurrent: list[RecurrentState | None] = [None] * len(specs)
+
+    def _buffers(self, cfg: ModelConfig, spec: LayerSpec, batch: int, dtype: torch.dtype, device) -> dict:
+        """One layer's per-token buffers, zero-filled: `layer_buffers`' shapes in `dtype`; with fp8 indexer
+        keys (`index_fp8`), each buffer of `SCALE_BUFFERS` ("index_keys") in float8_e4m3fn plus its fp32
+        per-token scales [B, capacity] (unwritten slots are masked, never read)."""
+        out = {}
+        for name, shape in layer_buffers(cfg, spec).items():
+            fp8 = self.index_fp8 and name in SCALE_BUFFERS
+            out[name] = torch.zeros(batch, self.capacity, *shape, dtype=FP8 if fp8 else dtype, device=device)
+            if fp8:
+                out[SCALE_BUFFERS[name]] = torch.zeros(batch, self.capacity, dtype=torch.float32, device=device)
+        return out
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
@@ -234,17 +243,6 @@ class KVCache:
         for r in (*self.recurrent, *self.rings):
             if r is not None:
                 r.keep_rows(rows_N)
-
-
-def _fp8_index_keys(layer: dict, batch: int, capacity: int, device) -> dict:
-    """A layer's buffers with each buffer of `SCALE_BUFFERS` ("index_keys") in float8_e4m3fn plus its fp32
-    per-token scales [B, capacity] (zeros: unwritten slots are masked, never read)."""
-    out = dict(layer)
-    for name, scales in SCALE_BUFFERS.items():
-        if name in layer:
-            out[name] = torch.zeros(layer[name].shape, dtype=FP8, device=device)
-            out[scales] = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
-    return out
 
 
 def _where(model, dtype):
