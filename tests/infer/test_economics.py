@@ -90,6 +90,18 @@ def test_cache_reads_dense_vs_dsa_hand_computed():
     assert short == 4 * 5 * 40 * 4 + 2 * 5 * 16 * 4  # L below index_topk: every key
 
 
+def test_gated_deltanet_layers_read_their_fixed_state_once():
+    """tiny with layers 0 and 2 Gated DeltaNet: their cache reads are their state bytes (fp32: H K V x 4 + the
+    conv window), the same at any context; the two MLA layers read their latents as before."""
+    cfg = ModelConfig.from_preset("tiny").replace(mixer_types=["gdn", "attention", "gdn", "attention"],
+                                                  indexer_types=["full"] * 4, use_dsa=False)
+    hv, hk, k, v = cfg.gdn_dims
+    state = hv * k * v * 4 + (2 * hk * k + hv * v) * (cfg.linear_conv_kernel_dim - 1) * 4
+    for L in (1, 100):
+        got = ec.cache_bytes(cfg, cfg.layers, batch=3, context=L, queries=2)
+        assert got == 3 * (2 * state + 2 * L * cfg.mla_cache_width * 4)
+
+
 @pytest.mark.parametrize("use_dsa", [True, False])
 def test_one_query_below_topk_reads_the_whole_cache(use_dsa):
     """Tied to the real cache: one query at L <= index_topk reads every byte `KVCache` holds per token."""

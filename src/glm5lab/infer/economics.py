@@ -16,7 +16,8 @@ What one forward of T tokens per row reads (`forward_bytes`):
 - the cache, per row: a dense layer reads all L cached latents once (the T queries share them); a layer that
   selects keys (DSA: "own"/"shared" indexer roles when `use_dsa`) reads min(L, index_topk) latents per query
   (each query gathers its own top-k), and an "own" layer reads all L index keys once; a sliding-window layer
-  min(L, window) keys once; Gated DeltaNet layers hold no per-token cache (their fixed state is not counted).
+  min(L, window) keys once; a Gated DeltaNet layer its fixed state (`ledger.recurrent_state_bytes`) once
+  per forward, whatever L.
 
 A plain step (`plain_step`) is one forward of T = 1 with logits. A round of k drafts (`speculative_round`) is
 the verification (`verification`: one main forward of T = k + 1) and the drafts as
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from glm5lab.config import LayerSpec, ModelConfig
-from glm5lab.ledger import block_params
+from glm5lab.ledger import block_params, recurrent_state_bytes
 from glm5lab.validate import finite, int_at_least
 
 PARTS = ("main", "mtp")
@@ -158,7 +159,8 @@ def cache_bytes(cfg: ModelConfig, specs, *, batch: int, context: int, queries: i
     widths = {"mla": cfg.mla_cache_width, "gqa": cfg.gqa_cache_width}
     values = 0.0
     for spec in specs:
-        if spec.recurrent:
+        if spec.recurrent:  # its fixed state, read once per forward
+            values += recurrent_state_bytes(cfg, spec, int(bytes_per_value))
             continue
         width = widths[spec.attention]
         if spec.window:
