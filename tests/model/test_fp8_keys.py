@@ -242,3 +242,13 @@ def test_generate_fp8_compiled_equals_eager(tiny4):
     """Compiled steps (static shapes over the whole capacity) with fp8 keys: the same tokens as eager."""
     eager = generate(tiny4, PROMPTS, 8, index_cache_dtype="fp8")
     assert generate(tiny4, PROMPTS, 8, index_cache_dtype="fp8", compile=True).tokens == eager.tokens
+
+
+def test_fp8_keys_on_a_model_without_indexer_keys_are_refused_not_ignored():
+    """A dense model (use_dsa=False) caches no indexer keys: generate refuses the option instead of
+    ignoring it (checked on the config, before anything runs)."""
+    dense = GLM5ForCausalLM(ModelConfig.from_preset("tiny", use_dsa=False)).eval()
+    with pytest.raises(ValueError, match=r"^index_cache_dtype='fp8' has no effect on this model: it caches no "
+                                         r"indexer keys \(use_dsa=False"):
+        generate(dense, [1, 2], 2, index_cache_dtype="fp8")
+    assert len(generate(dense, [1, 2], 2, index_cache_dtype="auto").tokens[0]) == 2

@@ -109,7 +109,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     as compile=False; attention models only (ValueError for Gated DeltaNet layers). index_cache_dtype: None /
     "auto" (the indexer keys cached in the model's dtype) or "fp8" / torch.float8_e4m3fn (float8_e4m3fn keys with
     one fp32 scale per token, as DeepSeek-V3.2 serves them: `KVCache`, `glm5lab.model.fp8_keys`), for the main
-    and the draft head's caches. Returns
+    and the draft head's caches (ValueError for "fp8" on a model that caches no indexer keys). Returns
     GenerateOutput(tokens, stats); stats has acceptance_length / acceptance_rate for speculative runs. Raises
     ValueError (naming the argument) on bad input, and when a prompt plus max_new_tokens (+ draft_steps + 1)
     exceeds max_position_embeddings."""
@@ -153,7 +153,9 @@ def check_request(config, input_ids, max_new_tokens: int, *, temperature: float 
     sampling = Sampling(temperature, top_k, top_p).check(config.vocab_size)
     _check_args(config, prompts, max_new_tokens, speculative, draft_steps, prefill_chunk)
     stops = _stop_set(stop_tokens, config.vocab_size)
-    index_cache_fp8(index_cache_dtype)
+    if index_cache_fp8(index_cache_dtype) and not any(spec.index_cache for spec in config.layers):
+        raise ValueError(f"index_cache_dtype={index_cache_dtype!r} has no effect on this model: it caches no indexer "
+                         "keys (use_dsa=False, or no 'full' indexer layer); leave it None / 'auto'")
     if seed is not None and (not _is_id(seed) or not -2**63 <= int(seed) < 2**64):
         raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {seed!r}")
     return prompts, sampling, stops
