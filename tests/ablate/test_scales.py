@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM
-from glm5lab.ablate import study_baseline, study_dsa, study_efficient, study_indexcache, study_mla, study_mtp, study_swa
+from glm5lab.ablate import (study_baseline, study_dsa, study_efficient, study_indexcache, study_mla, study_mtp,
+                            study_optimizer, study_swa)
 from glm5lab.ablate.runner import SIZE_KEYS, StudyArgs, run_study
 
 
@@ -20,17 +21,18 @@ def _params(cfg) -> int:
 def gpu_configs(size: str = "gpu") -> dict:
     """study -> (its model configs at `size`, training length, longest length it feeds a model)."""
     mla, dsa, mtp, ic = (m.SIZES[size] for m in (study_mla, study_dsa, study_mtp, study_indexcache))
-    fz = study_efficient.SIZES[size]
+    fz, op = study_efficient.SIZES[size], study_optimizer.SIZES[size]
     swa = fz["base"]
     return {"mla": (list(study_mla.configs(mla).values()), mla["T"], mla["T"]),
             "dsa": ([study_dsa.config(dsa)], dsa["T"], dsa["T"] * max(dsa["scales"])),
             "swa": ([study_swa.base_config(swa)], swa["seq_len"], max(*swa["lengths"], 2 * fz["seq_len"])),
             "mtp": ([study_mtp.config(mtp, d) for d in study_mtp.DEPTHS], mtp["T"],
                     max(mtp["T"], mtp["prompt_len"] + mtp["max_new"])),
-            "indexcache": ([study_indexcache.config(ic)], ic["T"], ic["T"] * max(4, ic["long"]))}
+            "indexcache": ([study_indexcache.config(ic)], ic["T"], ic["T"] * max(4, ic["long"])),
+            "optimizer": ([study_optimizer.config(op, 512)], op["T"], max(op["T"], op["prompt_len"] + op["max_new"]))}
 
 
-@pytest.mark.parametrize("study", ["mla", "dsa", "swa", "mtp", "indexcache"])
+@pytest.mark.parametrize("study", ["mla", "dsa", "swa", "mtp", "indexcache", "optimizer"])
 def test_gpu_sizes_are_50_to_100m_params_at_2k_tokens(study):
     cfgs, T, _ = gpu_configs()[study]
     assert T >= 2048
@@ -48,19 +50,20 @@ def test_swa_and_efficient_gpu_lengths():
 
 
 @pytest.mark.parametrize("size", ["quick", "cpu", "gpu", "gpu-quick"])
-@pytest.mark.parametrize("study", ["mla", "dsa", "swa", "mtp", "indexcache"])
+@pytest.mark.parametrize("study", ["mla", "dsa", "swa", "mtp", "indexcache", "optimizer"])
 def test_positions_cover_every_length_a_study_feeds(study, size):
     cfgs, _, longest = gpu_configs(size)[study]
     assert all(cfg.max_position_embeddings >= longest for cfg in cfgs), (study, size, longest)
 
 
-@pytest.mark.parametrize("module", [study_mla, study_dsa, study_mtp, study_indexcache, study_efficient, study_baseline])
+@pytest.mark.parametrize("module", [study_mla, study_dsa, study_mtp, study_indexcache, study_efficient, study_baseline,
+                                    study_optimizer])
 def test_every_study_has_every_size(module):
     assert set(module.SIZES) == set(SIZE_KEYS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("study", ["mla", "dsa", "swa", "efficient", "mtp", "indexcache"])
+@pytest.mark.parametrize("study", ["mla", "dsa", "swa", "efficient", "mtp", "indexcache", "optimizer"])
 def test_gpu_quick_runs_on_cpu(study, tmp_path, study_corpus):
     _, table = run_study(StudyArgs(study, quick=True, scale="gpu", out=str(tmp_path), progress=False,
                                    data=str(study_corpus)))

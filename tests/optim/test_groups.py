@@ -113,7 +113,8 @@ def test_doubly_covered_parameter_is_listed():
 
 
 def test_unknown_optimizer_lists_the_allowed():
-    with pytest.raises(ValueError, match=r"optimizer = 'sgd' is not allowed: one of \('adamw', 'muon', 'muon-split'\)"):
+    with pytest.raises(ValueError, match=r"optimizer = 'sgd' is not allowed: one of \('adamw', 'muon', "
+                       r"'muon-split', 'muon-split-kv'\)"):
         build_optimizer(_model(), "sgd", lr=1e-3)
 
 

@@ -20,12 +20,13 @@ one study with MoE, `baseline`, trains with `glm5lab train`'s own settings (`stu
 
 
 def fit(model, stages: list[Stage], batches: BatchFn, *, hyper: TrainHyper = STUDY_HYPER,
-        seed: int = 0) -> list[dict]:
+        seed: int = 0, optimizer=None) -> list[dict]:
     """Train `model` in place through `stages` with the step settings `hyper` (optimizer, weight
     decay, clipping, router bias rate); returns one record per step (stage, step, the losses of
     `StepLosses.to_log`, lr, seconds). Seeds torch with `seed` first (dropout-free models: the
     batches fix everything else); batches (ids [B, T], labels [B, T]) are moved to the model's
-    device. Leaves every parameter trainable and the model in eval mode. Raises TrainingDiverged
+    device. optimizer: default `hyper.build_optimizer` at the first stage's lr (pass one to hook or inspect
+    it). Leaves every parameter trainable and the model in eval mode. Raises TrainingDiverged
     (glm5lab.train.step) on a non-finite loss or gradient, ValueError for an unknown optimizer."""
     torch.manual_seed(seed)
     model.train()
@@ -37,7 +38,7 @@ def fit(model, stages: list[Stage], batches: BatchFn, *, hyper: TrainHyper = STU
                         "seconds": done.seconds})
 
     run_stages(model, stages, lambda *at: tuple(t.to(device) for t in batches(*at)), hyper, record,
-               losses=lambda batch, stage: task_losses(model, *batch, stage))
+               losses=lambda batch, stage: task_losses(model, *batch, stage), optimizer=optimizer)
     for p in model.parameters():
         p.requires_grad_(True)
     model.eval()

@@ -45,6 +45,8 @@ STUDIES = {
                         "IndexCache retention 1, 1/2, 1/4 (searched and uniform): quality and attention time"),
     "baseline": Study("glm5lab.ablate.study_baseline", "the small preset vs a dense GPT (MHA, SwiGLU; AdamW and "
                       "Muon) at matched activated params and tokens"),
+    "optimizer": Study("glm5lab.ablate.study_optimizer", "AdamW vs Muon vs Muon Split vs Muon Split with K/V apart on "
+                       "the GLM-5 recipe, at equal tokens and equal compute (Newton-Schulz FLOPs charged)"),
 }
 SCALES = ("cpu", "gpu")
 SIZE_KEYS = ("quick", "cpu", "gpu", "gpu-quick")

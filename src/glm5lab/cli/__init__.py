@@ -3,7 +3,7 @@
     glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--index-dtype D] [--context N] [--json]
                    [--gpus G --ep E --mode train|serve [--batch B] [--cache-dtype DTYPE]]
     glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
-                   [--optimizer adamw|muon|muon-split] [--quick] [--compile] [--ep N] [--threads N] ...
+                   [--optimizer adamw|muon|muon-split|muon-split-kv] [--quick] [--compile] [--ep N] [--threads N] ...
                    [--recipe FILE|NAME] [--dry-run [--nproc N]] [--lr LR] [--grad-accum A]
                    [--activation-checkpointing] [--tensorboard]
     glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
@@ -233,7 +233,9 @@ def add_train_parser(sub) -> None:
                    "its last stage (docs/recipes.md)")
     p.add_argument("--stages", type=lambda s: s.split(","), metavar="A,B",
                    help="run only these default stages, in order: dense, indexer_warmup, sparse_adaptation")
-    p.add_argument("--optimizer", choices=["adamw", "muon", "muon-split"], help="default muon-split")
+    p.add_argument("--optimizer", choices=["adamw", "muon", "muon-split", "muon-split-kv"],
+                   help="default muon-split; muon-split-kv also orthogonalises each head's K rows and V rows of "
+                   "kv_b_proj apart")
     p.add_argument("--quick", action="store_true", help="a smoke run of every stage, 17 steps (tests, CI): measured "
                    "78-87 s on 2 quiet CPU cores, 118 s beside one busy process (1 thread), longer on a busier machine")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")

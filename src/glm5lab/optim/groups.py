@@ -10,7 +10,10 @@ listing the names), so a new module cannot silently fall into a default group. B
 Choices (docs/optim.md): AdamW for embedding, output head, norms and biases; Muon for every other
 matrix, including the router, the indexer and the 3-D routed experts (one matrix per expert);
 with "muon-split" MLA's `q_b_proj` / `kv_b_proj` (rows head-major) split per attention head, as
-the GLM-5 report does. Weight decay: off for norms and biases, on for the embedding and head.
+the GLM-5 report does; "muon-split-kv" also cuts each head's `kv_b_proj` block into its K rows
+(qk_nope_head_dim) and V rows (v_head_dim), orthogonalised apart (whether the report did is not
+stated; `glm5lab ablate optimizer` compares both). Weight decay: off for norms and biases, on for
+the embedding and head.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from torch import nn
 from glm5lab.optim.muon import MuonAdamW
 from glm5lab.validate import one_of
 
-OPTIMIZERS = ("adamw", "muon", "muon-split")
+OPTIMIZERS = ("adamw", "muon", "muon-split", "muon-split-kv")
+SPLITS = ("muon-split", "muon-split-kv")
+"""The optimizers that split MLA's up-projections per head."""
 
 _LAYER = r"model\.(?:layers|mtp_layers)\.\d+\."
 _INDEXER = rf"{_LAYER}self_attn\.indexer\."  # the lightning indexer of a main or MTP layer
@@ -35,12 +40,14 @@ _NORMS = "input_layernorm|post_attention_layernorm|self_attn\\.(?:q_a_layernorm|
 class Rule:
     """pattern (full match) -> kind with optimizer "muon" ("muon" or "adamw"); decay: weight decay on;
     split_heads: config field with the head count when "muon-split" splits this matrix by rows;
+    split_sections: config fields whose values cut each head's rows further under "muon-split-kv";
     indexer: the parameter is the DSA indexer's (trained alone by a stage with trainable="indexer")."""
 
     pattern: str
     kind: str
     decay: bool
     split_heads: str | None = None
+    split_sections: tuple[str, ...] | None = None
     indexer: bool = False
 
 
@@ -49,8 +56,10 @@ RULES: tuple[Rule, ...] = (
     Rule(r"lm_head\.weight", "adamw", decay=True),
     Rule(rf"model\.norm\.weight|{_LAYER}(?:{_NORMS})\.weight", "adamw", decay=False),
     Rule(rf"(?!{_INDEXER}).+\.bias", "adamw", decay=False),
-    # MLA up-projections, rows head-major: q_b H x (N + R), kv_b H x (N + V_h); split per head.
-    Rule(rf"{_LAYER}self_attn\.(?:q_b_proj|kv_b_proj)\.weight", "muon", decay=True, split_heads="num_attention_heads"),
+    # MLA up-projections, rows head-major: q_b H x (N + R), kv_b H x (N + V_h); split per head, kv_b per K / V too.
+    Rule(rf"{_LAYER}self_attn\.q_b_proj\.weight", "muon", decay=True, split_heads="num_attention_heads"),
+    Rule(rf"{_LAYER}self_attn\.kv_b_proj\.weight", "muon", decay=True, split_heads="num_attention_heads",
+         split_sections=("qk_nope_head_dim", "v_head_dim")),
     Rule(rf"{_LAYER}self_attn\.(?:q_a_proj|kv_a_proj_with_mqa|q_proj|k_proj|v_proj|o_proj)\.weight", "muon",
          decay=True),
     # the DSA indexer: every parameter under self_attn.indexer, and only those, has indexer=True
@@ -71,12 +80,14 @@ RULES: tuple[Rule, ...] = (
 @dataclass(frozen=True)
 class ParamRule:
     """One row of the resolved table: parameter name, kind ("muon" | "muon_split" | "adamw"),
-    heads (for "muon_split", else None), decay (weight decay applies)."""
+    heads (for "muon_split", else None), decay (weight decay applies), sections (row counts
+    cutting each head's block, "muon-split-kv" on kv_b_proj; else None)."""
 
     name: str
     kind: str
     heads: int | None = None
     decay: bool = True
+    sections: tuple[int, ...] | None = None
 
 
 def _check_optimizer(optimizer: str) -> None:
@@ -97,8 +108,11 @@ def _match_one(names: list[str], rules=RULES) -> dict[str, Rule]:
 def _resolve(name: str, rule: Rule, optimizer: str, config) -> ParamRule:
     if optimizer == "adamw" or rule.kind == "adamw":
         return ParamRule(name, "adamw", None, rule.decay)
-    if optimizer == "muon-split" and rule.split_heads is not None:
-        return ParamRule(name, "muon_split", getattr(config, rule.split_heads), rule.decay)
+    if optimizer in SPLITS and rule.split_heads is not None:
+        sections = None
+        if optimizer == "muon-split-kv" and rule.split_sections is not None:
+            sections = tuple(getattr(config, f) for f in rule.split_sections)
+        return ParamRule(name, "muon_split", getattr(config, rule.split_heads), rule.decay, sections)
     return ParamRule(name, "muon", None, rule.decay)
 
 
@@ -124,7 +138,7 @@ def indexer_parameter_names(model: nn.Module) -> set[str]:
 def build_optimizer(model: nn.Module, optimizer: str, *, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), momentum: float = 0.95,
                     eps: float = 1e-8) -> MuonAdamW:
-    """MuonAdamW over every parameter of `model`, grouped by (kind, heads, decay) per the table.
+    """MuonAdamW over every parameter of `model`, grouped by (kind, heads, sections, decay) per the table.
 
     One lr for all groups (adjust_lr_fn "match_rms_adamw" scales Muon blocks to AdamW's RMS);
     weight_decay applies to rows with decay=True, 0 elsewhere. Frozen parameters are included
@@ -133,9 +147,11 @@ def build_optimizer(model: nn.Module, optimizer: str, *, lr: float, weight_decay
     params = dict(model.named_parameters())
     groups: dict[tuple, dict] = {}
     for row in param_group_table(model, optimizer):
-        key = (row.kind, row.heads, row.decay)
+        key = (row.kind, row.heads, row.sections, row.decay)
         if key not in groups:
             groups[key] = {"params": [], "kind": row.kind, "heads": row.heads,
                            "weight_decay": weight_decay if row.decay else 0.0}
+            if row.sections is not None:
+                groups[key]["sections"] = row.sections
         groups[key]["params"].append((row.name, params[row.name]))
     return MuonAdamW(list(groups.values()), lr=lr, betas=betas, momentum=momentum, eps=eps)

@@ -3,7 +3,8 @@
 Legend: M rows (out features), N cols (in features), E experts, H heads. Each param group carries `kind`:
 - "muon": p [M, N], or [E, M, N] stacked experts (each expert's matrix orthogonalised on its own);
 - "muon_split": p [M, N] with group key `heads`; rows split per head (`muon_split`), each
-  [M/H, N] block orthogonalised by Newton-Schulz;
+  [M/H, N] block orthogonalised by Newton-Schulz; with group key `sections` (row counts summing to M/H, e.g.
+  MLA kv_b's (qk_nope_head_dim, v_head_dim)), each head's block cut further, every section on its own;
 - "adamw": any shape; AdamW with decoupled weight decay and bias correction (torch.optim.AdamW).
 Muon step (as `torch.optim.Muon`, Keller Jordan's Muon):
     buf <- buf.lerp(g, 1 - momentum)                  i.e. momentum*buf + (1-momentum)*g
@@ -12,7 +13,8 @@ Muon step (as `torch.optim.Muon`, Keller Jordan's Muon):
 adjust_lr_fn "match_rms_adamw" (default; Moonshot, "Muon is Scalable for LLM Training"):
 0.2 * sqrt(max(A, B)) makes every block's update RMS 0.2, about AdamW's, so one lr and one weight decay serve Muon
 and AdamW groups. "original" (Keller Jordan): sqrt(max(1, A/B)). (A, B) is the shape of each orthogonalised block:
-the per-head block [M/H, N] for "muon_split", the per-expert matrix [M, N] for 3-D params. FSDP2 / expert-parallel
+the per-head block [M/H, N] for "muon_split" (each section [s, N] when `sections` is set), the per-expert matrix
+[M, N] for 3-D params. FSDP2 / expert-parallel
 DTensor params: each block is orthogonalised once, where it lives or on one owner rank (`_orthogonalized`,
 `muon_dist`). Notes: docs/optim.md.
 """
@@ -28,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, required
 
 from glm5lab.optim import muon_dist
-from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, muon_split, newton_schulz
+from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, check_sections, muon_split, newton_schulz
 from glm5lab.validate import int_at_least, one_of
 
 KINDS = ("muon", "muon_split", "adamw")
@@ -59,9 +61,9 @@ class MuonAdamW(Optimizer):
     """Muon, Muon Split and AdamW in one `torch.optim.Optimizer` (param-group key `kind`).
 
     params: param groups (dicts) each with "params" and "kind" in KINDS (required: there is no default kind),
-    plus "heads" for "muon_split"; any hyperparameter below may be overridden per group. Muon groups use lr,
-    weight_decay, momentum, nesterov, ns_steps, ns_coefficients, ns_eps, adjust_lr_fn; AdamW groups use lr,
-    weight_decay, betas, eps. fp32 params and grads expected (state has the param's dtype). state_dict() /
+    plus "heads" for "muon_split" (and optionally "sections": module docstring); any hyperparameter below may be
+    overridden per group. Muon groups use lr, weight_decay, momentum, nesterov, ns_steps, ns_coefficients, ns_eps,
+    adjust_lr_fn; AdamW groups use lr, weight_decay, betas, eps. fp32 params and grads expected (state has the param's dtype). state_dict() /
     load_state_dict() round-trip bit-exactly (state: "momentum_buffer" for Muon; "step" (fp32 scalar tensor,
     as torch), "exp_avg", "exp_avg_sq" for AdamW). Raises ValueError for a bad kind, shape, heads or
     hyperparameter, naming it. Params may be FSDP2 / expert-parallel DTensors (`_orthogonalized`).
@@ -76,7 +78,7 @@ class MuonAdamW(Optimizer):
                  ns_steps: int = 5, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                  ns_eps: float = NS_EPS, adjust_lr_fn: str = "match_rms_adamw",
                  on_orthogonalize: Callable[[torch.Tensor, int], None] | None = None):
-        defaults = {"kind": required, "heads": None, "lr": lr, "weight_decay": weight_decay,
+        defaults = {"kind": required, "heads": None, "sections": None, "lr": lr, "weight_decay": weight_decay,
                     "momentum": momentum, "nesterov": nesterov, "betas": betas, "eps": eps,
                     "ns_steps": ns_steps, "ns_coefficients": ns_coefficients, "ns_eps": ns_eps,
                     "adjust_lr_fn": adjust_lr_fn}
@@ -106,8 +108,8 @@ class MuonAdamW(Optimizer):
                     _adamw_update(p, self.state[p], group)
                 else:
                     muon.append((p, group, _momentum_update(p, self.state[p], group)))
-        directions = _orthogonalized([(u, g["kind"], g["heads"], _ns(g, p, self.on_orthogonalize))
-                                      for p, g, u in muon])
+        directions = _orthogonalized([(u, g["kind"], g["heads"], _ns(g, p, self.on_orthogonalize),
+                                       g.get("sections")) for p, g, u in muon])
         for (p, group, _), ortho in zip(muon, directions, strict=True):
             lr, shape = group["lr"], block_shape(p, group["kind"], group["heads"])
             p_ = _local(p)
@@ -125,8 +127,13 @@ def _check_group(group: dict) -> None:
             raise ValueError(f"{name} must be >= 0, got {group[name]}")
     if kind == "muon_split":
         int_at_least("muon_split group heads", heads, 1)
+    sections = group.get("sections")
+    if sections is not None and kind != "muon_split":
+        raise ValueError(f"param group key sections={sections!r} is only allowed with kind 'muon_split', not {kind!r}")
     for p in group["params"]:
         _check_param(p, kind, heads)
+        if sections is not None:
+            check_sections(tuple(sections), p.shape[0] // heads)
 
 
 def _check_param(p: torch.Tensor, kind: str, heads: int | None) -> None:
@@ -156,8 +163,16 @@ def _momentum_update(p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
 
 
 def _ns(group: dict, p: torch.Tensor, on_orthogonalize) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The group's Newton-Schulz, reporting each call's matrix count to on_orthogonalize(p, count) when given."""
+    """The group's Newton-Schulz, reporting each call's matrix count to on_orthogonalize(p, count) when given.
+    With `sections`, each section's result is scaled by adjust_lr(1, fn, section) / adjust_lr(1, fn, head block),
+    so that the step's lr for the head block (`block_shape`) becomes each section's own."""
     ns = partial(newton_schulz, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["ns_eps"])
+    if group.get("sections") is not None:
+        fn, head = group["adjust_lr_fn"], block_shape(p, group["kind"], group["heads"])
+        plain = ns
+
+        def ns(G: torch.Tensor) -> torch.Tensor:
+            return plain(G) * (adjust_lr(1.0, fn, tuple(G.shape[-2:])) / adjust_lr(1.0, fn, head))
     if on_orthogonalize is None:
         return ns
 
@@ -167,19 +182,22 @@ def _ns(group: dict, p: torch.Tensor, on_orthogonalize) -> Callable[[torch.Tenso
     return counted
 
 
-def _direction(x: torch.Tensor, kind: str, heads: int | None, rows: int, ns) -> torch.Tensor:
+def _direction(x: torch.Tensor, kind: str, heads: int | None, rows: int, ns, sections=None) -> torch.Tensor:
     """NS per block of x, a whole update or a shard of whole blocks: [E, M, N] per expert, [R, N] whole ("muon"),
-    or [R, N] per block of rows // heads rows ("muon_split"; rows: the whole update's M). Empty x is returned as is."""
+    or [R, N] per block of rows // heads rows ("muon_split"; rows: the whole update's M; each head block cut into
+    `sections` when given). Empty x is returned as is."""
     if x.numel() == 0:
         return x.clone()
     if kind == "muon_split":
-        return muon_split(x, x.shape[0] // (rows // heads), orthogonalize=ns)
+        return muon_split(x, x.shape[0] // (rows // heads), orthogonalize=ns,
+                          sections=None if sections is None else tuple(sections))
     return ns(x)
 
 
 def _orthogonalized(items: list[tuple]) -> list[torch.Tensor]:
-    """The Muon direction of each (update, kind, heads, ns): NS of each block (a plain matrix, each head block
-    for "muon_split", each expert for 3-D), laid out like its update. Each block is computed once in the world:
+    """The Muon direction of each (update, kind, heads, ns, sections): NS of each block (a plain matrix, each head
+    block or head section for "muon_split", each expert for 3-D), laid out like its update. Each block is computed
+    once in the world:
     - a plain tensor (one process): here, whole;
     - a DTensor, by `muon_dist.route` (global shapes and placements, so every rank agrees):
       LOCAL when the local shard is whole blocks (3-D experts sharded along dim 0 by FSDP2, EP or both; a matrix
@@ -191,21 +209,22 @@ def _orthogonalized(items: list[tuple]) -> list[torch.Tensor]:
     Raises ValueError (from route) for another DTensor layout."""
     out: list[torch.Tensor | None] = [None] * len(items)
     gathers = []  # (index, owner, (work, send, parts))
-    for i, (u, kind, heads, _) in enumerate(items):
+    for i, (u, kind, heads, _, _) in enumerate(items):
         if isinstance(u, DTensor) and muon_dist.route(u, kind, heads) == muon_dist.GATHER:
             owner = len(gathers) % u.device_mesh.size()
             gathers.append((i, owner, muon_dist.gather_rows(u, owner)))
     gathered = {i for i, _, _ in gathers}
-    for i, (u, kind, heads, ns) in enumerate(items):
+    for i, (u, kind, heads, ns, sections) in enumerate(items):
         if i in gathered:
             continue
-        direction = partial(_direction, kind=kind, heads=heads, rows=u.shape[0], ns=ns)
+        direction = partial(_direction, kind=kind, heads=heads, rows=u.shape[0], ns=ns, sections=sections)
         out[i] = muon_dist.local_shard(u, direction) if isinstance(u, DTensor) else direction(u)
     scatters = []
     for i, owner, (work, _, parts) in gathers:
         work.wait()
-        u, kind, heads, ns = items[i]
-        whole = None if parts is None else _direction(torch.cat(parts)[: u.shape[0]], kind, heads, u.shape[0], ns)
+        u, kind, heads, ns, sections = items[i]
+        whole = None if parts is None else _direction(torch.cat(parts)[: u.shape[0]], kind, heads, u.shape[0], ns,
+                                                      sections)
         scatters.append((i, muon_dist.scatter_rows(u, owner, whole)))
     for i, (work, recv, _) in scatters:
         work.wait()

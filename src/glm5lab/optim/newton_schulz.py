@@ -66,16 +66,53 @@ def orthogonalize_exact(G: torch.Tensor) -> torch.Tensor:
 
 
 def muon_split(update: torch.Tensor, heads: int,
-               orthogonalize: Callable[[torch.Tensor], torch.Tensor] = orthogonalize_exact) -> torch.Tensor:
+               orthogonalize: Callable[[torch.Tensor], torch.Tensor] = orthogonalize_exact,
+               sections: tuple[int, ...] | None = None) -> torch.Tensor:
     """Muon Split (GLM-5 report): G = [G_1; ...; G_H] by rows, orthogonalise each G_i, concatenate.
 
     update: [M, N] with M divisible by `heads` (rows head-major, as in MLA's q_b / kv_b). orthogonalize: maps a
-    batch [H, M/H, N] to the same shape, each matrix on its own (`orthogonalize_exact` or `newton_schulz`); the
-    heads go through it as one batch, which equals chunking rows per head and concatenating. Returns [M, N] in
-    update's dtype. Raises ValueError, naming the shape and heads, when update is not 2-D or M % heads != 0.
+    batch [H, m, N] to the same shape, each matrix on its own (`orthogonalize_exact` or `newton_schulz`); the
+    heads go through it as one batch, which equals chunking rows per head and concatenating. sections: None
+    (each head's M/H rows are one block), or row counts summing to M/H that cut every head's block further,
+    each section orthogonalised on its own: (qk_nope_head_dim, v_head_dim) puts kv_b_proj's K rows and V rows of
+    a head in separate blocks (the `muon-split-kv` optimizer; torchtitan's DistMuon and other public Muon Split
+    code keep them together). Returns [M, N] in update's dtype. Raises ValueError, naming the shape and heads,
+    when update is not 2-D or M % heads != 0, and naming the sections when they are not positive or do not sum
+    to M/H. Reference: `muon_split_reference`.
     """
     if update.ndim != 2 or heads < 1 or update.shape[0] % heads:
         raise ValueError(f"muon_split needs a 2-D update whose rows divide by heads; got shape "
                          f"{tuple(update.shape)} with heads={heads}")
     M, N = update.shape
-    return orthogonalize(update.reshape(heads, M // heads, N)).reshape(M, N)
+    blocks = update.reshape(heads, M // heads, N)
+    if sections is None:
+        return orthogonalize(blocks).reshape(M, N)
+    check_sections(sections, M // heads)
+    return torch.cat([orthogonalize(part) for part in blocks.split(list(sections), dim=1)], dim=1).reshape(M, N)
+
+
+def check_sections(sections: tuple[int, ...], rows_per_head: int) -> None:
+    """Raise ValueError naming `sections` unless they are positive ints summing to `rows_per_head`."""
+    if not sections or any(not isinstance(s, int) or s < 1 for s in sections) or sum(sections) != rows_per_head:
+        raise ValueError(f"muon_split sections {tuple(sections)!r} are not allowed: positive row counts summing to "
+                         f"the {rows_per_head} rows of one head")
+
+
+def muon_split_reference(update: torch.Tensor, heads: int,
+                         orthogonalize: Callable[[torch.Tensor], torch.Tensor] = orthogonalize_exact,
+                         sections: tuple[int, ...] | None = None) -> torch.Tensor:
+    """`muon_split`'s slow twin: a loop over heads and, within each head, over its sections, one
+    `orthogonalize` call per [rows, N] block, the blocks written back in place. Same signature and errors."""
+    if update.ndim != 2 or heads < 1 or update.shape[0] % heads:
+        raise ValueError(f"muon_split needs a 2-D update whose rows divide by heads; got shape "
+                         f"{tuple(update.shape)} with heads={heads}")
+    m = update.shape[0] // heads
+    sections = (m,) if sections is None else tuple(sections)
+    check_sections(sections, m)
+    out = torch.empty_like(update)
+    for h in range(heads):
+        start = h * m
+        for rows in sections:
+            out[start:start + rows] = orthogonalize(update[start:start + rows])
+            start += rows
+    return out
