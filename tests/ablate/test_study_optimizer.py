@@ -43,7 +43,12 @@ def test_sweep_choice_is_the_lowest_sweep_loss_and_used_by_both_budgets(quick):
     s = info["settings"]
     for arm in so.ARMS:
         losses = s["sweep"][arm]
-        assert len(losses) == len(s["size"]["lrs"])
+        grid = [repr(lr) for lr in s["size"]["lrs"]]
+        assert list(losses)[:len(grid)] == grid and len(losses) <= len(grid) + so.SWEEP_EXTENSIONS
+        for k in range(len(grid), len(losses)):  # each extension went past the edge where the best then was
+            assert float(list(losses)[k]) == so.next_lr(dict(list(losses.items())[:k]))
+        if len(losses) < len(grid) + so.SWEEP_EXTENSIONS:
+            assert so.next_lr(losses) is None
         best = min(losses, key=losses.get)
         assert s["lrs"][arm] == float(best)
         for budget in so.BUDGETS:
@@ -71,7 +76,10 @@ def test_equal_compute_matches_the_reference_flops(quick):
 def test_summary_row_from_results_json(quick):
     out, _, info = quick
     row = so.readme_row(info)
-    assert "Muon Split lower than AdamW (equal tokens)" in row["verdict"] and "equal compute: val bpb" in row["ours"]
+    assert "Muon Split lower than AdamW (equal tokens, bpb)" in row["verdict"]
+    assert "equal compute: val bpb" in row["ours"]
+    for part in row["verdict"].split("; "):
+        assert part.split(": ", 1)[1] in (out / "table.md").read_text()
     table = summary_table({"optimizer": {**info, "path": str(out / "results.json")}})
     assert "| `optimizer` [1]" in table
 
@@ -105,6 +113,24 @@ def test_compute_scales_by_hand():
     for arm in so.ARMS:
         assert scales[arm] == pytest.approx(total["Muon Split"] / total[arm])
     assert so.run_flops(costs, "Muon", plan)["optimizer"] == sum(st.steps * o for st, o in zip(plan, [10, 1, 10]))
+
+
+def test_next_lr_goes_past_the_edge_where_the_best_is():
+    assert so.next_lr({"0.001": 3.0, "0.002": 2.5, "0.004": 2.7}) is None
+    assert so.next_lr({"0.001": 3.0, "0.002": 2.5, "0.004": 2.4}) == 0.008
+    assert so.next_lr({"0.001": 2.0, "0.002": 2.5, "0.004": math.inf}) == 0.0005
+
+
+def test_a_diverging_sweep_run_scores_inf(monkeypatch, bench):
+    from glm5lab.train.step import TrainingDiverged
+
+    def train(cfg, bench, s, arm, plan, seed, device):
+        raise TrainingDiverged("step 3: loss is not finite")
+    monkeypatch.setattr(so, "train", train)
+    s = _s(lrs=(1e-3, 2e-3))
+    out = so.sweep(so.config(s, bench.vocab_size), bench, s, None, lambda m: None, "cpu")
+    assert all(v == math.inf for arm in so.ARMS for v in out[arm].values())
+    assert all(len(out[arm]) == 2 + so.SWEEP_EXTENSIONS for arm in so.ARMS)  # inf ties: the smaller lr, /2
 
 
 def test_chosen_lr_is_the_argmin_and_the_smaller_on_ties():

@@ -11,7 +11,7 @@ from glm5lab.ablate.runner import StudyArgs, run_study
 from glm5lab.ablate.summary import BEGIN, END, int_keys, load_results, replace_block, row, summary_table, write_summary
 from glm5lab.cli import main
 
-STUDIES = ("mla", "dsa", "swa", "efficient", "mtp", "indexcache", "baseline")
+STUDIES = ("mla", "dsa", "swa", "efficient", "mtp", "indexcache", "baseline", "optimizer")
 
 
 @pytest.fixture(scope="module")

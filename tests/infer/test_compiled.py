@@ -7,7 +7,10 @@ sampling, plain and speculative, batch 1 and prompts of different lengths, DSA a
 of new tokens and the context length.
 
 The default suite compiles with inductor's Python wrapper (`CPU_OPTIONS` = {}: about 3x
-faster to compile); `test_cpp_wrapper_decode_equals_eager` (slow) runs the shipped options."""
+faster to compile); `test_cpp_wrapper_decode_equals_eager` (slow) runs the shipped options. Also
+`-m slow` (20-25 s each, to keep the default suite near 10 minutes): the steps on the mixed-mixer
+model, plain (non-speculative) compiled generation, whose decode step the tiny model's step test
+ties, and the longest allowed speculative request."""
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ def _small_model() -> GLM5ForCausalLM:
     return _model(num_hidden_layers=2)
 
 
-@pytest.fixture(scope="module", params=["tiny", "mixed"])
+@pytest.fixture(scope="module", params=["tiny", pytest.param("mixed", marks=pytest.mark.slow)])  # mixed: 21 s
 def model(request):
     return _small_model() if request.param == "tiny" else _model(**MIXED)
 
@@ -62,7 +65,7 @@ def test_each_compiled_step_equals_its_eager_twin(model):
         assert_close(b, a)
 
 
-@pytest.mark.parametrize("speculative", [None, "mtp"])
+@pytest.mark.parametrize("speculative", [pytest.param(None, marks=pytest.mark.slow), "mtp"])  # None: 25 s; decode
 def test_compiled_generate_gives_the_eager_tokens(speculative):
     """Greedy and seeded sampling, batch 1 and three prompts of different lengths: identical
     tokens; speculative acceptance statistics identical too (finished rows, frozen in the
@@ -107,6 +110,7 @@ def test_compilations_per_generation_are_bounded_and_reused():
         assert counts[-3] == limit and counts[-2:] == [0, 0], (speculative, counts)
 
 
+@pytest.mark.slow  # 23 s
 def test_speculative_fits_at_the_longest_allowed_request():
     """prompt + max_new_tokens + draft_steps + 1 = max_position_embeddings is allowed, and fits:
     with low acceptance the pending pairs are padded to k+1 but only the valid ones are followed
