@@ -10,14 +10,13 @@ import torch
 
 from glm5lab import ModelConfig
 from glm5lab.ablate import study_optimizer as so
-from glm5lab.ablate.runner import StudyArgs, run_study
 from glm5lab.ablate.summary import summary_table
+from tests.ablate.conftest import run_quick
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, study_corpus):
-    out = tmp_path_factory.mktemp("optimizer")
-    _, text = run_study(StudyArgs("optimizer", quick=True, out=str(out), progress=False, data=str(study_corpus)))
+    out, text = run_quick(tmp_path_factory, "optimizer", study_corpus)
     return out, text, json.loads((out / "results.json").read_text())
 
 

@@ -14,9 +14,8 @@ adjust_lr_fn "match_rms_adamw" (default; Moonshot, "Muon is Scalable for LLM Tra
 0.2 * sqrt(max(A, B)) makes every block's update RMS 0.2, about AdamW's, so one lr and one weight decay serve Muon
 and AdamW groups. "original" (Keller Jordan): sqrt(max(1, A/B)). (A, B) is the shape of each orthogonalised block:
 the per-head block [M/H, N] for "muon_split" (each section [s, N] when `sections` is set), the per-expert matrix
-[M, N] for 3-D params. FSDP2 / expert-parallel
-DTensor params: each block is orthogonalised once, where it lives or on one owner rank (`_orthogonalized`,
-`muon_dist`). Notes: docs/optim.md.
+[M, N] for 3-D params. FSDP2 / expert-parallel DTensor params: each block is orthogonalised once, where it lives
+or on one owner rank (`_orthogonalized`, `muon_dist`). Notes: docs/optim.md.
 """
 
 from __future__ import annotations
@@ -63,10 +62,11 @@ class MuonAdamW(Optimizer):
     params: param groups (dicts) each with "params" and "kind" in KINDS (required: there is no default kind),
     plus "heads" for "muon_split" (and optionally "sections": module docstring); any hyperparameter below may be
     overridden per group. Muon groups use lr, weight_decay, momentum, nesterov, ns_steps, ns_coefficients, ns_eps,
-    adjust_lr_fn; AdamW groups use lr, weight_decay, betas, eps. fp32 params and grads expected (state has the param's dtype). state_dict() /
-    load_state_dict() round-trip bit-exactly (state: "momentum_buffer" for Muon; "step" (fp32 scalar tensor,
-    as torch), "exp_avg", "exp_avg_sq" for AdamW). Raises ValueError for a bad kind, shape, heads or
-    hyperparameter, naming it. Params may be FSDP2 / expert-parallel DTensors (`_orthogonalized`).
+    adjust_lr_fn; AdamW groups use lr, weight_decay, betas, eps. fp32 params and grads expected (state has the
+    param's dtype). state_dict() / load_state_dict() round-trip bit-exactly (state: "momentum_buffer" for Muon;
+    "step" (fp32 scalar tensor, as torch), "exp_avg", "exp_avg_sq" for AdamW). Raises ValueError for a bad kind,
+    shape, heads, sections or hyperparameter, naming it. Params may be FSDP2 / expert-parallel DTensors
+    (`_orthogonalized`).
 
     on_orthogonalize: optional hook `(param, count)` called on each Newton-Schulz call with the param whose update
     it orthogonalises and how many matrices it takes (B for a batch [B, M, N], 1 for one matrix; so each expert,
