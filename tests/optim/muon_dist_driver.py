@@ -30,18 +30,25 @@ PARAMS = {
     "split_even": ((8, 6), "muon_split", 4),
     "split_uneven": ((6, 5), "muon_split", 3),
     "split_straddle": ((10, 4), "muon_split", 5),
+    "split_kv": ((12, 6), "muon_split", 4),
+    "split_kv_straddle": ((15, 4), "muon_split", 5),
     "bias": ((5,), "adamw", None),
 }
-LOCAL_AT_ANY_N = ("experts", "ep_experts", "split_even")
+SECTIONS = {"split_kv": (2, 1), "split_kv_straddle": (1, 2)}
+"""Group key `sections` ("muon-split-kv": each head's rows cut into K and V sections, each orthogonalised)."""
+LOCAL_AT_ANY_N = ("experts", "ep_experts", "split_even", "split_kv")
 STEPS, LR = 3, 0.02
 
 
 def _groups(params: dict, kinds: dict) -> list[dict]:
-    """One param group per (kind, heads), in PARAMS order (which fixes the gather owners' round-robin)."""
+    """One param group per (kind, heads, sections), in PARAMS order (which fixes the gather owners' round-robin)."""
     groups: dict[tuple, dict] = {}
     for name, p in params.items():
         kind, heads = kinds[name]
-        groups.setdefault((kind, heads), {"params": [], "kind": kind, "heads": heads})["params"].append(p)
+        sections = SECTIONS.get(name) if kind == "muon_split" else None
+        group = groups.setdefault((kind, heads, sections), {"params": [], "kind": kind, "heads": heads,
+                                                            "sections": sections})
+        group["params"].append(p)
     return list(groups.values())
 
 
@@ -78,9 +85,10 @@ def _set_grads(params: dict, grads: dict) -> None:
         p.grad = distribute_tensor(grads[k], mesh, [Replicate()] * mesh.ndim).redistribute(mesh, p.placements)
 
 
-def _local_blocks(p: DTensor, kind: str, heads: int | None) -> int:
+def _local_blocks(p: DTensor, kind: str, heads: int | None, sections: int = 1) -> int:
+    """Newton-Schulz matrices of the local shard: experts, heads x sections per head, or the whole matrix."""
     rows = p.to_local().shape[0]
-    return rows if p.ndim == 3 else rows // (p.shape[0] // heads if kind == "muon_split" else p.shape[0])
+    return rows if p.ndim == 3 else rows // (p.shape[0] // heads if kind == "muon_split" else p.shape[0]) * sections
 
 
 def run_case(n: int) -> dict:
@@ -127,7 +135,8 @@ def run_case(n: int) -> dict:
         bad_layout = str(e)
 
     return {"counts": [dict(c) for c in counts], "comms": comms, "err": err, "garbage": garbage,
-            "blocks": {k: _local_blocks(params[k], kind, heads) for k, (kind, heads) in kinds.items() if kind != "adamw"},
+            "blocks": {k: _local_blocks(params[k], kind, heads, len(SECTIONS.get(k, (0,))))
+                       for k, (kind, heads) in kinds.items() if kind != "adamw"},
             "buffers": buffers, "state_keys": state_keys, "local_comm": local_comm, "bad_layout": bad_layout}
 
 

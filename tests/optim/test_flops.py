@@ -25,6 +25,15 @@ def test_bad_shapes_are_refused(bad):
         newton_schulz_flops(**bad)
 
 
+@pytest.mark.parametrize("bad", [dict(shape=(8, 4), kind="sgd"), dict(shape=(8, 4), kind="muon", sections=(4, 4)),
+                                 dict(shape=(8, 4), kind="muon_split", heads=None),
+                                 dict(shape=(9, 4), kind="muon_split", heads=2), dict(shape=(8,), kind="muon"),
+                                 dict(shape=(8, 4), kind="muon_split", heads=2, sections=(3, 2))])
+def test_blocks_refuses_what_the_optimizer_refuses(bad):
+    with pytest.raises(ValueError):
+        blocks(**bad)
+
+
 def test_blocks_per_kind():
     assert blocks((8, 4), "adamw") == []
     assert blocks((8, 4), "muon") == [(8, 4)]

@@ -28,6 +28,8 @@ TABLE = {
     "split_even": (4, "L", "L"),  # [8, 6] 4 heads of 2 rows; chunk 4 or 2 rows
     "split_uneven": (3, "G", "L"),  # [6, 5] 3 heads of 2 rows; chunk 3 (straddles) or 2 (an empty shard at n=4)
     "split_straddle": (5, "G", "G"),  # [10, 4] 5 heads of 2 rows; chunk 5 or 3 rows: straddles
+    "split_kv": (8, "L", "L"),  # [12, 6] 4 heads of 3 rows cut (2, 1) ("muon-split-kv"); chunk 6 or 3 rows
+    "split_kv_straddle": (10, "G", "G"),  # [15, 4] 5 heads of 3 rows cut (1, 2); chunk 8 or 4 rows: straddles
 }
 
 

@@ -55,7 +55,7 @@ def test_every_section_has_orthonormal_rows_exact():
     assert (whole_head @ whole_head.T - torch.eye(5)).abs().max() > 0.05  # K rows not orthogonal to V rows
 
 
-@pytest.mark.parametrize("sections", [(2, 2), (0, 5), (5, 0), (), (2.5, 2.5)])
+@pytest.mark.parametrize("sections", [(2, 2), (0, 5), (5, 0), (), (2.5, 2.5), (True, 4), 5, "23"])
 def test_bad_sections_are_refused(sections):
     with pytest.raises(ValueError, match="sections"):
         muon_split(_randn(10, 4), 2, sections=sections)
@@ -127,3 +127,36 @@ def test_sections_are_refused_outside_muon_split_or_when_they_do_not_fit():
         MuonAdamW([{"params": [p], "kind": "muon", "sections": (4, 4)}])
     with pytest.raises(ValueError, match="sections"):
         MuonAdamW([{"params": [p], "kind": "muon_split", "heads": 2, "sections": (3, 2)}])
+
+
+@pytest.mark.parametrize("heads", [True, 2.0, 0])
+def test_heads_that_are_not_positive_ints_are_refused(heads):
+    for split in (muon_split, muon_split_reference):
+        with pytest.raises(ValueError, match="heads"):
+            split(_randn(4, 3), heads)
+
+
+def test_bool_sections_are_refused_by_the_optimizer_too():
+    p = torch.nn.Parameter(torch.zeros(8, 6))
+    with pytest.raises(ValueError, match="sections"):
+        MuonAdamW([{"params": [p], "kind": "muon_split", "heads": 2, "sections": (True, 3)}])
+
+
+@pytest.mark.parametrize("edit", [{"sections": (2, 2, 2)}, {"kind": "muon"}, {"kind": "adamw"}])
+def test_load_state_dict_checks_the_saved_groups(edit):
+    """A saved group edited by hand (sections that no longer fit, or sections on another kind) is refused at load,
+    as the constructor refuses it, not at the first step."""
+    model = _tiny()
+    state = build_optimizer(model, "muon-split-kv", lr=1e-3).state_dict()
+    group = next(g for g in state["param_groups"] if g.get("sections") is not None)
+    group.update(edit)
+    with pytest.raises(ValueError, match="sections"):
+        build_optimizer(model, "muon-split-kv", lr=1e-3).load_state_dict(state)
+
+
+def test_kv_split_needs_both_sections():
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", qk_nope_head_dim=0))
+    with pytest.raises(ValueError, match="qk_nope_head_dim = 0.*muon-split"):
+        param_group_table(model, "muon-split-kv")
+    assert param_group_table(model, "muon-split")  # the per-head split alone is fine

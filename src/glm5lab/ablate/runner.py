@@ -4,8 +4,8 @@ Each study is the module `STUDIES` names, with `run(args: StudyArgs, bench: Work
 `readme_row(info)` (`summary`) and its sizes in `SIZES`: a dict keyed by `StudyArgs.size_key`, each entry a dict
 of that size's numbers, its "seeds" (how many seeds run unless --seeds: `StudyArgs.seed_list`) among them:
   "quick"      `--quick`: the smoke size, under two minutes on 2 CPU cores (the test suite runs it);
-  "cpu"        the default: every study's default run together fits in about an hour on 2 cores
-               (BENCHMARKS.md has the times);
+  "cpu"        the default: 8 to 72 minutes per study on 2 cores, about three hours for all eight
+               (the README's generated table and BENCHMARKS.md have the times);
   "gpu"        `--scale gpu`: models of about 50-100M parameters at lengths where DSA and SWA
                matter (2K-8K tokens), for a GPU (each study's docstring states its expected time);
   "gpu-quick"  `--scale gpu --quick`: the gpu shapes and lengths with a handful of steps and rows,

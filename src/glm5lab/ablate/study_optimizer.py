@@ -24,7 +24,9 @@ times (`next_lr`); a run that diverges scores inf. An lr still at the edge is fl
 Budgets:
   equal tokens   every arm trains the same `steps` on the same batches;
   equal compute  every arm's FLOPs equal the Muon Split arm's at equal tokens: each arm's stages are scaled
-                 by C / cost (steps rounded, at least 1), so AdamW trains more tokens, whole-matrix Muon fewer.
+                 by C / cost (steps rounded, at least 1), so AdamW trains more tokens. Whole-matrix Muon and
+                 K/V apart train a little more or fewer: cutting a matrix into blocks saves Newton-Schulz FLOPs
+                 or costs more, by the shapes (`glm5lab.optim.flops`; at the cpu size both train slightly more).
                  FLOPs per step = the model's forward + backward as `torch.utils.flop_counter.FlopCounterMode`
                  counts them (one step per stage, measured on a fresh model) + the optimizer's Newton-Schulz
                  FLOPs (`glm5lab.optim.flops`, tied to the same counter by a test). Runs whose scaled stages equal
@@ -38,7 +40,7 @@ EVAL_SEED rows, and the MTP acceptance length of greedy speculative decoding wit
 `prompts` validation prompts. Comparisons are paired by seed and judged by `glm5lab.ablate.stats.compare`.
 
 Sizes: "cpu" (default): 4 layers of width 128 at 64 tokens, 400 steps of 16 rows (8 of them MQAR), 4 lrs x 4
-arms on the sweep seed, 3 scored seeds: about an hour on 2 cores (the README's table holds its time). "gpu":
+arms on the sweep seed, 3 scored seeds: 72 minutes on 2 cores (BENCHMARKS.md, "Optimizer study"). "gpu":
 the baseline study's GPU shape (hidden 768, 16 experts, DSA top-512) with 7 of its 8 layers (95M parameters
 with the MTP layer) at 2048 tokens, 2100 steps of 8 rows: an estimated 8-12 GPU-hours in fp32 for the sweep and
 3 seeds (not measured). "gpu-quick": that shape with 2 layers, one step per stage, on a CPU.
@@ -382,7 +384,7 @@ def table(raw: dict, settings: dict) -> str:
             fl = runs[0]["flops"]
             time_share = statistics.fmean(r["optimizer_seconds"] / r["train_seconds"] for r in runs)
             rows.append([arm, opt, f"{settings['lrs'][arm]:g}", runs[0]["steps"], runs[0]["tokens"],
-                         f"{fl['model'] / 1e12:.2f} + {fl['optimizer'] / 1e12:.2f}",
+                         f"{fl['model'] / 1e12:.3g} + {fl['optimizer'] / 1e12:.3g}",
                          f"{fl['optimizer'] / fl['total']:.1%}",
                          f"{time_share:.1%}",
                          *(interval(_values(raw, budget, arm, k)).text(d) for k, d in

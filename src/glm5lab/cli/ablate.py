@@ -50,11 +50,12 @@ def add_ablate_parser(sub) -> None:
     p.add_argument("study", choices=[*STUDIES, "summary"], metavar="STUDY", help="one of: " + ", ".join(STUDIES)
                    + "; or summary")
     p.add_argument("--quick", action="store_true", help="the smoke size: under two minutes on 2 CPU cores "
-                   "(numbers are not meaningful); default: the study size, under an hour")
-    p.add_argument("--scale", choices=SCALES, default="cpu", help="cpu (default): CPU-sized models, every default "
-                   "study in about an hour on 2 cores; gpu: ~50-100M-parameter models at 2K-8K tokens, for a GPU "
-                   "(hours; each study's docstring estimates them); with --quick, the gpu shapes for a step or two "
-                   "(runs on a CPU)")
+                   "(numbers are not meaningful); default: the study size, 8-72 minutes (the README's table has "
+                   "each time)")
+    p.add_argument("--scale", choices=SCALES, default="cpu", help="cpu (default): CPU-sized models, the eight "
+                   "default studies in about three hours on 2 cores; gpu: ~50-100M-parameter models at 2K-8K "
+                   "tokens, for a GPU (hours; each study's docstring estimates them); with --quick, the gpu shapes "
+                   "for a step or two (runs on a CPU)")
     p.add_argument("--out", metavar="DIR", help="results folder (default runs/ablate/STUDY[-gpu][-quick])")
     p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the study's own: 3, "
                    "2 for baseline)")

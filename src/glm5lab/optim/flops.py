@@ -17,8 +17,9 @@ from collections.abc import Callable
 from torch import nn
 
 from glm5lab.optim.groups import param_group_table
+from glm5lab.optim.muon import KINDS
 from glm5lab.optim.newton_schulz import check_sections
-from glm5lab.validate import int_at_least
+from glm5lab.validate import int_at_least, is_int, one_of
 
 NS_STEPS = 5
 """MuonAdamW's default Newton-Schulz steps."""
@@ -38,15 +39,23 @@ def blocks(shape: tuple[int, ...], kind: str, heads: int | None = None,
            sections: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
     """The [A, B] blocks Muon orthogonalises for one parameter of `shape` in a group of `kind` ("adamw": none;
     "muon": the matrix, or each of E experts of [E, M, N]; "muon_split": each head's [M/H, N], or each section
-    of it). Raises ValueError for sections that do not sum to a head's rows."""
+    of it). Raises ValueError, naming it, for an unknown kind, a shape the kind cannot take, heads that do not
+    divide the rows, or sections on another kind or not summing to a head's rows (`MuonAdamW`'s own checks)."""
+    one_of("kind", kind, KINDS)
+    if sections is not None and kind != "muon_split":
+        raise ValueError(f"sections={sections!r} are only allowed with kind 'muon_split', not {kind!r}")
     if kind == "adamw":
         return []
     if kind == "muon_split":
+        if len(shape) != 2 or not is_int(heads) or heads < 1 or shape[0] % heads:
+            raise ValueError(f"kind 'muon_split' needs a 2-D shape whose rows divide by heads; got {tuple(shape)} "
+                             f"with heads={heads!r}")
         rows, cols = shape[0] // heads, shape[1]
         if sections is None:
             return [(rows, cols)] * heads
-        check_sections(tuple(sections), rows)
-        return [(s, cols) for s in sections] * heads
+        return [(s, cols) for s in check_sections(sections, rows)] * heads
+    if len(shape) not in (2, 3):
+        raise ValueError(f"kind 'muon' needs a 2-D [M, N] or 3-D [E, M, N] shape, got {tuple(shape)}")
     *experts, rows, cols = shape
     return [(rows, cols)] * (experts[0] if experts else 1)
 

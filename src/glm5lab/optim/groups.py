@@ -112,6 +112,10 @@ def _resolve(name: str, rule: Rule, optimizer: str, config) -> ParamRule:
         sections = None
         if optimizer == "muon-split-kv" and rule.split_sections is not None:
             sections = tuple(getattr(config, f) for f in rule.split_sections)
+            if min(sections) < 1:
+                given = ", ".join(f"{f} = {v}" for f, v in zip(rule.split_sections, sections, strict=True))
+                raise ValueError(f"optimizer 'muon-split-kv' cuts {name} per head into sections of {given} rows: "
+                                 "each must be >= 1 (use 'muon-split' for this model)")
         return ParamRule(name, "muon_split", getattr(config, rule.split_heads), rule.decay, sections)
     return ParamRule(name, "muon", None, rule.decay)
 

@@ -89,6 +89,13 @@ class MuonAdamW(Optimizer):
         super().add_param_group(param_group)
         _check_group(self.param_groups[-1])
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then every param group checked as the constructor checks it (a saved group's kind,
+        heads or sections may have been edited); raises ValueError naming what is wrong."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            _check_group(group)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One step over every param with a grad (params whose grad is None are skipped, no decay).
@@ -133,7 +140,7 @@ def _check_group(group: dict) -> None:
     for p in group["params"]:
         _check_param(p, kind, heads)
         if sections is not None:
-            check_sections(tuple(sections), p.shape[0] // heads)
+            check_sections(sections, p.shape[0] // heads)
 
 
 def _check_param(p: torch.Tensor, kind: str, heads: int | None) -> None:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from glm5lab.validate import is_int
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic p(x) = a x + b x^3 + c x^5 (Keller Jordan's Muon)."""
 NS_EPS = 1e-7
@@ -80,22 +82,32 @@ def muon_split(update: torch.Tensor, heads: int,
     when update is not 2-D or M % heads != 0, and naming the sections when they are not positive or do not sum
     to M/H. Reference: `muon_split_reference`.
     """
-    if update.ndim != 2 or heads < 1 or update.shape[0] % heads:
-        raise ValueError(f"muon_split needs a 2-D update whose rows divide by heads; got shape "
-                         f"{tuple(update.shape)} with heads={heads}")
+    _check_split(update, heads)
     M, N = update.shape
     blocks = update.reshape(heads, M // heads, N)
     if sections is None:
         return orthogonalize(blocks).reshape(M, N)
-    check_sections(sections, M // heads)
-    return torch.cat([orthogonalize(part) for part in blocks.split(list(sections), dim=1)], dim=1).reshape(M, N)
+    secs = check_sections(sections, M // heads)
+    return torch.cat([orthogonalize(part) for part in blocks.split(list(secs), dim=1)], dim=1).reshape(M, N)
 
 
-def check_sections(sections: tuple[int, ...], rows_per_head: int) -> None:
-    """Raise ValueError naming `sections` unless they are positive ints summing to `rows_per_head`."""
-    if not sections or any(not isinstance(s, int) or s < 1 for s in sections) or sum(sections) != rows_per_head:
-        raise ValueError(f"muon_split sections {tuple(sections)!r} are not allowed: positive row counts summing to "
+def check_sections(sections, rows_per_head: int) -> tuple[int, ...]:
+    """`sections` as a tuple when it is a sequence of positive ints (bools refused) summing to `rows_per_head`;
+    else ValueError naming it."""
+    try:
+        secs = tuple(sections)
+    except TypeError:
+        secs = None
+    if not secs or any(not is_int(s) or s < 1 for s in secs) or sum(secs) != rows_per_head:
+        raise ValueError(f"muon_split sections {sections!r} are not allowed: positive row counts summing to "
                          f"the {rows_per_head} rows of one head")
+    return secs
+
+
+def _check_split(update: torch.Tensor, heads) -> None:
+    if update.ndim != 2 or not is_int(heads) or heads < 1 or update.shape[0] % heads:
+        raise ValueError(f"muon_split needs a 2-D update whose rows divide by heads; got shape "
+                         f"{tuple(update.shape)} with heads={heads!r}")
 
 
 def muon_split_reference(update: torch.Tensor, heads: int,
@@ -103,12 +115,9 @@ def muon_split_reference(update: torch.Tensor, heads: int,
                          sections: tuple[int, ...] | None = None) -> torch.Tensor:
     """`muon_split`'s slow twin: a loop over heads and, within each head, over its sections, one
     `orthogonalize` call per [rows, N] block, the blocks written back in place. Same signature and errors."""
-    if update.ndim != 2 or heads < 1 or update.shape[0] % heads:
-        raise ValueError(f"muon_split needs a 2-D update whose rows divide by heads; got shape "
-                         f"{tuple(update.shape)} with heads={heads}")
+    _check_split(update, heads)
     m = update.shape[0] // heads
-    sections = (m,) if sections is None else tuple(sections)
-    check_sections(sections, m)
+    sections = check_sections((m,) if sections is None else sections, m)
     out = torch.empty_like(update)
     for h in range(heads):
         start = h * m
