@@ -56,14 +56,15 @@ import time
 import torch
 
 from glm5lab.ablate.fit import fit
-from glm5lab.ablate.measure import labelled_nll, mqar_accuracy
+from glm5lab.ablate.measure import mqar_accuracy
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.study_baseline import GPU_SHAPE, glm5_stages
+from glm5lab.ablate.study_baseline import score as text_score
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.config import ModelConfig
-from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
+from glm5lab.evals.bpb import token_byte_lengths
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import TrainHyper, TrainingDiverged
 
@@ -226,13 +227,6 @@ def val_windows(bench: Workbench, s: dict, part: str) -> torch.Tensor:
     return w[:n] if part == "score" else w[n:2 * n]
 
 
-def text_scores(model, windows: torch.Tensor, byte_lengths: torch.Tensor) -> dict:
-    """Validation loss (nats/token) and bits per byte over windows [N, T + 1], DSA on."""
-    labels = windows[:, 1:]
-    nll, tokens = labelled_nll(model, windows[:, :-1], labels, use_dsa=True)
-    return {"val_loss": nll / tokens, "val_bpb": bits_per_byte(nll, target_bytes(byte_lengths, labels))}
-
-
 def acceptance(model, bench: Workbench, s: dict) -> float:
     """Mean acceptance length of greedy MTP speculative decoding (DRAFT_STEPS drafts) from the first prompt_len
     tokens of the first `prompts` validation windows, max_new new tokens each."""
@@ -245,7 +239,7 @@ def acceptance(model, bench: Workbench, s: dict) -> float:
 
 def score(model, bench: Workbench, s: dict, byte_lengths: torch.Tensor) -> dict:
     """Every score of a trained model (module docstring)."""
-    return {**text_scores(model, val_windows(bench, s, "score"), byte_lengths),
+    return {**text_score(model, val_windows(bench, s, "score"), byte_lengths, use_dsa=True),
             "mqar_accuracy": mqar_accuracy(model, bench, s["eval_rows"], s["T"], s["pairs"], seed=EVAL_SEED,
                                            use_dsa=True),
             "acceptance_length": acceptance(model, bench, s)}
@@ -265,7 +259,7 @@ def sweep(cfg, bench: Workbench, s: dict, byte_lengths, say, device) -> dict:
         except TrainingDiverged as e:
             say(f"sweep: {arm} lr {lr:g} diverged ({e})")
             return math.inf
-        value = text_scores(model, windows, byte_lengths)["val_loss"]
+        value = text_score(model, windows, byte_lengths, use_dsa=True)["val_loss"]
         say(f"sweep: {arm} lr {lr:g}: val loss {value:.4f}")
         return value
 

@@ -30,10 +30,10 @@ class TrainingDiverged(RuntimeError):
 @dataclass(frozen=True)
 class TrainHyper:
     """The step's settings; their defaults are `glm5lab train`'s (`TrainArgs` takes them from here).
-    optimizer: "adamw", "muon" or "muon-split" (`glm5lab.optim.groups`). weight_decay: on the rows the group
-    table decays. grad_clip: the largest global gradient norm, 0 = no clipping. bias_update_rate: the router
-    bias step per update, b_e += rate * sign(mean load - load_e) (`glm5lab.train.balance`), 0 = off; 1.5e-2
-    was chosen for the default 420-step run (BENCHMARKS.md)."""
+    optimizer: "adamw", "muon", "muon-split" or "muon-split-kv" (`glm5lab.optim.groups`). weight_decay: on the
+    rows the group table decays. grad_clip: the largest global gradient norm, 0 = no clipping. bias_update_rate:
+    the router bias step per update, b_e += rate * sign(mean load - load_e) (`glm5lab.train.balance`), 0 = off;
+    1.5e-2 was chosen for the default 420-step run (BENCHMARKS.md)."""
 
     optimizer: str = "muon-split"
     weight_decay: float = 0.1
