@@ -1,7 +1,8 @@
 """FP8 indexer keys (`glm5lab.model.fp8_keys`, `KVCache(index_cache_dtype="fp8")`).
 
 What is tied to what:
-- `quantize_per_token` / `dequantize`: scale = amax / 448 exactly (fp32), 1 for an all-zero key; hand-computed
+- `quantize_per_token` / `dequantize`: scale = amax / 448 exactly (fp32), 1 for an all-zero key, 2^-126 at least
+  (tiny keys whose amax / 448 underflows stay finite, fault 7 of issue 36); hand-computed
   values; per element |k - dq(q(k))| <= max(2^-4 |k|, 2^-10 scale) (the e4m3 bound derived in the module
   docstring: 3 mantissa bits, subnormal spacing 2^-9), + 1e-6 |k| for the fp32 divide and multiply; the bound
   is tight (2^-5 in its place fails: a "garbage must fail" check); odd widths.
@@ -96,6 +97,29 @@ def test_zero_token_gets_scale_one_and_exact_zeros():
     assert torch.equal(scale, torch.tensor([[1.0, 1 / 448, 1.0], [1.0, 1.0, 1.0]]))  # 1/448 rounded to fp32
     assert torch.equal(dequantize(k8, scale, torch.float32)[k.abs().amax(-1) == 0], torch.zeros(5, 7))
     assert not k8.float().isnan().any()
+
+
+@pytest.mark.parametrize("amax", [2.0**-149, 1e-44, 3e-43, 1e-40, 2.0**-126, 1e-37, 5e-36])
+def test_tiny_keys_stay_finite(amax):
+    """A key with 0 < amax <= ~3e-43 has amax / 448 == 0 in fp32 (the case that made NaN keys, whose NaN scores
+    took top-k slots); up to ~5.3e-36 the quotient is subnormal. The scale is held at 2^-126: keys stay finite,
+    within the module's error bound, and a tiny key never outscores an ordinary one."""
+    k = torch.zeros(1, 3, 5)
+    k[0, 0] = torch.tensor([1.0, -0.5, 0.25, 0.0, -1.0]) * amax
+    k[0, 1] = torch.tensor([0.5, 0.0, 1.0, 0.0, 0.0])
+    k8, scale = quantize_per_token(k)
+    assert torch.equal(scale[0, 0], torch.tensor(max(amax / 448, 2.0**-126), dtype=torch.float32))
+    assert scale[0, 0] > 0 and not k8.float().isnan().any()
+    dq = dequantize(k8, scale, torch.float32)
+    assert dq.isfinite().all()
+    assert bool(((k - dq).abs() <= torch.maximum(2**-4 * k.abs(), 2**-10 * scale[..., None]) + 1e-6 * k.abs()).all())
+    scores = torch.einsum("j,btj->bt", torch.ones(5), dq)
+    assert scores.isfinite().all() and scores.topk(1).indices.item() == 1
+
+
+def test_tiny_amax_underflows_without_the_floor():
+    """The case above is real: fp32 amax / 448 is 0 for amax = 3e-43 (so k / scale was 0/0 or x/0)."""
+    assert torch.tensor(3e-43) / E4M3_MAX == 0
 
 
 @pytest.mark.parametrize("J", [1, 3, 17, 32, 128])

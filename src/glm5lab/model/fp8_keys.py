@@ -2,7 +2,8 @@
 
 Legend: B rows, T tokens, J `index_head_dim` (values per key).
 
-    scale[b, t] = max_j |k[b, t, j]| / 448       (448: float8_e4m3fn's largest finite value; 1 for an all-zero key)
+    scale[b, t] = max(max_j |k[b, t, j]| / 448, 2^-126)   (448: float8_e4m3fn's largest finite value; 1 for an
+                                                           all-zero key; 2^-126: fp32's smallest normal number)
     k8[b, t, j] = e4m3(k[b, t, j] / scale[b, t])  (round to nearest even, clamped to +-448)
     k[b, t, j] ~ k8[b, t, j] * scale[b, t]        (dequantized: what the indexer scores)
 
@@ -14,6 +15,12 @@ for 2^e <= |y| < 2^(e+1), so rounding to nearest moves y by at most 2^(e-4) <= 2
     |k - dequantize(quantize(k))| <= max(2^-4 |k|, 2^-10 scale)   (+ fp32 rounding of the divide and multiply)
 
 and the largest |value| of each key is kept to fp32 rounding (it maps to exactly 448).
+
+Tiny keys: for 0 < amax < 448 x 2^-126 (~5.3e-36) the quotient amax / 448 is an fp32 subnormal, and for amax
+<= ~3e-43 it rounds to 0, where the division would make the key NaN (and NaN scores would take top-k slots).
+The scale is therefore held at fp32's smallest normal number, 2^-126: such a key's values divide to |y| < 448
+(finite; the bound above still holds, its 2^-10 scale term being ~1e-41), and a device that flushes subnormals
+to zero cannot turn the scale into 0.
 
 Bytes per token per layer: J + 4 (GLM-5 and DeepSeek-V3.2, J = 128: 132), against 4 J in fp32 (3.88x fewer) and
 2 J in bf16 (1.94x fewer).
@@ -35,6 +42,8 @@ from glm5lab.validate import refuse
 E4M3_MAX = 448.0
 """float8_e4m3fn's largest finite value (`torch.finfo(torch.float8_e4m3fn).max`)."""
 FP8 = torch.float8_e4m3fn
+SCALE_MIN = torch.finfo(torch.float32).tiny
+"""The smallest scale stored, 2^-126 (fp32's smallest normal number): see "Tiny keys" above."""
 INDEX_CACHE_DTYPES = (None, "auto", "fp8", FP8)
 """Values of `index_cache_dtype` (`KVCache`, `glm5lab.generate`): None / "auto" = the cache's dtype;
 "fp8" / torch.float8_e4m3fn = float8_e4m3fn keys with a per-token fp32 scale."""
@@ -61,7 +70,7 @@ def quantize_per_token(k_BTJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     DeepSeek-V3.2 `act_quant` (e4m3 max 448, round to nearest)."""
     x = k_BTJ.float()
     amax_BT = x.abs().amax(-1)
-    scale_BT = torch.where(amax_BT > 0, amax_BT / E4M3_MAX, torch.ones_like(amax_BT))
+    scale_BT = torch.where(amax_BT > 0, (amax_BT / E4M3_MAX).clamp_min(SCALE_MIN), torch.ones_like(amax_BT))
     k8_BTJ = (x / scale_BT[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
     return k8_BTJ, scale_BT
 
