@@ -234,6 +234,7 @@ for name, tensors in seen.items():
             bad.append(f"{name}.{k}: {t.dtype}, max diff {(t.float() - full).abs().max():.3g}")
 Path(sys.argv[1], f"rank{ctx.rank}.txt").write_text(f"{len(seen)} modules seen; bad: {bad}")
 dist.teardown(ctx)
+dist.end_process()  # leave as every multi-process run does
 """
 
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 from glm5lab.optim import MuonAdamW
+from glm5lab.train.dist import end_process, session
 
 # name -> (shape, kind, heads); ep_experts lives on the "moe" submodule (the EP layout), the rest on the root
 PARAMS = {
@@ -142,16 +143,17 @@ def run_case(n: int) -> dict:
 
 def main(out: str) -> None:
     dist.init_process_group("gloo")
-    assert dist.get_world_size() == 4, "run with --nproc_per_node=4"
-    cases = {}
-    for n in (4, 2):
-        cases[n] = [None] * 4
-        dist.all_gather_object(cases[n], run_case(n))
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(cases, f)
-    dist.destroy_process_group()
+    with session():  # every rank leaves the groups together (barrier, destroy, collect): glm5lab.train.dist.teardown
+        assert dist.get_world_size() == 4, "run with --nproc_per_node=4"
+        cases = {}
+        for n in (4, 2):
+            cases[n] = [None] * 4
+            dist.all_gather_object(cases[n], run_case(n))
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(cases, f)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()  # not the interpreter's exit, which tears down the (still referenced) gloo groups in no fixed order

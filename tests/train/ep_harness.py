@@ -123,13 +123,12 @@ def worker(rank: int, world: int, port: int, ep: int, cases: list[Case], out_dir
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gdist.session():  # the groups left together, by every rank (`glm5lab.train.dist.teardown`)
         for case in cases:
             result = run(case, ep)
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{case.name}-w{world}-ep{ep}.pt"))
-    finally:
-        dist.destroy_process_group()
+    gdist.end_process()  # leave as every multi-process run does
 
 
 def spawn(world: int, ep: int, cases: list[Case], out_dir: str) -> dict[str, dict]:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from glm5lab.model.dispatch import LocalDispatcher
+from glm5lab.train.dist import end_process, session
 from glm5lab.train.expert_parallel import AllToAllDispatcher, EPStats, check_ep
 from glm5lab import ModelConfig
 from tests.train import ep_harness
@@ -82,11 +83,10 @@ def _check_metrics(case: Case, result: dict, world: int, ep: int) -> None:
 def _dispatch_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with session():  # the groups left together, by every rank (`glm5lab.train.dist.teardown`)
         results = [_dispatch_roundtrip(rank, world, routing) for routing in ("random", "rank0", "empty_rank")]
         torch.save(results, os.path.join(out_dir, f"dispatch-{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    end_process()  # leave as every multi-process run does
 
 
 E, K, D = 6, 2, 5

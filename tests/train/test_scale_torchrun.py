@@ -48,6 +48,8 @@ for name, ep, compile, ac in RUNS:
     train(TrainArgs(config=corpus + "/config.json", data=corpus + "/texts", out=out + "-" + name, progress=False,
                     eval_every=0, checkpoint_every=0, stage_plan=_plan(steps=(2, 1, 2), batch=2), ep=ep,
                     compile=compile, activation_checkpointing=ac, tensorboard=True))
+dist.teardown(ctx)  # the meta-init check's group, when no run tore it down
+dist.end_process()  # leave as every multi-process run does
 """
 
 RUNS = [("ep-ac", 2, False, True)]

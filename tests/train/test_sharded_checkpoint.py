@@ -29,12 +29,14 @@ from tests.train.test_loop import _plan
 
 DRIVER = """
 import sys
+from glm5lab.train.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
 from tests.train.test_loop import _plan
 out, batch, corpus, ep, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 train(TrainArgs(config=corpus + "/config.json", data=corpus + "/texts", out=out, progress=False, eval_every=2,
                 eval_batches=1, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=batch), ep=ep,
                 resume=resume))
+end_process()  # leave as every multi-process run does (glm5lab.train.dist.end_process)
 """
 LOSS_RTOL = 1e-5
 """Another world size sums the gradients in another order: observed relative loss differences up to 1e-7 (fp32

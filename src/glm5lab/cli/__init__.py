@@ -338,8 +338,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line `argv` (default sys.argv[1:]); returns the exit status."""
+    """Run the command line `argv` (default sys.argv[1:]); returns the exit status. A torchrun rank that joined a
+    process group does not return: it ends with that status through `glm5lab.train.dist.end_process`."""
     args = build_parser().parse_args(argv)
+    status = _run(args)
+    dist = sys.modules.get("glm5lab.train.dist")
+    if dist is not None and dist.joined():
+        dist.end_process(status)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's exit status, its errors turned into one line."""
     try:
         if args.command in COMPUTE_COMMANDS:  # before the command body imports torch
             configure_threads(args.command, args.threads)

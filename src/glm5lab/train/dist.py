@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
+import signal
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+
+_joined = False
+"""Whether `setup` joined a process group in this process (`joined`)."""
 
 
 @dataclass
@@ -51,12 +59,17 @@ def is_main_process() -> bool:
 
 
 def setup() -> DistContext:
+    """This process's place in the run: one process, or (WORLD_SIZE > 1) a rank of the process group it joins
+    (NCCL on CUDA, gloo otherwise; `exit_with_launcher` first). Leave it with `teardown` (or `session`)."""
     cuda = torch.cuda.is_available()
     if world_size() == 1:
         return DistContext(0, 1, torch.device("cuda" if cuda else "cpu"))
+    global _joined
+    exit_with_launcher()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if cuda else "gloo")
+    _joined = True
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -203,6 +216,92 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def teardown(ctx: DistContext) -> None:
-    if ctx.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+def exit_with_launcher() -> None:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), make this rank exit (SIGTERM) when its launcher dies, SIGKILL
+    included: torchrun starts each rank as its own child in a new session, so nothing else stops the ranks of a
+    killed launcher, and they would train on, holding the run folder. Linux: prctl(PR_SET_PDEATHSIG), sent when the
+    thread that started this process ends (torchrun's main thread, which starts its ranks and lives as long as the
+    launcher; torch.multiprocessing arms it so for the workers it spawns); other systems: a watchdog thread that
+    checks the parent pid every second. A launcher that died
+    before this call holds the rendezvous store this rank then fails to reach (torchrun's agent store), so the rank
+    never joins a group."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    else:
+        import threading
+        import time
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="glm5lab-launcher-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died between the two calls
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def teardown(ctx: DistContext | None = None, *, barrier: bool = True) -> None:
+    """Leave the process group the same way on every rank. With `barrier`: wait until every rank is done with every
+    collective (none then closes its connections while a peer still uses them), then destroy every group (the device
+    meshes' too) and collect the garbage that still refers to them. Without `barrier` (after an error or Ctrl-C,
+    when a peer may be gone or inside a collective): destroy at once. A no-op without a process group (one process,
+    or after `teardown`). The runs (`session`) and the tests' multi-process drivers all leave their groups here.
+
+    Destroying a group does not end its gloo threads while anything refers to the group object, and in torch 2.13
+    something always does once DTensor is used (`torch.distributed.nn.functional`'s default arguments hold the world
+    group; DTensor's sharding caches hold the device meshes, which hold their groups): those threads then end with the
+    interpreter, in no fixed order, which is where a rank rarely aborted ("terminate called without an active
+    exception", exit -6; pytorch/pytorch#65231 is that abort, from a group the interpreter never destroyed). A process
+    that ends with its run leaves through `end_process`, which skips that."""
+    if not dist.is_initialized() or (ctx is not None and ctx.world_size == 1):
+        return
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+
+
+def joined() -> bool:
+    """Whether this process joined a process group (`setup` under torchrun), torn down or not."""
+    return _joined
+
+
+def end_process(status: int = 0) -> NoReturn:
+    """End this process now with `status`, after its process group's `teardown`: run the atexit handlers and flush
+    stdout and stderr, then `os._exit`, skipping the interpreter's finalization and C++'s static destructors, where
+    the destroyed groups' gloo threads (still referenced: `teardown`) would otherwise be torn down in no fixed order.
+    For processes that end with their run: torchrun's ranks of `glm5lab` (`glm5lab.cli.main`) and the tests'
+    multi-process drivers."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+@contextlib.contextmanager
+def session(ctx: DistContext | None = None):
+    """`teardown(ctx)` when the `with` block ends (ctx None: whatever group `torch.distributed` holds): with a
+    barrier when the block ends normally; without one when it raises (a peer may be gone or inside a collective), and
+    then only where destroying cannot block: always with gloo, after Ctrl-C also with NCCL (torchrun sends the
+    interrupt to every rank; after another error NCCL's abort could wait on ranks still inside a collective, so the
+    process exits as it is and its launcher stops the others)."""
+    try:
+        yield ctx
+    except KeyboardInterrupt:
+        teardown(ctx, barrier=False)
+        raise
+    except BaseException:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            teardown(ctx, barrier=False)
+        raise
+    teardown(ctx)

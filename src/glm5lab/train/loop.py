@@ -41,6 +41,7 @@ from glm5lab.train.extend import continue_position, extend_plan, record_extensio
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
 from glm5lab.train.resume import ep_note, first_complete, rescale_stages, resume_checkpoint, started_world_size
+from glm5lab.train.run_lock import hold_run_folder
 from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
@@ -187,8 +188,10 @@ class MetricsLog:
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns the summary dict also written to `summary.json`.
 
-    Everything that can be refused is checked before the run folder is created (arguments, model, stage
-    lengths, data), so a failed start leaves no folder behind. Raises ValueError (bad arguments, data too
+    Everything that can be refused is checked before the run writes into its folder (arguments, model, stage
+    lengths, data), and the folder the run lock made is removed again, so a failed start leaves no folder behind.
+    The run holds its folder while it runs (`glm5lab.train.run_lock`: every rank, released when a process dies).
+    Raises RunFolderInUse (a ValueError naming the run that holds --out), ValueError (bad arguments, data too
     short for a stage, a resume with another plan), FileExistsError (--out holds a run and --resume was not
     given), ResumeError (no checkpoint verifies), TrainingDiverged (`glm5lab.train.step`)."""
     args = with_recipe(args)
@@ -197,6 +200,12 @@ def train(args: TrainArgs) -> dict:
         args.init = _init_folder(Path(args.init))
     ctx = dist.setup()
     run_dir = Path(args.out)
+    with dist.session(ctx), hold_run_folder(run_dir, ctx, create=not args.resume):  # one run at a time in a folder
+        return _train(args, ctx, run_dir)
+
+
+def _train(args: TrainArgs, ctx, run_dir: Path) -> dict:
+    """`train` once this run holds its folder (`hold_run_folder`), inside the process group's `dist.session`."""
     _check_run_dir(run_dir, args.resume, probe=ctx.is_main)
     cfg = model_config(args)
     check_ep(args.ep, ctx.world_size, cfg)
@@ -433,8 +442,9 @@ def _stage_diff(old: list[dict], new: list[dict]) -> str:
 
 def _check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
     """Refuse an --out that is a file, cannot be created, or (without --resume) holds a run; the folder itself is
-    created later, by `_write_run_files`, once everything else has been checked. probe: whether this process tries
-    the creation (the main rank only: ranks creating and removing the same folder at once would race)."""
+    made by the run lock (`hold_run_folder`: removed again when the start fails) and written by `_write_run_files`
+    once everything else has been checked. probe: whether this process tries the creation (the main rank only: ranks
+    creating and removing the same folder at once would race)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} is a file, not a folder")
     if resume:  # a finished run (summary.json) is refused after the plan comparison unless it is extended
@@ -575,8 +585,8 @@ class _Loop:
     def finish(self) -> dict:
         """Evaluate the whole validation split (val_loss, perplexity, bits per byte under the run's
         tokenizer; the periodic subset's final figure beside it as val_subset_loss), write loss.png
-        and then summary.json atomically (main rank), and tear the process group down. A run
-        stopped anywhere before summary.json exists is finished by --resume, bit-identically."""
+        and then summary.json atomically (main rank). A run stopped anywhere before summary.json
+        exists is finished by --resume, bit-identically."""
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
         byte_lengths = run_byte_lengths(self.data.tokenizer, self.model.config.vocab_size)
@@ -588,12 +598,11 @@ class _Loop:
                    "steps": self.step, "stages": self.stage_summaries() if self.ctx.is_main else [],
                    "run_dir": str(self.run_dir)}
         if self.ctx.is_main:  # summary.json last: it marks the run complete (a stop before it: --resume finishes)
-            from glm5lab.train.plot import plot_losses
+            from glm5lab.train.plot import plot_run
 
-            plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+            plot_run(self.run_dir, _notice)  # a failing plot is one notice line
             prune_checkpoints(self.run_dir)  # again: a stop during the last save's pruning left some
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        dist.teardown(self.ctx)
         return summary
 
 

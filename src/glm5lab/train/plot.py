@@ -42,11 +42,20 @@ def trailing_mean(values: list, k: int) -> list[float]:
 
 def stage_mean(rows: list[dict], values: list, k: int) -> list[float]:
     """`trailing_mean` restarted at every stage (a stage change, e.g. to sparse attention, is a
-    step in the curve, not a ramp)."""
+    step in the curve, not a ramp): one value per row, the rows grouped as `stage_spans` groups them."""
     out: list[float] = []
-    for _, a, b in stage_spans(rows):
-        out += trailing_mean([v for r, v in zip(rows, values, strict=True) if a <= r["step"] <= b], k)
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i]["stage"] != rows[start]["stage"]:
+            out += trailing_mean(values[start:i], k)
+            start = i
     return out
+
+
+def last_per_step(rows: list[dict]) -> list[dict]:
+    """The rows in step order, one per step: the last one logged for it (a metrics.jsonl that two runs wrote at once,
+    before run folders were locked, repeats steps; a resumed run drops its own repeats when it starts)."""
+    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
 
 
 def smoothed(k: int) -> str:
@@ -176,7 +185,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     metrics_path = Path(metrics_path)
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = last_per_step([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()])
     summary, run = (_json_or_empty(metrics_path.parent / n) for n in ("summary.json", "run.json"))
     fig, ax = plt.subplots(figsize=(9, 5))
     handles, labels = draw_losses(ax, rows, summary, run.get("args", {}).get("eval_batches"),
@@ -185,6 +194,17 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path:
     atomic_write(png_path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return Path(png_path)
+
+
+def plot_run(run_dir: Path, notice) -> Path | None:
+    """The run's loss.png (`plot_losses` of its metrics.jsonl), or None after one `notice(line)` saying why it could
+    not be drawn: a plot never turns a trained run into a failed one (its summary.json is written next either way)."""
+    try:
+        return plot_losses(Path(run_dir) / "metrics.jsonl", Path(run_dir) / "loss.png")
+    except Exception as e:  # noqa: BLE001 (any plotting error: the run itself is done)
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        notice(f"warning: loss.png not drawn ({why}); the run is complete, its summary.json follows")
+        return None
 
 
 def _json_or_empty(path: Path) -> dict:

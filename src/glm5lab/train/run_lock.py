@@ -1,0 +1,181 @@
+"""One run at a time in a run folder: `hold_run_folder` locks `RUN/run.lock` while a run trains there, so a second
+`glm5lab train` into the same folder (a fresh start, a --resume, or any process of another torchrun) is refused in
+one line naming the holder, instead of two runs interleaving one metrics.jsonl and one checkpoints/ folder.
+
+The lock is `fcntl.flock` on the file: the kernel drops it when its holder exits in any way (SIGKILL included), so a
+crashed run never leaves its folder locked; what the file holds (pid, host, command, start time, process count) only
+names the holder. Every process of a run holds it, so a folder stays held while any rank of its run is alive: the main
+rank takes it exclusively (no process of any run holds it), writes itself into it and turns it into a shared lock,
+then the other ranks take it shared. A start needs the exclusive lock, so it is refused while any process of another
+run holds the file. flock is per open file, also between two opens in one process; on NFS Linux emulates it with
+byte-range locks, which reach every host. The other ranks find the file on a folder every rank sees (as the sharded
+checkpoints need); on a folder local to each host only the main rank's host is locked.
+
+When the run ends, however it ends (done, a refusal, an error, Ctrl-C), the main rank removes the lock file and the
+folders made for it when they are left empty: a failed start still leaves no folder behind. A killed run leaves the
+file, unlocked; its content is then stale and never shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+
+LOCK_FILE = "run.lock"
+
+
+class RunFolderInUse(ValueError):
+    """Another run holds the run folder (a ValueError: `glm5lab train` refuses it in one line, exit status 2)."""
+
+
+@contextlib.contextmanager
+def hold_run_folder(run_dir: Path, ctx, *, create: bool = True):
+    """Hold `run_dir` (created if missing, with its parents, when `create`; a --resume makes nothing) for the `with`
+    block, on every rank of `ctx` (a `glm5lab.train.dist.DistContext`: a collective call under torchrun). Raises
+    RunFolderInUse, naming the holder, on every rank when another run holds it. A folder that is missing (not
+    `create`) or cannot be made (--out is a file, no permission) is left to the run's own checks: nothing is held
+    then. On the way out the lock is released, and on the main rank the lock file is removed with the folders made
+    for it when they are empty."""
+    run_dir = Path(run_dir)
+    lock = _Lock(run_dir, create) if ctx.is_main else None
+    refusal = None
+    if lock is not None:
+        try:
+            lock.take()
+        except RunFolderInUse as e:
+            refusal = str(e)
+    refusal = _from_main(refusal, ctx)
+    if refusal is not None:
+        raise RunFolderInUse(refusal)
+    shared = None if ctx.is_main else _share(run_dir / LOCK_FILE)
+    try:
+        yield
+    finally:
+        if shared is not None:
+            os.close(shared)
+        if lock is not None:
+            lock.release()
+
+
+class _Lock:
+    """The main rank's side of `hold_run_folder`: the lock file's descriptor and what taking it created."""
+
+    def __init__(self, run_dir: Path, create: bool = True):
+        self.path, self.create = run_dir / LOCK_FILE, create
+        self.fd: int | None = None
+        self.made: list[Path] = []  # folders made for the lock, deepest first
+
+    def take(self) -> None:
+        """Lock the file exclusively, write the holder into it, then share it. Raises RunFolderInUse (having changed
+        nothing: the file and its folder are the holder's)."""
+        folder = self.path.parent.absolute()
+        if not (self.create or folder.is_dir()):
+            return
+        while self.fd is None:
+            missing = [p for p in (folder, *folder.parents) if not p.exists()]
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:  # --out is a file, or a folder this process cannot write to: the run's checks refuse it
+                return
+            self.made = missing or self.made
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self.made = []
+                raise RunFolderInUse(_refusal(self.path)) from None
+            if _same_file(fd, self.path):
+                self.fd = fd
+            else:  # removed by the run that held it while this process waited: lock the file there now
+                os.close(fd)
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, (json.dumps(holder()) + "\n").encode())
+        try:  # not atomic (flock drops the lock, then takes the new one): a start in between wins, this one is refused
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            self.fd, self.made = None, []
+            raise RunFolderInUse(_refusal(self.path)) from None
+
+    def release(self) -> None:
+        """Remove the lock file while still holding it (a start that opened it meanwhile then finds another file
+        there, or none, and retries) and the folders made for it when empty, then unlock."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        for folder in self.made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: the run wrote into it
+                break
+        os.close(self.fd)
+        self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _share(path: Path) -> int | None:
+    """A non-main rank's shared lock on the file its main rank holds (None when this host does not see it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunFolderInUse(_refusal(path)) from None
+    return fd
+
+
+def _from_main(refusal: str | None, ctx) -> str | None:
+    """The main rank's refusal (or None), on every rank."""
+    if ctx.world_size == 1:
+        return refusal
+    import torch.distributed as tdist
+
+    box = [refusal]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def holder() -> dict:
+    """What the lock file says of this process: pid, host, command line, start time (local, ISO), and under torchrun
+    the process count and the launcher's pid (the parent of every rank: stopping it stops the run)."""
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": shlex.join(sys.orig_argv),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        info.update(processes=int(os.environ.get("WORLD_SIZE", "1")), launcher_pid=os.getppid())
+    return info
+
+
+def _refusal(path: Path) -> str:
+    """The one line refusing a start into the folder of `path`, naming its holder."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):  # being written at this moment, or not ours
+        info = {}
+    folder = path.parent
+    if not {"pid", "host", "command", "started"} <= info.keys():
+        who, stop = f"its lock file {path} does not say which yet", "stop it"
+    else:
+        launcher = info.get("launcher_pid")
+        ranks = f"torchrun pid {launcher} with {info.get('processes')} processes, rank 0 " if launcher else ""
+        who = f"{ranks}pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}"
+        stop = f"stop it (kill {launcher or info['pid']} on {info['host']})"
+    return (f"--out {folder} is in use by another run ({who}); wait for it to end or {stop}, then run again: one run "
+            f"at a time writes a run folder (its lock: {path})")
