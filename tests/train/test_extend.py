@@ -27,7 +27,7 @@ def _plan(last_steps: int, decay_steps=None) -> list[dict]:
 
 def _args(corpus, out, plan, **kw):
     return TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
-                     eval_every=2, eval_batches=1, checkpoint_every=2, stage_plan=plan, optimizer="adamw", **kw)
+                     eval_every=2, eval_tokens=48, checkpoint_every=2, stage_plan=plan, optimizer="adamw", **kw)
 
 
 def _rows(run):

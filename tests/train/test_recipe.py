@@ -59,7 +59,7 @@ def test_small_recipe_without_mtp_or_indexer():
 def test_small_recipe_settings_are_the_defaults():
     assert with_recipe(TrainArgs()).hyper == TrainHyper()
     filled = with_recipe(TrainArgs())
-    assert (filled.preset, filled.eval_every, filled.eval_batches, filled.checkpoint_every) == ("small", 50, 8, 100)
+    assert (filled.preset, filled.eval_every, filled.eval_tokens, filled.checkpoint_every) == ("small", 50, 16384, 100)
     assert default_values()["seq_len"] == 256 and default_values()["batch_size"] == 8
     assert with_recipe(TrainArgs(optimizer="adamw", eval_every=5)).optimizer == "adamw"  # a flag wins
 

@@ -71,9 +71,9 @@ def test_same_validation_windows_scores_and_unigram(folders):
     model = _BigramModel(VOCAB)
     stage = Stage("dense", 1, 1e-3, 16, 2)
     lengths = torch.arange(VOCAB, dtype=torch.int64) % 3 + 1
-    for n_batches in (None, 2):
-        a = evaluate_nll(model, val_mem, stage, n_batches, byte_lengths_V=lengths)
-        b = evaluate_nll(model, val_lazy, stage, n_batches, byte_lengths_V=lengths)
+    for n_windows in (None, 4):
+        a = evaluate_nll(model, val_mem, stage, n_windows, byte_lengths_V=lengths)
+        b = evaluate_nll(model, val_lazy, stage, n_windows, byte_lengths_V=lengths)
         assert (a.tokens, a.utf8_bytes) == (b.tokens, b.utf8_bytes) and a.nll_sum == b.nll_sum
     ref = unigram_loss(memory.train_tokens, memory.val_tokens, VOCAB)
     got = unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB)

@@ -244,6 +244,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--batch-size", dest="batch_size", type=int, metavar="B", help="sequences per step and process (default 8)")
     p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N",
                    help="validation every N steps and at each stage end (default 50; 0 = none during training, the final evaluation still runs)")
+    p.add_argument("--eval-tokens", dest="eval_tokens", type=int, metavar="N",
+                   help="held-out targets each periodic validation scores: the first ceil(N / seq_len) windows, the "
+                   "same set for any batch size, --grad-accum and process count (default 16384)")
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, metavar="N",
                    help="checkpoint every N steps and at each stage end (default 100; 0 = at stage ends only); "
                    "the newest two are kept")
@@ -273,7 +276,7 @@ def add_recipe_flags(p) -> None:
     """`glm5lab train`'s recipe flags (docs/recipes.md): --recipe, --dry-run (--nproc), --lr, --grad-accum."""
     g = p.add_argument_group("recipes", "a run's stages, optimizer and cadence as a TOML file (docs/recipes.md); "
                              "--steps, --seq-len, --batch-size, --stages, --quick, --optimizer, --eval-every, "
-                             "--checkpoint-every and the flags below override it")
+                             "--eval-tokens, --checkpoint-every and the flags below override it")
     g.add_argument("--recipe", metavar="FILE|NAME", help="a recipe .toml file or a built-in one: small (the default "
                    "run), glm5-dsa (the report's DSA adaptation, for a cluster)")
     g.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved plan (per stage "

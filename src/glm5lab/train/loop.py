@@ -35,7 +35,7 @@ from glm5lab.io_utils import atomic_write_text
 from glm5lab.train import dist
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
-from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fields
+from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, subset_windows, summary_fields
 from glm5lab.train.expert_parallel import check_ep, pop_ep_metrics
 from glm5lab.train.extend import continue_position, extend_plan, record_extension
 from glm5lab.train.losses import stage_losses
@@ -44,7 +44,7 @@ from glm5lab.train.resume import ep_note, first_complete, rescale_stages, resume
 from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
-from glm5lab.validate import finite
+from glm5lab.validate import finite, int_at_least
 
 
 @dataclass
@@ -72,7 +72,9 @@ class TrainArgs:
     grad_clip: float | None = None
     bias_update_rate: float | None = None
     eval_every: int | None = None
-    eval_batches: int | None = None
+    eval_tokens: int | None = None
+    """Targets the periodic validation scores (`--eval-tokens`; recipe [evaluation] eval_tokens): the first
+    ceil(eval_tokens / seq_len) held-out windows, whatever the batch size, accumulation or process count."""
     checkpoint_every: int | None = None
     progress: bool = True
     compile: bool = False
@@ -218,6 +220,8 @@ def train(args: TrainArgs) -> dict:
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
+    if args.eval_every:
+        check_eval_subset(data, stages, args.eval_tokens, warn=say)
     _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
     if record is not None:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
@@ -351,9 +355,22 @@ def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1
                              "or a smaller --seq-len")
 
 
+def check_eval_subset(data: TrainingData, stages: list[Stage], eval_tokens: int, warn) -> None:
+    """`warn(message)` once when a stage's periodic validation asks for more windows (`subset_windows`) than the
+    held-out split holds: it then scores every window, fewer targets than eval_tokens."""
+    for stage in stages:
+        have, want = len(data.val_tokens) // (stage.seq_len + 1), subset_windows(eval_tokens, stage.seq_len)
+        if have < want:
+            warn(f"the held-out split holds {have} windows of --seq-len {stage.seq_len} + 1 ({have * stage.seq_len:,} "
+                 f"targets), fewer than eval_tokens {eval_tokens:,} asks for ({want} windows): the periodic "
+                 f"validation of stage {stage.name!r} scores all {have}")
+            return
+
+
 def _check_args(args: TrainArgs) -> None:
     for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
         finite(f"--{name.replace('_', '-')}", getattr(args, name))
+    int_at_least("--eval-tokens", args.eval_tokens, 1)
     if args.data is not None:
         data, out = Path(args.data).resolve(), Path(args.out).resolve()
         if out == data or data in out.parents:
@@ -545,10 +562,11 @@ class _Loop:
             self.checkpoint(done.index, i + 1, stage)
 
     def validate(self, stage: Stage):
-        """The periodic validation: the first eval_batches batches of held-out windows (a subset;
-        `finish` scores the whole split with the same definition, `Evaluation.loss`)."""
+        """The periodic validation: the held-out windows of the first eval_tokens targets (a subset fixed by
+        tokens, the same for any batch layout: `subset_windows`; `finish` scores the whole split with the same
+        definition, `Evaluation.loss`)."""
         val = pack(self.data.val_tokens, stage.seq_len)
-        return evaluate_nll(self.shard, val, stage, self.args.eval_batches, self.ctx.world_size)
+        return evaluate_nll(self.shard, val, stage, subset_windows(self.args.eval_tokens, stage.seq_len))
 
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:

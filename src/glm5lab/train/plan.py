@@ -34,7 +34,7 @@ def dry_run(args, nproc: int | None = None) -> str:
     lines = [f"plan of `glm5lab train` (recipe {args.recipe or 'small'}; model {source or args.preset}) for "
              f"{world} process{'es' * (world > 1)}, ep {args.ep}; nothing is built or read",
              f"optimizer {args.optimizer} (weight decay {args.weight_decay}, grad clip {args.grad_clip}, router bias "
-             f"rate {args.bias_update_rate}); validation every {args.eval_every} steps ({args.eval_batches} batches) "
+             f"rate {args.bias_update_rate}); validation every {args.eval_every} steps (the first {args.eval_tokens:,} held-out targets) "
              f"and at stage ends; checkpoint every {args.checkpoint_every} steps and at stage ends"]
     step = 0
     for stage in stages:

@@ -4,7 +4,7 @@ cadence and, optionally, its model; `resolve` turns it into the `Stage` list a r
     name = "small"
     [model]       preset = "small"                      (or config = "path/config.json", relative to the file)
     [optimizer]   name = "muon-split"  weight_decay = 0.1  grad_clip = 1.0  bias_update_rate = 1.5e-2
-    [evaluation]  eval_every = 50  eval_batches = 8
+    [evaluation]  eval_every = 50  eval_tokens = 16384
     [checkpoint]  checkpoint_every = 100
     [defaults]    any stage key but name and quick: the value of every stage that does not set it
     [[stages]]    name, steps | tokens, lr, lr_end, warmup_steps, decay_steps, seq_len, batch_size (per rank),
@@ -78,7 +78,7 @@ class Recipe:
     grad_clip: float = 1.0
     bias_update_rate: float = 1.5e-2
     eval_every: int = 50
-    eval_batches: int = 8
+    eval_tokens: int = 16384
     checkpoint_every: int = 100
     preset: str | None = None
     config: str | None = None
@@ -86,7 +86,7 @@ class Recipe:
 
     def settings(self) -> dict:
         """The run settings (not stages) by `TrainArgs` name."""
-        names = ("optimizer", "weight_decay", "grad_clip", "bias_update_rate", "eval_every", "eval_batches",
+        names = ("optimizer", "weight_decay", "grad_clip", "bias_update_rate", "eval_every", "eval_tokens",
                  "checkpoint_every")
         return {k: getattr(self, k) for k in names}
 
@@ -98,7 +98,7 @@ TOP_KEYS = {"name": _STR, "description": _STR, "model": _TABLE, "optimizer": _TA
             "checkpoint": _TABLE, "defaults": _TABLE, "stages": ("an array of tables ([[stages]])", list)}
 MODEL_KEYS = {"preset": _STR, "config": _STR}
 OPTIMIZER_KEYS = {"name": _STR, "weight_decay": _NUM, "grad_clip": _NUM, "bias_update_rate": _NUM}
-EVALUATION_KEYS = {"eval_every": _INT, "eval_batches": _INT}
+EVALUATION_KEYS = {"eval_every": _INT, "eval_tokens": _INT}
 CHECKPOINT_KEYS = {"checkpoint_every": _INT}
 STAGE_KEYS = {"name": _STR, "steps": _INT, "tokens": _INT, "lr": _NUM, "lr_end": _NUM, "warmup_steps": _INT,
               "decay_steps": _INT, "seq_len": _INT, "batch_size": _INT, "grad_accum": _INT, "global_batch": _INT,
@@ -141,6 +141,7 @@ def load_recipe(name_or_file: str = DEFAULT_RECIPE) -> Recipe:
     if not data.get("stages"):
         raise ValueError(f"{where}: `stages` is missing: the recipe needs at least one [[stages]] table")
     sub = {name: data.get(name, {}) for name in ("model", "optimizer", "evaluation", "checkpoint", "defaults")}
+    _check_evaluation(sub["evaluation"], where)
     for name, keys in (("model", MODEL_KEYS), ("optimizer", OPTIMIZER_KEYS), ("evaluation", EVALUATION_KEYS),
                        ("checkpoint", CHECKPOINT_KEYS)):
         _check_table(sub[name], keys, where, f"[{name}]")
@@ -174,6 +175,19 @@ def _check_table(table, keys: dict, where: str, name: str) -> None:
         if not ok:
             label = f"{name}.{key}" if name else key
             raise ValueError(f"{where}: {label} = {value!r} is not allowed: {kind}")
+
+
+def _check_evaluation(table, where: str) -> None:
+    """[evaluation]: `eval_batches` (replaced by `eval_tokens`) is named with its replacement; eval_tokens >= 1."""
+    if isinstance(table, dict) and "eval_batches" in table:
+        raise ValueError(f"{where}: [evaluation] key `eval_batches` was replaced by `eval_tokens`, the held-out "
+                         "targets each periodic validation scores (the same set for any batch size, accumulation "
+                         "and process count): eval_batches = N scored N x batch_size x seq_len targets per process "
+                         "(the small recipe's 8 batches are eval_tokens = 16384)")
+    value = table.get("eval_tokens") if isinstance(table, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        raise ValueError(f"{where}: [evaluation].eval_tokens = {value!r} is not allowed: an integer >= 1 (to skip "
+                         "the periodic validation, set eval_every = 0)")
 
 
 def _tuple(types) -> tuple:
