@@ -279,16 +279,17 @@ def add_recipe_flags(p) -> None:
                              "--eval-tokens, --checkpoint-every and the flags below override it")
     g.add_argument("--recipe", metavar="FILE|NAME", help="a recipe .toml file or a built-in one: small (the default "
                    "run), glm5-dsa (the report's DSA adaptation, for a cluster)")
-    g.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved plan (per stage "
-                   "steps, tokens, global batch, lr curve; memory per process from the ledger) and exit: no model "
-                   "is built, no data read")
+    g.add_argument("--dry-run", dest="dry_run", action="store_true", help="check the run as it checks itself before "
+                   "its first step (same refusals, same lines; not this machine's memory or a text corpus) and print "
+                   "the resolved plan (per stage steps, tokens, global batch, lr curve; memory per process from the "
+                   "ledger), then exit: no weights are built, no text is read")
     g.add_argument("--nproc", type=int, metavar="N", help="--dry-run only: the process count to plan for (default: "
                    "$WORLD_SIZE, else 1)")
     g.add_argument("--lr", type=float, metavar="LR", help="the first stage's peak lr; every stage's lr and lr_end "
                    "are scaled by LR / the first stage's lr (the recipe's shape kept)")
     g.add_argument("--grad-accum", dest="grad_accum", type=int, metavar="A", help="micro-batches per optimizer step "
-                   "and process, every stage (the global batch is batch size x A x processes; wins over a "
-                   "recipe's global_batch); default the recipe's (small: 1)")
+                   "and process, every stage, at least 1 (the global batch is batch size x A x processes; wins over "
+                   "a recipe's global_batch); default the recipe's (small: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
