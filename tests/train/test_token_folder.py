@@ -1,7 +1,7 @@
 """`glm5lab train --data DIR` on a token folder: the memmap-backed data path gives exactly the in-memory
 path's tokens, batches (world sizes 1 and 2, several steps, an epoch boundary), validation windows and
 scores, and unigram baseline, also for a raw folder of text, JSONL and parquet files (one reader); bad folders
-are refused in one line."""
+are refused in one line; a run seed other than the folder's split seed is said."""
 
 from __future__ import annotations
 
@@ -69,6 +69,19 @@ def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch)
         train_docs) == 5 + 30 + 70 - len(val_docs)
     ref = unigram_loss(memory.train_tokens, memory.val_tokens, VOCAB)
     assert math.isclose(unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB), ref, rel_tol=1e-12)
+
+
+def test_a_run_seed_other_than_the_folders_split_seed_is_said(folders):
+    """Issue 36: the split is the folder's (its `glm5lab tokenize --seed`); a run with another --seed is told so in
+    one line, once; the same seed says nothing."""
+    texts, tokens = folders
+    said = []
+    same = prepare_data(VOCAB, str(tokens), 0, say=said.append)
+    assert said == []
+    other = prepare_data(VOCAB, str(tokens), 7, say=said.append)
+    assert said == [f"token folder {tokens} was split into training and validation with seed 0 (glm5lab tokenize "
+                    "--seed 0); --seed 7 seeds the initialisation and the batch order only"]
+    assert np.array_equal(np.asarray(other.val_tokens), np.asarray(same.val_tokens))  # the folder's split either way
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -190,9 +203,11 @@ def test_cli_train_on_a_token_folder_and_init_with_another_tokenizer(folders, tm
         return subprocess.run([sys.executable, "-m", "glm5lab", "train", "--seq-len", "16",
                                "--batch-size", "2", "--no-progress", "--threads", "1", *args],
                               capture_output=True, text=True, env=env, timeout=300)
-    r = train("--preset", "tiny", "--data", str(tokens), "--steps", "3", "--eval-every", "0", "--out",
-              str(tmp_path / "run"))
+    r = train("--preset", "tiny", "--data", str(tokens), "--steps", "3", "--eval-every", "0", "--seed", "1",
+              "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("was split into training and validation with seed 0 (glm5lab tokenize --seed 0); --seed 1 "
+                          "seeds the initialisation and the batch order only") == 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     memory = prepare_data(512, str(texts), 0)
     assert math.isclose(summary["unigram_val_loss"], unigram_loss(memory.train_tokens, memory.val_tokens, 512),
