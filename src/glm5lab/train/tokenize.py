@@ -9,7 +9,8 @@ documents encoded whole. The split is `split_documents`'s, by
 document (score = SHA-256 of `seed:name` < val_fraction), decided per document while streaming; its
 fallbacks need the whole corpus seen (no validation document: the lowest-score one moves to validation; no
 training document: the highest-score one moves back; one document: its text is cut at a paragraph
-boundary), so a pass that ends in one of them is run again with that assignment fixed (only tiny corpora).
+boundary), so a pass that ends in one of them is run again with that assignment fixed (only tiny corpora; a
+corpus of text files, named without reading them, is settled first, so one long file is encoded once).
 Each split's stream is `encode_documents(tokenizer, docs)` of its documents, in input order: the same
 tokens `glm5lab train --data DATA` builds in memory. Without `--tokenizer` the byte-level BPE is trained on
 the training split at `vocab_size` and cached as `prepare_data` does (`cached_tokenizer_streamed`, fed pieces).
@@ -38,7 +39,7 @@ from glm5lab.train.corpus import _score, _split_one, cache_root, fetch_default_c
 from glm5lab.train.pieces import PIECE_CHARS, Cutter
 from glm5lab.train.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
                                   tokenizer_sha256)
-from glm5lab.train.sources import open_corpus
+from glm5lab.train.sources import TEXT_SUFFIXES, open_corpus
 from glm5lab.validate import int_at_least
 
 VAL_FRACTION = 0.05  # split_documents' default, the one `glm5lab train` uses
@@ -196,6 +197,8 @@ def tokenize_corpus(data, out, *, tokenizer=None, vocab_size: int, text_field: s
             w.abort()
         _encode_into(tok, _pieces(pairs, cutter, whole), writers, progress)
 
+    if all(path.suffix.lower() in TEXT_SUFFIXES for path, _ in corpus.files):  # names alone: no file is read
+        settled(assigner, docs, lambda pairs: sum(1 for _ in pairs))  # so one long file is not encoded twice
     settled(assigner, docs, write)
     encoding = (f"pieces of at most {PIECE_CHARS} characters, cut where the whole text's pre-tokens end "
                 "(glm5lab.train.pieces)" if cutter else f"whole documents ({why})")
