@@ -20,8 +20,8 @@ from glm5lab.train.pieces import Cutter
 TRICKY = {
     "spaces": "word" + " " * 3000 + "next  word   x\t \n  y " * 60 + " " * 200,
     "newlines": "line.\n\n\nline\r\n" * 100 + "\n" * 1000 + "end.\n" + "x!\n \n" * 100,
-    "unicode": "caf\u00e9 na\u00efve e\u0301 \u4e2d\u6587\uff0c\u4e2d\u6587\u3002\u65e5\u672c\u8a9e \U0001f600\U0001f600 "
-               "\u00bd \u2167 \u017ft \u212a\u00a0nbsp \u2028 " * 60,
+    "unicode": "caf\u00e9 na\u00efve e\u0301 \u4e2d\u6587\uff0c\u4e2d\u6587\u3002\u65e5\u672c\u8a9e "
+               "\U0001f600\U0001f600 \u00bd \u2167 \u017ft \u212a\u00a0nbsp \u2028 " * 60,
     "one line without whitespace": "abc,def;ghi:123/jkl{\"k\":[1,2,3]}'s'll\u4e2d\u6587" * 100,
     "added tokens": "text<|endoftext|>more <|endoftext|> x<|end<|endoftext|><|endoftext|>y " * 60,
     "contractions": "it's we'll they're I'm you'd 'tis ''s 'S'LL 1'd " * 80,
@@ -34,9 +34,11 @@ def _trained(pattern: str | None) -> Tokenizer:
     """A BPE of 600 ids trained on the tricky texts (so merges span spaces, newlines, symbols): glm5lab's recipe
     (pattern None) or the ByteLevel BPE of a Split pre-tokenizer with `pattern` (GLM-4 / Llama-3 / Qwen2 style)."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if pattern is None else pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pattern is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=[EOT, "<|user|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

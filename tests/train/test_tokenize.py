@@ -39,7 +39,8 @@ def test_a_text_file_read_in_chunks_equals_it_read_whole(tmp_path, monkeypatch):
     for block in (1, 2, 3, 5, 64):
         monkeypatch.setattr(sources, "READ_BYTES", block)
         doc = next(iter_documents(path, lazy=True))
-        assert isinstance(doc, TextFile) and doc.text == whole and max(len(c) for c in doc.chunks()) <= block + 1  # + a held CR
+        assert isinstance(doc, TextFile) and doc.text == whole
+        assert max(len(c) for c in doc.chunks()) <= block + 1  # + a CR held back from the read before
         assert doc.part("p", 3, 9).text == whole[3:9]
         assert [(d.name, d.text) for d in split_documents([doc], 0.4)[0] + split_documents([doc], 0.4)[1]] == [
             (d.name, d.text) for d in sum(split_documents([Document("t.txt", whole)], 0.4), [])]
@@ -251,3 +252,28 @@ def test_a_tokenizer_that_cannot_be_cut_is_encoded_whole_and_said_so(tmp_path, m
                                                    "normalizer (NFC) may join characters across a cut, so each "
                                                    "document is encoded whole")
     assert index["encoding"] == "whole documents (its normalizer (NFC) may join characters across a cut)"
+
+
+@pytest.mark.slow
+def test_peak_memory_does_not_follow_the_document(tmp_path):
+    """Issue 36, measured: fresh processes tokenizing one document of 4 MB and of 24 MB peak within 60 MB of each
+    other and under 600 MB (encoded whole, 24 MB took ~3 GB: BENCHMARKS.md)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("reads VmHWM from /proc (Linux)")
+    train_tokenizer([_long_text(3000, seed=2)], VOCAB, tmp_path / "tk")
+    unit, peaks = _long_text(20000), []
+    code = ("import sys; from glm5lab.train.tokenize import tokenize_corpus; tokenize_corpus(sys.argv[1], sys.argv[2], "
+            "tokenizer=sys.argv[3], vocab_size=300, progress=False); "
+            "print([line for line in open('/proc/self/status') if line.startswith('VmHWM')][0].split()[1])")
+    for mb in (4, 24):
+        doc = tmp_path / f"doc{mb}.txt"
+        doc.write_text((unit * (mb * 10**6 // len(unit) + 1))[:mb * 10**6])
+        r = subprocess.run([sys.executable, "-c", code, str(doc), str(tmp_path / f"tok{mb}"), str(tmp_path / "tk")],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        peaks.append(int(r.stdout.split()[-1]) / 1024)
+    assert peaks[1] < 600 and peaks[1] - peaks[0] < 60, peaks

@@ -29,7 +29,8 @@ def add_tokenize_parser(sub) -> None:
     small_vocab = PRESETS["small"]()["vocab_size"]
     p = sub.add_parser("tokenize", help="tokenize a corpus into token shards for `glm5lab train --data DIR`",
                        description="Read a corpus as a stream, split it into training and validation by document "
-                       "(as `glm5lab train --data` does, with --seed), encode it and write flat uint16 (uint32 for "
+                       "(as `glm5lab train --data` does, with --seed), encode it (a long document in pieces, so memory "
+                       "does not follow the largest one) and write flat uint16 (uint32 for "
                        "vocabularies over 65536 ids) token shards per split, tokenizer.json and index.json (last) "
                        "into --out. `glm5lab train --data DIR` then reads windows through numpy memmap without "
                        "loading the corpus (docs/data.md).")
@@ -38,7 +39,9 @@ def add_tokenize_parser(sub) -> None:
                    "corpus, fetched and cached)")
     p.add_argument("--out", metavar="DIR", required=True, help="the token folder to write (new or empty)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: byte-level "
-                   "BPE trained on the training split at --vocab-size, cached: the one `glm5lab train` trains)")
+                   "BPE trained on the training split at --vocab-size, cached: the one `glm5lab train` trains). Long "
+                   "documents are encoded in pieces with the whole document's tokens; a tokenizer whose pre-token "
+                   "boundaries glm5lab does not know has its documents encoded whole, and is named (docs/data.md)")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, default=small_vocab, metavar="V",
                    help=f"vocabulary of the trained tokenizer (default {small_vocab}: the small preset's)")
     p.add_argument("--text-field", dest="text_field", default="text", metavar="NAME",
