@@ -17,9 +17,10 @@ timed in turn:
   `BATCH_DOCS` documents (pieces, for a long one) with `encode_batch_fast`, append to uint16 shards, write the
   index;
 - `tokenizers` alone on the same texts already in memory, the ids discarded: `encode_batch_fast` (no offsets;
-  what glm5lab uses) and `encode_batch` (with offsets) on tokenize's batches (`BATCH_DOCS` documents or
-  `BATCH_CHARS` characters, whichever comes first), and `encode_batch_fast` on `BATCH_DOCS` documents a call
-  (`encode_documents`' batches: larger here, whole plays).
+  what glm5lab uses) and `encode_batch` (with offsets) on tokenize's batches (its documents' pieces of at
+  most `PIECE_CHARS` characters, `BATCH_DOCS` pieces or `BATCH_CHARS` characters, whichever comes first; before
+  issue 36 whole documents), and `encode_batch_fast` on `BATCH_DOCS` whole documents a call (`encode_documents`'
+  batches: larger here, whole plays).
 MB/s counts the UTF-8 bytes of the text. `tokenizers` encodes a batch's documents on its Rayon thread pool
 (`RAYON_NUM_THREADS`, default one per CPU); the figures say which. Peak RSS of the process after the
 tokenize case (`ru_maxrss`) shows that it streams: it stays far below the text's size.
@@ -78,6 +79,7 @@ def main() -> None:
     from glm5lab.train.corpus import cache_root, fetch_default_corpus
     from glm5lab.train.data import split_corpus
     from glm5lab.train.sources import iter_documents
+    from glm5lab.train.pieces import Cutter
     from glm5lab.train.tokenize import BATCH_CHARS, BATCH_DOCS, _batches, tokenize_corpus
 
     facts = env_facts("cpu")
@@ -102,7 +104,9 @@ def main() -> None:
         nbytes = sum(len(t.encode()) for t in texts)
         tokens = sum(s["tokens"] for s in index["splits"].values())
         docs = sum(s["documents"] for s in index["splits"].values())
-        same = [[text for _, _, text in b] for b in _batches((False, True, t) for t in texts)]
+        cutter, _ = Cutter.of(tok)  # tokenize's batches: its documents' pieces
+        same = [[text for _, _, text in b] for b in _batches((False, k == 0, piece) for t in texts
+                                                                for k, piece in enumerate(cutter.pieces([t])))]
         whole = [texts[lo:lo + BATCH_DOCS] for lo in range(0, len(texts), BATCH_DOCS)]
         for name, batches, label in (("encode_batch_fast", same, "tokenize's batches"),
                                      ("encode_batch", same, "tokenize's batches"),
