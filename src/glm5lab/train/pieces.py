@@ -68,11 +68,13 @@ class Cutter:
         return cls(tokenizer.pre_tokenizer, (t["content"] for t in spec.get("added_tokens") or []), size), None
 
     def pieces(self, chunks: Iterable[str]) -> Iterator[str]:
-        buf, pos = "", 0
+        """Yield the pieces of the text that `chunks` yields in consecutive parts (any sizes; it holds at most
+        the unfinished piece plus one chunk); they concatenate back to the text."""
+        buf, pos, seen = "", 0, 0  # seen: no anchor in (pos + size, seen], so a long stretch is searched once
         for chunk in chunks:
-            buf, pos = buf[pos:] + chunk, 0
+            buf, pos, seen = buf[pos:] + chunk, 0, max(0, seen - pos)
             while len(buf) - pos > self.size:
-                cut = self._cut(buf, pos)
+                cut, seen = self._cut(buf, pos, seen)
                 if cut is None:
                     break  # no anchor yet: read on
                 yield buf[pos:cut]
@@ -80,20 +82,21 @@ class Cutter:
         if pos < len(buf):
             yield buf[pos:]
 
-    def _cut(self, buf: str, pos: int) -> int | None:
-        """The last anchor in (pos, pos + size], else the first one after it, else None."""
+    def _cut(self, buf: str, pos: int, seen: int) -> tuple[int | None, int]:
+        """(the last anchor in (pos, pos + size], else the first one after max(pos + size, seen), else None; how
+        far the search went)."""
         last = len(buf) - self.reach  # an added token spanning the cut lies inside buf
         hi = min(pos + self.size, last)
         lo = max(pos + 1, hi - _SEARCH)
         while hi >= pos + 1:
             for b in reversed([m.start() for m in _CANDIDATES.finditer(buf, lo, hi + 1)]):
                 if self._anchor(buf, b):
-                    return b
+                    return b, seen
             hi, lo = lo - 1, max(pos + 1, lo - 2 * (hi - lo + 1))
-        for m in _CANDIDATES.finditer(buf, min(pos + self.size, last) + 1, last + 1):
+        for m in _CANDIDATES.finditer(buf, max(min(pos + self.size, last), seen) + 1, last + 1):
             if self._anchor(buf, m.start()):
-                return m.start()
-        return None
+                return m.start(), m.start()
+        return None, max(last, seen)
 
     def _anchor(self, buf: str, b: int) -> bool:
         before, at = buf[b - 1], buf[b]
