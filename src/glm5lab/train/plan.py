@@ -104,18 +104,18 @@ def _optimizer_notice(cfg, optimizer: str) -> str | None:
 
 
 def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None) -> None:
-    """--data: the run's own refusal when the path does not exist (`load_documents`, reached before it reads
+    """--data: the run's own refusal when the path does not exist (`iter_documents`, reached before it reads
     anything); for a token folder, its index, shards' sizes and tokenizer (`token_folder_data`: nothing is loaded)
     and its token counts against each stage's global batch (`check_data_fits`)."""
-    from glm5lab.train.corpus import load_documents
     from glm5lab.train.data import token_folder_data
     from glm5lab.train.loop import check_data_fits
     from glm5lab.train.shards import is_token_folder
+    from glm5lab.train.sources import iter_documents
 
     if args.data is None:
         return
     if not Path(args.data).exists():
-        next(iter(load_documents(Path(args.data))), None)  # raises its FileNotFoundError
+        next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError
     if is_token_folder(args.data):
         data = token_folder_data(cfg.vocab_size, args.data, tokenizer=args.tokenizer, checkpoint=checkpoint)
         check_data_fits(data, stages, world_size)
