@@ -308,7 +308,8 @@ def main(argv=None) -> dict | None:
                                                         args.timing), spent),
                  "hf": make_case(run_hf, hf, prompts[T], args.new_tokens, device, args.timing)}
         runs = time_interleaved(cases, device=device, warmup=args.warmup, repeats=args.repeats)
-        results[T] = summarise(runs, args.new_tokens, bound=memory_bound(ours, 1, T, bandwidth))
+        results[T] = summarise(runs, args.new_tokens, bound=memory_bound(ours, 1, T, bandwidth),
+                               exact=model_dtype(device) == torch.float32)
         results[T]["compile_s"] = sum(spent)
         r = results[T]
         print(f"context {T}: eager {r['ours']['tokens_per_s']:.1f} tok/s, compiled {r['compiled']['tokens_per_s']:.1f} "
@@ -352,7 +353,8 @@ def batched_decode(model, args, device, bandwidth, g) -> dict:
                  "compiled": counting_compile(make_case(run_compiled, model, ids, args.new_tokens, device, args.timing),
                                               spent)}
         runs = time_interleaved(cases, device=device, warmup=args.warmup, repeats=args.repeats)
-        out[B] = summarise(runs, args.new_tokens, bound=memory_bound(model, B, T, bandwidth), batch=B)
+        out[B] = summarise(runs, args.new_tokens, bound=memory_bound(model, B, T, bandwidth), batch=B,
+                           exact=model_dtype(device) == torch.float32)
         out[B]["compile_s"] = sum(spent)
         out[B]["context"] = T
         print(f"batch {B} at context {T}: eager {out[B]['ours']['tokens_per_s']:.1f} tok/s, compiled "
@@ -360,7 +362,37 @@ def batched_decode(model, args, device, bandwidth, g) -> dict:
     return out
 
 
-def summarise(runs: dict, n: int, *, bound: dict, batch: int = 1) -> dict:
+def _token_agreement(results: dict, batched: dict, device: str) -> str:
+    """The report's line on compiled against eager tokens (`compare_tokens` of every case)."""
+    cases = {f"context {T}": r["compiled_tokens"] for T, r in results.items()}
+    cases.update({f"batch {B}": r["compiled_tokens"] for B, r in batched.items()})
+    differ = {name: c["first_difference"] for name, c in cases.items() if not c["equal"]}
+    if not differ:
+        return "compiled tokens equal eager tokens in every timed call (checked)"
+    where = ", ".join(f"{name} from new token {i}" for name, i in differ.items())
+    return (f"compiled tokens differ from eager tokens ({where}): bf16 on {device}, where fused kernels round "
+            "differently and a random-init model's flat logits let one rounding flip an argmax (fp32 must agree: "
+            "tests/infer/test_compiled.py)")
+
+
+def compare_tokens(eager: list, compiled: list, *, exact: bool) -> dict:
+    """Compiled against eager tokens over the timed repeats: {"equal": bool, "first_difference": the earliest
+    new-token index where a row differs (None when equal)}. With `exact` (fp32) they must be equal (SystemExit otherwise: the
+    compiled step is wrong; tests/infer/test_compiled.py pins it). In bf16 (CUDA) the fused kernels round
+    differently from eager ones, and a random-init model's near-flat logits let one rounding flip an argmax, after
+    which the two continuations differ: recorded, not refused (the CUDA tests tie compiled to eager in fp32 and
+    the bf16 logits within tolerance)."""
+    first = None
+    for (_, a), (_, b) in zip(eager, compiled, strict=True):
+        for row_a, row_b in zip(a["all_tokens"], b["all_tokens"], strict=True):
+            diff = next((i for i, (x, y) in enumerate(zip(row_a, row_b)) if x != y), None)
+            first = diff if first is None or (diff is not None and diff < first) else first
+    if first is not None and exact:
+        raise SystemExit("compiled decoding gave other tokens than eager decoding in fp32: the compiled step is wrong")
+    return {"equal": first is None, "first_difference": first}
+
+
+def summarise(runs: dict, n: int, *, bound: dict, batch: int = 1, exact: bool = True) -> dict:
     out = {}
     for name, samples in runs.items():
         dec = [r["decode_s"] for _, r in samples]
@@ -373,9 +405,7 @@ def summarise(runs: dict, n: int, *, bound: dict, batch: int = 1) -> dict:
         if stats:  # ours' own GenerateStats figure (N tokens over N - 1 forwards + the first choice)
             out[name]["generate_stats_decode_tokens_per_s"] = median([s["decode_tokens_per_second"] for s in stats])
             out[name]["compile_s_in_timed_calls"] = max(s["compile_seconds"] for s in stats)
-    eager, comp = runs["ours"], runs["compiled"]
-    if any(a["all_tokens"] != b["all_tokens"] for (_, a), (_, b) in zip(eager, comp, strict=True)):
-        raise SystemExit("compiled decoding gave other tokens than eager decoding: the compiled step is wrong")
+    out["compiled_tokens"] = compare_tokens(runs["ours"], runs["compiled"], exact=exact)
     out["compiled_vs_eager"] = out["compiled"]["tokens_per_s"] / out["ours"]["tokens_per_s"]
     out["bound"] = bound
     out["compiled_share_of_bound"] = out["compiled"]["tokens_per_s"] / bound["tokens_per_s"]
@@ -415,7 +445,7 @@ def report(results, batched, bandwidth, args, cfg, check, match, ours_bpt, hf_ca
           f"- memory bound: copy bandwidth {bandwidth / 1e9:.1f} GB/s; batch 1 reads "
           f"{first['weight_bytes'] / 2**20:.1f} MiB of activated weights per step plus the cache "
           f"({ours_bpt} B/token)\n"
-          "- compiled tokens equal eager tokens in every timed call (checked)\n"
+          f"- {_token_agreement(results, batched, args.device)}\n"
           f"- same weights: logits on {d['tokens']} tokens (dense in both) max |diff| {d['max_abs_diff']:.2e} "
           f"(relative {d['relative']:.1e}); on {s['tokens']} tokens (DSA) max |diff| {s['max_abs_diff']:.2e}, "
           f"argmax equal at {s['argmax_match']:.1%} of positions\n"
@@ -446,7 +476,7 @@ def report(results, batched, bandwidth, args, cfg, check, match, ours_bpt, hf_ca
                               "compiled_vs_hf": round(r["compiled_vs_hf"], 3),
                               "compiled_share_of_bound": round(r["compiled_share_of_bound"], 3),
                               "compile_s": round(r["compile_s"], 2), "bound": r["bound"],
-                              "ours": r["ours"], "compiled": r["compiled"], "hf": r["hf"]}
+                              "compiled_tokens": r["compiled_tokens"], "ours": r["ours"], "compiled": r["compiled"], "hf": r["hf"]}
                      for T, r in results.items()},
         "batched": {str(B): {k: v for k, v in r.items()} for B, r in batched.items()},
         "cache_bytes_per_token": {"ours": ours_bpt, "hf": hf_bpt, "hf_layers": hf_cache["per_layer"]},

@@ -82,9 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs bf16 weights")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny sizes to validate the script (< 1 min)")
-    p.add_argument("--economics", default=True, action=argparse.BooleanOptionalAction,
+    p.add_argument("--economics", default=None, action=argparse.BooleanOptionalAction,
                    help="time a verification of k+1 tokens in decode steps and print the byte model's predicted "
-                        "speedup beside the measured one (glm5lab.infer.economics; calibrated in this process)")
+                        "speedup beside the measured one (glm5lab.infer.economics; calibrated in this process by "
+                        "the CPU's memory bandwidth: default on with --device cpu, off with cuda, where it is "
+                        "refused)")
     p.add_argument("--map", action="store_true",
                    help="the regime map instead (speculative_map.py): batch x context x dense/DSA, compiled, measured "
                         "and predicted by the byte model (glm5lab.infer.economics)")
@@ -137,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.margin = args.rounds * (args.map_k + 1) + args.map_k + 2  # room for the timed tokens
     if any(k < 1 for k in args.k_list):
         p.error("--draft-steps must be >= 1")
+    if args.economics and args.device == "cuda":
+        p.error("--economics runs on CPU only (its byte model is calibrated by the CPU's memory bandwidth)")
+    args.economics = args.device == "cpu" if args.economics is None else args.economics
     return args
 
 

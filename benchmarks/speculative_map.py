@@ -86,7 +86,7 @@ class Stream:
 def prefill_stream(model, ids: list[int]) -> Stream:
     """Prefill one row (eager, `generate`'s chunk) and run the MTP layer over its pairs (h_t, x_{t+1})."""
     P = len(ids)
-    ids_1P = torch.tensor([ids], dtype=torch.long)
+    ids_1P = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     cache, mtp = KVCache.for_model(model, 1, P), KVCache.for_mtp(model, 1, P)
     pre = prefill(model, ids_1P, cache, keep_hidden=True)
     chunk = glm5lab.infer.DEFAULT_PREFILL_CHUNK

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from datasets import Dataset, disable_progress_bars
 
-from glm5lab.train.corpus import fetch_default_corpus, load_documents
+from glm5lab.train.corpus import fetch_default_corpus
+from glm5lab.train.sources import iter_documents
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     p.add_argument("--files", type=int, default=4, help="parquet files to spread the documents over (default 4)")
     args = p.parse_args()
     disable_progress_bars()
-    docs = load_documents(args.data or fetch_default_corpus())
+    docs = list(iter_documents(args.data or fetch_default_corpus()))
     args.out.mkdir(parents=True, exist_ok=True)
     for i in range(args.files):
         part = docs[i::args.files]

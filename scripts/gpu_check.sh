@@ -68,9 +68,14 @@ if d:
         rows.append((f"decode ctx {T} tok/s eager / compiled / transformers",
                      f"{r['ours_tokens_per_s']:.0f} / {r['compiled_tokens_per_s']:.0f} / {r['hf_tokens_per_s']:.0f}"
                      f" (compile {r['compile_s']:.0f} s)"))
+        ct = r.get("compiled_tokens") or {}
+        rows.append((f"decode ctx {T} compiled tokens == eager (bf16)",
+                     "yes" if ct.get("equal") else f"no, from new token {ct.get('first_difference')}"))
     for B, r in d["batched"].items():
+        ct = r.get("compiled_tokens") or {}
+        same = "same tokens" if ct.get("equal") else f"tokens differ from new token {ct.get('first_difference')}"
         rows.append((f"decode batch {B} tok/s eager / compiled", f"{r['ours']['tokens_per_s']:.0f} / "
-                     f"{r['compiled']['tokens_per_s']:.0f}"))
+                     f"{r['compiled']['tokens_per_s']:.0f} ({same})"))
     for g in d["goals"].values():
         rows.append((f"goal: {g['what']}", f"{g['value']} ({'met' if g['met'] else 'missed' if g['met'] is not None else '-'})"))
 else:

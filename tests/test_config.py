@@ -194,19 +194,51 @@ def test_first_k_dense_replace_rederives_mlp_layer_types():
     assert cfg.replace(num_hidden_layers=6).mlp_layer_types == ["sparse"] * 6
 
 
-def test_mlp_layer_types_wins_and_first_k_dense_replace_follows():
+def test_mlp_layer_types_alone_sets_first_k_dense_replace():
     pattern = ["dense", "sparse", "dense", "sparse"]
     cfg = ModelConfig.from_preset("tiny").replace(mlp_layer_types=pattern)
     assert cfg.mlp_layer_types == pattern and cfg.first_k_dense_replace == 1
     assert ModelConfig.from_preset("tiny", mlp_layer_types=["dense"] * 4).first_k_dense_replace == 4
-    both = ModelConfig.from_preset("tiny", first_k_dense_replace=3, mlp_layer_types=["dense"] * 2 + ["sparse"] * 2)
-    assert both.first_k_dense_replace == 2
-    d = {**ModelConfig.from_preset("tiny").to_hf(), "first_k_dense_replace": 3, "mlp_layer_types": pattern}
+    d = {**ModelConfig.from_preset("tiny").to_hf(), "mlp_layer_types": pattern}
+    del d["first_k_dense_replace"]
     from_hf = ModelConfig.from_hf(d)
     assert from_hf.mlp_layer_types == pattern and from_hf.first_k_dense_replace == 1
-    assert ModelConfig.from_hf(from_hf.to_hf()) == from_hf
+    assert ModelConfig.from_hf(from_hf.to_hf()) == from_hf  # to_hf writes both, in agreement
+    d = {**ModelConfig.from_preset("tiny").to_hf(), "first_k_dense_replace": 3}
     del d["mlp_layer_types"]
     assert ModelConfig.from_hf(d).mlp_layer_types == ["dense"] * 3 + ["sparse"]
+    assert ModelConfig(num_hidden_layers=5).mlp_layer_types == ["dense"] * 3 + ["sparse"] * 2  # GLM-5's 3
+
+
+def test_first_k_dense_replace_beside_another_mlp_layer_types_is_refused_naming_both():
+    """Both given: they must agree (first_k_dense_replace = the list's leading dense layers); a conflict was
+    accepted before, the list winning without a word (issue 36, fault 5)."""
+    both = ModelConfig.from_preset("tiny", first_k_dense_replace=2, mlp_layer_types=["dense"] * 2 + ["sparse"] * 2)
+    assert both.first_k_dense_replace == 2
+    message = (r"config field `first_k_dense_replace` = 3 is not allowed: 2 with mlp_layer_types = \['dense', "
+               r"'dense', 'sparse', 'sparse'\] \(its leading dense layers\): .*give one of them, or both in agreement")
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_preset("tiny", first_k_dense_replace=3, mlp_layer_types=["dense"] * 2 + ["sparse"] * 2)
+    d = {**ModelConfig.from_preset("tiny").to_hf(), "first_k_dense_replace": 3,
+         "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]}
+    with pytest.raises(ConfigError, match=r"`first_k_dense_replace` = 3 is not allowed: 1 with mlp_layer_types"):
+        ModelConfig.from_hf(d)
+    with pytest.raises(ConfigError, match=r"`first_k_dense_replace` = 0 is not allowed: 1 with"):
+        ModelConfig(num_hidden_layers=2, first_k_dense_replace=0, mlp_layer_types=["dense", "sparse"])
+
+
+def test_glm5_config_with_both_fields_in_agreement_loads(tmp_path):
+    """GLM-5's config.json as transformers writes it (`GlmMoeDsaConfig.to_dict()` carries first_k_dense_replace
+    and the mlp_layer_types it derived) loads as the glm5 preset."""
+    from transformers import GlmMoeDsaConfig
+
+    hub = {**_glm5_hub_config(), "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 75}
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    assert ModelConfig.from_hf(tmp_path) == ModelConfig.from_preset("glm5", pad_token_id=154820, hf_extra={"ep_size": 1})
+    theirs = GlmMoeDsaConfig(**{k: v for k, v in _glm5_hub_config().items() if k != "model_type"}).to_dict()
+    assert theirs["first_k_dense_replace"] == 3 and theirs["mlp_layer_types"][:4] == ["dense"] * 3 + ["sparse"]
+    cfg = ModelConfig.from_hf(theirs)
+    assert cfg.mlp_layer_types == ModelConfig.from_preset("glm5").mlp_layer_types and cfg.first_k_dense_replace == 3
 
 
 @pytest.mark.parametrize("changes, match", [

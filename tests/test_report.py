@@ -115,7 +115,8 @@ def test_report_out_on_a_file_is_refused(run, tmp_path):
 
 def _as_old(run, dest):
     """A copy of `run` as a run folder from before issue 16 wrote it: no bits per byte or token
-    counts, no subset figures in summary.json, single-step first/last, no val_tokens per step."""
+    counts, no subset figures in summary.json, single-step first/last, no val_tokens per step, and run.json's
+    eval_batches (2 batches of the run's 2 x 24-token windows) in place of eval_tokens."""
     old = shutil.copytree(run, dest, ignore=shutil.ignore_patterns("report"))
     summary = json.loads((old / "summary.json").read_text())
     for key in ("val_bits_per_byte", "val_bytes", "val_tokens", "val_subset_loss", "val_subset_tokens"):
@@ -126,6 +127,10 @@ def _as_old(run, dest):
     rows = [{k: v for k, v in json.loads(line).items() if k != "val_tokens"}
             for line in (old / "metrics.jsonl").read_text().splitlines()]
     (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = json.loads((old / "run.json").read_text())  # before issue 36: the subset counted in batches
+    info["args"].pop("eval_tokens", None)
+    info["args"]["eval_batches"] = 2
+    (old / "run.json").write_text(json.dumps(info))
     return old
 
 
@@ -147,7 +152,7 @@ def _as_new(run, dest):
     rows = [json.loads(line) for line in (new / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         if r.get("val_loss") is not None:
-            r.setdefault("val_tokens", 2 * 2 * 24)  # eval_batches x batch x targets per window
+            r.setdefault("val_tokens", 2 * 2 * 24)  # eval_tokens: 4 windows of 24 targets
     (new / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = json.loads((new / "summary.json").read_text())
     val = [r for r in rows if r.get("val_loss") is not None]
@@ -166,7 +171,7 @@ def test_headline_gives_both_validation_figures_and_stage_means(run, tmp_path):
     text = write_report(new, measure=False).read_text()
     assert (f"on the whole held-out split ({summary['val_tokens']:,} target tokens), the final model") in text
     assert (f"The validation curve is a subset of that split, the first {summary['val_subset_tokens']:,} target "
-            f"tokens (2 batches of windows), scored during training; at the last step it gives "
+            f"tokens (eval_tokens 96), scored during training; at the last step it gives "
             f"**{summary['val_subset_loss']:.3f}**") in text and "predates" not in text
     assert "| first 2 steps (mean) | last 2 steps (mean) | validation subset at stage end |" in text
     warmup = summary["stages"][1]

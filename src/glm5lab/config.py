@@ -27,6 +27,9 @@ glm5lab 0.1; it clashed with the "full" of `indexer_types`)."""
 SIMPLE_GDN_DECAYS = ("learned", "constant")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
+FIRST_K_DENSE_REPLACE = 3
+"""Leading dense layers when neither `first_k_dense_replace` nor `mlp_layer_types` is given (GLM-5's, as
+transformers' GlmMoeDsaConfig defaults)."""
 HIDDEN_ACTS = ("silu",)
 BOOL_FIELDS = ("norm_topk_prob", "attention_bias", "tie_word_embeddings", "use_dsa", "rope_interleave",
                "indexer_rope_interleave", "use_qk_norm")
@@ -45,10 +48,13 @@ class ModelConfig:
     after construction they are always lists. The MTP layer (layer index `num_hidden_layers` in the
     checkpoint) copies the last main layer's attention and MLP kind and always runs its own indexer.
 
-    `mlp_layer_types` wins over `first_k_dense_replace`: when it is given, `first_k_dense_replace`
-    is set to its number of leading dense layers (any pattern is allowed, as in transformers; the
-    serving stacks read only `first_k_dense_replace`, so they see a dense prefix only). When it
-    is None it is derived as `first_k_dense_replace` dense layers, then sparse ones.
+    `mlp_layer_types` and `first_k_dense_replace` describe one thing; give either or both in agreement. Given
+    alone, `mlp_layer_types` sets `first_k_dense_replace` to its number of leading dense layers (any pattern is
+    allowed, as in transformers; the serving stacks read only `first_k_dense_replace`, so they see a dense prefix
+    only); `first_k_dense_replace` alone (default 3, GLM-5's and transformers') derives `mlp_layer_types` as that
+    many dense layers, then sparse ones. Both given, `first_k_dense_replace` must equal the list's leading dense
+    layers (what `to_hf` writes, and what GLM-5's config.json carries when it holds both): a conflict is refused,
+    naming both, where transformers would use the list and ignore the number without a word.
     Raises ConfigError (see the module docstring); floats are stored as `float`.
     """
 
@@ -71,7 +77,7 @@ class ModelConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
-    first_k_dense_replace: int = 3
+    first_k_dense_replace: int | None = None
     mlp_layer_types: list[str] | None = None
     index_topk: int = 2048
     index_n_heads: int = 32
@@ -139,10 +145,11 @@ class ModelConfig:
         n = self.num_hidden_layers
         if self.attention_types is None:
             self.attention_types = ["mla"] * n
+        given_k = self.first_k_dense_replace  # None: not given
         if self.mlp_layer_types is None:
-            if self.first_k_dense_replace > n:
-                _fail("first_k_dense_replace", self.first_k_dense_replace, f"at most num_hidden_layers={n}")
-            k = self.first_k_dense_replace
+            k = FIRST_K_DENSE_REPLACE if given_k is None else given_k
+            if k > n:
+                _fail("first_k_dense_replace", k, f"at most num_hidden_layers={n}")
             self.mlp_layer_types = ["dense"] * k + ["sparse"] * (n - k)
         if self.indexer_types is None:
             self.indexer_types = ["full"] * n
@@ -153,8 +160,12 @@ class ModelConfig:
         for name, allowed in (("attention_types", ATTENTION_TYPES), ("indexer_types", INDEXER_TYPES),
                               ("mlp_layer_types", MLP_LAYER_TYPES), ("mixer_types", MIXER_TYPES)):
             _check_layer_list(self, name, allowed)
-        # mlp_layer_types wins: first_k_dense_replace follows it (serving stacks read only the latter)
+        # first_k_dense_replace follows the list (serving stacks read only it); given, it must agree
         self.first_k_dense_replace = next((i for i, t in enumerate(self.mlp_layer_types) if t != "dense"), n)
+        if given_k is not None and given_k != self.first_k_dense_replace:
+            _fail("first_k_dense_replace", given_k, f"{self.first_k_dense_replace} with mlp_layer_types = "
+                  f"{self.mlp_layer_types} (its leading dense layers): the two describe the same layers; give one "
+                  "of them, or both in agreement")
         self._check_shapes()
         self._check_moe()
         self._check_dsa()
@@ -167,8 +178,10 @@ class ModelConfig:
                   "mtp_depth", "index_topk")
         _integers(self, 0, "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
                   "qk_nope_head_dim", "n_routed_experts", "n_shared_experts", "index_n_heads", "index_head_dim",
-                  "first_k_dense_replace", "num_nextn_predict_layers", "num_experts_per_tok", "n_group",
+                  "num_nextn_predict_layers", "num_experts_per_tok", "n_group",
                   "topk_group")
+        if self.first_k_dense_replace is not None:
+            _integers(self, 0, "first_k_dense_replace")
         _numbers(self, positive=True, names=("rope_theta", "rms_norm_eps", "routed_scaling_factor"))
         _numbers(self, positive=False, names=("initializer_range",))
         for name in BOOL_FIELDS:
@@ -286,11 +299,14 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A copy with `changes` applied and validated. A per-layer list that was not given is
         re-derived when a field it derives from changes: `num_hidden_layers` -> all four lists,
-        `first_k_dense_replace` -> `mlp_layer_types`. Raises ConfigError (unknown field, bad value)."""
+        `first_k_dense_replace` -> `mlp_layer_types`; and a new `mlp_layer_types` list re-derives
+        `first_k_dense_replace` unless that is given too. Raises ConfigError (unknown field, bad value)."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise ConfigError(f"unknown config fields {unknown}: see `ModelConfig`")
         derived = [name for src, names in _DERIVED_FROM.items() if src in changes for name in names]
+        if changes.get("mlp_layer_types") is not None:  # a new list: first_k_dense_replace follows it
+            derived.append("first_k_dense_replace")
         for name in derived:
             changes.setdefault(name, None)
         return dataclasses.replace(self, **changes)

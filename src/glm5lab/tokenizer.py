@@ -45,13 +45,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size = {vocab_size} is too small: byte-level BPE needs at least "
                          f"{MIN_VOCAB_SIZE} (256 bytes + {EOT})")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = _untrained()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
     atomic_write(_json_path(path), lambda tmp: tokenizer.save(tmp))
+    return tokenizer
+
+
+def _untrained() -> Tokenizer:
+    """The recipe before training: an empty BPE with the ByteLevel pre-tokenizer (GPT-2 pattern) and decoder."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
 
@@ -84,22 +90,34 @@ def cached_tokenizer(train_texts: Iterable[str], vocab_size: int, cache_dir: Pat
     return train_tokenizer(texts, vocab_size, folder)
 
 
-def cached_tokenizer_streamed(train_texts: Callable[[], Iterable[str]], vocab_size: int, cache_dir: Path) -> Tokenizer:
-    """`cached_tokenizer` for a corpus read as a stream: `train_texts()` returns a fresh iterator over the same
-    texts each call (once for the cache key, once more to train on a cache miss), so the texts are never held
-    in memory together. The same texts give the same cache entry and tokenizer as `cached_tokenizer`."""
-    folder = Path(cache_dir) / f"tokenizer-v{vocab_size}-{_texts_key(train_texts())}"
+def cached_tokenizer_streamed(train_docs: Callable[[], Iterable], vocab_size: int, cache_dir: Path) -> Tokenizer:
+    """`cached_tokenizer` for a corpus read as a stream: `train_docs()` returns a fresh iterator over the same
+    documents each call (`Document`s or `glm5lab.train.sources.TextFile`s; only their `chunks()` are read, twice
+    for the cache key, once more to train on a cache miss), so no text is held whole, and the trainer is fed
+    `glm5lab.train.pieces` pieces of at most `PIECE_CHARS` characters: the same pre-tokens, so the same counts
+    and merges. The same texts give the same cache entry and tokenizer as `cached_tokenizer`."""
+    from glm5lab.train.pieces import Cutter
+
+    folder = Path(cache_dir) / f"tokenizer-v{vocab_size}-{_texts_key(d.chunks for d in train_docs())}"
     if (folder / TOKENIZER_FILE).is_file():
         return load_tokenizer(folder)
-    return train_tokenizer(train_texts(), vocab_size, folder)
+    cutter, _ = Cutter.of(_untrained())
+    return train_tokenizer((p for d in train_docs() for p in cutter.pieces(d.chunks())), vocab_size, folder)
 
 
-def _texts_key(texts: Iterable[str]) -> str:
+def _texts_key(texts: Iterable) -> str:
+    """SHA-256 (16 hex digits) of the recipe version and the texts in order, each length-prefixed (UTF-8 bytes); a
+    text is a str, or a function returning its chunks (called twice: for the length, then the bytes)."""
     h = hashlib.sha256(f"glm5lab-bpe-{_CACHE_FORMAT}".encode())
     for text in texts:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+        if isinstance(text, str):
+            data = text.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+            continue
+        h.update(sum(len(c.encode("utf-8")) for c in text()).to_bytes(8, "little"))
+        for c in text():
+            h.update(c.encode("utf-8"))
     return h.hexdigest()[:16]
 
 

@@ -134,6 +134,25 @@ def test_study_args_and_cli_errors_are_clear(tmp_path, capsys):
         main(["ablate", "nope"])
 
 
+def test_a_study_into_a_folder_holding_results_is_refused_before_it_runs(tmp_path, capsys):
+    """Re-running a study into an --out that holds results was an overwrite without a word (issue 36, fault 5)."""
+    from glm5lab.ablate.runner import check_out
+
+    out = tmp_path / "mla"
+    check_out(out)  # missing, empty or holding other files: fine
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    check_out(out)
+    (out / "results.json").write_text('{"study": "mla"}')
+    assert main(["ablate", "mla", "--quick", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"glm5lab ablate: error: --out {out} already holds a study's results (results.json): write this "
+                   f"run's into another folder with --out DIR, or remove this one (rm -r {out}) to run the study "
+                   "again\n")
+    assert (out / "results.json").read_text() == '{"study": "mla"}' and sorted(p.name for p in out.iterdir()) == [
+        "notes.txt", "results.json"]
+
+
 def test_studies_state_their_one_difference_from_train():
     """The studies train with `glm5lab train`'s step settings but for the router bias rate, stated
     once (`fit.STUDY_HYPER`); the baseline study's arms use train's own (`study_baseline.TRAIN`)."""

@@ -295,3 +295,15 @@ def test_blocked_kernels_refuse_bad_shapes_at_the_call():
     topk = select_topk(ix.scores(x, q_lat, k_BSJ, cos, sin), 4)
     with pytest.raises(ValueError, match="sparse attention shapes do not agree"):
         attention_latent_gathered(torch.randn(2, 8, 2, 5), torch.randn(2, 9, 5), v_dim=3, scale=0.5, topk=topk)
+
+
+@pytest.mark.parametrize("q_offset", [0, 5])
+def test_score_blocks_make_nothing_on_the_cpu(q_offset):
+    """Device-agnostic: on the meta device every tensor the blocks make must be on meta too. A mask made with an
+    int offset and no device= lands on the CPU: that made `glm5lab train` fail on CUDA at the first sparse step
+    ("Expected all tensors to be on the same device, cuda:0 and cpu", scripts/gpu_check.sh), and fails here."""
+    B, T, I, J, S = 2, 20, 3, 8, 25
+    q, w, k = (torch.empty(*shape, device="meta") for shape in ((B, T, I, J), (B, T, I), (B, S, J)))
+    blocks = list(index_score_blocks(q, w, k, scale=J**-0.5, q_offset=q_offset, query_block=8, key_block=16))
+    assert [t0 for t0, _ in blocks] == [0, 8, 16] and all(s.device.type == "meta" for _, s in blocks)
+    assert visible(q_offset, 4, torch.arange(3, device="meta")).device.type == "meta"  # keys' device by default

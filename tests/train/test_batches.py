@@ -10,7 +10,8 @@ import torch
 
 from glm5lab.tokenizer import cached_tokenizer, encode_documents, eot_id
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
-from glm5lab.train.corpus import load_documents, split_documents
+from glm5lab.train.corpus import split_documents
+from glm5lab.train.sources import iter_documents
 
 
 def _windows(n: int = 50, seq_len: int = 4) -> torch.Tensor:
@@ -114,7 +115,7 @@ def test_pipeline_end_to_end(tmp_path):
     words = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake"]
     for i in range(12):
         (data / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words, size=300)) + "\n")
-    train, val = split_documents(load_documents(data), val_fraction=0.2, seed=0)
+    train, val = split_documents(list(iter_documents(data)), val_fraction=0.2, seed=0)
     tok = cached_tokenizer([d.text for d in train], 320, tmp_path / "cache")
     train_ids, val_ids = encode_documents(tok, train), encode_documents(tok, val)
     assert (train_ids == eot_id(tok)).sum() == len(train) - 1

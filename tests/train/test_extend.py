@@ -27,7 +27,7 @@ def _plan(last_steps: int, decay_steps=None) -> list[dict]:
 
 def _args(corpus, out, plan, **kw):
     return TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
-                     eval_every=2, eval_batches=1, checkpoint_every=2, stage_plan=plan, optimizer="adamw", **kw)
+                     eval_every=2, eval_tokens=48, checkpoint_every=2, stage_plan=plan, optimizer="adamw", **kw)
 
 
 def _rows(run):
@@ -139,3 +139,43 @@ def test_steps_extends_a_recipe_run_and_fewer_are_refused(corpus):
     assert [r["stage"] for r in rows] == ["dense"] * 2 + ["sparse_adaptation"] * 4
     assert [r["lr"] for r in rows[2:]] == pytest.approx([1e-3, 1e-4, 1e-4, 1e-4])
     assert json.loads((run / "run.json").read_text())["recipe"]["name"] == "ext"
+
+
+SCHEDULED = """
+name = "sched"
+[model]
+config = "config.json"
+[optimizer]
+name = "adamw"
+[evaluation]
+eval_every = 0
+[defaults]
+seq_len = 24
+batch_size = 2
+[[stages]]
+name = "dense"
+steps = 4
+lr = 1e-3
+lr_end = 1e-4
+"""
+
+
+@pytest.mark.parametrize("schedule, lrs", [
+    # cosine over 3 steps: 1e-4 + 9e-4 (1 + cos(pi k / 3)) / 2 for k = 0..3
+    ('schedule = "cosine"', [1e-3, 7.75e-4, 3.25e-4, 1e-4]),
+    # wsd, D = round(0.5 x 4) = 2 decay steps: 2 stable, then 1e-3 - 9e-4 / 2, 1e-4
+    ('schedule = "wsd"\ndecay_ratio = 0.5', [1e-3, 1e-3, 5.5e-4, 1e-4]),
+])
+def test_an_extended_run_keeps_the_lr_of_its_trained_steps(corpus, schedule, lrs):
+    """Cosine and WSD runs extended by --resume --steps: the steps trained keep their lr (metrics.jsonl), the
+    appended ones hold lr_end (issue 36, fault 11)."""
+    (corpus / "sched.toml").write_text(SCHEDULED + schedule + "\n")
+    run = corpus / "run"
+    args = dict(recipe=str(corpus / "sched.toml"), data=str(corpus / "texts"), out=str(run), progress=False)
+    train(TrainArgs(**args))
+    first = _rows(run)
+    assert [r["lr"] for r in first] == pytest.approx(lrs)
+    train(TrainArgs(**args, steps=6, resume=True))
+    rows = _rows(run)
+    assert rows[:4] == first and [r["lr"] for r in rows] == pytest.approx(lrs + [1e-4, 1e-4])
+    assert json.loads((run / "run.json").read_text())["stages"][0]["decay_steps"] == 4

@@ -21,7 +21,7 @@ from tests.train.test_loop import _plan
 out, batch = sys.argv[1], int(sys.argv[2])
 ep = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
-                eval_every=2, eval_batches=1, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 2), batch=batch),
+                eval_every=2, eval_tokens=96, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 2), batch=batch),
                 ep=ep))
 end_process()  # leave as every multi-process run does (glm5lab.train.dist.end_process)
 """

@@ -37,7 +37,7 @@ def _plan(steps=(4, 2, 3), seq_len=24, batch=2):
 
 def _args(corpus, out, **kw):
     return TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
-                     eval_every=3, eval_batches=2, checkpoint_every=3, stage_plan=_plan(), **kw)
+                     eval_every=3, eval_tokens=96, checkpoint_every=3, stage_plan=_plan(), **kw)
 
 
 def _rows(run):
@@ -94,7 +94,7 @@ def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None
 def test_evaluate_is_the_mean_over_targets_and_sums_exactly_the_scored_targets():
     """`evaluate_nll(...).loss` is nll_sum / tokens (not the mean of each batch's mean CE, which
     differs with a shorter last batch); nll_sum and the byte count cover the same targets;
-    n_batches=None scores every window."""
+    n_windows=None (or more than there are) scores every window."""
     import torch.nn.functional as F
     from tokenizers import Tokenizer, models
 
@@ -111,7 +111,7 @@ def test_evaluate_is_the_mean_over_targets_and_sums_exactly_the_scored_targets()
         per_token = F.cross_entropy(logits(windows[:, :-1]), windows[:, 1:].flatten(), reduction="none")
     model.train()
     lengths = torch.arange(320) % 4
-    result = evaluate_nll(model, windows, stage, n_batches=5, byte_lengths_V=lengths)
+    result = evaluate_nll(model, windows, stage, n_windows=9, byte_lengths_V=lengths)
     assert result.loss == pytest.approx(float(per_token.mean()), rel=1e-6)
     assert result.tokens == 7 * 16 and result.utf8_bytes == int(lengths[windows[:, 1:]].sum())
     assert result.nll_sum == pytest.approx(float(per_token.double().sum()), rel=1e-6)
@@ -119,8 +119,8 @@ def test_evaluate_is_the_mean_over_targets_and_sums_exactly_the_scored_targets()
     assert result.loss != pytest.approx(float(batch_means), rel=1e-6)  # unequal batches: the old mean of means differs
     assert evaluate_nll(model, windows, stage, None, byte_lengths_V=lengths) == result  # every window
     assert result.bits_per_byte == pytest.approx(result.nll_sum / (math.log(2) * result.utf8_bytes), rel=1e-12)
-    two = evaluate_nll(model, windows, stage, n_batches=1, world_size=2, byte_lengths_V=lengths)  # 6 rows
-    assert two.tokens == 6 * 16 and two.utf8_bytes == int(lengths[windows[:6, 1:]].sum())
+    six = evaluate_nll(model, windows, stage, n_windows=6, byte_lengths_V=lengths)  # 6 rows
+    assert six.tokens == 6 * 16 and six.utf8_bytes == int(lengths[windows[:6, 1:]].sum())
     assert model.training
     fields = summary_fields(result)
     assert fields["val_bits_per_byte"] == result.bits_per_byte and fields["val_bytes"] == result.utf8_bytes

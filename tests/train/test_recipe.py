@@ -59,7 +59,7 @@ def test_small_recipe_without_mtp_or_indexer():
 def test_small_recipe_settings_are_the_defaults():
     assert with_recipe(TrainArgs()).hyper == TrainHyper()
     filled = with_recipe(TrainArgs())
-    assert (filled.preset, filled.eval_every, filled.eval_batches, filled.checkpoint_every) == ("small", 50, 8, 100)
+    assert (filled.preset, filled.eval_every, filled.eval_tokens, filled.checkpoint_every) == ("small", 50, 16384, 100)
     assert default_values()["seq_len"] == 256 and default_values()["batch_size"] == 8
     assert with_recipe(TrainArgs(optimizer="adamw", eval_every=5)).optimizer == "adamw"  # a flag wins
 
@@ -137,6 +137,28 @@ lr_end = 1e-4
     (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {stepz = 2}"), r"stages\[0\].quick key `stepz`"),
     ("name = 'x'\n", r"`stages` is missing"),
     ("[[stages]\n", r"not valid TOML"),
+    # issue 36 (faults 4, 5, 11): refused at load, so a dry run refuses them too
+    (BASE + "[optimizer]\nname = 'adam'\n", r"\[optimizer\].name = 'adam' is not allowed: one of adamw, muon, "
+     r"muon-split, muon-split-kv \(did you mean `adamw`\?\)"),
+    (BASE + "[[stages]]\nname = 'a'\nsteps = 2\nlr = 1e-3\n", r"stages\[1\] \('a'\) has the name of stages\[0\] "
+     r"\('a'\): each stage needs its own name"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nuse_dsa = true") + "[[stages]]\nname = 'warm'\nsteps = 2\nlr = 1e-3\n"
+     "trainable = 'indexer'\n", r"stages\[1\] \('warm'\) warms up the indexer \(trainable = \"indexer\"\) after "
+     r"stages\[0\] \('a'\) trained with use_dsa = true: an indexer warm-up comes before"),
+    (BASE.replace("batch_size = 2", "batch_size = 2\ngrad_accum = 0"),
+     r"\[defaults\].grad_accum = 0 is not allowed: an integer >= 1"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\ngrad_accum = -1"), r"stages\[0\].grad_accum = -1 is not allowed"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {steps = 0}"), r"stages\[0\].quick.steps = 0 is not allowed"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nschedule = 'cos'"),
+     r"stages\[0\].schedule = 'cos' is not allowed: one of \('linear', 'cosine', 'wsd'\)"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nschedule = 'cosine'"), r"stages\[0\].lr_end = None is not allowed: a "
+     r"number >= 0 with schedule = 'cosine': the lr it decays to \(only the linear schedule may omit lr_end"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nlr_end = 0.0\nschedule = 'wsd'"),
+     r"stages\[0\].decay_ratio = None is not allowed: a number in \(0, 1\] with schedule = 'wsd'"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nlr_end = 0.0\ndecay_ratio = 0.2"),
+     r"stages\[0\].decay_ratio = 0.2 is not allowed: only with schedule = 'wsd' \(this stage's is 'linear'\)"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nlr_end = 0.0\nschedule = 'wsd'\ndecay_ratio = 1.5"),
+     r"stages\[0\].decay_ratio = 1.5 is not allowed: a number in \(0, 1\]"),
 ])
 def test_bad_recipes_are_one_line(tmp_path, text, message, capsys):
     path = _write(tmp_path, text)
@@ -145,6 +167,31 @@ def test_bad_recipes_are_one_line(tmp_path, text, message, capsys):
     assert main(["train", "--recipe", path, "--dry-run", "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("glm5lab train: error: ") and err.count("\n") == 1
+
+
+def test_flags_below_one_are_refused_never_ignored():
+    """--grad-accum 0 (and --seq-len 0, --batch-size 0) fell back to the recipe's value without a word: the plan
+    showed 1 micro-batch (issue 36, fault 5)."""
+    recipe = load_recipe("small")
+    resolved = lambda **flags: resolve(recipe, mtp_depth=3, has_indexer=True, **flags)  # noqa: E731
+    for flag, value in (("grad_accum", 0), ("grad_accum", -1), ("seq_len", 0), ("batch_size", 0)):
+        name = "--" + flag.replace("_", "-")
+        with pytest.raises(ValueError, match=f"^{name} = {value} is not allowed: an integer >= 1$"):
+            resolved(**{flag: value})
+    with pytest.raises(ValueError, match=r"^--lr = -0.001 is not allowed: a finite number > 0$"):
+        resolved(lr=-1e-3)
+    assert [s.grad_accum for s in resolved(grad_accum=2)] == [2, 2, 2]
+
+
+def test_stages_in_an_order_no_run_can_mean_are_refused():
+    """--stages picking the default stages in an order no run can mean: the indexer warm-up after sparse
+    adaptation (which selected keys with the indexer). Other orders and subsets are fine."""
+    recipe = load_recipe("small")
+    with pytest.raises(ValueError, match=r"^--stages dense,sparse_adaptation,indexer_warmup: indexer_warmup warms up "
+                       r"the indexer \(trainable = \"indexer\"\) after sparse_adaptation trained with use_dsa = true"):
+        resolve(recipe, mtp_depth=3, has_indexer=True, names=["dense", "sparse_adaptation", "indexer_warmup"])
+    for names in (["indexer_warmup", "sparse_adaptation"], ["sparse_adaptation"], ["indexer_warmup", "dense"]):
+        assert [s.name for s in resolve(recipe, mtp_depth=3, has_indexer=True, names=names)] == names
 
 
 def test_unknown_builtin_name():

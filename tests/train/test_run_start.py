@@ -156,7 +156,7 @@ def test_validation_is_one_definition_headline_and_subset(corpus):
     rows = _rows(run)
     last = rows[-1]
     assert summary["val_subset_loss"] == last["val_loss"] and summary["val_subset_tokens"] == last["val_tokens"]
-    assert last["val_tokens"] == 2 * 2 * 24  # eval_batches x batch x seq_len
+    assert last["val_tokens"] == 96  # eval_tokens: 4 windows of 24
     assert summary["val_tokens"] > summary["val_subset_tokens"]  # the whole split: every window
     stages = {s["stage"]: s for s in summary["stages"]}
     assert stages["sparse_adaptation"]["val_end"] == last["val_loss"]

@@ -34,7 +34,7 @@ from glm5lab.train.loop import TrainArgs, train
 from tests.train.test_loop import _plan
 out, batch, corpus, ep, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 train(TrainArgs(config=corpus + "/config.json", data=corpus + "/texts", out=out, progress=False, eval_every=2,
-                eval_batches=1, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=batch), ep=ep,
+                eval_tokens=48, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=batch), ep=ep,
                 resume=resume))
 end_process()  # leave as every multi-process run does (glm5lab.train.dist.end_process)
 """
@@ -180,7 +180,7 @@ def test_a_corrupt_sharded_checkpoint_falls_back_to_the_one_before(runs, tmp_pat
 
 def _one_process_args(runs, out):
     return TrainArgs(config=str(runs.root / "config.json"), data=str(runs.root / "texts"), out=str(out), progress=False,
-                     eval_every=2, eval_batches=1, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=2),
+                     eval_every=2, eval_tokens=48, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=2),
                      resume=True)
 
 

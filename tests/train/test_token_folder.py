@@ -1,6 +1,7 @@
 """`glm5lab train --data DIR` on a token folder: the memmap-backed data path gives exactly the in-memory
 path's tokens, batches (world sizes 1 and 2, several steps, an epoch boundary), validation windows and
-scores, and unigram baseline; bad folders are refused in one line."""
+scores, and unigram baseline, also for a raw folder of text, JSONL and parquet files (one reader); bad folders
+are refused in one line; a run seed other than the folder's split seed is said."""
 
 from __future__ import annotations
 
@@ -44,6 +45,45 @@ def test_token_folder_equals_the_in_memory_path(folders):
     assert len(lazy.train_tokens) == len(memory.train_tokens) and len(lazy.val_tokens) == len(memory.val_tokens)
 
 
+def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch):
+    """Issue 36: `train --data FOLDER` reads the .parquet (and .arrow) files `tokenize FOLDER` reads, through the
+    same reader: the same documents, tokenizer, train/val tokens and unigram baseline either way."""
+    datasets = pytest.importorskip("datasets")
+    from glm5lab.train.data import split_corpus
+
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    raw = write_word_corpus(tmp_path / "raw", docs=5, words_per_doc=200)
+    (raw / "rows.jsonl").write_text("".join(json.dumps({"text": f"row {i} of the jsonl file"}) + "\n"
+                                            for i in range(30)))
+    rows = [" ".join(["the king", "the sea", "a fool"][(i + j) % 3] for j in range(30)) for i in range(70)]
+    datasets.Dataset.from_dict({"text": rows}).to_parquet(str(raw / "table.parquet"))
+    _, train_docs, val_docs = split_corpus(str(raw), 0)
+    assert {"table.parquet", "rows.jsonl"} <= {d.name.split(":")[0] for d in val_docs}  # both reach validation
+    tokenize_corpus(raw, tmp_path / "tokens", vocab_size=VOCAB, progress=False)
+    memory, lazy = prepare_data(VOCAB, str(raw), 0), prepare_data(VOCAB, str(tmp_path / "tokens"), 0)
+    assert lazy.tokenizer.to_str() == memory.tokenizer.to_str()
+    assert np.array_equal(np.asarray(lazy.train_tokens), memory.train_tokens)
+    assert np.array_equal(np.asarray(lazy.val_tokens), memory.val_tokens)
+    index = open_token_folder(tmp_path / "tokens").index
+    assert index["splits"]["val"]["documents"] == len(val_docs) and index["splits"]["train"]["documents"] == len(
+        train_docs) == 5 + 30 + 70 - len(val_docs)
+    ref = unigram_loss(memory.train_tokens, memory.val_tokens, VOCAB)
+    assert math.isclose(unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB), ref, rel_tol=1e-12)
+
+
+def test_a_run_seed_other_than_the_folders_split_seed_is_said(folders):
+    """Issue 36: the split is the folder's (its `glm5lab tokenize --seed`); a run with another --seed is told so in
+    one line, once; the same seed says nothing."""
+    texts, tokens = folders
+    said = []
+    same = prepare_data(VOCAB, str(tokens), 0, say=said.append)
+    assert said == []
+    other = prepare_data(VOCAB, str(tokens), 7, say=said.append)
+    assert said == [f"token folder {tokens} was split into training and validation with seed 0 (glm5lab tokenize "
+                    "--seed 0); --seed 7 seeds the initialisation and the batch order only"]
+    assert np.array_equal(np.asarray(other.val_tokens), np.asarray(same.val_tokens))  # the folder's split either way
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_same_batches_per_rank_and_step(folders, world_size):
     texts, tokens = folders
@@ -71,9 +111,9 @@ def test_same_validation_windows_scores_and_unigram(folders):
     model = _BigramModel(VOCAB)
     stage = Stage("dense", 1, 1e-3, 16, 2)
     lengths = torch.arange(VOCAB, dtype=torch.int64) % 3 + 1
-    for n_batches in (None, 2):
-        a = evaluate_nll(model, val_mem, stage, n_batches, byte_lengths_V=lengths)
-        b = evaluate_nll(model, val_lazy, stage, n_batches, byte_lengths_V=lengths)
+    for n_windows in (None, 4):
+        a = evaluate_nll(model, val_mem, stage, n_windows, byte_lengths_V=lengths)
+        b = evaluate_nll(model, val_lazy, stage, n_windows, byte_lengths_V=lengths)
         assert (a.tokens, a.utf8_bytes) == (b.tokens, b.utf8_bytes) and a.nll_sum == b.nll_sum
     ref = unigram_loss(memory.train_tokens, memory.val_tokens, VOCAB)
     got = unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB)
@@ -163,9 +203,11 @@ def test_cli_train_on_a_token_folder_and_init_with_another_tokenizer(folders, tm
         return subprocess.run([sys.executable, "-m", "glm5lab", "train", "--seq-len", "16",
                                "--batch-size", "2", "--no-progress", "--threads", "1", *args],
                               capture_output=True, text=True, env=env, timeout=300)
-    r = train("--preset", "tiny", "--data", str(tokens), "--steps", "3", "--eval-every", "0", "--out",
-              str(tmp_path / "run"))
+    r = train("--preset", "tiny", "--data", str(tokens), "--steps", "3", "--eval-every", "0", "--seed", "1",
+              "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("was split into training and validation with seed 0 (glm5lab tokenize --seed 0); --seed 1 "
+                          "seeds the initialisation and the batch order only") == 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     memory = prepare_data(512, str(texts), 0)
     assert math.isclose(summary["unigram_val_loss"], unigram_loss(memory.train_tokens, memory.val_tokens, 512),

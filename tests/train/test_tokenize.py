@@ -1,6 +1,7 @@
-"""`glm5lab tokenize`: streamed documents equal `load_documents`, the streamed split equals `split_documents`
-(fallbacks included), parquet/arrow through `datasets`, shards equal the in-memory token stream, an
-interrupted run leaves no index and no half-written shard, and one-line refusals."""
+"""`glm5lab tokenize`: a text file read in chunks equals it read whole, the streamed split equals
+`split_documents` (fallbacks included), parquet/arrow through `datasets`, shards equal the in-memory token stream
+(long documents too, encoded in pieces), an interrupted run leaves no index and no half-written shard, and
+one-line refusals."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 
 from glm5lab.cli import main
 from glm5lab.tokenizer import encode_documents, load_tokenizer, train_tokenizer
-from glm5lab.train.corpus import Document, _score, load_documents, split_documents
+from glm5lab.train.corpus import Document, _score, split_documents
 from glm5lab.train.data import prepare_data
 from glm5lab.train.shards import ShardedTokens, dtype_for, open_token_folder
-from glm5lab.train.sources import iter_documents
+from glm5lab.train.sources import TextFile, iter_documents
 from glm5lab.train.tokenize import ShardWriter, SplitAssigner, settled, tokenize_corpus
 from tests.conftest import write_word_corpus
 
@@ -27,21 +28,23 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
 
 
-def test_streamed_documents_equal_load_documents(tmp_path):
-    root = write_word_corpus(tmp_path / "c", docs=3, words_per_doc=50)
-    (root / "sub").mkdir()
-    (root / "sub" / "notes.md").write_text("\ufeffline one\r\nline two\r\n")
-    (root / "sub" / "rows.jsonl").write_text('{"text": "first row"}\n{"text": "second\\nrow", "x": 1}\n')
-    (root / "skip.csv").write_text("a,b\n")
-    assert list(iter_documents(root)) == load_documents(root)
-    assert list(iter_documents(root / "sub" / "rows.jsonl")) == load_documents(root / "sub" / "rows.jsonl")
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"text": "a\u2028b"}\n')  # str.splitlines cuts at U+2028: so do both
-    with pytest.raises(ValueError) as a:
-        load_documents(bad)
-    with pytest.raises(ValueError) as b:
-        list(iter_documents(bad))
-    assert str(a.value) == str(b.value) and "line 2" in str(a.value)
+def test_a_text_file_read_in_chunks_equals_it_read_whole(tmp_path, monkeypatch):
+    """`TextFile` decodes as `Path.read_text(encoding="utf-8-sig")`: BOM, CRLF and lone CR, multi-byte characters
+    and a CRLF cut between two reads; `part` and the one-document split read only what they need."""
+    from glm5lab.train import sources
+
+    path = tmp_path / "t.txt"
+    path.write_bytes("\ufeffab\r\ncd\re\u00e9\u4e2d\U0001f600\r\n\r\nend\r".encode())
+    whole = path.read_text(encoding="utf-8-sig")
+    for block in (1, 2, 3, 5, 64):
+        monkeypatch.setattr(sources, "READ_BYTES", block)
+        doc = next(iter_documents(path, lazy=True))
+        assert isinstance(doc, TextFile) and doc.text == whole
+        assert max(len(c) for c in doc.chunks()) <= block + 1  # + a CR held back from the read before
+        assert doc.part("p", 3, 9).text == whole[3:9]
+        assert [(d.name, d.text) for d in split_documents([doc], 0.4)[0] + split_documents([doc], 0.4)[1]] == [
+            (d.name, d.text) for d in sum(split_documents([Document("t.txt", whole)], 0.4), [])]
+    assert list(iter_documents(path)) == [Document("t.txt", whole)]
 
 
 @pytest.mark.parametrize("fraction", [0.05, 0.5, 0.97])
@@ -65,10 +68,10 @@ def test_shards_equal_the_in_memory_stream(tmp_path, n_docs):
     memory, folder = prepare_data(VOCAB, str(texts), 0), open_token_folder(tmp_path / "tok")
     assert np.array_equal(np.asarray(folder.train), memory.train_tokens)
     assert np.array_equal(np.asarray(folder.val), memory.val_tokens)
-    train_docs, val_docs = split_documents(load_documents(texts), seed=0)
+    train_docs, val_docs = split_documents(list(iter_documents(texts)), seed=0)
     assert index["splits"]["train"]["documents"] == len(train_docs) and index["splits"]["val"]["documents"] == len(val_docs)
     assert index["split"]["single"] == (None if n_docs > 1 else "doc0.txt")
-    natural = any(_score(d.name, 0) < 0.05 for d in load_documents(texts))
+    natural = any(_score(d.name, 0) < 0.05 for d in iter_documents(texts))
     assert (index["split"]["moved"] is not None) == (n_docs > 1 and not natural) and natural == (n_docs == 40)
     assert all(s["tokens"] == 250 for s in index["splits"]["train"]["shards"][:-1]) and index["dtype"] == "uint16"
 
@@ -163,11 +166,114 @@ def test_parquet_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys)
     assert "needs the `datasets` library: pip install -e .[data]" in err and err.count("\n") == 1
 
 
-def test_streamed_tokenizer_training_equals_cached_tokenizer(tmp_path):
+def test_streamed_tokenizer_training_equals_cached_tokenizer(tmp_path, monkeypatch):
+    """The streamed trainer reads documents in pieces (here of at most 64 characters): the same tokenizer and
+    cache entry as training on the whole texts."""
     from glm5lab.tokenizer import cached_tokenizer, cached_tokenizer_streamed
+    from glm5lab.train import pieces
 
-    texts = [d.text for d in load_documents(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300))]
+    docs = list(iter_documents(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300), lazy=True))
+    texts = [d.text for d in docs]
     a = cached_tokenizer(texts, VOCAB, tmp_path / "a")
-    b = cached_tokenizer_streamed(lambda: iter(texts), VOCAB, tmp_path / "b")
+    monkeypatch.setattr(pieces, "PIECE_CHARS", 64)
+    b = cached_tokenizer_streamed(lambda: iter(docs), VOCAB, tmp_path / "b")
     assert a.to_str() == b.to_str()
     assert [p.name for p in (tmp_path / "a").iterdir()] == [p.name for p in (tmp_path / "b").iterdir()]
+
+
+class _Spy:
+    """A tokenizer that records the longest text it was asked to encode."""
+
+    def __init__(self, tok):
+        self._tok, self.longest = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode_batch_fast(self, texts, **kw):
+        self.longest = max(self.longest, *map(len, texts))
+        return self._tok.encode_batch_fast(texts, **kw)
+
+
+def _long_text(words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    atoms = ["the", "king", "sea,", "fool.", "it's", "\n", "\n\n", "   ", "\u4e2d\u6587\u3002", "caf\u00e9", "1234",
+             "<|endoftext|>", "\t", "!?"]
+    return " ".join(rng.choice(atoms) for _ in range(words))
+
+
+@pytest.mark.parametrize("words", [3000, 12000])
+def test_a_long_document_is_encoded_in_pieces_to_the_whole_documents_tokens(tmp_path, monkeypatch, words):
+    """Issue 36: a text file is read in chunks and encoded in pieces of at most PIECE_CHARS characters (here 500),
+    whatever its length, and the shards hold exactly the tokens of the whole document: a one-document corpus (its
+    text split inside) and a folder with a long document beside short ones."""
+    from glm5lab.train import pieces, sources, tokenize
+
+    for module in (pieces, tokenize):
+        monkeypatch.setattr(module, "PIECE_CHARS", 500)
+    monkeypatch.setattr(sources, "READ_BYTES", 4096)
+    one = tmp_path / "one.txt"
+    one.write_text(_long_text(words))
+    folder = write_word_corpus(tmp_path / "folder", docs=6, words_per_doc=50)
+    (folder / "long.txt").write_text(_long_text(words, seed=1))
+    tok = train_tokenizer([_long_text(2000, seed=2)], VOCAB, tmp_path / "tk")
+    for data in (one, folder):
+        spy = _Spy(tok)
+        monkeypatch.setattr(tokenize, "load_tokenizer", lambda path: spy)
+        out = tmp_path / f"tok-{data.name}"
+        index = tokenize_corpus(data, out, tokenizer=tmp_path / "tk", vocab_size=VOCAB, progress=False)
+        memory = prepare_data(VOCAB, str(data), 0, tokenizer=str(tmp_path / "tk"))
+        tokens = open_token_folder(out)
+        assert np.array_equal(np.asarray(tokens.train), memory.train_tokens)
+        assert np.array_equal(np.asarray(tokens.val), memory.val_tokens)
+        assert 400 < spy.longest <= 500 < len(data.read_text() if data.is_file() else (folder / "long.txt").read_text())
+        assert index["encoding"].startswith("pieces of at most 500 characters")
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 7
+
+
+def test_a_tokenizer_that_cannot_be_cut_is_encoded_whole_and_said_so(tmp_path, monkeypatch, capsys):
+    from glm5lab.train import pieces, tokenize
+
+    for module in (pieces, tokenize):
+        monkeypatch.setattr(module, "PIECE_CHARS", 500)
+    (tmp_path / "one.txt").write_text(_long_text(2000))
+    tok = train_tokenizer([_long_text(2000, seed=2)], VOCAB, tmp_path / "tk")
+    spec = json.loads(tok.to_str())
+    spec["normalizer"] = {"type": "NFC"}
+    (tmp_path / "nfc.json").write_text(json.dumps(spec))
+    index = tokenize_corpus(tmp_path / "one.txt", tmp_path / "tok", tokenizer=tmp_path / "nfc.json", vocab_size=VOCAB,
+                            progress=False)
+    memory = prepare_data(VOCAB, str(tmp_path / "one.txt"), 0, tokenizer=str(tmp_path / "nfc.json"))
+    tokens = open_token_folder(tmp_path / "tok")
+    assert np.array_equal(np.asarray(tokens.train), memory.train_tokens)
+    assert np.array_equal(np.asarray(tokens.val), memory.val_tokens)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"glm5lab tokenize: --tokenizer {tmp_path / 'nfc.json'}: its "
+                                                   "normalizer (NFC) may join characters across a cut, so each "
+                                                   "document is encoded whole")
+    assert index["encoding"] == "whole documents (its normalizer (NFC) may join characters across a cut)"
+
+
+@pytest.mark.slow
+def test_peak_memory_does_not_follow_the_document(tmp_path):
+    """Issue 36, measured: fresh processes tokenizing one document of 4 MB and of 24 MB peak within 60 MB of each
+    other and under 600 MB (encoded whole, 24 MB took ~3 GB: BENCHMARKS.md)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("reads VmHWM from /proc (Linux)")
+    train_tokenizer([_long_text(3000, seed=2)], VOCAB, tmp_path / "tk")
+    unit, peaks = _long_text(20000), []
+    code = ("import sys; from glm5lab.train.tokenize import tokenize_corpus; tokenize_corpus(sys.argv[1], sys.argv[2], "
+            "tokenizer=sys.argv[3], vocab_size=300, progress=False); "
+            "print([line for line in open('/proc/self/status') if line.startswith('VmHWM')][0].split()[1])")
+    for mb in (4, 24):
+        doc = tmp_path / f"doc{mb}.txt"
+        doc.write_text((unit * (mb * 10**6 // len(unit) + 1))[:mb * 10**6])
+        r = subprocess.run([sys.executable, "-c", code, str(doc), str(tmp_path / f"tok{mb}"), str(tmp_path / "tk")],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        peaks.append(int(r.stdout.split()[-1]) / 1024)
+    assert peaks[1] < 600 and peaks[1] - peaks[0] < 60, peaks

@@ -113,18 +113,34 @@ models and lengths; see the module docstring)."""
 
 
 def run_study(args: StudyArgs) -> tuple[Path, str]:
-    """Run the study and write its folder; returns (path of table.md, the table text).
-    Raises ValueError when the output folder is a file."""
+    """Run the study and write its folder; returns (path of table.md, the table text). Raises ValueError when the
+    output folder is a file, FileExistsError when it holds a study's results already (`check_out`)."""
     from glm5lab.ablate.results import write_result
     from glm5lab.ablate.workbench import Workbench
 
     out = args.out_dir
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder")
+    check_out(out)
     t0 = time.perf_counter()
     result = study_module(args.study).run(args, Workbench.load(data=args.data))
     path = write_result(result, out, quick=args.quick, elapsed_s=time.perf_counter() - t0)
     return path, path.read_text()
+
+
+RESULT_FILES = ("results.json", "table.md")
+"""A study's files that mark a folder as holding its results (`glm5lab.ablate.results.write_result`)."""
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before anything runs, an --out that is a file (ValueError) or that holds a study's results already
+    (FileExistsError: they would be overwritten when the new run finishes; as `glm5lab train` refuses an --out
+    holding a run). An empty or missing folder, or one holding other files, is fine."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    held = [name for name in RESULT_FILES if (out / name).is_file()]
+    if held:
+        raise FileExistsError(f"--out {out} already holds a study's results ({', '.join(held)}): write this run's "
+                              f"into another folder with --out DIR, or remove this one (rm -r {out}) to run the "
+                              "study again")
 
 
 def study_module(study: str):

@@ -250,6 +250,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--batch-size", dest="batch_size", type=int, metavar="B", help="sequences per step and process (default 8)")
     p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N",
                    help="validation every N steps and at each stage end (default 50; 0 = none during training, the final evaluation still runs)")
+    p.add_argument("--eval-tokens", dest="eval_tokens", type=int, metavar="N",
+                   help="held-out targets each periodic validation scores: the first ceil(N / seq_len) windows, the "
+                   "same set for any batch size, --grad-accum and process count (default 16384)")
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, metavar="N",
                    help="checkpoint every N steps and at each stage end (default 100; 0 = at stage ends only); "
                    "the newest two are kept")
@@ -279,20 +282,21 @@ def add_recipe_flags(p) -> None:
     """`glm5lab train`'s recipe flags (docs/recipes.md): --recipe, --dry-run (--nproc), --lr, --grad-accum."""
     g = p.add_argument_group("recipes", "a run's stages, optimizer and cadence as a TOML file (docs/recipes.md); "
                              "--steps, --seq-len, --batch-size, --stages, --quick, --optimizer, --eval-every, "
-                             "--checkpoint-every and the flags below override it")
+                             "--eval-tokens, --checkpoint-every and the flags below override it")
     g.add_argument("--recipe", metavar="FILE|NAME", help="a recipe .toml file or a built-in one: small (the default "
                    "run), tiny (the same three stages on the tiny preset, a minute or two: a first try, or torchrun "
                    "on a laptop), glm5-dsa (the report's DSA adaptation, for a cluster)")
-    g.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved plan (per stage "
-                   "steps, tokens, global batch, lr curve; memory per process from the ledger) and exit: no model "
-                   "is built, no data read")
+    g.add_argument("--dry-run", dest="dry_run", action="store_true", help="check the run as it checks itself before "
+                   "its first step (same refusals, same lines; not this machine's memory or a text corpus) and print "
+                   "the resolved plan (per stage steps, tokens, global batch, lr curve; memory per process from the "
+                   "ledger), then exit: no weights are built, no text is read")
     g.add_argument("--nproc", type=int, metavar="N", help="--dry-run only: the process count to plan for (default: "
                    "$WORLD_SIZE, else 1)")
     g.add_argument("--lr", type=float, metavar="LR", help="the first stage's peak lr; every stage's lr and lr_end "
                    "are scaled by LR / the first stage's lr (the recipe's shape kept)")
     g.add_argument("--grad-accum", dest="grad_accum", type=int, metavar="A", help="micro-batches per optimizer step "
-                   "and process, every stage (the global batch is batch size x A x processes; wins over a "
-                   "recipe's global_batch); default the recipe's (small: 1)")
+                   "and process, every stage, at least 1 (the global batch is batch size x A x processes; wins over "
+                   "a recipe's global_batch); default the recipe's (small: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,12 +10,9 @@ import sys
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from glm5lab.train.tokenize import tokenize_corpus
 
-    try:
-        index = tokenize_corpus(args.data, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                                text_field=args.text_field, shard_size=args.shard_size, seed=args.seed,
-                                progress=not args.no_progress)
-    except ImportError as e:  # `datasets` missing for a parquet/arrow corpus: one line, exit 2
-        raise ValueError(str(e)) from None
+    index = tokenize_corpus(args.data, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                            text_field=args.text_field, shard_size=args.shard_size, seed=args.seed,
+                            progress=not args.no_progress)
     splits = index["splits"]
     print(f"tokenize: {args.out}: " + "; ".join(
         f"{name} {s['documents']:,} documents, {s['tokens']:,} tokens in {len(s['shards'])} shard"
@@ -32,7 +29,8 @@ def add_tokenize_parser(sub) -> None:
     small_vocab = PRESETS["small"]()["vocab_size"]
     p = sub.add_parser("tokenize", help="tokenize a corpus into token shards for `glm5lab train --data DIR`",
                        description="Read a corpus as a stream, split it into training and validation by document "
-                       "(as `glm5lab train --data` does, with --seed), encode it and write flat uint16 (uint32 for "
+                       "(as `glm5lab train --data` does, with --seed), encode it (a long document in pieces, so memory "
+                       "does not follow the largest one) and write flat uint16 (uint32 for "
                        "vocabularies over 65536 ids) token shards per split, tokenizer.json and index.json (last) "
                        "into --out. `glm5lab train --data DIR` then reads windows through numpy memmap without "
                        "loading the corpus (docs/data.md).")
@@ -41,7 +39,9 @@ def add_tokenize_parser(sub) -> None:
                    "corpus, fetched and cached)")
     p.add_argument("--out", metavar="DIR", required=True, help="the token folder to write (new or empty)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: byte-level "
-                   "BPE trained on the training split at --vocab-size, cached: the one `glm5lab train` trains)")
+                   "BPE trained on the training split at --vocab-size, cached: the one `glm5lab train` trains). Long "
+                   "documents are encoded in pieces with the whole document's tokens; a tokenizer whose pre-token "
+                   "boundaries glm5lab does not know has its documents encoded whole, and is named (docs/data.md)")
     p.add_argument("--vocab-size", dest="vocab_size", type=int, default=small_vocab, metavar="V",
                    help=f"vocabulary of the trained tokenizer (default {small_vocab}: the small preset's)")
     p.add_argument("--text-field", dest="text_field", default="text", metavar="NAME",

@@ -107,7 +107,7 @@ def _mask_future(scores_BtV: torch.Tensor, q_offset, t0: int, *, first: int) -> 
     the block sees the keys before it: first = the earliest row's offset + t0 + 1)."""
     t, V = scores_BtV.shape[1:]
     keys_c = torch.arange(first, V, device=scores_BtV.device)
-    scores_BtV[..., first:].masked_fill_(~visible(q_offset + t0, t, keys_c), float("-inf"))
+    scores_BtV[..., first:].masked_fill_(~visible(q_offset + t0, t, keys_c, device=keys_c.device), float("-inf"))
 
 
 def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, k: int, *, scale: float,

@@ -57,8 +57,10 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def fp32_compute(device: torch.device):
     """A context that turns autocast off on `device` (a no-op where autocast does not exist, e.g.
-    on the meta device), so explicit fp32 operations stay fp32."""
-    if torch.amp.is_autocast_available(device.type):
+    on the meta device), so explicit fp32 operations stay fp32. Under torch.compile the check is skipped (a
+    compiled graph never runs on the meta device; torch 2.11's dynamo cannot trace
+    `torch._C._is_autocast_available`, which broke the compiled CUDA decode: scripts/gpu_check.sh)."""
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 

@@ -25,7 +25,10 @@ def query_positions(offsets, T: int, device=None) -> torch.Tensor:
 
 def visible(offsets, T: int, keys, *, window: int | None = None, device=None) -> torch.Tensor:
     """Bool [B|1, T, S]: key visible to query. keys: an int S (positions 0..S-1) or an int64 [S]
-    of key positions (a block of columns)."""
+    of key positions (a block of columns). device: where int offsets put the query positions (default: the
+    keys' device when keys is a tensor, else the CPU)."""
+    if device is None and torch.is_tensor(keys):
+        device = keys.device
     q_pos_BT1 = query_positions(offsets, T, device)[..., None]
     keys_S = torch.arange(keys, device=q_pos_BT1.device) if isinstance(keys, int) else keys
     mask_BTS = keys_S <= q_pos_BT1

@@ -13,7 +13,8 @@ with "muon-split" MLA's `q_b_proj` / `kv_b_proj` (rows head-major) split per att
 the GLM-5 report does; "muon-split-kv" also cuts each head's `kv_b_proj` block into its K rows
 (qk_nope_head_dim) and V rows (v_head_dim), orthogonalised apart (whether the report did is not
 stated; `glm5lab ablate optimizer` compares both). Weight decay: off for norms and biases, on for
-the embedding and head.
+the embedding and head. A split optimizer on a model with nothing to split (no MLA: a GQA model) trains as
+"muon"; `split_notice` is the line `glm5lab train` (and its --dry-run) says then.
 """
 
 from __future__ import annotations
@@ -130,6 +131,19 @@ def param_group_table(model: nn.Module, optimizer: str) -> list[ParamRule]:
     names = [n for n, _ in model.named_parameters()]
     matched = _match_one(names)
     return [_resolve(n, matched[n], optimizer, model.config) for n in names]
+
+
+def split_notice(model: nn.Module, optimizer: str) -> str | None:
+    """The one line to say when `optimizer` is "muon-split" or "muon-split-kv" and `model` holds no matrix it splits
+    (no MLA up-projection q_b_proj / kv_b_proj: a GQA model): it then trains exactly as "muon", which a run should
+    not do without a word. None otherwise. Runs `param_group_table`, so it raises its ValueErrors (an unknown
+    optimizer, K/V sections of zero rows); `model` may live on the meta device (no weights are needed)."""
+    rows = param_group_table(model, optimizer)
+    if optimizer not in SPLITS or any(row.kind == "muon_split" for row in rows):
+        return None
+    kinds = sorted(set(model.config.attention_types))
+    return (f"optimizer {optimizer!r} splits MLA's up-projections (q_b_proj, kv_b_proj) per head, and this model has "
+            f"none (attention_types {kinds}): it trains exactly as 'muon'")
 
 
 def indexer_parameter_names(model: nn.Module) -> set[str]:

@@ -64,7 +64,7 @@ def _headline(rec) -> str:
             f"baseline is {s['unigram_val_loss']:.3f}.")
     if v["subset_step"] is None:
         return text + " No periodic validation was run (eval_every 0), so there is no validation curve."
-    batches = f"{v['eval_batches']} batches of windows" if v["eval_batches"] else "eval_batches batches"
+    batches = v["subset_rule"]
     planned = (f"; {v['subset_planned']:,} target tokens as run.json plans it, if the split holds that many"
                if v["subset_planned"] else "")
     subset = (f"the first {v['subset_tokens']:,} target tokens ({batches})" if v["subset_tokens"] else

@@ -18,7 +18,7 @@ BALANCED = 2.0  # max / mean expert load under which the report calls a step bal
 
 def validation(rec) -> dict:
     """{"whole": loss, "whole_tokens", "subset": loss or None, "subset_tokens", "subset_planned"
-    (`_planned_subset`), "subset_step", "eval_batches", "old": True when summary.json predates the subset
+    (`_planned_subset`), "subset_step", "eval_batches", "subset_rule" (`_subset_rule`), "old": True when summary.json predates the subset
     keys}. The subset figure is summary.json's val_subset_loss, or (older runs) the last periodic val_loss
     when it was taken at the last step."""
     s, args = rec.summary, rec.run.get("args", {})
@@ -31,14 +31,26 @@ def validation(rec) -> dict:
     return {"whole": s.get("val_loss"), "whole_tokens": s.get("val_tokens"), "subset": subset,
             "subset_tokens": s.get("val_subset_tokens") or (last or {}).get("val_tokens"),
             "subset_planned": _planned_subset(rec), "subset_step": last["step"] if last else None,
-            "eval_batches": args.get("eval_batches"), "old": old}
+            "eval_batches": args.get("eval_batches"), "subset_rule": _subset_rule(args), "old": old}
+
+
+def _subset_rule(args: dict) -> str:
+    """How run.json's arguments define the periodic subset, in words: `eval_tokens N` (runs since issue 36), or
+    `N batches of windows` (older runs' eval_batches, a count that depended on the batch layout)."""
+    if args.get("eval_tokens"):
+        return f"eval_tokens {args['eval_tokens']:,}"
+    return f"{args['eval_batches']} batches of windows" if args.get("eval_batches") else "eval_batches batches"
 
 
 def _planned_subset(rec) -> int | None:
-    """Targets in the subset as run.json plans it (eval_batches x the last stage's batch size x
-    world size x seq_len), for runs that did not record it; the split may hold fewer."""
+    """Targets in the subset as run.json plans it, for runs that did not record it (the split may hold fewer):
+    ceil(eval_tokens / seq_len) windows of the last stage's seq_len, or for older runs eval_batches x the last
+    stage's batch size x world size x seq_len."""
     args, stages = rec.run.get("args", {}), rec.run.get("stages") or [{}]
-    parts = (args.get("eval_batches"), stages[-1].get("batch_size"), stages[-1].get("seq_len"))
+    seq_len = stages[-1].get("seq_len")
+    if args.get("eval_tokens") and seq_len:
+        return -(-args["eval_tokens"] // seq_len) * seq_len
+    parts = (args.get("eval_batches"), stages[-1].get("batch_size"), seq_len)
     return None if None in parts else parts[0] * parts[1] * parts[2] * rec.run.get("world_size", 1)
 
 

@@ -1,5 +1,5 @@
 """Training: the data pipeline (`corpus` -> `glm5lab.tokenizer` -> `batches`; see docs/data.md), the
 stages, losses and the loop (checkpoints: `glm5lab.checkpoint`).
 
-Import from the submodules, e.g. `from glm5lab.train.corpus import load_documents`.
+Import from the submodules, e.g. `from glm5lab.train.sources import iter_documents`.
 """

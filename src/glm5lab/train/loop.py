@@ -28,25 +28,26 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoint import (
-    has_checkpoint, latest_pointer, prune_checkpoints, resume_candidates, rng_state, save_checkpoint, set_rng_state,
+    has_checkpoint, latest_pointer, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
 )
-from glm5lab.console import say
+from glm5lab.console import is_main_process, say
 from glm5lab.environment import git_commit
 from glm5lab.io_utils import atomic_write_text
 from glm5lab.train import dist
 from glm5lab.train.batches import BatchStream, pack, unigram_loss
 from glm5lab.train.data import TrainingData, prepare_data
-from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, summary_fields
-from glm5lab.train.expert_parallel import check_ep, pop_ep_metrics
+from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, subset_windows, summary_fields
+from glm5lab.train.expert_parallel import pop_ep_metrics
 from glm5lab.train.extend import continue_position, extend_plan, record_extension
 from glm5lab.train.losses import stage_losses
+from glm5lab.train.plan import check_run
 from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
-from glm5lab.train.resume import ep_note, first_complete, rescale_stages, resume_checkpoint, started_world_size
-from glm5lab.train.run_lock import hold_run_folder
+from glm5lab.train.resume import first_complete, resume_checkpoint
+from glm5lab.train.run_lock import hold_run_folder, refuse_if_held
 from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
-from glm5lab.validate import finite
+from glm5lab.validate import finite, int_at_least
 
 
 @dataclass
@@ -74,7 +75,9 @@ class TrainArgs:
     grad_clip: float | None = None
     bias_update_rate: float | None = None
     eval_every: int | None = None
-    eval_batches: int | None = None
+    eval_tokens: int | None = None
+    """Targets the periodic validation scores (`--eval-tokens`; recipe [evaluation] eval_tokens): the first
+    ceil(eval_tokens / seq_len) held-out windows, whatever the batch size, accumulation or process count."""
     checkpoint_every: int | None = None
     progress: bool = True
     compile: bool = False
@@ -128,13 +131,10 @@ def resolve_stages(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> li
 
 
 def model_config(args: TrainArgs) -> ModelConfig:
-    """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset.
-    Raises ConfigError (unknown field or preset, bad value) and ValueError when the model cannot
-    fit in this machine's memory (`_check_fits`), before anything is allocated."""
+    """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset. Raises ConfigError
+    (unknown field or preset, bad value). Whether it fits this machine's memory is `train`'s check (`_check_fits`)."""
     source = args.init or args.config
-    cfg = ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset or "small")
-    _check_fits(cfg, dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return cfg
+    return ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset or "small")
 
 
 def build_model(args: TrainArgs, cfg: ModelConfig | None = None) -> GLM5ForCausalLM:
@@ -189,45 +189,37 @@ class MetricsLog:
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns the summary dict also written to `summary.json`.
 
-    Everything that can be refused is checked before the run writes into its folder (arguments, model, stage
-    lengths, data), and the folder the run lock made is removed again, so a failed start leaves no folder behind.
-    The run holds its folder while it runs (`glm5lab.train.run_lock`: every rank, released when a process dies).
-    Raises RunFolderInUse (a ValueError naming the run that holds --out), ValueError (bad arguments, data too
-    short for a stage, a resume with another plan), FileExistsError (--out holds a run and --resume was not
-    given), ResumeError (no checkpoint verifies), TrainingDiverged (`glm5lab.train.step`)."""
-    args = with_recipe(args)
-    _check_args(args)
-    if args.init:
-        args.init = _init_folder(Path(args.init))
+    Everything that can be refused is checked before the run writes into its folder: first whether another run
+    holds the folder (`glm5lab.train.run_lock`), then what needs neither weights nor text
+    (`glm5lab.train.plan.check_run`, which `--dry-run` runs too), then this machine's memory (`_check_fits`) and the
+    data; the run holds its folder while it runs (every rank; released when a process dies), and a start that fails
+    removes the folder the lock made, so it leaves no folder behind. Raises RunFolderInUse (a ValueError naming the
+    run that holds --out), ValueError (bad arguments, data too short for a stage, a resume with another plan),
+    FileExistsError (--out holds a run and --resume was not given), ResumeError (no checkpoint verifies),
+    TrainingDiverged (`glm5lab.train.step`)."""
+    refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
+    plan = check_run(args, dist.world_size(), probe=is_main_process())
+    args = plan.args
+    _check_fits(plan.cfg, dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     ctx = dist.setup()
     run_dir = Path(args.out)
     with dist.session(ctx), hold_run_folder(run_dir, ctx, create=not args.resume):  # one run at a time in a folder
-        return _train(args, ctx, run_dir)
+        return _train(args, plan, ctx, run_dir)
 
 
-def _train(args: TrainArgs, ctx, run_dir: Path) -> dict:
+def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     """`train` once this run holds its folder (`hold_run_folder`), inside the process group's `dist.session`."""
-    _check_run_dir(run_dir, args.resume, probe=ctx.is_main)
-    cfg = model_config(args)
-    check_ep(args.ep, ctx.world_size, cfg)
-    stages = resolve_stages(args, cfg, ctx.world_size)
+    cfg, stages, extended = plan.cfg, plan.stages, plan.extended
     say = _notice if ctx.is_main else lambda message: None
-    check_stage_lengths(stages, cfg, warn=say)
-    extended = 0
-    if args.resume:
-        resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
-        started = started_world_size(run_dir)  # the plan is compared as the run resolved it, then rescaled
-        planned = stages if started == ctx.world_size else resolve_stages(args, cfg, started)
-        planned, extended = _check_same_plan(run_dir, args, planned, cfg)
-        _check_not_finished(run_dir, extended)
-        stages, note = rescale_stages(planned, started, ctx.world_size)  # the same global batch
-        for line in (note, ep_note(run_dir, args.ep)):  # nothing of the layout changes silently
-            if line:
-                say(line)
+    for line in plan.notices:  # nothing changes silently
+        say(line)
     model, record = (build_model(args, cfg), None) if ctx.world_size == 1 else dist.build_meta(cfg, args.seed)
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
-    data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint)
+    data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint,
+                        say=say)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
+    if args.eval_every:
+        check_eval_subset(data, stages, args.eval_tokens, warn=say)
     _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
     if record is not None:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
@@ -359,9 +351,23 @@ def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1
                              "or a smaller --seq-len")
 
 
-def _check_args(args: TrainArgs) -> None:
+def check_eval_subset(data: TrainingData, stages: list[Stage], eval_tokens: int, warn) -> None:
+    """`warn(message)` once when a stage's periodic validation asks for more windows (`subset_windows`) than the
+    held-out split holds: it then scores every window, fewer targets than eval_tokens."""
+    for stage in stages:
+        have, want = len(data.val_tokens) // (stage.seq_len + 1), subset_windows(eval_tokens, stage.seq_len)
+        if have < want:
+            warn(f"the held-out split holds {have} windows of --seq-len {stage.seq_len} + 1 ({have * stage.seq_len:,} "
+                 f"targets), fewer than eval_tokens {eval_tokens:,} asks for ({want} windows): the periodic "
+                 f"validation of stage {stage.name!r} scores all {have}")
+            return
+
+
+def _check_args(args: TrainArgs, world_size: int) -> None:
+    """The flags' own checks (`world_size`: the run's process count, torchrun's or --dry-run's --nproc)."""
     for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
         finite(f"--{name.replace('_', '-')}", getattr(args, name))
+    int_at_least("--eval-tokens", args.eval_tokens, 1)
     if args.data is not None:
         data, out = Path(args.data).resolve(), Path(args.out).resolve()
         if out == data or data in out.parents:
@@ -370,8 +376,8 @@ def _check_args(args: TrainArgs) -> None:
                              "outside it")
     if args.stages and len(set(args.stages)) != len(args.stages):
         raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
-    if args.compile and args.activation_checkpointing and dist.world_size() > 1:
-        raise ValueError(f"--compile with --activation-checkpointing is not supported with {dist.world_size()} "
+    if args.compile and args.activation_checkpointing and world_size > 1:
+        raise ValueError(f"--compile with --activation-checkpointing is not supported with {world_size} "
                          "processes (torchrun): the backward's recomputation of a compiled block can meet another "
                          "graph than its forward ran; use one of the two (docs/scaling.md)")
     if args.tensorboard:
@@ -558,10 +564,11 @@ class _Loop:
             self.checkpoint(done.index, i + 1, stage)
 
     def validate(self, stage: Stage):
-        """The periodic validation: the first eval_batches batches of held-out windows (a subset;
-        `finish` scores the whole split with the same definition, `Evaluation.loss`)."""
+        """The periodic validation: the held-out windows of the first eval_tokens targets (a subset fixed by
+        tokens, the same for any batch layout: `subset_windows`; `finish` scores the whole split with the same
+        definition, `Evaluation.loss`)."""
         val = pack(self.data.val_tokens, stage.seq_len)
-        return evaluate_nll(self.shard, val, stage, self.args.eval_batches, self.ctx.world_size)
+        return evaluate_nll(self.shard, val, stage, subset_windows(self.args.eval_tokens, stage.seq_len))
 
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:

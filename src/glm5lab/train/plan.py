@@ -1,41 +1,149 @@
-"""`glm5lab train --dry-run`: a run's resolved plan in words, without building the model or reading data.
+"""A run's plan: `check_run`, every refusal of `glm5lab train` before its first step that needs neither the
+model's weights nor the corpus text (the run and `--dry-run` both call it, so they cannot drift apart), and
+`dry_run`, that plan in words (`glm5lab train --dry-run`).
 
 Per stage: steps, global batch (sequences and tokens per optimizer step), tokens, what trains and with which
-losses, the lr curve (start, after warm-up, end, and points between); the run's optimizer and cadence; memory
-per process from the ledger (`glm5lab.deployment.deployment(..., mode="train")`: weights, gradients, master
-weights and optimizer state, FSDP over every process; activations are not counted).
+losses, the lr curve (start, after warm-up, end, and points between, by the stage's schedule); the run's
+optimizer and cadence; memory per process from the ledger (`glm5lab.deployment.deployment(..., mode="train")`:
+weights, gradients, master weights and optimizer state, FSDP over every process; activations are not counted);
+what a dry run does not check (`NOT_CHECKED`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 from glm5lab.train.stages import Stage
 
 LR_POINTS = 5
-"""lr values printed per stage, at evenly spaced steps (besides start, warm-up end and end)."""
+"""lr values printed per stage, at evenly spaced steps (besides start, warm-up end, a WSD decay's start, and end)."""
+NOT_CHECKED = ("not checked by a dry run (the run checks them when it gets there): this machine's memory (a dry run "
+               "plans for other machines), a text corpus (its files, its size against each stage's batch, its "
+               "tokenizer: only a token folder's counts are checked here), the contents of checkpoint files "
+               "(--init's weights, --resume's state)")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What `check_run` resolved. args: the `TrainArgs` with the recipe applied (`with_recipe`) and --init's folder
+    resolved; cfg: the model config; stages: the stages to train (on --resume: the run's own, extended and rescaled
+    to this process count); extended: the steps a --resume adds (0 otherwise); notices: lines to say before the run
+    (a stage whose DSA keeps every key, a resume at another process count or --ep, an optimizer with nothing to
+    split)."""
+
+    args: object
+    cfg: object
+    stages: list[Stage]
+    extended: int
+    notices: list[str]
+
+
+def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
+    """Check a run of `args` (a `TrainArgs`) at `world_size` processes as `glm5lab train` does before its first
+    step, everything that needs neither the model's weights nor the corpus text, in the run's order:
+      1. the recipe (`with_recipe`: keys, values, schedules, stage order, optimizer name) and the flags
+         (`_check_args`: numbers, --out inside --data, --stages, --compile with --activation-checkpointing under
+         torchrun, --tensorboard installed); --init's folder;
+      2. --out: a file, one holding a run without --resume, one that cannot be created (`_check_run_dir`; with
+         `probe`, created and removed again: the main rank only);
+      3. the model config (a preset, config.json or --init's), --ep (`check_ep`), the stages (`resolve_stages`:
+         --seq-len, --batch-size, --grad-accum, --steps, --stages, --lr) and their lengths (`check_stage_lengths`);
+      4. --resume: a checkpoint to continue, the plan against the run's config.json and run.json (more steps
+         extend it), a finished run not extended, the global batch at this process count (`rescale_stages`);
+      5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
+      6. --data: a path that exists; a token folder's index, tokenizer and token counts against every stage's
+         global batch (`token_folder_data`, `check_data_fits`).
+    The run checks the rest when it reaches it (`NOT_CHECKED`): this machine's memory, a text corpus, checkpoint
+    contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
+    ResumeError), FileExistsError, FileNotFoundError."""
+    from glm5lab.checkpoint import resume_candidates
+    from glm5lab.train import loop
+    from glm5lab.train.expert_parallel import check_ep
+    from glm5lab.train.resume import ep_note, first_complete, rescale_stages, started_world_size
+
+    args = loop.with_recipe(args)
+    loop._check_args(args, world_size)
+    if args.init:
+        args = dataclasses.replace(args, init=loop._init_folder(Path(args.init)))
+    run_dir = Path(args.out)
+    loop._check_run_dir(run_dir, args.resume, probe=probe)
+    cfg = loop.model_config(args)
+    check_ep(args.ep, world_size, cfg)
+    stages = loop.resolve_stages(args, cfg, world_size)
+    notices = []
+    loop.check_stage_lengths(stages, cfg, warn=notices.append)
+    extended = 0
+    if args.resume:
+        resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
+        started = started_world_size(run_dir)  # the plan is compared as the run resolved it, then rescaled
+        planned = stages if started == world_size else loop.resolve_stages(args, cfg, started)
+        planned, extended = loop._check_same_plan(run_dir, args, planned, cfg)
+        loop._check_not_finished(run_dir, extended)
+        stages, note = rescale_stages(planned, started, world_size)  # the same global batch
+        notices += [line for line in (note, ep_note(run_dir, args.ep)) if line]  # nothing changes silently
+    notices += [line for line in [_optimizer_notice(cfg, args.optimizer)] if line]
+    checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
+    _check_data(args, cfg, stages, world_size, checkpoint)
+    return RunPlan(args, cfg, stages, extended, notices)
+
+
+def _optimizer_notice(cfg, optimizer: str) -> str | None:
+    """`split_notice` over the model of `cfg` built on the meta device (shapes only; the CPU RNG is left as it was):
+    the optimizer's group table is checked as `build_optimizer` checks it."""
+    import torch
+
+    from glm5lab import GLM5ForCausalLM
+    from glm5lab.optim.groups import split_notice
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = GLM5ForCausalLM(cfg)
+    return split_notice(model, optimizer)
+
+
+def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None) -> None:
+    """--data: the run's own refusal when the path does not exist (`iter_documents`, reached before it reads
+    anything); for a token folder, its index, shards' sizes and tokenizer (`token_folder_data`: nothing is loaded)
+    and its token counts against each stage's global batch (`check_data_fits`)."""
+    from glm5lab.train.data import token_folder_data
+    from glm5lab.train.loop import check_data_fits
+    from glm5lab.train.shards import is_token_folder
+    from glm5lab.train.sources import iter_documents
+
+    if args.data is None:
+        return
+    if not Path(args.data).exists():
+        next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError
+    if is_token_folder(args.data):
+        data = token_folder_data(cfg.vocab_size, args.data, tokenizer=args.tokenizer, checkpoint=checkpoint)
+        check_data_fits(data, stages, world_size)
 
 
 def dry_run(args, nproc: int | None = None) -> str:
-    """The plan of `args` (a `TrainArgs`) for `nproc` processes (default $WORLD_SIZE, else 1) as text. Only the
-    model config is read (a preset, a config.json or --init's), no weights and no data. Raises ValueError (a bad
-    recipe or flag, a layout the ledger refuses: `check_layout`)."""
-    from glm5lab.config import ModelConfig
+    """The plan of `args` (a `TrainArgs`) for `nproc` processes (default $WORLD_SIZE, else 1) as text, after
+    `check_run`: a dry run refuses what the run would refuse before its first step, with the same line, but for
+    what `NOT_CHECKED` names (said in its last line). No weights are built (the model only on the meta device)
+    and no text is read. Raises as `check_run`, and ValueError for a layout the ledger refuses (`check_layout`)."""
     from glm5lab.deployment import deployment
-    from glm5lab.train.loop import resolve_stages, with_recipe
     from glm5lab.validate import int_at_least
 
-    args = with_recipe(args)
     world = int_at_least("--nproc", nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1")), 1)
+    plan = check_run(args, world)
+    args, cfg, stages = plan.args, plan.cfg, plan.stages
     source = args.init or args.config
-    cfg = ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset)
-    stages = resolve_stages(args, cfg, world)
     d = deployment(cfg, gpus=world, ep=args.ep, mode="train", dtype="bf16" if world > 1 else "fp32")
     lines = [f"plan of `glm5lab train` (recipe {args.recipe or 'small'}; model {source or args.preset}) for "
-             f"{world} process{'es' * (world > 1)}, ep {args.ep}; nothing is built or read",
+             f"{world} process{'es' * (world > 1)}, ep {args.ep}: checked as the run checks it before its first "
+             "step; no weights are built and no text is read",
+             *(f"notice: {line}" for line in plan.notices),
              f"optimizer {args.optimizer} (weight decay {args.weight_decay}, grad clip {args.grad_clip}, router bias "
-             f"rate {args.bias_update_rate}); validation every {args.eval_every} steps ({args.eval_batches} batches) "
-             f"and at stage ends; checkpoint every {args.checkpoint_every} steps and at stage ends"]
+             f"rate {args.bias_update_rate}); validation every {args.eval_every} steps (the first "
+             f"{args.eval_tokens:,} held-out targets) and at stage ends; checkpoint every {args.checkpoint_every} steps and at stage ends"]
+    if plan.extended:
+        lines.append(f"--resume extends the run in {args.out} by {plan.extended} steps (its last stage grows; the "
+                     "steps it trained keep their lr)")
     step = 0
     for stage in stages:
         lines += stage_lines(stage, world, first_step=step + 1)
@@ -47,6 +155,7 @@ def dry_run(args, nproc: int | None = None) -> str:
                  f"--mode train`): {_gib(b['total'])} = weights {_gib(b['weights'])} + gradients "
                  f"{_gib(b['gradients'])} + master weights {_gib(b['master_weights'])} + optimizer state "
                  f"{_gib(b['optimizer_state'])}; activations not counted")
+    lines.append(NOT_CHECKED)
     return "\n".join(lines)
 
 
@@ -56,22 +165,47 @@ def stage_tokens(stage: Stage, world: int) -> int:
 
 
 def stage_lines(stage: Stage, world: int, first_step: int) -> list[str]:
-    """A stage's lines of the plan: size, objective, lr curve."""
+    """A stage's lines of the plan: size, objective, lr curve (`lr_points` and `schedule_text`)."""
     from glm5lab.train.loop import objective_name
 
     sequences = stage.batch_size * stage.grad_accum * world
     n = stage.steps
-    points = sorted({0, stage.warmup_steps, n - 1, *(round(k * (n - 1) / (LR_POINTS - 1)) for k in range(LR_POINTS))})
-    curve = ", ".join(f"{i + 1}: {stage.lr_at(i):.3g}" for i in points)
+    curve = ", ".join(f"{i + 1}: {stage.lr_at(i):.3g}" for i in lr_points(stage))
     return [f"stage {stage.name}: steps {first_step:,}-{first_step + n - 1:,} ({n:,}), global batch {sequences:,} "
             f"sequences = {stage.batch_size} per micro-batch x {stage.grad_accum} micro-batches x {world} "
             f"process{'es' * (world > 1)} of {stage.seq_len:,} tokens ({sequences * stage.seq_len:,} tokens a step), "
             f"{stage_tokens(stage, world):,} tokens",
             f"  trains {stage.trainable}, dsa {'on' if stage.use_dsa else 'off'}, loss {objective_name(stage)} "
             f"(lm {stage.lm_weight}, mtp {list(stage.mtp_weights)}, indexer {stage.indexer_weight})",
-            f"  lr (stage step: lr): {curve}  [warm-up {stage.warmup_steps} steps, "
-            f"{'constant' if stage.lr_end is None else f'linear to {stage.lr_end:.3g}'}"
-            f"{'' if stage.decay_steps is None else f' by step {stage.decay_steps}, then held'}]"]
+            f"  lr (stage step: lr): {curve}  [{schedule_text(stage)}]"]
+
+
+def lr_points(stage: Stage) -> list[int]:
+    """The 0-based steps whose lr the plan shows: the first, the first after the warm-up, LR_POINTS evenly spaced,
+    a WSD stage's last stable step and first decay step, and the last."""
+    n = stage.steps
+    points = {0, stage.warmup_steps, n - 1, *(round(k * (n - 1) / (LR_POINTS - 1)) for k in range(LR_POINTS))}
+    if stage.schedule == "wsd":
+        start = (stage.decay_steps or n) - stage.wsd_decay_steps  # the first step of the decay
+        points |= {start - 1, start}
+    return sorted(i for i in points if 0 <= i < n)
+
+
+def schedule_text(stage: Stage) -> str:
+    """The lr schedule in words, e.g. "warm-up 10 steps, linear to 0.0003", "warm-up 0 steps, stable to step 80,
+    then linear to 1e-05 over steps 81-100 (wsd, decay_ratio 0.2)", with ", then held" when decay_steps ends it
+    before the stage does."""
+    text = f"warm-up {stage.warmup_steps} steps, "
+    if stage.lr_end is None:
+        return text + "constant"
+    horizon = stage.decay_steps or stage.steps
+    if stage.schedule == "wsd":
+        start = horizon - stage.wsd_decay_steps + 1  # 1-based first step of the decay
+        text += (f"stable to step {start - 1}, then linear to {stage.lr_end:.3g} over steps {start}-{horizon} "
+                 f"(wsd, decay_ratio {stage.decay_ratio:g})")
+    else:
+        text += f"{stage.schedule} to {stage.lr_end:.3g}"
+    return text + ("" if stage.decay_steps is None else f" by step {stage.decay_steps}, then held")
 
 
 def _gib(nbytes: int) -> str:

@@ -3,7 +3,8 @@
 drawn as dotted lines with the stage names, and the labels of the two validation figures.
 
 Two validation figures exist (issue 16): the periodic `val_loss` of metrics.jsonl is the mean target CE over a
-fixed SUBSET of the held-out split (the first `eval_batches` batches of windows; `val_tokens` targets);
+fixed SUBSET of the held-out split (the windows of its first `eval_tokens` targets; `val_tokens` targets; runs from
+before issue 36: the first `eval_batches` batches of windows);
 summary.json's `val_loss` is the final model over the WHOLE split. They differ because they score different text,
 so every plot labels the curve as the subset and draws the whole-split figure as its own marker at the last step.
 """

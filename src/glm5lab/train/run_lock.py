@@ -4,12 +4,13 @@ one line naming the holder, instead of two runs interleaving one metrics.jsonl a
 
 The lock is `fcntl.flock` on the file: the kernel drops it when its holder exits in any way (SIGKILL included), so a
 crashed run never leaves its folder locked; what the file holds (pid, host, command, start time, process count) only
-names the holder. Every process of a run holds it, so a folder stays held while any rank of its run is alive: the main
-rank takes it exclusively (no process of any run holds it), writes itself into it and turns it into a shared lock,
-then the other ranks take it shared. A start needs the exclusive lock, so it is refused while any process of another
-run holds the file. flock is per open file, also between two opens in one process; on NFS Linux emulates it with
-byte-range locks, which reach every host. The other ranks find the file on a folder every rank sees (as the sharded
-checkpoints need); on a folder local to each host only the main rank's host is locked.
+names the holder. A start first calls `refuse_if_held` (before its checks read the folder), then `hold_run_folder`
+once its process group is set up. Every process of a run holds the file, so a folder stays held while any rank of
+its run is alive: the main rank takes it exclusively (no process of any run holds it), writes itself into it and
+turns it into a shared lock, then the other ranks take it shared. A start needs the exclusive lock, so it is refused
+while any process of another run holds the file. flock is per open file, also between two opens in one process; on
+NFS Linux emulates it with byte-range locks, which reach every host. The other ranks find the file on a folder every
+rank sees (as the sharded checkpoints need); on a folder local to each host only the main rank's host is locked.
 
 When the run ends, however it ends (done, a refusal, an error, Ctrl-C), the main rank removes the lock file and the
 folders made for it when they are left empty: a failed start still leaves no folder behind. A killed run leaves the
@@ -64,6 +65,23 @@ def hold_run_folder(run_dir: Path, ctx, *, create: bool = True):
             lock.release()
 
 
+def refuse_if_held(run_dir: Path) -> None:
+    """Raise RunFolderInUse, naming the holder, when another run holds `run_dir`; change nothing. A start calls it
+    before any of its checks reads the folder, so a second start into a folder a run trains in is told so, rather
+    than what that folder's run.json or checkpoints would make it refuse; `hold_run_folder` then takes the lock (a
+    start between the two is refused there)."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file: no run holds the folder
+        return
+    try:
+        if not _exclusive(fd):
+            raise RunFolderInUse(_refusal(path))
+    finally:
+        os.close(fd)  # drops the exclusive lock this probe took
+
+
 class _Lock:
     """The main rank's side of `hold_run_folder`: the lock file's descriptor and what taking it created."""
 
@@ -86,12 +104,10 @@ class _Lock:
             except OSError:  # --out is a file, or a folder this process cannot write to: the run's checks refuse it
                 return
             self.made = missing or self.made
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _exclusive(fd):
                 os.close(fd)
                 self.made = []
-                raise RunFolderInUse(_refusal(self.path)) from None
+                raise RunFolderInUse(_refusal(self.path))
             if _same_file(fd, self.path):
                 self.fd = fd
             else:  # removed by the run that held it while this process waited: lock the file there now
@@ -119,6 +135,20 @@ class _Lock:
                 break
         os.close(self.fd)
         self.fd = None
+
+
+def _exclusive(fd: int, tries: int = 10, wait_s: float = 0.1) -> bool:
+    """Whether flock(LOCK_EX) on `fd` succeeds within about a second: a run holds the file for as long as it runs,
+    while another start's probe (`refuse_if_held`) or the main rank's turn from exclusive to shared holds it for
+    microseconds, which must not refuse a start."""
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if i + 1 < tries:
+                time.sleep(wait_s)
+    return False
 
 
 def _same_file(fd: int, path: Path) -> bool:

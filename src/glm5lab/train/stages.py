@@ -11,18 +11,22 @@ GLM-5 (report, DSA section) adapts a dense model late in mid-training in two sta
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-from glm5lab.validate import int_at_least, one_of
+from glm5lab.validate import int_at_least, one_of, refuse
 
 TRAINABLE = ("all", "indexer")
+SCHEDULES = ("linear", "cosine", "wsd")
+"""How a stage's lr goes from `lr` to `lr_end` after its warm-up (`Stage.lr_at`)."""
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One training phase. lr: peak; lr_end: value reached linearly at the last step (None =
-    constant after warm-up); warmup_steps: linear ramp from 0. Loss = lm_weight * CE +
-    sum_j mtp_weights[j-1] * CE_depth_j + indexer_weight * indexer KL (mean over indexer layers)."""
+    """One training phase. lr: peak; lr_end: value reached at the last step by `schedule` (None = constant after
+    warm-up, linear schedule only); warmup_steps: linear ramp from 0. Loss = lm_weight * CE +
+    sum_j mtp_weights[j-1] * CE_depth_j + indexer_weight * indexer KL (mean over indexer layers).
+    Raises ValueError (one line naming the stage, the field, the value and what is allowed)."""
 
     name: str
     steps: int
@@ -39,9 +43,18 @@ class Stage:
     grad_accum: int = 1
     """Micro-batches of `batch_size` sequences per optimizer step and process (gradient accumulation)."""
     decay_steps: int | None = None
-    """Steps over which lr goes linearly to lr_end (from the stage's start, warm-up included); later steps hold
+    """The step count H by whose end lr reaches lr_end (from the stage's start, warm-up included); later steps hold
     lr_end. None: the stage's `steps`. A run extended past its plan (`--resume` with more steps) sets it to the
-    stage's former length, so the steps already trained keep their lr."""
+    stage's former length, so the steps already trained keep their lr (whatever the schedule)."""
+    schedule: str = "linear"
+    """One of SCHEDULES (`lr_at` has the formulas): "linear" from lr to lr_end; "cosine", half a cosine period
+    from lr to lr_end (torchtitan's decay_type "cosine", HF's get_cosine_schedule_with_warmup with a floor);
+    "wsd", warmup-stable-decay: lr held, then linear to lr_end over the last `decay_ratio` of the H steps.
+    "cosine" and "wsd" need lr_end."""
+    decay_ratio: float | None = None
+    """"wsd" only (and required there): the fraction of the H steps that decay (torchtitan's
+    lr_scheduler.decay_ratio): the last D = max(1, round(decay_ratio x H)) steps, which must fit after the
+    warm-up (D <= H - warmup_steps)."""
 
     def __post_init__(self):
         for name in ("steps", "seq_len", "batch_size", "grad_accum"):
@@ -53,19 +66,47 @@ class Stage:
             int_at_least(f"stage {self.name!r}: `decay_steps`", self.decay_steps, 1)
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"stage {self.name!r}: `warmup_steps` = {self.warmup_steps} is not allowed: 0..steps-1")
+        check_schedule(lambda key: f"stage {self.name!r}: `{key}`", self.schedule, self.lr_end, self.decay_ratio)
+        if self.schedule == "wsd":
+            h, d = self.decay_steps or self.steps, self.wsd_decay_steps
+            if d > h - self.warmup_steps:
+                refuse(f"stage {self.name!r}: `decay_ratio`", self.decay_ratio,
+                       f"at most {(h - self.warmup_steps) / h:.3g} here: its decay of max(1, round("
+                       f"{self.decay_ratio:g} x {h})) = {d} steps must fit after the warm-up of {self.warmup_steps} "
+                       f"steps (of {h})")
 
     @property
     def mtp_depth(self) -> int:
         return len(self.mtp_weights)
 
+    @property
+    def wsd_decay_steps(self) -> int | None:
+        """D, the steps of a "wsd" stage's decay: max(1, round(decay_ratio x H)), H = decay_steps or steps; None
+        for the other schedules."""
+        if self.schedule != "wsd":
+            return None
+        return max(1, round(self.decay_ratio * (self.decay_steps or self.steps)))
+
     def lr_at(self, i: int) -> float:
-        """Learning rate at step i (0-based) of this stage: linear warm-up from 0 to lr over warmup_steps, then
-        constant (lr_end None) or linear to lr_end at step decay_steps - 1 (default steps - 1), lr_end after."""
+        """Learning rate at step i (0-based) of this stage. W = warmup_steps, H = decay_steps or steps:
+        i < W: the warm-up, lr * (i + 1) / W. Then, lr_end None: lr. Else, with S = max(H - 1 - W, 1) and
+        k = min(i - W, S) (lr_end from step H - 1 on):
+          linear  lr + (lr_end - lr) * k / S
+          cosine  lr_end + (lr - lr_end) * (1 + cos(pi * k / S)) / 2
+          wsd     lr until step H - D - 1, then lr + (lr_end - lr) * k' / D with k' = min(i - (H - D - 1), D):
+                  each of the last D steps below lr, the last at lr_end (D: `wsd_decay_steps`)."""
         if i < self.warmup_steps:
             return self.lr * (i + 1) / self.warmup_steps
         if self.lr_end is None:
             return self.lr
-        span = max((self.decay_steps or self.steps) - 1 - self.warmup_steps, 1)
+        horizon = self.decay_steps or self.steps
+        if self.schedule == "wsd":
+            d = self.wsd_decay_steps
+            return self.lr + (self.lr_end - self.lr) * min(max(i - (horizon - d - 1), 0), d) / d
+        span = max(horizon - 1 - self.warmup_steps, 1)
+        if self.schedule == "cosine":
+            k = min(i - self.warmup_steps, span)
+            return self.lr_end + (self.lr - self.lr_end) * (1 + math.cos(math.pi * k / span)) / 2
         return self.lr + (self.lr_end - self.lr) * min(i - self.warmup_steps, span) / span
 
     def to_dict(self) -> dict:
@@ -76,6 +117,25 @@ class Stage:
         d = dict(d)
         d["mtp_weights"] = tuple(d.get("mtp_weights", ()))
         return cls(**d)
+
+
+def check_schedule(key, schedule, lr_end, decay_ratio) -> None:
+    """Refuse schedule keys no run can mean: a schedule not in SCHEDULES, "cosine" or "wsd" without lr_end,
+    "wsd" without decay_ratio, a decay_ratio beside another schedule or outside (0, 1]. key(name): how the
+    caller names a field in the message (a Stage: "stage 'x': `name`"; a recipe: "recipe F: stages[0].name"), so
+    a Stage and a recipe file refuse by one rule. Raises ValueError (`glm5lab.validate.refuse`'s form)."""
+    one_of(key("schedule"), schedule, SCHEDULES)
+    if schedule != "linear" and lr_end is None:
+        refuse(key("lr_end"), lr_end, f"a number >= 0 with schedule = {schedule!r}: the lr it decays to (only the "
+               "linear schedule may omit lr_end, for a constant lr after the warm-up)")
+    if schedule == "wsd" and decay_ratio is None:
+        refuse(key("decay_ratio"), decay_ratio, "a number in (0, 1] with schedule = 'wsd': the fraction of the "
+               "stage's steps that decay (e.g. 0.2: the last fifth)")
+    if schedule != "wsd" and decay_ratio is not None:
+        refuse(key("decay_ratio"), decay_ratio, f"only with schedule = 'wsd' (this stage's is {schedule!r})")
+    if decay_ratio is not None and (isinstance(decay_ratio, bool) or not isinstance(decay_ratio, (int, float))
+                                    or not 0 < decay_ratio <= 1):
+        refuse(key("decay_ratio"), decay_ratio, "a number in (0, 1]: the fraction of the stage's steps that decay")
 
 
 def default_stages(*, seq_len: int = 256, batch_size: int = 8, quick: bool = False, mtp_depth: int = 3,

@@ -1,14 +1,19 @@
 """`glm5lab tokenize DATA --out DIR`: a corpus to a token folder (`glm5lab.train.shards`), streamed.
 
-Documents are read (`glm5lab.train.sources.iter_documents`), encoded a batch at a time and appended to the
-open shard of their split, so memory does not grow with the corpus. The split is `split_documents`'s, by
+Documents are read (`glm5lab.train.sources.open_corpus`; a text file in chunks, never whole), cut into pieces
+of at most `PIECE_CHARS` characters where the tokenizer's own pre-tokens end (`glm5lab.train.pieces`: the same
+tokens as encoding the document whole), encoded a batch of pieces at a time and appended to the open shard of
+their split, so memory grows neither with the corpus nor with its largest document. A tokenizer whose boundaries
+`Cutter` does not know (`Cutter.of` says why, in one line once a document is longer than a piece) has its
+documents encoded whole. The split is `split_documents`'s, by
 document (score = SHA-256 of `seed:name` < val_fraction), decided per document while streaming; its
 fallbacks need the whole corpus seen (no validation document: the lowest-score one moves to validation; no
 training document: the highest-score one moves back; one document: its text is cut at a paragraph
-boundary), so a pass that ends in one of them is run again with that assignment fixed (only tiny corpora).
+boundary), so a pass that ends in one of them is run again with that assignment fixed (only tiny corpora; a
+corpus of text files, named without reading them, is settled first, so one long file is encoded once).
 Each split's stream is `encode_documents(tokenizer, docs)` of its documents, in input order: the same
 tokens `glm5lab train --data DATA` builds in memory. Without `--tokenizer` the byte-level BPE is trained on
-the training split at `vocab_size` and cached as `prepare_data` does (`cached_tokenizer_streamed`).
+the training split at `vocab_size` and cached as `prepare_data` does (`cached_tokenizer_streamed`, fed pieces).
 
 Atomicity: a shard is written as `NAME.tmp` and renamed when full; `tokenizer.json` then `index.json` last,
 each atomically; a folder without `index.json` is not a token folder.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,15 +35,16 @@ import numpy as np
 import glm5lab
 from glm5lab.io_utils import atomic_write_text
 from glm5lab.tokenizer import cached_tokenizer_streamed, eot_id, load_tokenizer
-from glm5lab.train.corpus import Document, _score, _split_one, cache_root, fetch_default_corpus
+from glm5lab.train.corpus import _score, _split_one, cache_root, fetch_default_corpus
+from glm5lab.train.pieces import PIECE_CHARS, Cutter
 from glm5lab.train.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
                                   tokenizer_sha256)
-from glm5lab.train.sources import iter_documents
+from glm5lab.train.sources import TEXT_SUFFIXES, open_corpus
 from glm5lab.validate import int_at_least
 
 VAL_FRACTION = 0.05  # split_documents' default, the one `glm5lab train` uses
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens per shard: 200 MB of uint16
-BATCH_DOCS = 256  # documents per encode_batch_fast call (encode_documents' chunk)
+BATCH_DOCS = 256  # pieces (documents, or parts of a long one) per encode_batch_fast call
 BATCH_CHARS = 1 << 20  # ... or fewer, once their text passes 1 M characters (the batch's Encodings take ~100 B a token)
 _OWN_FILE = re.compile(r"^(index\.json|tokenizer\.json|(train|val)-\d{6}\.bin(\.tmp)?|\.(index|tokenizer)\.json\..+\.tmp)$")
 
@@ -52,12 +59,14 @@ class SplitAssigner:
     val_fraction: float = VAL_FRACTION
     moved: str | None = None  # the document a fallback moved across (None: none did)
     to_val: bool = True  # the direction of `moved`
-    single: Document | None = None  # the one document of a one-document corpus
+    single: object | None = None  # the one document (`Document` or `TextFile`) of a one-document corpus
     _seen: dict = field(default_factory=dict)
+    _parts: tuple | None = None  # `_split_one(single)`, found once (a long text file is read three times for it)
 
-    def sides(self, docs: Iterator[Document]) -> Iterator[tuple[Document, bool]]:
+    def sides(self, docs: Iterator) -> Iterator[tuple[object, bool]]:
         if self.single is not None:
-            (train,), (val,) = _split_one(self.single, self.val_fraction)
+            self._parts = self._parts or _split_one(self.single, self.val_fraction)
+            (train,), (val,) = self._parts
             yield train, False
             yield val, True
             return
@@ -99,7 +108,7 @@ class SplitAssigner:
                 "single": None if self.single is None else self.single.name}
 
 
-def settled(assigner: SplitAssigner, docs: Callable[[], Iterator[Document]], consume) -> None:
+def settled(assigner: SplitAssigner, docs: Callable[[], Iterator], consume) -> None:
     """Run `consume(assigner.sides(docs()))` until a pass needs no fallback (at most twice)."""
     consume(assigner.sides(docs()))
     if assigner.settle():
@@ -164,31 +173,38 @@ class ShardWriter:
 
 def tokenize_corpus(data, out, *, tokenizer=None, vocab_size: int, text_field: str = "text",
                     shard_size: int = DEFAULT_SHARD_SIZE, seed: int = 0, progress: bool = True) -> dict:
-    """Write the token folder of corpus `data` (a path as `iter_documents` reads; None: the default Shakespeare
+    """Write the token folder of corpus `data` (a path as `open_corpus` reads; None: the default Shakespeare
     corpus) into `out` (a new or empty folder, or one an interrupted run left without index.json) and return
     its index (also written to `out/index.json`). `tokenizer`: a tokenizer.json (or folder holding one); None:
     the byte-level BPE of `prepare_data`, trained on the training split at `vocab_size` and cached.
     Raises ValueError for a bad --shard-size, an --out that holds other files or a token folder already,
-    and as `iter_documents` / `split_documents` for bad input; FileNotFoundError for a missing DATA."""
+    and as `open_corpus` / `split_documents` for bad input; FileNotFoundError for a missing DATA."""
     int_at_least("--shard-size", shard_size, 1)
     source = Path(data) if data else fetch_default_corpus()
+    corpus = open_corpus(source, text_field)
     out = _prepare_out(Path(out))
-    docs = lambda: iter_documents(source, text_field)  # noqa: E731
+    docs = lambda: corpus.documents(lazy=True)  # noqa: E731
     assigner = SplitAssigner(seed)
     tok = load_tokenizer(Path(tokenizer)) if tokenizer else _trained_tokenizer(assigner, docs, vocab_size)
+    cutter, why = Cutter.of(tok)
     n_ids = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     dtype = dtype_for(n_ids)
     writers = {split: ShardWriter(out, split, dtype, shard_size) for split in SPLITS}
+    whole = _WholeNote(f"--tokenizer {tokenizer}", why)
 
     def write(pairs):
         for w in writers.values():
             w.abort()
-        _encode_into(tok, pairs, writers, progress)
+        _encode_into(tok, _pieces(pairs, cutter, whole), writers, progress)
 
+    if all(path.suffix.lower() in TEXT_SUFFIXES for path, _ in corpus.files):  # names alone: no file is read
+        settled(assigner, docs, lambda pairs: sum(1 for _ in pairs))  # so one long file is not encoded twice
     settled(assigner, docs, write)
+    encoding = (f"pieces of at most {PIECE_CHARS} characters, cut where the whole text's pre-tokens end "
+                "(glm5lab.train.pieces)" if cutter else f"whole documents ({why})")
     return finish_folder(out, tok, writers, split=assigner.record(), source=str(source), text_field=text_field,
                          tokenizer_source=str(tokenizer) if tokenizer else f"trained: byte-level BPE, vocab_size "
-                         f"{vocab_size}")
+                         f"{vocab_size}", encoding=encoding)
 
 
 def finish_folder(out: Path, tok, writers: dict, **meta) -> dict:
@@ -208,46 +224,74 @@ def finish_folder(out: Path, tok, writers: dict, **meta) -> dict:
 
 
 def _trained_tokenizer(assigner: SplitAssigner, docs, vocab_size: int):
-    """`cached_tokenizer` on the training split's texts, streamed (the split settled first)."""
+    """`cached_tokenizer` on the training split's documents, streamed (the split settled first)."""
     settled(assigner, docs, lambda pairs: sum(1 for _ in pairs))
-    texts = lambda: (d.text for d, is_val in assigner.sides(docs()) if not is_val)  # noqa: E731
-    return cached_tokenizer_streamed(texts, vocab_size, cache_root() / "tokenizers")
+    train_docs = lambda: (d for d, is_val in assigner.sides(docs()) if not is_val)  # noqa: E731
+    return cached_tokenizer_streamed(train_docs, vocab_size, cache_root() / "tokenizers")
 
 
-def _encode_into(tok, pairs, writers: dict, progress: bool) -> None:
-    """Encode (document, is_val) pairs a batch at a time and append each to its split's writer, `<|endoftext|>`
-    before every document but the first of its split (`encode_documents`' join)."""
+@dataclass
+class _WholeNote:
+    """Says once, on stderr, that documents are encoded whole (the tokenizer cannot be cut: `why`), when the
+    first document longer than a piece comes."""
+
+    tokenizer: str
+    why: str | None
+    said: bool = False
+
+    def text(self, doc) -> str:
+        text = doc.text
+        if len(text) > PIECE_CHARS and not self.said:
+            self.said = True
+            print(f"glm5lab tokenize: {self.tokenizer}: {self.why}, so each document is encoded whole: memory grows "
+                  f"with the largest document ({doc.name}: {len(text):,} characters); docs/data.md names the "
+                  "tokenizers read in pieces", file=sys.stderr, flush=True)
+        return text
+
+
+def _pieces(pairs, cutter: Cutter | None, whole: _WholeNote) -> Iterator[tuple[bool, bool, str]]:
+    """(is_val, whether it starts its document, text) of the pieces of (document, is_val) pairs, in order: a
+    document's `cutter.pieces` of its chunks, or its whole text when there is no cutter."""
+    for doc, is_val in pairs:
+        for k, piece in enumerate(cutter.pieces(doc.chunks()) if cutter else (whole.text(doc),)):
+            yield is_val, k == 0, piece
+
+
+def _encode_into(tok, pieces, writers: dict, progress: bool) -> None:
+    """Encode (is_val, starts a document, text) pieces a batch at a time and append each to its split's writer,
+    `<|endoftext|>` before every document but the first of its split (`encode_documents`' join)."""
     from tqdm import tqdm
 
     sep = np.array([eot_id(tok)], dtype=np.int64)
     bar = tqdm(unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True, desc="tokenize")
     start, chars = time.perf_counter(), 0
     try:
-        for batch in _batches(pairs):
-            encs = tok.encode_batch_fast([d.text for d, _ in batch], add_special_tokens=False)
+        for batch in _batches(pieces):
+            encs = tok.encode_batch_fast([text for _, _, text in batch], add_special_tokens=False)
             for split in SPLITS:
                 parts, w = [], writers[split]
-                for (doc, is_val), enc in zip(batch, encs):
+                for (is_val, first, _), enc in zip(batch, encs):
                     if is_val == (split == "val"):
-                        parts += [sep, np.asarray(enc.ids, dtype=np.int64)] if w.documents else [
-                            np.asarray(enc.ids, dtype=np.int64)]
-                        w.documents += 1
+                        if first:
+                            parts += [sep] if w.documents else []
+                            w.documents += 1
+                        parts.append(np.asarray(enc.ids, dtype=np.int64))
                 if parts:
                     ids = np.concatenate(parts)
                     w.append(ids)
                     bar.update(ids.size)
-            chars += sum(len(d.text) for d, _ in batch)
+            chars += sum(len(text) for _, _, text in batch)
             bar.set_postfix_str(f"{sum(w.documents for w in writers.values()):,} docs, "
                                 f"{chars / 1e6 / max(time.perf_counter() - start, 1e-9):.1f} M chars/s", refresh=False)
     finally:
         bar.close()
 
 
-def _batches(pairs) -> Iterator[list]:
+def _batches(pieces) -> Iterator[list]:
     batch, chars = [], 0
-    for pair in pairs:
-        batch.append(pair)
-        chars += len(pair[0].text)
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[2])
         if len(batch) == BATCH_DOCS or chars >= BATCH_CHARS:
             yield batch
             batch, chars = [], 0

@@ -1,0 +1,186 @@
+"""`glm5lab train --dry-run` checks what the run checks (`glm5lab.train.plan.check_run`, which both call): for each
+input a run refuses before its first step, the dry run raises the same error with the same line, and neither
+leaves a folder behind; what a dry run does not check is said in its last line. And the plan's text: notices,
+the lr table of every schedule."""
+
+import dataclasses
+import json
+
+import pytest
+
+from glm5lab import ModelConfig
+from glm5lab.cli import main
+from glm5lab.train.loop import TrainArgs, train
+from glm5lab.train.plan import NOT_CHECKED, check_run, dry_run
+from glm5lab.train.stages import Stage
+from tests.train.test_loop import corpus  # noqa: F401 (fixture)
+
+ADAM = """
+[optimizer]
+name = "adam"
+[defaults]
+seq_len = 24
+batch_size = 2
+[[stages]]
+name = "dense"
+steps = 2
+lr = 1e-3
+"""
+
+
+def _base(corpus, **kw) -> TrainArgs:
+    return TrainArgs(**{**dict(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(corpus / "run"),
+                               progress=False, quick=True, seq_len=24, batch_size=2, eval_every=0), **kw})
+
+
+def _config(corpus, name: str, **changes) -> str:
+    path = corpus / f"{name}.json"
+    path.write_text(json.dumps(ModelConfig.from_preset("tiny", vocab_size=320, **changes).to_hf()))
+    return str(path)
+
+
+def _held_run(corpus) -> str:
+    """A folder holding a run: a checkpoint folder, and the run.json / config.json of a run with seed 5."""
+    out = corpus / "held"
+    plan = check_run(_base(corpus, out=str(out)), 1)
+    (out / "checkpoints" / "step-000001").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step-000001\n")
+    (out / "config.json").write_text(json.dumps(plan.cfg.to_hf()))
+    info = {"args": {**dataclasses.asdict(plan.args), "seed": 5}, "stages": [s.to_dict() for s in plan.stages],
+            "world_size": 1}
+    (out / "run.json").write_text(json.dumps(info))
+    return str(out)
+
+
+def _token_folder(corpus) -> str:
+    from glm5lab.train.tokenize import tokenize_corpus
+
+    tokenize_corpus(corpus / "texts", corpus / "tokens", vocab_size=320, shard_size=1000, seed=0, progress=False)
+    return str(corpus / "tokens")
+
+
+# (id, the inputs as TrainArgs changes (a function of the corpus folder), processes, the line both raise)
+REFUSED = [
+    ("recipe-optimizer-adam", lambda c: {"recipe": _write(c, "adam.toml", ADAM)}, 1,
+     r"recipe .*adam.toml: \[optimizer\].name = 'adam' is not allowed: one of adamw, muon, muon-split, muon-split-kv"),
+    ("grad-accum-0", lambda c: {"grad_accum": 0}, 1, r"^--grad-accum = 0 is not allowed: an integer >= 1$"),
+    ("grad-accum-negative", lambda c: {"grad_accum": -2}, 1, r"^--grad-accum = -2 is not allowed"),
+    ("seq-len-0", lambda c: {"seq_len": 0}, 1, r"^--seq-len = 0 is not allowed: an integer >= 1$"),
+    ("lr-0", lambda c: {"lr": 0.0}, 1, r"^--lr = 0.0 is not allowed: a finite number > 0$"),
+    ("bias-rate", lambda c: {"bias_update_rate": -1.0}, 1, r"^--bias-update-rate = -1.0 is not allowed"),
+    ("ep-in-one-process", lambda c: {"ep": 2}, 1, r"^--ep = 2 is not allowed: 1 in one process"),
+    ("mtp-too-long-for-seq", lambda c: {"seq_len": 3}, 1, r"^--seq-len 3 is too short for stage 'dense'"),
+    ("unknown-stage", lambda c: {"stages": ["dense", "nope"]}, 1, r"^--stages: unknown stage\(s\) \['nope'\]"),
+    ("stage-order", lambda c: {"stages": ["sparse_adaptation", "indexer_warmup"]}, 1,
+     r"^--stages sparse_adaptation,indexer_warmup: indexer_warmup warms up the indexer"),
+    ("unknown-preset", lambda c: {"config": None, "preset": "nope"}, 1, r"unknown preset 'nope'"),
+    ("compile-with-ac-under-torchrun", lambda c: {"compile": True, "activation_checkpointing": True}, 2,
+     r"^--compile with --activation-checkpointing is not supported with 2 processes"),
+    ("muon-split-kv-zero-rows", lambda c: {"config": _config(c, "nope0", qk_nope_head_dim=0),
+                                           "optimizer": "muon-split-kv"}, 1,
+     r"optimizer 'muon-split-kv' cuts .*kv_b_proj.weight per head into sections of qk_nope_head_dim = 0"),
+    ("out-is-a-file", lambda c: {"out": _write(c, "file", "x")}, 1, r"--out .*file is a file, not a folder"),
+    ("out-inside-data", lambda c: {"out": str(c / "texts" / "run")}, 1, r"--out .*run is inside --data"),
+    ("out-holds-a-run", lambda c: {"out": _held_run(c)}, 1, r"held already holds a run: continue it with --resume"),
+    ("resume-with-another-seed", lambda c: {"out": _held_run(c), "resume": True}, 1,
+     r"^--resume: seed differs from the run in .*held \(see its run.json\)"),
+    ("resume-nothing", lambda c: {"resume": True}, 1, r"^--resume: .*run does not exist: there is nothing to resume"),
+    ("data-missing", lambda c: {"data": str(c / "nowhere")}, 1, r"^no corpus at .*nowhere"),
+    ("token-folder-too-small", lambda c: {"data": _token_folder(c), "batch_size": 400}, 1,
+     r"^--data .*tokens: its training split holds [\d,]+ tokens, \d+ windows of --seq-len 24 \+ 1; stage 'dense' "
+     r"needs a batch of 400 windows"),
+]
+
+
+def _write(corpus, name: str, text: str) -> str:
+    (corpus / name).write_text(text)
+    return str(corpus / name)
+
+
+@pytest.mark.parametrize("changes, world, message", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_the_dry_run_refuses_what_the_run_refuses_with_the_same_line(corpus, monkeypatch, changes, world, message):
+    args = _base(corpus, **changes(corpus))
+    before = sorted(p.name for p in corpus.iterdir())
+    with pytest.raises(Exception, match=message) as dry:
+        dry_run(args, nproc=world)
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # the run's process count is torchrun's
+    with pytest.raises(Exception, match=message) as run:
+        train(args)
+    assert type(run.value) is type(dry.value) and str(run.value) == str(dry.value)
+    assert sorted(p.name for p in corpus.iterdir()) == before  # no folder left behind by either
+
+
+def test_the_dry_run_says_what_it_does_not_check(corpus, capsys):
+    """A text corpus too short for the batch: the run refuses it when it reads it; the dry run plans and says that
+    it did not read the text (its last line, `NOT_CHECKED`), which docs/recipes.md repeats."""
+    short = corpus / "short.txt"
+    short.write_text("a few words only. " * 3)
+    args = _base(corpus, data=str(short))
+    text = dry_run(args)
+    assert text.splitlines()[-1] == NOT_CHECKED and "this machine's memory" in NOT_CHECKED
+    assert "a text corpus (its files, its size against each stage's batch, its tokenizer" in NOT_CHECKED
+    assert not (corpus / "run").exists()
+    with pytest.raises(ValueError, match=r"--data .*short.txt: its training split holds"):
+        train(args)
+
+
+def test_notices_are_said_by_both(corpus, capsys):
+    """A split optimizer on a model without MLA trains as plain Muon (issue 36, fault 5): one line, in the dry run's
+    plan and on the run's stderr; and the stage whose DSA keeps every key."""
+    gqa = _config(corpus, "gqa", attention_types=["gqa"] * 4, use_dsa=False, index_n_heads=0)
+    want = ("optimizer 'muon-split' splits MLA's up-projections (q_b_proj, kv_b_proj) per head, and this model has "
+            "none (attention_types ['gqa']): it trains exactly as 'muon'")
+    args = _base(corpus, config=gqa, stages=["dense"], steps=1, checkpoint_every=0)
+    assert f"notice: {want}" in dry_run(args).splitlines()
+    train(args)
+    assert f"glm5lab train: {want}\n" in capsys.readouterr().err
+    other = str(corpus / "other")
+    assert check_run(_base(corpus, optimizer="muon-split-kv", out=other), 1).notices == []  # MLA: nothing to say
+    (notice,) = check_run(_base(corpus, seq_len=8, out=other), 1).notices
+    assert "--seq-len 8 is not above the model's index_topk 8" in notice
+
+
+def test_the_cli_dry_run_is_one_error_line_like_the_run(corpus, capsys):
+    argv = ["train", "--config", str(corpus / "config.json"), "--data", str(corpus / "texts"), "--out",
+            str(corpus / "run"), "--grad-accum", "0", "--threads", "1", "--no-progress"]
+    assert main([*argv, "--dry-run"]) == 2
+    dry = capsys.readouterr().err
+    assert main(argv) == 2
+    assert capsys.readouterr().err == dry == "glm5lab train: error: --grad-accum = 0 is not allowed: an integer >= 1\n"
+
+
+SCHEDULES = """
+[defaults]
+seq_len = 24
+batch_size = 2
+[[stages]]
+name = "cos"
+steps = 11
+lr = 1e-3
+lr_end = 1e-4
+warmup_steps = 1
+schedule = "cosine"
+[[stages]]
+name = "wsd"
+steps = 10
+lr = 1e-3
+lr_end = 0.0
+schedule = "wsd"
+decay_ratio = 0.2
+"""
+
+
+def test_the_lr_table_shows_each_schedule(corpus):
+    args = _base(corpus, recipe=_write(corpus, "s.toml", SCHEDULES), quick=False, seq_len=None, batch_size=None)
+    lines = dry_run(args).splitlines()
+    cos = next(line for line in lines if line.startswith("  lr") and "cosine" in line)
+    # cosine from stage step 2 (lr 1e-3) to 11 (1e-4), 9 steps: step 3 is k = 1 of them, 1e-4 + 9e-4 (1 + cos(pi / 9))
+    # / 2 = 9.73e-4; step 6 (k = 4) 6.28e-4; step 9 (k = 7) 2.05e-4
+    assert cos == ("  lr (stage step: lr): 1: 0.001, 2: 0.001, 3: 0.000973, 6: 0.000628, 9: 0.000205, "
+                   "11: 0.0001  [warm-up 1 steps, cosine to 0.0001]")
+    wsd = next(line for line in lines if line.startswith("  lr") and "wsd" in line)
+    # D = round(0.2 x 10) = 2 decay steps: 9 at 1e-3 / 2, 10 at 0; 1-8 stable
+    assert wsd == ("  lr (stage step: lr): 1: 0.001, 3: 0.001, 5: 0.001, 8: 0.001, 9: 0.0005, 10: 0  [warm-up 0 "
+                   "steps, stable to step 8, then linear to 0 over steps 9-10 (wsd, decay_ratio 0.2)]")
+    stage = Stage("s", 10, 1e-3, 8, 2, lr_end=0.0, schedule="wsd", decay_ratio=0.2)
+    assert [stage.lr_at(i) for i in (7, 8, 9)] == [1e-3, 5e-4, 0.0]
