@@ -71,9 +71,9 @@ def refuse_if_held(run_dir: Path) -> None:
     than what that folder's run.json or checkpoints would make it refuse; `hold_run_folder` then takes the lock (a
     start between the two is refused there)."""
     path = Path(run_dir) / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # no lock file: no run holds the folder
+    try:  # read-write: on NFS an exclusive flock is a write lock
+        fd = os.open(path, os.O_RDWR)
+    except OSError:  # no lock file (no run holds the folder), or not ours to write: `hold_run_folder` decides
         return
     try:
         if not _exclusive(fd):
