@@ -165,3 +165,58 @@ def test_studies_state_their_one_difference_from_train():
     assert STUDY_HYPER.bias_update_rate == 1e-3 != TrainHyper().bias_update_rate
     assert dataclasses.replace(STUDY_HYPER, bias_update_rate=TrainHyper().bias_update_rate) == TrainHyper()
     assert study_baseline.TRAIN == TrainHyper()
+
+
+SLOW_STUDY = """
+import sys, time
+from glm5lab.ablate import runner, workbench
+from glm5lab.cli import main
+
+class Study:
+    @staticmethod
+    def run(args, bench):
+        print("running", flush=True)
+        time.sleep(600)
+
+runner.study_module = lambda study: Study
+workbench.Workbench.load = staticmethod(lambda data=None: None)
+main(["ablate", "swa", "--quick", "--out", sys.argv[1], "--no-progress"])
+"""
+
+
+def test_a_study_holds_its_out_for_its_whole_run(tmp_path, capsys, monkeypatch):
+    """The attack pass on issue 36 (finding 5): --out was checked only at the start, so a second study started into
+    it while the first ran wrote there too (mla's results plus swa's figure). Now a study holds its --out with
+    `glm5lab train`'s lock (`glm5lab.train.run_lock`) until it ends: a second study, or a run, is refused in one
+    line naming it; a study that ends leaves only its files."""
+    import os
+    import subprocess
+    import sys
+
+    from glm5lab.ablate import runner, workbench
+
+    def plot(path):
+        path.write_bytes(b"png")
+
+    fast = type("Study", (), {"run": staticmethod(lambda args, bench: StudyResult(
+        args.study, "| t |\n", {}, {}, [0], plot))})
+    monkeypatch.setattr(runner, "study_module", lambda study: fast)
+    monkeypatch.setattr(workbench.Workbench, "load", staticmethod(lambda data=None: None))
+    out = tmp_path / "x"
+    first = subprocess.Popen([sys.executable, "-c", SLOW_STUDY, str(out)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert first.stdout.readline() == "running\n"
+        capsys.readouterr()
+        assert main(["ablate", "mla", "--quick", "--out", str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"glm5lab ablate: error: --out {out} is in use by another run (pid {first.pid} on ")
+        assert f"{out}); wait for it to end or stop it (kill {first.pid} on " in err and err.count("\n") == 1
+        assert main(["train", "--preset", "tiny", "--out", str(out), "--dry-run", "--threads", "1"]) == 2
+        assert f"--out {out} is in use by another run (pid {first.pid} on " in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # nothing written by the refused ones
+    finally:
+        first.kill()
+        first.wait()
+    assert main(["ablate", "mla", "--quick", "--out", str(out), "--no-progress"]) == 0  # the holder is gone
+    assert sorted(p.name for p in out.iterdir()) == ["mla.png", "results.json", "table.md"]  # the lock file too

@@ -55,7 +55,7 @@ def test_a_second_start_into_a_held_folder_is_refused_naming_the_holder(corpus, 
         before = _listing(run)
         info = json.loads((run / LOCK_FILE).read_text())
         assert info["pid"] == holder.pid and info["command"].endswith(str(run)) and info["host"] and info["started"]
-        for extra in ([], ["--resume"], ["--resume", "--steps", "6"]):
+        for extra in ([], ["--resume"], ["--resume", "--steps", "6"], ["--dry-run"], ["--resume", "--dry-run"]):
             assert main(["train", "--config", str(corpus / "config.json"), "--data", str(corpus / "texts"),
                          "--out", str(run), "--no-progress", *extra]) == 2
             err = capsys.readouterr().err.splitlines()

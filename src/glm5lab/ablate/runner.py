@@ -113,16 +113,20 @@ models and lengths; see the module docstring)."""
 
 
 def run_study(args: StudyArgs) -> tuple[Path, str]:
-    """Run the study and write its folder; returns (path of table.md, the table text). Raises ValueError when the
-    output folder is a file, FileExistsError when it holds a study's results already (`check_out`)."""
+    """Run the study and write its folder, which it holds for the whole study as `glm5lab train` holds its run
+    folder (`glm5lab.train.run_lock.hold_run_folder`); returns (path of table.md, the table text). Raises
+    RunFolderInUse (a ValueError naming the holder) when another study or run holds the folder, ValueError when
+    it is a file, FileExistsError when it holds a study's results already (`check_out`)."""
     from glm5lab.ablate.results import write_result
     from glm5lab.ablate.workbench import Workbench
+    from glm5lab.train.run_lock import hold_run_folder
 
     out = args.out_dir
-    check_out(out)
-    t0 = time.perf_counter()
-    result = study_module(args.study).run(args, Workbench.load(data=args.data))
-    path = write_result(result, out, quick=args.quick, elapsed_s=time.perf_counter() - t0)
+    with hold_run_folder(out):  # one study or run at a time writes a folder: a second one is refused
+        check_out(out)
+        t0 = time.perf_counter()
+        result = study_module(args.study).run(args, Workbench.load(data=args.data))
+        path = write_result(result, out, quick=args.quick, elapsed_s=time.perf_counter() - t0)
     return path, path.read_text()
 
 

@@ -43,7 +43,7 @@ from glm5lab.train.losses import stage_losses
 from glm5lab.train.plan import check_run
 from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
 from glm5lab.train.resume import first_complete, resume_checkpoint
-from glm5lab.train.run_lock import hold_run_folder, refuse_if_held
+from glm5lab.train.run_lock import hold_run_folder
 from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
@@ -189,15 +189,14 @@ class MetricsLog:
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns the summary dict also written to `summary.json`.
 
-    Everything that can be refused is checked before the run writes into its folder: first whether another run
-    holds the folder (`glm5lab.train.run_lock`), then what needs neither weights nor text
-    (`glm5lab.train.plan.check_run`, which `--dry-run` runs too), then this machine's memory (`_check_fits`) and the
+    Everything that can be refused is checked before the run writes into its folder: first what needs neither
+    weights nor text (`glm5lab.train.plan.check_run`, which `--dry-run` runs too; it starts with whether another
+    run holds the folder: `glm5lab.train.run_lock.refuse_if_held`), then this machine's memory (`_check_fits`) and the
     data; the run holds its folder while it runs (every rank; released when a process dies), and a start that fails
     removes the folder the lock made, so it leaves no folder behind. Raises RunFolderInUse (a ValueError naming the
     run that holds --out), ValueError (bad arguments, data too short for a stage, a resume with another plan),
     FileExistsError (--out holds a run and --resume was not given), ResumeError (no checkpoint verifies),
     TrainingDiverged (`glm5lab.train.step`)."""
-    refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
     plan = check_run(args, dist.world_size(), probe=is_main_process())
     args = plan.args
     _check_fits(plan.cfg, dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

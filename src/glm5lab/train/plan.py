@@ -44,6 +44,8 @@ class RunPlan:
 def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     """Check a run of `args` (a `TrainArgs`) at `world_size` processes as `glm5lab train` does before its first
     step, everything that needs neither the model's weights nor the corpus text, in the run's order:
+      0. another run holding --out (`glm5lab.train.run_lock.refuse_if_held`: before any check reads the folder,
+         so a start into a folder a run trains in is told so, rather than what its checkpoints would refuse);
       1. the recipe (`with_recipe`: keys, values, schedules, stage order, optimizer name) and the flags
          (`_check_args`: numbers, --out inside --data, --stages, --compile with --activation-checkpointing under
          torchrun, --tensorboard installed); --init's folder;
@@ -58,12 +60,14 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
          global batch (`token_folder_data`, `check_data_fits`).
     The run checks the rest when it reaches it (`NOT_CHECKED`): this machine's memory, a text corpus, checkpoint
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
-    ResumeError), FileExistsError, FileNotFoundError."""
+    ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
     from glm5lab.checkpoint import resume_candidates
     from glm5lab.train import loop
     from glm5lab.train.expert_parallel import check_ep
     from glm5lab.train.resume import ep_note, first_complete, rescale_stages, started_world_size
+    from glm5lab.train.run_lock import refuse_if_held
 
+    refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
     args = loop.with_recipe(args)
     loop._check_args(args, world_size)
     if args.init:

@@ -1,16 +1,19 @@
 """One run at a time in a run folder: `hold_run_folder` locks `RUN/run.lock` while a run trains there, so a second
 `glm5lab train` into the same folder (a fresh start, a --resume, or any process of another torchrun) is refused in
 one line naming the holder, instead of two runs interleaving one metrics.jsonl and one checkpoints/ folder.
+`glm5lab ablate` holds its --out the same way for the whole study, so a study and a run, or two studies, never
+write one folder at once.
 
 The lock is `fcntl.flock` on the file: the kernel drops it when its holder exits in any way (SIGKILL included), so a
 crashed run never leaves its folder locked; what the file holds (pid, host, command, start time, process count) only
-names the holder. A start first calls `refuse_if_held` (before its checks read the folder), then `hold_run_folder`
-once its process group is set up. Every process of a run holds the file, so a folder stays held while any rank of
-its run is alive: the main rank takes it exclusively (no process of any run holds it), writes itself into it and
-turns it into a shared lock, then the other ranks take it shared. A start needs the exclusive lock, so it is refused
-while any process of another run holds the file. flock is per open file, also between two opens in one process; on
-NFS Linux emulates it with byte-range locks, which reach every host. The other ranks find the file on a folder every
-rank sees (as the sharded checkpoints need); on a folder local to each host only the main rank's host is locked.
+names the holder. A start first calls `refuse_if_held` (`glm5lab.train.plan.check_run`, before its checks read the
+folder; a --dry-run too), then `hold_run_folder` once its process group is set up. Every process of a run holds the
+file, so a folder stays held while any rank of its run is alive: the main rank takes it exclusively (no process of
+any run holds it), writes itself into it and turns it into a shared lock, then the other ranks take it shared. A
+start needs the exclusive lock, so it is refused while any process of another run holds the file. flock is per open
+file, also between two opens in one process; on NFS Linux emulates it with byte-range locks, which reach every host.
+The other ranks find the file on a folder every rank sees (as the sharded checkpoints need); on a folder local to
+each host only the main rank's host is locked.
 
 When the run ends, however it ends (done, a refusal, an error, Ctrl-C), the main rank removes the lock file and the
 folders made for it when they are left empty: a failed start still leaves no folder behind. A killed run leaves the
@@ -37,14 +40,16 @@ class RunFolderInUse(ValueError):
 
 
 @contextlib.contextmanager
-def hold_run_folder(run_dir: Path, ctx, *, create: bool = True):
+def hold_run_folder(run_dir: Path, ctx=None, *, create: bool = True):
     """Hold `run_dir` (created if missing, with its parents, when `create`; a --resume makes nothing) for the `with`
-    block, on every rank of `ctx` (a `glm5lab.train.dist.DistContext`: a collective call under torchrun). Raises
+    block, on every rank of `ctx` (a `glm5lab.train.dist.DistContext`: a collective call under torchrun; None: one
+    process, as `glm5lab ablate` holds its --out). Raises
     RunFolderInUse, naming the holder, on every rank when another run holds it. A folder that is missing (not
     `create`) or cannot be made (--out is a file, no permission) is left to the run's own checks: nothing is held
     then. On the way out the lock is released, and on the main rank the lock file is removed with the folders made
     for it when they are empty."""
     run_dir = Path(run_dir)
+    ctx = ctx or _ONE_PROCESS
     lock = _Lock(run_dir, create) if ctx.is_main else None
     refusal = None
     if lock is not None:
@@ -63,6 +68,15 @@ def hold_run_folder(run_dir: Path, ctx, *, create: bool = True):
             os.close(shared)
         if lock is not None:
             lock.release()
+
+
+class _OneProcess:
+    """A one-process run's place, as `hold_run_folder` reads a `DistContext` (without importing torch)."""
+
+    is_main, world_size, rank = True, 1, 0
+
+
+_ONE_PROCESS = _OneProcess()
 
 
 def refuse_if_held(run_dir: Path) -> None:
