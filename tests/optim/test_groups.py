@@ -72,7 +72,7 @@ def test_indexer_warmup_trains_exactly_the_indexer_parameters(variant):
     model = _model(**VARIANTS[variant])
     by_module = {f"{m_name}.{p_name}" for m_name, m in model.named_modules() if isinstance(m, LightningIndexer)
                  for p_name, _ in m.named_parameters()}
-    set_trainable(model, Stage("indexer_warmup", 1, 1e-3, 8, 1, trainable="indexer"))
+    set_trainable(model, Stage("indexer_warmup", 1, 1e-3, 8, 1, trainable="indexer", indexer_weight=1.0))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == by_module
     if VARIANTS[variant].get("index_n_heads", 1):  # GQA variants have no indexer

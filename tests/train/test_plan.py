@@ -86,10 +86,43 @@ REFUSED = [
      r"^--resume: seed differs from the run in .*held \(see its run.json\)"),
     ("resume-nothing", lambda c: {"resume": True}, 1, r"^--resume: .*run does not exist: there is nothing to resume"),
     ("data-missing", lambda c: {"data": str(c / "nowhere")}, 1, r"^no corpus at .*nowhere"),
+    # the attack pass on issue 36 (finding 3): a stage whose loss reaches nothing it trains on this model failed at
+    # its first backward ("element 0 of tensors does not require grad"), after every stage before it
+    ("indexer-warm-up-on-a-model-without-indexer", lambda c: {"recipe": _write(c, "w.toml", WARM_UP), "config":
+     _config(c, "noidx", index_n_heads=0, use_dsa=False)}, 1, r"^stage 'warm': `trainable` = 'indexer' is not allowed: "
+     r"this model runs no DSA indexer, so the stage would train nothing; leave it out \(--stages\), or mark it "
+     r"only_with_indexer = true in its recipe$"),
+    ("indexer-loss-only-on-a-model-without-indexer", lambda c: {"recipe": _write(c, "w.toml", WARM_UP.replace(
+        'trainable = "indexer"', "")), "config": _config(c, "noidx", index_n_heads=0, use_dsa=False)}, 1,
+     r"^stage 'warm': `lm_weight` = 0.0 is not allowed: 0 when the stage's other losses need a DSA indexer, which this "
+     r"model does not have: the stage would train nothing"),
+    ("mtp-loss-only-on-a-model-without-mtp", lambda c: {"recipe": _write(c, "w.toml", WARM_UP.replace(
+        'trainable = "indexer"', "").replace("mtp_weight = 0.0", "mtp_weight = 0.3").replace(
+        "indexer_weight = 1.0", "")), "config": _config(c, "nomtp", num_nextn_predict_layers=0)}, 1,
+     r"^stage 'warm': `lm_weight` = 0.0 is not allowed: 0 with mtp_weights \[\] and indexer_weight 0.0"),
     ("token-folder-too-small", lambda c: {"data": _token_folder(c), "batch_size": 400}, 1,
      r"^--data .*tokens: its training split holds [\d,]+ tokens, \d+ windows of --seq-len 24 \+ 1; stage 'dense' "
      r"needs a batch of 400 windows"),
 ]
+
+
+WARM_UP = """
+[defaults]
+seq_len = 24
+batch_size = 2
+[[stages]]
+name = "dense"
+steps = 2
+lr = 1e-3
+[[stages]]
+name = "warm"
+steps = 2
+lr = 1e-3
+trainable = "indexer"
+lm_weight = 0.0
+mtp_weight = 0.0
+indexer_weight = 1.0
+"""
 
 
 def _write(corpus, name: str, text: str) -> str:

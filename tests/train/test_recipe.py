@@ -143,7 +143,8 @@ lr_end = 1e-4
     (BASE + "[[stages]]\nname = 'a'\nsteps = 2\nlr = 1e-3\n", r"stages\[1\] \('a'\) has the name of stages\[0\] "
      r"\('a'\): each stage needs its own name"),
     (BASE.replace("lr = 1e-3", "lr = 1e-3\nuse_dsa = true") + "[[stages]]\nname = 'warm'\nsteps = 2\nlr = 1e-3\n"
-     "trainable = 'indexer'\n", r"stages\[1\] \('warm'\) warms up the indexer \(trainable = \"indexer\"\) after "
+     "trainable = 'indexer'\nindexer_weight = 1.0\n",
+     r"stages\[1\] \('warm'\) warms up the indexer \(trainable = \"indexer\"\) after "
      r"stages\[0\] \('a'\) trained with use_dsa = true: an indexer warm-up comes before"),
     (BASE.replace("batch_size = 2", "batch_size = 2\ngrad_accum = 0"),
      r"\[defaults\].grad_accum = 0 is not allowed: an integer >= 1"),
@@ -159,6 +160,34 @@ lr_end = 1e-4
      r"stages\[0\].decay_ratio = 0.2 is not allowed: only with schedule = 'wsd' \(this stage's is 'linear'\)"),
     (BASE.replace("lr = 1e-3", "lr = 1e-3\nlr_end = 0.0\nschedule = 'wsd'\ndecay_ratio = 1.5"),
      r"stages\[0\].decay_ratio = 1.5 is not allowed: a number in \(0, 1\]"),
+    # the attack pass on issue 36 (findings 3, 4): values no run can mean, refused at load as every other key is
+    (BASE.replace("lr = 1e-3", "lr = inf"), r"stages\[0\].lr = inf is not allowed: a finite number > 0$"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nlr_end = nan"),
+     r"stages\[0\].lr_end = nan is not allowed: a finite number >= 0$"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nlm_weight = nan"), r"stages\[0\].lm_weight = nan is not allowed: a finite"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nmtp_weight = -0.3"),
+     r"stages\[0\].mtp_weight = -0.3 is not allowed: a finite number >= 0$"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nmtp_weights = [0.3, -1.0]"),
+     r"stages\[0\].mtp_weights = \[0.3, -1.0\] is not allowed: finite numbers >= 0 \(one per MTP depth\)$"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nindexer_weight = -1.0"),
+     r"stages\[0\].indexer_weight = -1.0 is not allowed"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {steps = 2, lr = inf}"),
+     r"stages\[0\].quick.lr = inf is not allowed"),
+    (BASE.replace("batch_size = 2", "batch_size = 2\nlr_end = inf"), r"stages\[0\].lr_end = inf is not allowed"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\ntrainable = 'indexer'\nlm_weight = 0.0\nmtp_weight = 0.0"),
+     r"stages\[0\].indexer_weight = 0.0 is not allowed: a number > 0 with trainable = 'indexer': only the indexer "
+     r"trains, and only its KL to the attention reaches it .*the stage trains nothing$"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\ntrainable = 'indexer'\nlm_weight = 1.0"),  # the LM loss does not reach it
+     r"stages\[0\].indexer_weight = 0.0 is not allowed: a number > 0 with trainable = 'indexer'"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nlm_weight = 0.0\nmtp_weights = [0.0, 0.0]"),
+     r"stages\[0\].lm_weight = 0.0 is not allowed: 0 with mtp_weights \[0.0, 0.0\] and indexer_weight 0.0: the "
+     r"stage's loss is 0 and trains nothing"),
+    (BASE.replace("steps = 4", "steps = 20\nwarmup_steps = 10\ndecay_steps = 5").replace("lr = 1e-3",
+                                                                                        "lr = 1e-3\nlr_end = 0.0"),
+     r"stages\[0\].decay_steps = 5 is not allowed: more than warmup_steps \(10\): the lr reaches lr_end at step "
+     r"decay_steps, after the warm-up"),
+    (BASE.replace("steps = 4", "steps = 20\nwarmup_steps = 3\ndecay_steps = 3"),
+     r"stages\[0\].decay_steps = 3 is not allowed"),
 ])
 def test_bad_recipes_are_one_line(tmp_path, text, message, capsys):
     path = _write(tmp_path, text)

@@ -74,10 +74,23 @@ def test_wsd_by_hand():
     (dict(schedule="wsd", lr_end=0.0, decay_ratio=0.9, warmup_steps=5), r"stage 's': `decay_ratio` = 0.9 is not "
      r"allowed: at most 0.5 here: its decay of max\(1, round\(0.9 x 10\)\) = 9 steps must fit after the warm-up of 5 "
      r"steps \(of 10\)"),
+    # the attack pass on issue 36 (findings 3, 4): a Stage refuses what a recipe refuses (one rule: `check_values`)
+    (dict(lr=float("inf")), r"^stage 's': `lr` = inf is not allowed: a finite number > 0$"),
+    (dict(lr_end=float("nan")), r"^stage 's': `lr_end` = nan is not allowed: a finite number >= 0$"),
+    (dict(lm_weight=-1.0), r"^stage 's': `lm_weight` = -1.0 is not allowed: a finite number >= 0$"),
+    (dict(mtp_weights=(0.3, float("nan"))), r"`mtp_weights` = \[0.3, nan\] is not allowed: finite numbers >= 0"),
+    (dict(indexer_weight=float("inf")), r"`indexer_weight` = inf is not allowed"),
+    (dict(trainable="indexer", lm_weight=0.0, mtp_weights=(0.0,)), r"^stage 's': `indexer_weight` = 0.0 is not "
+     r"allowed: a number > 0 with trainable = 'indexer'"),
+    (dict(lm_weight=0.0, mtp_weights=()), r"^stage 's': `lm_weight` = 0.0 is not allowed: 0 with mtp_weights \[\] and "
+     r"indexer_weight 0.0: the stage's loss is 0 and trains nothing"),
+    (dict(lr_end=0.0, warmup_steps=4, decay_steps=4), r"^stage 's': `decay_steps` = 4 is not allowed: more than "
+     r"warmup_steps \(4\)"),
+    (dict(lr_end=0.0, warmup_steps=4, decay_steps=2, schedule="cosine"), r"`decay_steps` = 2 is not allowed"),
 ])
 def test_schedules_no_run_can_mean_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
-        Stage("s", 10, 1e-3, 8, 2, **fields)
+        Stage(**{"name": "s", "steps": 10, "lr": 1e-3, "seq_len": 8, "batch_size": 2, **fields})
 
 
 def test_a_recipe_sets_a_schedule_and_quick_keeps_its_shape(tmp_path):
@@ -119,3 +132,36 @@ def test_an_extended_plan_keeps_the_lr_of_trained_steps(schedule):
     assert [plan[1].lr_at(i) for i in range(8)] == [saved[1].lr_at(i) for i in range(8)]
     assert [plan[1].lr_at(i) for i in range(8, 12)] == pytest.approx([1e-4] * 4)
     assert plan[1].lr_at(7) == pytest.approx(1e-4)  # the decay ends where it was planned (not stretched to 12)
+
+
+@pytest.mark.parametrize("schedule", [dict(schedule="linear"), dict(schedule="cosine"),
+                                      dict(schedule="wsd", decay_ratio=0.01)])
+def test_lr_end_is_reached_at_step_h_for_every_schedule(schedule):
+    """docs/recipes.md's rule, for every stage length, warm-up and decay_steps H (above the warm-up): the warm-up
+    ends at lr, lr_end is reached at step H (1-based) and held after. Linear and cosine missed it when H = W + 1
+    (the one step after the warm-up trained at lr) while WSD reached it: a 1-step stage trained at lr or lr_end by
+    its schedule (the attack pass on issue 36, finding 4)."""
+    for steps in range(1, 8):
+        for w in range(steps):
+            for h in (None, *range(w + 1, steps + 3)):
+                stage = Stage("s", steps, 1e-3, 8, 2, lr_end=1e-4, warmup_steps=w, decay_steps=h, **schedule)
+                end = (h or steps) - 1
+                lrs = [stage.lr_at(i) for i in range(steps + 2)]
+                assert lrs[:w] == pytest.approx([1e-3 * (i + 1) / w for i in range(w)])
+                assert lrs[end:] == pytest.approx([1e-4] * (steps + 2 - end)), (steps, w, h)
+                assert all(1e-4 - 1e-12 < lr <= 1e-3 for lr in lrs[w:end])
+                if schedule["schedule"] != "wsd" and end > w:
+                    assert lrs[w] == 1e-3  # linear and cosine start at lr: the same curves as before
+    one = Stage("one", 1, 1e-3, 8, 2, lr_end=1e-4, **schedule)
+    assert one.lr_at(0) == pytest.approx(1e-4)  # a 1-step stage trains at lr_end, whatever its schedule
+
+
+def test_quick_keeps_the_decay_after_the_warm_up(tmp_path):
+    """--quick divides warmup_steps and decay_steps by 25: the decay still ends after the warm-up (it could end on
+    it: a decay_steps <= warmup_steps, refused)."""
+    path = tmp_path / "r.toml"
+    path.write_text("[[stages]]\nname = 'a'\nsteps = 250\nlr = 1e-3\nlr_end = 1e-4\nwarmup_steps = 50\n"
+                    "decay_steps = 60\nseq_len = 16\nbatch_size = 2\n")
+    (a,) = resolve(load_recipe(str(path)), mtp_depth=0, has_indexer=False, quick=True)
+    assert (a.steps, a.warmup_steps, a.decay_steps) == (10, 2, 3)
+    assert [a.lr_at(i) for i in range(4)] == pytest.approx([5e-4, 1e-3, 1e-4, 1e-4])

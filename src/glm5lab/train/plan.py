@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from glm5lab.train.stages import Stage
+from glm5lab.train.stages import Stage, check_objective
 
 LR_POINTS = 5
 """lr values printed per stage, at evenly spaced steps (besides start, warm-up end, a WSD decay's start, and end)."""
@@ -52,7 +52,8 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
       2. --out: a file, one holding a run without --resume, one that cannot be created (`_check_run_dir`; with
          `probe`, created and removed again: the main rank only);
       3. the model config (a preset, config.json or --init's), --ep (`check_ep`), the stages (`resolve_stages`:
-         --seq-len, --batch-size, --grad-accum, --steps, --stages, --lr) and their lengths (`check_stage_lengths`);
+         --seq-len, --batch-size, --grad-accum, --steps, --stages, --lr), their lengths (`check_stage_lengths`)
+         and their losses against the model (`check_objectives`);
       4. --resume: a checkpoint to continue, the plan against the run's config.json and run.json (more steps
          extend it), a finished run not extended, the global batch at this process count (`rescale_stages`);
       5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
@@ -79,6 +80,7 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     stages = loop.resolve_stages(args, cfg, world_size)
     notices = []
     loop.check_stage_lengths(stages, cfg, warn=notices.append)
+    check_objectives(stages, cfg)
     extended = 0
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
@@ -92,6 +94,17 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     _check_data(args, cfg, stages, world_size, checkpoint)
     return RunPlan(args, cfg, stages, extended, notices)
+
+
+def check_objectives(stages: list[Stage], cfg) -> None:
+    """`glm5lab.train.stages.check_objective` of each stage with what the model of `cfg` computes: an MTP layer,
+    and a DSA indexer that runs in the stage (a main layer's own, or the MTP layer's when the stage runs MTP).
+    Raises ValueError naming the stage."""
+    for stage in stages:
+        layers = [*cfg.layers, *([cfg.mtp_layer] if cfg.mtp_layer is not None and stage.mtp_depth else [])]
+        check_objective(lambda key, name=stage.name: f"stage {name!r}: `{key}`", stage.trainable, stage.lm_weight,
+                        stage.mtp_weights, stage.indexer_weight, has_mtp=cfg.mtp_layer is not None,
+                        runs_indexer=any(spec.indexer == "own" for spec in layers))
 
 
 def _optimizer_notice(cfg, optimizer: str) -> str | None:

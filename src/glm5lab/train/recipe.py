@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from glm5lab.train.stages import Stage, check_schedule
+from glm5lab.train.stages import Stage, check_objective, check_schedule, check_values
 from glm5lab.validate import finite, int_at_least, refuse
 
 DEFAULT_RECIPE = "small"
@@ -266,10 +266,21 @@ def _stage_spec(table: dict, where: str, name: str) -> StageSpec:
     _check_table(table.get("quick", {}), QUICK_KEYS, where, f"{name}.quick")
     _check_counts(table, where, name)
     _check_counts(table.get("quick", {}), where, f"{name}.quick")
-    check_schedule(lambda key: f"{where}: {name}.{key}", table.get("schedule", "linear"), table.get("lr_end"),
-                   table.get("decay_ratio"))
+    quick = table.get("quick", {})
+    _check_stage_values({**table, **quick}, lambda key: f"{where}: {name}{'.quick' * (key in quick)}.{key}")
     values = {**table, "mtp_weights": tuple(table["mtp_weights"]) if "mtp_weights" in table else None}
     return StageSpec(**values)
+
+
+def _check_stage_values(table: dict, key) -> None:
+    """The stage rules `Stage` checks too (`check_values`, `check_schedule`, `check_objective`), on a stage's table
+    as written (its `quick` values over it): so a recipe is refused at load, naming its file and key. An MTP weight
+    left unset counts as the default 0.3 (whether the model has an MTP layer is `check_run`'s check)."""
+    check_values(key, table)
+    check_schedule(key, table.get("schedule", "linear"), table.get("lr_end"), table.get("decay_ratio"))
+    mtp = table.get("mtp_weights", [table.get("mtp_weight", 0.3)])
+    check_objective(key, table.get("trainable", "all"), table.get("lm_weight", 1.0), mtp,
+                    table.get("indexer_weight", 0.0))
 
 
 def resolve(recipe: Recipe, *, mtp_depth: int, has_indexer: bool, world_size: int = 1, quick: bool = False,
@@ -336,13 +347,13 @@ def _stage(spec: StageSpec, recipe: Recipe, mtp_depth: int, world_size: int, qui
 
 def _quick(spec: StageSpec, values: dict) -> dict:
     """The `quick` table's values, else steps // QUICK_DIVISOR (at least 2) and the warm-up and decay shortened
-    to fit."""
+    to fit (the decay still ends after the warm-up: `check_values`)."""
     if spec.quick:
         return dict(spec.quick)
     n = max(2, values["steps"] // QUICK_DIVISOR)
-    decay = values["decay_steps"]
-    return {"steps": n, "warmup_steps": min(values["warmup_steps"] // QUICK_DIVISOR, n - 1),
-            "decay_steps": None if decay is None else max(1, decay // QUICK_DIVISOR)}
+    decay, warmup = values["decay_steps"], min(values["warmup_steps"] // QUICK_DIVISOR, n - 1)
+    return {"steps": n, "warmup_steps": warmup,
+            "decay_steps": None if decay is None else max(warmup + 1, decay // QUICK_DIVISOR)}
 
 
 def split_steps(stages: list[Stage], total: int) -> list[Stage]:

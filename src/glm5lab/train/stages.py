@@ -14,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from glm5lab.validate import int_at_least, one_of, refuse
+from glm5lab.validate import finite, int_at_least, one_of, refuse
 
 TRAINABLE = ("all", "indexer")
 SCHEDULES = ("linear", "cosine", "wsd")
@@ -44,8 +44,9 @@ class Stage:
     """Micro-batches of `batch_size` sequences per optimizer step and process (gradient accumulation)."""
     decay_steps: int | None = None
     """The step count H by whose end lr reaches lr_end (from the stage's start, warm-up included); later steps hold
-    lr_end. None: the stage's `steps`. A run extended past its plan (`--resume` with more steps) sets it to the
-    stage's former length, so the steps already trained keep their lr (whatever the schedule)."""
+    lr_end. More than warmup_steps (`check_values`). None: the stage's `steps`. A run extended past its plan
+    (`--resume` with more steps) sets it to the stage's former length, so the steps already trained keep their lr
+    (whatever the schedule)."""
     schedule: str = "linear"
     """One of SCHEDULES (`lr_at` has the formulas): "linear" from lr to lr_end; "cosine", half a cosine period
     from lr to lr_end (torchtitan's decay_type "cosine", HF's get_cosine_schedule_with_warmup with a floor);
@@ -60,13 +61,14 @@ class Stage:
         for name in ("steps", "seq_len", "batch_size", "grad_accum"):
             int_at_least(f"stage {self.name!r}: `{name}`", getattr(self, name), 1)
         one_of(f"stage {self.name!r}: `trainable`", self.trainable, TRAINABLE)
-        if not self.lr > 0 or (self.lr_end is not None and self.lr_end < 0):
-            raise ValueError(f"stage {self.name!r}: lr = {self.lr!r}, lr_end = {self.lr_end!r}: lr > 0 and lr_end >= 0 required")
         if self.decay_steps is not None:
             int_at_least(f"stage {self.name!r}: `decay_steps`", self.decay_steps, 1)
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"stage {self.name!r}: `warmup_steps` = {self.warmup_steps} is not allowed: 0..steps-1")
-        check_schedule(lambda key: f"stage {self.name!r}: `{key}`", self.schedule, self.lr_end, self.decay_ratio)
+        key = lambda name: f"stage {self.name!r}: `{name}`"  # noqa: E731
+        check_values(key, self.to_dict())
+        check_schedule(key, self.schedule, self.lr_end, self.decay_ratio)
+        check_objective(key, self.trainable, self.lm_weight, self.mtp_weights, self.indexer_weight)
         if self.schedule == "wsd":
             h, d = self.decay_steps or self.steps, self.wsd_decay_steps
             if d > h - self.warmup_steps:
@@ -88,13 +90,16 @@ class Stage:
         return max(1, round(self.decay_ratio * (self.decay_steps or self.steps)))
 
     def lr_at(self, i: int) -> float:
-        """Learning rate at step i (0-based) of this stage. W = warmup_steps, H = decay_steps or steps:
-        i < W: the warm-up, lr * (i + 1) / W. Then, lr_end None: lr. Else, with S = max(H - 1 - W, 1) and
-        k = min(i - W, S) (lr_end from step H - 1 on):
+        """Learning rate at step i (0-based) of this stage. W = warmup_steps, H = decay_steps or steps (H > W):
+        i < W: the warm-up, lr * (i + 1) / W (its last step at lr). Then, lr_end None: lr. Else, whatever the
+        schedule, lr_end is reached at step H - 1 (1-based: step H) and held after; with S = H - 1 - W and
+        k = min(i - W, S):
           linear  lr + (lr_end - lr) * k / S
           cosine  lr_end + (lr - lr_end) * (1 + cos(pi * k / S)) / 2
           wsd     lr until step H - D - 1, then lr + (lr_end - lr) * k' / D with k' = min(i - (H - D - 1), D):
-                  each of the last D steps below lr, the last at lr_end (D: `wsd_decay_steps`)."""
+                  each of the last D steps below lr, the last at lr_end (D: `wsd_decay_steps`).
+        Linear and cosine take lr at step W and lr_end at step H - 1; when H = W + 1 (S = 0) those are one step,
+        which takes lr_end, as a WSD decay of one step does (so a 1-step stage with lr_end trains at lr_end)."""
         if i < self.warmup_steps:
             return self.lr * (i + 1) / self.warmup_steps
         if self.lr_end is None:
@@ -103,11 +108,13 @@ class Stage:
         if self.schedule == "wsd":
             d = self.wsd_decay_steps
             return self.lr + (self.lr_end - self.lr) * min(max(i - (horizon - d - 1), 0), d) / d
-        span = max(horizon - 1 - self.warmup_steps, 1)
+        span = horizon - 1 - self.warmup_steps
+        if span == 0:  # H = W + 1: no step between lr and lr_end
+            return self.lr_end
+        k = min(i - self.warmup_steps, span)
         if self.schedule == "cosine":
-            k = min(i - self.warmup_steps, span)
             return self.lr_end + (self.lr - self.lr_end) * (1 + math.cos(math.pi * k / span)) / 2
-        return self.lr + (self.lr_end - self.lr) * min(i - self.warmup_steps, span) / span
+        return self.lr + (self.lr_end - self.lr) * k / span
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,6 +124,61 @@ class Stage:
         d = dict(d)
         d["mtp_weights"] = tuple(d.get("mtp_weights", ()))
         return cls(**d)
+
+
+LOSS_WEIGHTS = ("lm_weight", "mtp_weight", "indexer_weight")
+"""A stage's loss weights besides `mtp_weights` (a recipe's `mtp_weight` is every MTP depth's)."""
+
+
+def check_values(key, fields: dict) -> None:
+    """Refuse stage values no run can mean, by one rule for a `Stage` and a recipe's tables (`fields`: a stage's
+    fields by name, missing ones at `Stage`'s defaults; key(name) names a field as in `check_schedule`): lr not a
+    finite number > 0 (inf trains NaN weights); lr_end neither None nor a finite number >= 0; a loss weight
+    (`LOSS_WEIGHTS`, each of `mtp_weights`) not a finite number >= 0 (a negative weight maximises its loss);
+    decay_steps not above warmup_steps (the warm-up ends at lr, and the decay reaches lr_end at step decay_steps:
+    `Stage.lr_at`). Raises ValueError (`glm5lab.validate.refuse`'s form)."""
+    finite(key("lr"), fields.get("lr"), positive=True)
+    if fields.get("lr_end") is not None:
+        finite(key("lr_end"), fields["lr_end"])
+    for name in LOSS_WEIGHTS:
+        if fields.get(name) is not None:
+            finite(key(name), fields[name])
+    weights = fields.get("mtp_weights")
+    if weights is not None and not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights):
+        refuse(key("mtp_weights"), list(weights), "finite numbers >= 0 (one per MTP depth)")
+    warmup, decay = fields.get("warmup_steps") or 0, fields.get("decay_steps")
+    if decay is not None and decay <= warmup:
+        refuse(key("decay_steps"), decay, f"more than warmup_steps ({warmup}): the lr reaches lr_end at step "
+               "decay_steps, after the warm-up has brought it to lr")
+
+
+def check_objective(key, trainable: str, lm_weight: float, mtp_weights, indexer_weight: float, *,
+                    has_mtp: bool = True, runs_indexer: bool = True) -> None:
+    """Refuse a stage whose loss reaches none of the parameters it trains (its first backward would fail:
+    "element 0 of tensors does not require grad"). trainable = "indexer" trains the DSA indexer only, and only
+    the indexer KL reaches it: dense attention does not use the indexer, sparse attention only its top-k indices,
+    which carry no gradient; so it needs indexer_weight > 0. trainable = "all" needs a weight > 0: lm_weight, an
+    MTP depth's (`mtp_weights`), or indexer_weight. With the model known (`glm5lab.train.plan.check_run`):
+    has_mtp, whether it has an MTP layer; runs_indexer, whether it runs an indexer in this stage (without a model,
+    a `Stage` or a recipe: True). key(name) names a field as in `check_schedule`. Raises ValueError."""
+    if trainable == "indexer" and not indexer_weight:
+        refuse(key("indexer_weight"), indexer_weight, "a number > 0 with trainable = 'indexer': only the indexer "
+               "trains, and only its KL to the attention reaches it (the LM and MTP losses do not: dense attention "
+               "does not use the indexer, and its top-k selection carries no gradient); as it is the stage trains "
+               "nothing")
+    if not (lm_weight or any(mtp_weights) or indexer_weight):
+        refuse(key("lm_weight"), lm_weight, f"0 with mtp_weights {list(mtp_weights)} and indexer_weight "
+               f"{indexer_weight}: the stage's loss is 0 and trains nothing; give lm_weight, an MTP depth or "
+               "indexer_weight a weight > 0")
+    if trainable == "indexer" and not runs_indexer:
+        refuse(key("trainable"), trainable, "this model runs no DSA indexer, so the stage would train nothing; leave "
+               "it out (--stages), or mark it only_with_indexer = true in its recipe")
+    if trainable == "all" and not (lm_weight or (has_mtp and any(mtp_weights)) or (runs_indexer and indexer_weight)):
+        missing = [what for what, on, there in (("an MTP layer", any(mtp_weights), has_mtp),
+                                                ("a DSA indexer", indexer_weight, runs_indexer)) if on and not there]
+        refuse(key("lm_weight"), lm_weight, f"0 when the stage's other losses need {' and '.join(missing)}, which "
+               "this model does not have: the stage would train nothing; give lm_weight a weight > 0, or leave the "
+               "stage out (--stages)")
 
 
 def check_schedule(key, schedule, lr_end, decay_ratio) -> None:
