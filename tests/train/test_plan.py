@@ -217,3 +217,19 @@ def test_the_lr_table_shows_each_schedule(corpus):
                    "steps, stable to step 8, then linear to 0 over steps 9-10 (wsd, decay_ratio 0.2)]")
     stage = Stage("s", 10, 1e-3, 8, 2, lr_end=0.0, schedule="wsd", decay_ratio=0.2)
     assert [stage.lr_at(i) for i in (7, 8, 9)] == [1e-3, 5e-4, 0.0]
+
+
+def test_the_token_folders_split_seed_is_said_by_both_once(corpus, capsys):
+    """The attack pass on issue 36 (finding 13): the run said the token folder's split seed, the dry run did not;
+    both now get it from `check_run` (the run trains on the `TrainingData` it opened), once."""
+    tokens = _token_folder(corpus)  # split with seed 0
+    want = (f"token folder {tokens} was split into training and validation with seed 0 (glm5lab tokenize --seed 0); "
+            "--seed 3 seeds the initialisation and the batch order only")
+    args = _base(corpus, data=tokens, seed=3, stages=["dense"], steps=1, checkpoint_every=0)
+    assert dry_run(args).splitlines().count(f"notice: {want}") == 1
+    assert check_run(args, 1).data is not None and check_run(_base(corpus), 1).data is None  # a text corpus: the run's
+    capsys.readouterr()
+    train(args)
+    assert capsys.readouterr().err.count(want) == 1
+    other = dataclasses.replace(args, seed=0, out=str(corpus / "other"))
+    assert not any("was split" in line for line in dry_run(other).splitlines())  # the same seed: nothing to say

@@ -214,8 +214,8 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
         say(line)
     model, record = (build_model(args, cfg), None) if ctx.world_size == 1 else dist.build_meta(cfg, args.seed)
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
-    data = prepare_data(model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint,
-                        say=say)
+    data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
+        model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint, say=say)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
     if args.eval_every:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)

@@ -32,13 +32,15 @@ class RunPlan:
     resolved; cfg: the model config; stages: the stages to train (on --resume: the run's own, extended and rescaled
     to this process count); extended: the steps a --resume adds (0 otherwise); notices: lines to say before the run
     (a stage whose DSA keeps every key, a resume at another process count or --ep, an optimizer with nothing to
-    split)."""
+    split, a token folder split with another seed than --seed); data: a token folder's `TrainingData` (opened,
+    nothing read: `token_folder_data`), which the run trains on, else None (a text corpus: the run reads it)."""
 
     args: object
     cfg: object
     stages: list[Stage]
     extended: int
     notices: list[str]
+    data: object | None = None
 
 
 def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
@@ -58,7 +60,8 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
          extend it), a finished run not extended, the global batch at this process count (`rescale_stages`);
       5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
       6. --data: a path that exists; a token folder's index, tokenizer and token counts against every stage's
-         global batch (`token_folder_data`, `check_data_fits`).
+         global batch (`token_folder_data`, `check_data_fits`; the run trains on the `TrainingData` it opens, so
+         its split-seed notice is said once, by the dry run too).
     The run checks the rest when it reaches it (`NOT_CHECKED`): this machine's memory, a text corpus, checkpoint
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
     ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
@@ -92,8 +95,8 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
         notices += [line for line in (note, ep_note(run_dir, args.ep)) if line]  # nothing changes silently
     notices += [line for line in [_optimizer_notice(cfg, args.optimizer)] if line]
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
-    _check_data(args, cfg, stages, world_size, checkpoint)
-    return RunPlan(args, cfg, stages, extended, notices)
+    data = _check_data(args, cfg, stages, world_size, checkpoint, say=notices.append)
+    return RunPlan(args, cfg, stages, extended, notices, data)
 
 
 def check_objectives(stages: list[Stage], cfg) -> None:
@@ -120,22 +123,26 @@ def _optimizer_notice(cfg, optimizer: str) -> str | None:
     return split_notice(model, optimizer)
 
 
-def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None) -> None:
+def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None, say):
     """--data: the run's own refusal when the path does not exist (`iter_documents`, reached before it reads
-    anything); for a token folder, its index, shards' sizes and tokenizer (`token_folder_data`: nothing is loaded)
-    and its token counts against each stage's global batch (`check_data_fits`)."""
+    anything); for a token folder, its index, shards' sizes and tokenizer (`token_folder_data`: nothing is loaded;
+    its split seed, when it is not --seed, through `say`) and its token counts against each stage's global batch
+    (`check_data_fits`). Returns the token folder's `TrainingData`, else None."""
     from glm5lab.train.data import token_folder_data
     from glm5lab.train.loop import check_data_fits
     from glm5lab.train.shards import is_token_folder
     from glm5lab.train.sources import iter_documents
 
     if args.data is None:
-        return
+        return None
     if not Path(args.data).exists():
         next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError
-    if is_token_folder(args.data):
-        data = token_folder_data(cfg.vocab_size, args.data, tokenizer=args.tokenizer, checkpoint=checkpoint)
-        check_data_fits(data, stages, world_size)
+    if not is_token_folder(args.data):
+        return None
+    data = token_folder_data(cfg.vocab_size, args.data, tokenizer=args.tokenizer, checkpoint=checkpoint,
+                             seed=args.seed, say=say)
+    check_data_fits(data, stages, world_size)
+    return data
 
 
 def dry_run(args, nproc: int | None = None) -> str:
