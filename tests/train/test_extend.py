@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from glm5lab.train.extend import continue_position, extend_plan
 from glm5lab.train.loop import TrainArgs, train
+from glm5lab.train.plan import dry_run
 from glm5lab.train.stages import Stage
 from tests.train.test_loop import corpus  # noqa: F401 (the fixture)
 
@@ -179,3 +180,56 @@ def test_an_extended_run_keeps_the_lr_of_its_trained_steps(corpus, schedule, lrs
     rows = _rows(run)
     assert rows[:4] == first and [r["lr"] for r in rows] == pytest.approx(lrs + [1e-4, 1e-4])
     assert json.loads((run / "run.json").read_text())["stages"][0]["decay_steps"] == 4
+
+
+def test_resume_messages_name_the_difference_and_the_fix(corpus, monkeypatch):
+    """The attack pass on issue 36, finding 14: --data is compared as a folder (`texts`, `texts/`, `./texts` and its
+    absolute path are one corpus); with --steps extending a run and another change, the message names that change,
+    not the stage steps --steps resplits; an extended run resumed with its first arguments is told the --steps of
+    its extension."""
+    monkeypatch.chdir(corpus)
+    (corpus / "ext.toml").write_text(RECIPE)
+    args = dict(recipe="ext.toml", data="texts", out="run", progress=False)
+    train(TrainArgs(**args))
+    for data in ("texts/", "./texts", str(corpus / "texts"), f"../{corpus.name}/texts"):
+        plan = dry_run(TrainArgs(**{**args, "data": data}, steps=6, resume=True))
+        assert "--resume extends the run in run by 2 steps" in plan
+    with pytest.raises(ValueError, match=r"^--resume: data differs from the run in run"):  # another corpus still is
+        dry_run(TrainArgs(**{**args, "data": str(corpus / "config.json")}, steps=6, resume=True))
+    with pytest.raises(ValueError) as e:
+        dry_run(TrainArgs(**args, steps=6, seed=1, resume=True))
+    assert str(e.value) == ("--resume: seed differs from the run in run (see its run.json); resume with the arguments "
+                            "the run started with")
+    with pytest.raises(ValueError, match=r"^--resume: stages \(seq_len \[24, 24\] -> \[16, 16\]\) differs"):
+        dry_run(TrainArgs(**args, steps=6, seq_len=16, resume=True))  # steps: what --steps asks, not a difference
+    train(TrainArgs(**args, steps=6, resume=True))
+    for again in (dict(), dict(steps=None, seed=1)):
+        with pytest.raises(ValueError, match=r"; the run was extended to 6 steps: resume with the arguments of that "
+                           r"extension \(--steps 6\) \(or more --steps, to extend it\)$"):
+            dry_run(TrainArgs(**args, resume=True, **again))
+    assert "extends the run in run by 1 steps" in dry_run(TrainArgs(**args, steps=7, resume=True))
+
+
+def test_another_eval_tokens_on_resume_is_said(corpus, capsys):
+    """The attack pass on issue 36, finding 15: --eval-tokens changed on --resume changed the validation subset
+    mid-run without a word: one notice line (dry run and run); a run.json from before eval_tokens still resumes,
+    with the notice."""
+    (corpus / "ext.toml").write_text(RECIPE.replace("eval_every = 0", "eval_every = 1\neval_tokens = 48"))
+    run = corpus / "run"
+    args = dict(recipe=str(corpus / "ext.toml"), data=str(corpus / "texts"), out=str(run), progress=False)
+    train(TrainArgs(**args))
+    want = (f"resuming with --eval-tokens 96 a run whose periodic validation scored another subset (it started "
+            "with 48): from the step it resumes at, val_loss is measured on the first 96 held-out targets, and does "
+            "not compare with the values before it")
+    assert f"notice: {want}" in dry_run(TrainArgs(**args, steps=5, eval_tokens=96, resume=True)).splitlines()
+    assert not any("--eval-tokens" in line for line in dry_run(TrainArgs(**args, steps=5, resume=True)).splitlines())
+    info = json.loads((run / "run.json").read_text())
+    info["args"].pop("eval_tokens")  # a run.json from before issue 36
+    info["args"]["eval_batches"] = 2
+    (run / "run.json").write_text(json.dumps(info))
+    capsys.readouterr()
+    summary = train(TrainArgs(**args, steps=5, eval_tokens=48, resume=True))
+    assert summary["steps"] == 5
+    err = capsys.readouterr().err
+    assert err.count("--eval-tokens 48 a run whose periodic validation scored another subset (its run.json has none "
+                     "(started before --eval-tokens))") == 1

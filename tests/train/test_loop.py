@@ -232,7 +232,7 @@ def test_resume_with_another_model_config_is_refused(corpus):
         train(TrainArgs(**{**resume, "config": str(corpus / "bigger.json")}))
     with pytest.raises(ValueError, match=r"--resume: seed differs"):
         train(TrainArgs(**{**resume, "seed": 5}))
-    with pytest.raises(ValueError, match=r"--resume: stages \(steps \[4\] -> \[5\]\), seed differ"):
+    with pytest.raises(ValueError, match=r"--resume: seed differs .*started with$"):  # a longer stage: an extension
         train(TrainArgs(**{**resume, "seed": 5, "stage_plan": _plan(steps=(5, 1, 1))[:1]}))
     train(TrainArgs(**resume))
     with pytest.raises(ValueError, match="already complete"):

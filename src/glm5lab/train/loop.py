@@ -412,19 +412,34 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
     old = {"stages": saved_stages, **{k: saved["args"].get(k, default_values().get(k, getattr(TrainArgs, k))) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
-    differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k])})" for k in old if old[k] != new[k]]
+    for k in ("data", "init"):  # paths: `d1`, `d1/`, `./d1` name one folder
+        if None not in (old[k], new[k]) and Path(old[k]).resolve() == Path(new[k]).resolve():
+            new[k] = old[k]
     done = sum(d["steps"] for d in saved_stages)
-    if args.steps is not None and args.steps < done and not args.stage_plan:
+    asked = args.steps is not None and not args.stage_plan  # on --resume, --steps is the new total
+    if asked and args.steps < done:
         raise ValueError(f"--resume: --steps {args.steps} is fewer than the {done} steps of the run in {run_dir}: a "
                          f"run is extended (--steps above {done}), never shortened")
     longer = extend_plan([Stage.from_dict(d) for d in saved_stages], stages, args.steps)
-    if longer is not None and all(k.startswith("stages") for k in differ):
-        return longer
+    free = ("steps", "decay_steps", "warmup_steps") if asked else ()  # what --steps changes: not a difference
+    differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k], free)})" for k in old
+              if old[k] != new[k] and not (k == "stages" and longer is not None)]
     if differ:
         verb = "differs" if len(differ) == 1 else "differ"
         raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
-                         "resume with the arguments the run started with (or more --steps, to extend it)")
-    return stages, 0
+                         f"{_resume_fix(saved, extended=bool(free) or longer is not None)}")
+    return longer if longer is not None else (stages, 0)
+
+
+def _resume_fix(saved: dict, extended: bool) -> str:
+    """What to resume with, after the differences: the arguments the run started with, or those of its last
+    extension (run.json's "extensions"; `glm5lab.train.extend.record_extension` rewrote its args then)."""
+    more = "" if extended else " (or more --steps, to extend it)"
+    if not saved.get("extensions"):
+        return f"resume with the arguments the run started with{more}"
+    args, to = saved["args"], saved["extensions"][-1]["to_steps"]
+    how = f"--steps {args['steps']}" if args.get("steps") is not None else f"--recipe {args.get('recipe') or 'small'}"
+    return f"the run was extended to {to} steps: resume with the arguments of that extension ({how}){more}"
 
 
 def _check_not_finished(run_dir: Path, extended: int) -> None:
@@ -435,12 +450,12 @@ def _check_not_finished(run_dir: Path, extended: int) -> None:
                          f"it). To train again, choose another --out DIR or remove {run_dir}")
 
 
-def _stage_diff(old: list[dict], new: list[dict]) -> str:
+def _stage_diff(old: list[dict], new: list[dict], free: tuple[str, ...] = ()) -> str:
     """Which stage fields differ between two plans, in words (e.g. `seq_len 256 -> 128` for
-    --seq-len, `steps ...` for --steps/--quick)."""
+    --seq-len, `steps ...` for --steps/--quick), but for the `free` fields (those --steps sets on --resume)."""
     if [st["name"] for st in old] != [st["name"] for st in new]:
         return f"{[st['name'] for st in old]} -> {[st['name'] for st in new]}: --stages"
-    fields = sorted({k for a, b in zip(old, new, strict=True) for k in a if a.get(k) != b.get(k)})
+    fields = sorted({k for a, b in zip(old, new, strict=True) for k in a if a.get(k) != b.get(k) and k not in free})
     return ", ".join(f"{k} {[a.get(k) for a in old]} -> {[b.get(k) for b in new]}" for k in fields)
 
 

@@ -58,6 +58,8 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
          and their losses against the model (`check_objectives`);
       4. --resume: a checkpoint to continue, the plan against the run's config.json and run.json (more steps
          extend it), a finished run not extended, the global batch at this process count (`rescale_stages`);
+         notices for another --ep and (with a periodic validation) another --eval-tokens (`ep_note`,
+         `eval_tokens_note`);
       5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
       6. --data: a path that exists; a token folder's index, tokenizer and token counts against every stage's
          global batch (`token_folder_data`, `check_data_fits`; the run trains on the `TrainingData` it opens, so
@@ -68,7 +70,9 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     from glm5lab.checkpoint import resume_candidates
     from glm5lab.train import loop
     from glm5lab.train.expert_parallel import check_ep
-    from glm5lab.train.resume import ep_note, first_complete, rescale_stages, started_world_size
+    from glm5lab.train.resume import (
+        ep_note, eval_tokens_note, first_complete, rescale_stages, started_world_size,
+    )
     from glm5lab.train.run_lock import refuse_if_held
 
     refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
@@ -92,7 +96,8 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
         planned, extended = loop._check_same_plan(run_dir, args, planned, cfg)
         loop._check_not_finished(run_dir, extended)
         stages, note = rescale_stages(planned, started, world_size)  # the same global batch
-        notices += [line for line in (note, ep_note(run_dir, args.ep)) if line]  # nothing changes silently
+        subset = eval_tokens_note(run_dir, args.eval_tokens) if args.eval_every else None  # periodic validation on
+        notices += [line for line in (note, ep_note(run_dir, args.ep), subset) if line]  # nothing changes silently
     notices += [line for line in [_optimizer_notice(cfg, args.optimizer)] if line]
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = _check_data(args, cfg, stages, world_size, checkpoint, say=notices.append)

@@ -157,6 +157,20 @@ def ep_note(run_dir: Path, ep: int) -> str | None:
     return f"resuming with --ep {ep} a run started with --ep {started}: its experts are resharded on load"
 
 
+def eval_tokens_note(run_dir: Path, eval_tokens: int) -> str | None:
+    """The notice line when a resume's --eval-tokens is not the one in the run's run.json (or run.json has none: a
+    run started before eval_tokens, whose periodic validation scored eval_batches x batch windows): from the
+    step it resumes at, the periodic validation scores another subset of the held-out split, so val_loss before
+    and after that step do not compare. None when it is the same."""
+    started = json.loads((Path(run_dir) / "run.json").read_text())["args"].get("eval_tokens")
+    if started == eval_tokens:
+        return None
+    was = "its run.json has none (started before --eval-tokens)" if started is None else f"it started with {started:,}"
+    return (f"resuming with --eval-tokens {eval_tokens:,} a run whose periodic validation scored another subset "
+            f"({was}): from the step it resumes at, val_loss is measured on the first {eval_tokens:,} held-out "
+            "targets, and does not compare with the values before it")
+
+
 def rescale_stages(stages: list[Stage], started: int, world_size: int) -> tuple[list[Stage], str | None]:
     """The stages of a run that started with `started` processes, for `world_size` processes, keeping each
     stage's global batch (batch_size x grad_accum x processes): the per-process batch_size scaled when
