@@ -54,8 +54,10 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
       4. --resume: a checkpoint to continue, the plan against the run's config.json and run.json (more steps
          extend it), a finished run not extended, the global batch at this process count (`rescale_stages`);
       5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
-      6. --data: a path that exists; a token folder's index, tokenizer and token counts against every stage's
-         global batch (`token_folder_data`, `check_data_fits`).
+      6. --data: a path that exists; --tokenizer (or --resume's / --init's tokenizer.json) on a text corpus
+         (`given_tokenizer`: one that exists, is the continued checkpoint's, fits vocab_size); a token folder's
+         index, tokenizer and token counts against every stage's global batch (`token_folder_data`,
+         `check_data_fits`).
     The run checks the rest when it reaches it (`NOT_CHECKED`): this machine's memory, a text corpus, checkpoint
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
     ResumeError), FileExistsError, FileNotFoundError."""
@@ -105,18 +107,20 @@ def _optimizer_notice(cfg, optimizer: str) -> str | None:
 
 def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None) -> None:
     """--data: the run's own refusal when the path does not exist (`iter_documents`, reached before it reads
-    anything); for a token folder, its index, shards' sizes and tokenizer (`token_folder_data`: nothing is loaded)
-    and its token counts against each stage's global batch (`check_data_fits`)."""
-    from glm5lab.train.data import token_folder_data
+    anything); for a text corpus, --tokenizer or the continued checkpoint's (`given_tokenizer`: it loads, is the
+    checkpoint's, fits the vocabulary); for a token folder, its index, shards' sizes and tokenizer
+    (`token_folder_data`: nothing is loaded) and its token counts against each stage's global batch
+    (`check_data_fits`)."""
+    from glm5lab.train.data import given_tokenizer, token_folder_data
     from glm5lab.train.loop import check_data_fits
     from glm5lab.train.shards import is_token_folder
     from glm5lab.train.sources import iter_documents
 
-    if args.data is None:
-        return
-    if not Path(args.data).exists():
+    if args.data is not None and not Path(args.data).exists():
         next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError
-    if is_token_folder(args.data):
+    if args.data is None or not is_token_folder(args.data):  # a text corpus: --tokenizer, the checkpoint's
+        given_tokenizer(cfg.vocab_size, args.tokenizer, checkpoint)
+    else:
         data = token_folder_data(cfg.vocab_size, args.data, tokenizer=args.tokenizer, checkpoint=checkpoint)
         check_data_fits(data, stages, world_size)
 
