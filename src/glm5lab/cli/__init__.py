@@ -226,9 +226,10 @@ def add_train_parser(sub) -> None:
     src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's (or run folder's latest "
                      "checkpoint's) weights and config "
                      "(e.g. a dense run, then --stages indexer_warmup,sparse_adaptation)")
-    p.add_argument("--data", metavar="PATH", help="a text file, a folder of .txt/.md/.jsonl files, JSONL with a "
-                   "`text` field, or a token folder written by `glm5lab tokenize` (streamed from disk: for corpora "
-                   "larger than memory; docs/data.md) (default: the Shakespeare corpus, fetched and cached)")
+    p.add_argument("--data", metavar="PATH", help="a .txt/.md file, a .jsonl file (`text` field), a .parquet/.arrow "
+                   "file (`text` column), a folder of such files, or a token folder written by `glm5lab tokenize` "
+                   "(streamed from disk: for corpora larger than memory, or another text field; docs/data.md) "
+                   "(default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: "
                    "byte-level BPE trained on the training split at the model's vocab_size, cached)")
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ + what ran: runs/small for the default run, "
