@@ -167,6 +167,19 @@ def test_studies_state_their_one_difference_from_train():
     assert study_baseline.TRAIN == TrainHyper()
 
 
+def test_a_token_folder_as_study_data_is_refused_in_one_line(tmp_path):
+    """A study reads text (it trains its own tokenizer with task ids reserved): a token folder is named and refused,
+    not a traceback from inside the workbench (it was `'ShardedTokens' object has no attribute 'astype'`)."""
+    from glm5lab.ablate.workbench import Workbench
+    from glm5lab.train.tokenize import tokenize_corpus
+    from tests.conftest import write_word_corpus
+
+    write_word_corpus(tmp_path / "texts")
+    tokenize_corpus(str(tmp_path / "texts"), str(tmp_path / "tokens"), vocab_size=320, progress=False)
+    with pytest.raises(ValueError, match=r"is a token folder \(glm5lab tokenize\): a study .* reads text"):
+        Workbench.load(data=str(tmp_path / "tokens"))
+
+
 SLOW_STUDY = """
 import sys, time
 from glm5lab.ablate import runner, workbench

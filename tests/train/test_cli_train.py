@@ -42,6 +42,7 @@ def test_summary_of_a_run_without_bits_per_byte_says_not_recorded():
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, rank, printed):
     """Every torchrun process returns the summary; only RANK 0 prints it (and the Ctrl-C line)."""
+    import glm5lab.cli as cli
     import glm5lab.train.loop as loop
     from glm5lab.cli import main
 
@@ -63,6 +64,12 @@ def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, rank
     monkeypatch.setattr(loop, "train", refused)
     assert main(["train", "--preset", "tiny", "--threads", "1"]) == 2
     assert ("glm5lab train: error: --resume: refused" in capsys.readouterr().err) == printed
+
+    def interrupted_at_start(command, threads):  # Ctrl-C before train() runs (issue 36: printed by every rank)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "configure_threads", interrupted_at_start)
+    assert main(["train", "--preset", "tiny", "--threads", "1"]) == 130
+    assert capsys.readouterr().err == ("glm5lab train: interrupted\n" if printed else "")
 
 
 def test_a_resume_with_nothing_to_resume_is_a_user_error(tmp_path):
@@ -180,3 +187,86 @@ def test_the_corpus_fetch_notice_is_said_once_under_torchrun(monkeypatch, capsys
     monkeypatch.setattr(corpus_module, "_extract_texts", lambda archive, dest: dest.mkdir())
     assert corpus_module.fetch_default_corpus(tmp_path).is_dir()
     assert capsys.readouterr().err.count("glm5lab: fetching the default corpus once") == said
+
+
+OPTIMIZER_REFUSAL = ("glm5lab train: error: argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'muon', "
+                     "'muon-split', 'muon-split-kv')")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_argparse_refusals_under_torchrun_are_refused_as_ours(monkeypatch, capsys, tmp_path, rank):
+    """argparse's own refusals (an unknown flag, a value not among the choices) were printed by every torchrun rank,
+    usage and all, and torchrun's table said "To enable traceback see: ..." (issue 36): now they go the way of every
+    refusal (`_fail`): usage and line from rank 0 only, the line in each rank's error file, exit status 2."""
+    from glm5lab.cli import main
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--recipe", "tiny", "--optimizer", "adam"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    if rank == "0":  # argparse's usage, then the line
+        assert err[0].startswith("usage: glm5lab train ") and err[-1] == OPTIMIZER_REFUSAL, err
+        assert sum(s.startswith("glm5lab") for s in err) == 1
+    else:
+        assert err == []
+    assert json.loads(error_file.read_text())["message"] == OPTIMIZER_REFUSAL
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_another_torchrun_rank_refusing_gives_rank_0_time_to_say_it(monkeypatch, capsys, rank):
+    """A rank other than 0 that refused exited at once, and torchrun then stopped rank 0 (SIGTERM), at times before
+    rank 0 printed the line (issue 36: the "in use" refusal was only in torchrun's table). Now such a rank waits
+    MAIN_GRACE_S for rank 0 (torchrun stops it when rank 0 exits) and prints the line only if it is still running
+    then: the line reaches stderr, once."""
+    import glm5lab.console as console
+    import glm5lab.train.loop as loop
+    from glm5lab.cli import main
+
+    waited = []
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setattr(console.time, "sleep", lambda s: waited.append((s, capsys.readouterr().err)))
+
+    def refused(args):
+        raise ValueError("--out r is in use by another run")
+    monkeypatch.setattr(loop, "train", refused)
+    with monkeypatch.context() as m:  # not tied to this test's launcher (`exit_with_launcher`)
+        m.setattr("glm5lab.cli.exit_with_launcher", lambda: None)
+        assert main(["train", "--preset", "tiny", "--threads", "1"]) == 2
+    assert waited == ([] if rank == "0" else [(console.MAIN_GRACE_S, "")])  # waited first, silent
+    assert capsys.readouterr().err == "glm5lab train: error: --out r is in use by another run\n"
+
+
+def test_a_torchrun_rank_is_tied_to_its_launcher_before_it_parses_anything(monkeypatch):
+    """The launcher-death exit was armed in `dist.setup`, after the checks (seconds of importing torch): a launcher
+    killed in between left its ranks retrying its store for 30 minutes (issue 36). `main` now arms it first."""
+    import glm5lab.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli, "exit_with_launcher", lambda: calls.append("tied"))
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--bogus"])
+    assert calls == ["tied"]
+
+
+def test_under_torchrun_a_refusal_is_printed_once_though_rank_0_is_slower():
+    """A real torchrun, its rank 0 two seconds late, refusing argparse's way: the usage and the line come once, from
+    rank 0 (rank 1 waits for it; it used to print first, then torchrun stopped rank 0 before it spoke), and torchrun's
+    table ends with the line (rank 0's exit status 2, the root cause)."""
+    from tests.train.test_fsdp import _free_port
+
+    script = f'[ "$RANK" = 0 ] && sleep 2; exec {sys.executable} -m glm5lab train --recipe tiny --optimizer adam'
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                 f"--master_port={_free_port()}", "--no-python", "sh", "-c", script],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    err = launcher.communicate(timeout=120)[1]
+    assert launcher.returncode == 1, err[-3000:]
+    lines = [s.strip() for s in err.splitlines()]
+    assert lines.count(OPTIMIZER_REFUSAL) == 1 and sum(s.startswith("usage: glm5lab train") for s in lines) == 1, err
+    root = err[err.index("Root Cause"):]
+    assert "rank      : 0 " in root and "exitcode  : 2 " in root, err[-3000:]
+    assert [s for s in lines if s and not set(s) <= {"="}][-1] == f"traceback : {OPTIMIZER_REFUSAL}"

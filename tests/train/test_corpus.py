@@ -58,14 +58,26 @@ def test_jsonl_one_document_per_line(tmp_path):
     assert docs == [Document(f"x.jsonl:{i + 1}", f"doc {i} \u00e9\u4e2d") for i in range(3)]
 
 
-BAD_LINES = ['{"txt": "x"}', '{"text": 3}', '["text"]', "not json", '{"text": ""}', '{"text": "  "}', '{"text": "x"']
+# (a bad line, what the refusal says after "x.jsonl, line 2")
+BAD_LINES = [
+    ('{"txt": "x"}', r" has no field 'text' \(its fields: txt\); name the text field with `glm5lab tokenize .* "
+                     r"--text-field NAME --out DIR` \(then `glm5lab train --data DIR`\)"),
+    ('{"text": 3}', r": field 'text' holds an int \(3\), not a string"),
+    ('{"text": null}', r": field 'text' is null"),
+    ('["text"]', r": expected a JSON object with a non-blank string field 'text', got a list \(\['text'\]\)"),
+    ("not json", r": not valid JSON"),
+    ('{"text": ""}', r": field 'text' is empty: every document must be a non-blank string"),
+    ('{"text": "  "}', r": field 'text' is blank \(whitespace only\): every document must be a non-blank string"),
+    ('{"text": "x"', r": not valid JSON"),
+]
 
 
-@pytest.mark.parametrize("bad_line", BAD_LINES)
-def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line):
+@pytest.mark.parametrize("bad_line, message", BAD_LINES)
+def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line, message):
     path = _write(tmp_path / "x.jsonl", '{"text": "ok"}\n' + bad_line + '\n{"text": "ok"}\n')
-    with pytest.raises(ValueError, match=r"x\.jsonl, line 2"):
+    with pytest.raises(ValueError, match=r"x\.jsonl, line 2" + message) as e:
         _read(path)
+    assert "non-empty" not in str(e.value) and "\n" not in str(e.value)
 
 
 def test_jsonl_blank_lines_are_skipped_and_later_lines_keep_their_numbers(tmp_path):
@@ -84,11 +96,34 @@ def test_an_empty_file_in_a_folder_is_named_once_and_skipped(tmp_path, capsys):
     _write(tmp_path / "e.jsonl", '{"text": "echo"}\n')
     assert _read(tmp_path) == [Document("a.txt", "alpha"), Document("e.jsonl:1", "echo")]
     err = capsys.readouterr().err
-    assert err == f"glm5lab: corpus folder {tmp_path}: skipping 3 empty files: b.txt, d.md, sub/c.jsonl\n"
+    assert err == (f"glm5lab: corpus folder {tmp_path}: reading its 2 .txt/.md/.jsonl/.parquet/.arrow files; "
+                   "skipping 3 empty files: b.txt, d.md, sub/c.jsonl\n")  # counts only the files it reads
     for name in ("a.txt", "e.jsonl"):
         (tmp_path / name).unlink()
-    with pytest.raises(ValueError, match=r"its 3 .* files hold no text \(empty or whitespace only\)"):
+    with pytest.raises(ValueError, match=r"its 3 .* files hold no text \(empty or whitespace only, or a table "
+                                         r"without rows\)"):
         _read(tmp_path)
+
+
+def test_hidden_files_and_folders_are_skipped_and_named(tmp_path, capsys):
+    """Issue 36: a folder's .git/, .cache/, .DS_Store ... are never training documents (a .txt inside either)."""
+    _write(tmp_path / "a.txt", "alpha")
+    _write(tmp_path / ".git" / "HEAD.txt", "ref: refs/heads/main")
+    _write(tmp_path / ".git" / "deep" / "notes.md", "hidden deep")
+    _write(tmp_path / "deep" / ".hidden2.txt", "hidden file")
+    _write(tmp_path / "deep" / "b.txt", "bravo")
+    _write(tmp_path / "c.txt", "")
+    _write(tmp_path / "x.csv", "a,b")
+    assert _read(tmp_path) == [Document("a.txt", "alpha"), Document("deep/b.txt", "bravo")]
+    assert capsys.readouterr().err == (
+        f"glm5lab: corpus folder {tmp_path}: reading its 2 .txt/.md/.jsonl/.parquet/.arrow files; skipping 1 empty "
+        "file: c.txt; 1 other file: x.csv; 2 hidden files or folders (name starting with '.'): .git/, "
+        "deep/.hidden2.txt\n")
+    _write(tmp_path / "only" / ".h.txt", "hidden")
+    with pytest.raises(ValueError, match=r"holds no .* files \(searched recursively; names starting with '\.' "
+                                         r"skipped\)"):
+        _read(tmp_path / "only")
+    assert _read(_write(tmp_path / ".given.txt", "named")) == [Document(".given.txt", "named")]  # given as DATA
 
 
 def test_an_unknown_file_type_names_every_type_read(tmp_path):

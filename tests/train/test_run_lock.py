@@ -1,12 +1,13 @@
 """One run at a time in a run folder (issue 36, fault 1): a second `glm5lab train` (fresh or --resume) into a folder
 another run holds is refused in one line naming the holder, and leaves the folder as it was; a lock whose holder was
 killed does not block; under torchrun every rank holds the folder, and killing the launcher (SIGKILL) stops its
-ranks, which frees it."""
+ranks, which frees it, also during their start-up or before it."""
 
 import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -130,7 +131,7 @@ def _flock_holders(path: Path) -> set[tuple[int, str]]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_killing_the_torchrun_launcher_stops_its_ranks_and_frees_the_folder(tmp_path):
     """torchrun starts each rank in a session of its own, so SIGKILL of the launcher reached none of them, and they
-    trained on holding the folder: now each rank exits with its launcher (`dist.exit_with_launcher`). While they
+    trained on holding the folder: now each rank exits with its launcher (`launcher.exit_with_launcher`). While they
     run, every rank holds the folder: a start is refused naming torchrun and rank 0."""
     run, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
@@ -159,6 +160,62 @@ def test_killing_the_torchrun_launcher_stops_its_ranks_and_frees_the_folder(tmp_
         assert not any(_alive(pid) for pid in ranks), "the ranks outlived their launcher"
         with hold_run_folder(run, ONE):  # free again
             pass
+    finally:
+        launcher.kill()
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_launcher_is_gone_when_its_store_refuses_connections(monkeypatch):
+    """`launcher_gone` asks the store torchrun's agent holds for the whole run: refused = the launcher is dead; a
+    listening store, or no agent store (the ranks make their own), decides nothing."""
+    from glm5lab.train.launcher import launcher_gone
+
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        port = store.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        assert launcher_gone()  # bound, not listening: refused
+        store.listen()
+        assert not launcher_gone()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert not launcher_gone()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_end_with_a_launcher_killed_during_their_start(tmp_path, corpus):  # noqa: F811
+    """SIGKILL of torchrun while its ranks start (issue 36: 2.5 s in, both ranks retried its store for 30 minutes):
+    rank 1 is in its checks (importing torch: tied to the launcher since `main` began), rank 0 has not even started
+    Python (the launcher is dead before it could tie itself: it finds the launcher's store gone). Both end."""
+    from tests.train.test_fsdp import _free_port
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    train = (f"exec {sys.executable} -m glm5lab train --config {corpus / 'config.json'} --data {corpus / 'texts'} "
+             f"--steps 30 --no-progress --threads 1 --out {tmp_path / 'run'}")
+    # torchrun reads its arguments as string.Template macros, where $$ stands for $: the shell gets `echo $$`
+    script = f'echo $$$$ > {pids}/rank$RANK.pid; [ "$RANK" = 0 ] && sleep 4; {train}'
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                 f"--master_port={_free_port()}", "--no-python", "sh", "-c", script],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+            ranks = [int(p.read_text()) for p in sorted(pids.glob("rank*.pid")) if p.read_text().strip()]
+        time.sleep(1.0)  # rank 1 in its start-up, rank 0 still in `sleep`
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "ranks outlived a launcher killed during their start"
     finally:
         launcher.kill()
         for pid in ranks:

@@ -129,3 +129,40 @@ def test_ctrl_c_under_torchrun_stops_every_rank_once_and_cleanly(tmp_path):
     assert "terminate called" not in text, text[-3000:]
     assert text.count("glm5lab train: interrupted") == 1, text[-3000:]
     assert not (run / "run.lock").exists()
+
+
+def test_sigterm_ends_a_one_process_run_as_ctrl_c_does(tmp_path):
+    """SIGTERM (`timeout`, a scheduler's preemption) killed a one-process run where it stood, leaving run.lock behind
+    (issue 36). Now it ends the run as Ctrl-C does: the latest checkpoint kept, the lock file removed, one line
+    saying so, exit status 143 (128 + SIGTERM)."""
+    import json
+    import signal
+    import time
+
+    from tests.conftest import write_word_corpus
+    from glm5lab.config import ModelConfig
+
+    write_word_corpus(tmp_path / "texts")
+    (tmp_path / "config.json").write_text(json.dumps(ModelConfig.from_preset("tiny", vocab_size=320).to_hf()))
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "GLM5LAB_CACHE": str(tmp_path / "cache")}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    proc = subprocess.Popen([sys.executable, "-m", "glm5lab", "train", "--config", str(tmp_path / "config.json"),
+                             "--data", str(tmp_path / "texts"), "--steps", "300", "--seq-len", "24", "--batch-size", "2",
+                             "--checkpoint-every", "2", "--eval-every", "0", "--threads", "1", "--no-progress",
+                             "--out", str(run)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "latest").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert err.splitlines()[-1] == (f"glm5lab train: stopped (SIGTERM); the latest checkpoint in {run} is kept: "
+                                    "continue with the same arguments plus --resume"), err[-3000:]
+    assert not (run / "run.lock").exists()
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "trainer_state.pt").is_file()

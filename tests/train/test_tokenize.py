@@ -100,9 +100,42 @@ def test_parquet_and_arrow_through_datasets(tmp_path):
     arrow_docs = list(iter_documents(tmp_path / "arrow", "body"))
     assert [d.text for d in arrow_docs] == rows and arrow_docs[0].name == "data-00000-of-00001.arrow:0"
     with pytest.raises(ValueError, match=r"part-0.parquet has no column 'text' \(its columns: id, body\); name the "
-                                         r"text column with --text-field NAME"):
+                                         r"text column with `glm5lab tokenize .*pq --text-field NAME --out DIR` "
+                                         r"\(then `glm5lab train --data DIR`\)$"):
         tokenize_corpus(tmp_path / "pq", tmp_path / "t2", tokenizer=tmp_path / "tk", vocab_size=VOCAB, progress=False)
-    assert not (tmp_path / "t2" / "index.json").exists()
+    assert not (tmp_path / "t2").exists()  # a failed tokenize leaves no folder it made
+
+
+def test_empty_corrupt_and_non_string_tables(tmp_path, capsys):
+    """Issue 36: a table without rows in a folder is skipped and named like an empty .txt (refused given as DATA);
+    an unreadable one, or a cell that is not a non-blank string, is refused naming the file (and row)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    datasets = _datasets()
+    folder = tmp_path / "f"
+    write_word_corpus(folder, docs=3, words_per_doc=50)
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "z.parquet")  # one row group of 0 rows
+    schema = pa.schema([("text", pa.string())])
+    with pa.OSFile(str(folder / "y.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema):
+        pass  # an arrow stream (save_to_disk's layout) without batches
+    with pa.OSFile(str(folder / "x.arrow"), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+        w.write_table(pa.table({"text": pa.array([], pa.string())}))  # an arrow file, one batch of 0 rows
+    docs = list(iter_documents(folder))
+    assert [d.name for d in docs] == ["doc0.txt", "doc1.txt", "doc2.txt"]
+    assert capsys.readouterr().err == (f"glm5lab: corpus folder {folder}: reading its 3 .txt/.md/.jsonl/.parquet/"
+                                       ".arrow files; skipping 3 empty files: x.arrow, y.arrow, z.parquet\n")
+    for name in ("z.parquet", "y.arrow", "x.arrow"):
+        with pytest.raises(ValueError, match=rf"{name} is empty: the table has no rows$"):
+            list(iter_documents(folder / name))
+    (folder / "bad.parquet").write_bytes(b"not a parquet file" * 10)
+    with pytest.raises(ValueError, match=r"bad.parquet: not a readable parquet file \(.*magic bytes"):
+        tokenize_corpus(folder, tmp_path / "t", vocab_size=VOCAB, progress=False)
+    assert not (tmp_path / "t").exists()
+    (folder / "bad.parquet").unlink()
+    datasets.Dataset.from_dict({"text": [1, 2]}).to_parquet(str(folder / "i.parquet"))
+    with pytest.raises(ValueError, match=r"i.parquet, row 0: column 'text' holds an int \(1\), not a string$"):
+        list(iter_documents(folder))
 
 
 def test_an_interrupted_run_leaves_no_index_and_no_partial_shard(tmp_path, monkeypatch):

@@ -45,12 +45,18 @@ class Workbench:
     @classmethod
     def load(cls, vocab_size: int = 512, num_keys: int = 32, num_values: int = 32, *,
              data: str | None = None) -> "Workbench":
-        """Tokenize `data` (a text file, a folder of .txt/.md/.jsonl files, or JSONL with a `text`
-        field, as `glm5lab train --data`; default: the Shakespeare corpus, fetched on first use),
-        split by document and tokenized as `glm5lab train` does (`prepare_data` at the text ids,
-        split seed SPLIT_SEED). Raises ValueError when the reserved ids leave fewer than 300 ids
-        for text (a byte-level BPE), FileNotFoundError for a missing `data`."""
+        """Tokenize `data` (a text corpus as `glm5lab train --data` reads it: a .txt/.md/.jsonl/.parquet/.arrow
+        file or a folder of them; default: the Shakespeare corpus, fetched on first use), split by document and
+        tokenized as `glm5lab train` does (`prepare_data` at the text ids, split seed SPLIT_SEED). Raises
+        ValueError when the reserved ids leave fewer than 300 ids for text (a byte-level BPE) or `data` is a token
+        folder (its ids are another tokenizer's), FileNotFoundError for a missing `data`."""
         from glm5lab.train.data import prepare_data
+        from glm5lab.train.shards import is_token_folder
+
+        if data is not None and is_token_folder(data):
+            raise ValueError(f"--data {data} is a token folder (glm5lab tokenize): a study trains its own tokenizer "
+                             "at its vocabulary with task ids reserved, so it reads text; pass the text corpus the "
+                             "folder was made from")
 
         reserved = len(MARKERS) + num_keys + num_values
         text_vocab = vocab_size - reserved

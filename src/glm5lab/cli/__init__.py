@@ -24,9 +24,10 @@ Errors a user can cause (unknown preset, missing or malformed config.json, wrong
 bad --context or other number, a missing model folder, a prompt too long for the model) print one
 line `glm5lab <command>: error: ...` to stderr and exit with status 2; argparse's own usage
 errors also exit with 2. A RuntimeError (a run that diverged, a checkpoint whose weights do not
-match its config) exits with 1; Ctrl-C during train or generate exits with 130. Under torchrun the
-same line is also the failed rank's `traceback :` in torchrun's closing summary (`_fail`;
-docs/scaling.md, "Reading a refusal under torchrun").
+match its config) exits with 1; Ctrl-C exits with 130, and SIGTERM of a one-process train (`timeout`, a
+scheduler's preemption) ends it as Ctrl-C does, with 143. Under torchrun the
+same line is also the failed rank's `traceback :` in torchrun's closing summary and is printed once, by
+rank 0, argparse's refusals included (`_fail`; docs/scaling.md, "Reading a refusal under torchrun").
 
 ledger and train are defined here; generate, ablate and report in `glm5lab.cli.generate`,
 `glm5lab.cli.ablate` and `glm5lab.cli.report`. Torch is imported by a command's body, not here.
@@ -38,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,12 +50,13 @@ from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
 from glm5lab.cli.tokenize import add_tokenize_parser
 from glm5lab.config import ConfigError, ModelConfig
-from glm5lab.console import is_main_process
+from glm5lab.console import is_main_process, say, say_refusal
 from glm5lab.deployment import check_layout, deployment, render_deployment
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
 from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
 from glm5lab.threads import configure as configure_threads
+from glm5lab.train.launcher import exit_with_launcher
 from glm5lab.validate import DTYPES, refuse
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
@@ -127,20 +130,47 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(dry_run(TrainArgs(**fields), nproc=args.nproc))
         return 0
     try:
-        summary = train(TrainArgs(**fields))
-    except KeyboardInterrupt:
-        if not is_main_process():  # under torchrun rank 0 speaks for the run
-            return 130
+        with _sigterm_stops_the_run():
+            summary = train(TrainArgs(**fields))
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Stopped`)
+        how, status = (e.args[0], e.status) if isinstance(e, Stopped) else ("interrupted", 130)
         if (Path(fields["out"]) / "checkpoints" / "latest").is_file():
-            print(f"glm5lab train: interrupted; the latest checkpoint in {fields['out']} is kept: continue with "
-                  "the same arguments plus --resume", file=sys.stderr)
+            say(f"glm5lab train: {how}; the latest checkpoint in {fields['out']} is kept: continue with the same "
+                "arguments plus --resume")
         else:
-            print(f"glm5lab train: interrupted before the first checkpoint; nothing to resume in {fields['out']}: "
-                  "run the same command again to start over", file=sys.stderr)
-        return 130
+            say(f"glm5lab train: {how} before the first checkpoint; nothing to resume in {fields['out']}: run the "
+                "same command again to start over")
+        return status
     if is_main_process():
         print(format_summary(summary))
     return 0
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a scheduler's preemption) of a one-process `glm5lab train`, raised where Ctrl-C raises
+    KeyboardInterrupt, so the run ends the same way (its latest checkpoint kept, its run folder's lock removed), with
+    exit status 143 (128 + SIGTERM, the shell's convention) and `stopped (SIGTERM)` where Ctrl-C says `interrupted`."""
+
+    status = 128 + signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run():
+    """Within the block, the first SIGTERM raises `Stopped` (a second one kills at once, as by default). Not in a
+    torchrun rank: there SIGTERM is torchrun stopping the rank (another rank failed, or its launcher died)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        yield
+        return
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Stopped("stopped (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 NAMED_FLAGS = (("quick", "quick"), ("stages", "stages"), ("steps", "steps"), ("optimizer", ""), ("seed", "seed"),
@@ -226,9 +256,10 @@ def add_train_parser(sub) -> None:
     src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's (or run folder's latest "
                      "checkpoint's) weights and config "
                      "(e.g. a dense run, then --stages indexer_warmup,sparse_adaptation)")
-    p.add_argument("--data", metavar="PATH", help="a text file, a folder of .txt/.md/.jsonl files, JSONL with a "
-                   "`text` field, or a token folder written by `glm5lab tokenize` (streamed from disk: for corpora "
-                   "larger than memory; docs/data.md) (default: the Shakespeare corpus, fetched and cached)")
+    p.add_argument("--data", metavar="PATH", help="a .txt/.md file, a .jsonl file (`text` field), a .parquet/.arrow "
+                   "file (`text` column), a folder of such files, or a token folder written by `glm5lab tokenize` "
+                   "(streamed from disk: for corpora larger than memory, or another text field; docs/data.md) "
+                   "(default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: "
                    "byte-level BPE trained on the training split at the model's vocab_size, cached)")
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ + what ran: runs/small for the default run, "
@@ -299,8 +330,20 @@ def add_recipe_flags(p) -> None:
                    "a recipe's global_batch); default the recipe's (small: 1)")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose own refusals (an unknown flag, a value not among the choices, a missing argument)
+    are refused as every other one (`_fail`): its usage and `PROG: error: ...` on stderr once per run, the line in
+    torchrun's error file, exit status 2 (SystemExit, as argparse's). Its subcommands' parsers are of this class too
+    (`add_subparsers` makes them so)."""
+
+    def error(self, message: str):
+        if is_main_process():
+            self.print_usage(sys.stderr)
+        sys.exit(_fail(f"{self.prog}: error: {message}", 2))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glm5lab", description=DESCRIPTION)
+    parser = Parser(prog="glm5lab", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(sub)
     p = sub.add_parser("ledger", help="parameters, state bytes and FLOPs per token, from the config alone",
@@ -349,8 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line `argv` (default sys.argv[1:]); returns the exit status. A torchrun rank that joined a
-    process group does not return: it ends with that status through `glm5lab.train.dist.end_process`."""
+    """Run the command line `argv` (default sys.argv[1:]); returns the exit status. A torchrun rank first ties
+    itself to its launcher (`exit_with_launcher`: it ends when torchrun dies, also during its checks), and one that
+    joined a process group does not return: it ends with that status through `glm5lab.train.dist.end_process`."""
+    exit_with_launcher()
     args = build_parser().parse_args(argv)
     status = _run(args)
     dist = sys.modules.get("glm5lab.train.dist")
@@ -365,8 +410,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.command in COMPUTE_COMMANDS:  # before the command body imports torch
             configure_threads(args.command, args.threads)
         return args.func(args)
-    except KeyboardInterrupt:  # commands that keep partial work say so themselves first
-        print(f"glm5lab {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # commands that keep partial work say so themselves first; under torchrun, rank 0
+        say(f"glm5lab {args.command}: interrupted")
         return 130
     except BrokenPipeError:  # stdout closed early (`glm5lab generate ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -378,11 +423,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _fail(line: str, status: int, *, every_rank: bool = False) -> int:
-    """Print `line` on stderr (from the main rank, or from `every_rank`) and return `status`. Under torchrun the line
-    also goes to this rank's error file (TORCHELASTIC_ERROR_FILE), which torchrun's closing failure summary prints as
-    the failed rank's `traceback :` field: the last line of the launcher's report, below its own traceback."""
-    if every_rank or is_main_process():
+    """Print `line` on stderr once per run (`console.say_refusal`: rank 0 speaks for the torchrun ranks, which refuse
+    the same arguments; the others wait for it first), or from `every_rank`, and return `status`. Under torchrun the
+    line then goes to this rank's error file (TORCHELASTIC_ERROR_FILE), which torchrun's closing failure summary
+    prints as the failed rank's `traceback :` field: the last line of the launcher's report, below its own
+    traceback. Written last: the summary's root cause is the rank whose file is oldest, rank 0, not one that torchrun
+    stopped while it waited."""
+    if every_rank:
         print(line, file=sys.stderr, flush=True)
+    else:
+        say_refusal(line)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torch.distributed.elastic's format: {"message": str, "timestamp": seconds}
         with contextlib.suppress(OSError):

@@ -59,8 +59,9 @@ def add_ablate_parser(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="results folder (default runs/ablate/STUDY[-gpu][-quick])")
     p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the study's own: 3, "
                    "2 for baseline)")
-    p.add_argument("--data", metavar="PATH", help="text corpus: a file, a folder of .txt/.md/.jsonl files, or JSONL "
-                   "with a `text` field (default: the Shakespeare corpus, fetched and cached)")
+    p.add_argument("--data", metavar="PATH", help="text corpus: a .txt/.md file, a .jsonl file (`text` field), a "
+                   ".parquet/.arrow file (`text` column), or a folder of such files (docs/data.md) (default: the "
+                   "Shakespeare corpus, fetched and cached)")
     p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
     p.add_argument("--root", metavar="DIR", default="runs/ablate", help="summary: the folder of study results "
                    "(default runs/ablate)")

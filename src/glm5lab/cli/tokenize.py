@@ -34,9 +34,9 @@ def add_tokenize_parser(sub) -> None:
                        "vocabularies over 65536 ids) token shards per split, tokenizer.json and index.json (last) "
                        "into --out. `glm5lab train --data DIR` then reads windows through numpy memmap without "
                        "loading the corpus (docs/data.md).")
-    p.add_argument("data", metavar="DATA", nargs="?", help="a text file, a .jsonl file, a .parquet/.arrow file, or a "
-                   "folder of such files (parquet/arrow need `pip install -e .[data]`; default: the Shakespeare "
-                   "corpus, fetched and cached)")
+    p.add_argument("data", metavar="DATA", nargs="?", help="a .txt/.md file, a .jsonl file, a .parquet/.arrow file, or "
+                   "a folder of such files (its other, empty and hidden files are named and skipped; parquet/arrow "
+                   "need `pip install -e .[data]`; default: the Shakespeare corpus, fetched and cached)")
     p.add_argument("--out", metavar="DIR", required=True, help="the token folder to write (new or empty)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: byte-level "
                    "BPE trained on the training split at --vocab-size, cached: the one `glm5lab train` trains). Long "

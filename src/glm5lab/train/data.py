@@ -41,25 +41,66 @@ def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str
     cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
     tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
     at `vocab_size` and cached beside the data. A run that continues from a `checkpoint` folder (resume,
-    `--init`) uses the tokenizer.json saved there, so its weights keep the vocabulary they were trained with.
+    `--init`) keeps the tokenizer.json saved there, so its weights keep the vocabulary they were trained with: a
+    `tokenizer` that is another is refused (`given_tokenizer`, checked before any text is read).
     Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`.
 
     `data` may be a token folder (`glm5lab tokenize`): then `token_folder_data`, memmap-backed splits, whose
     split seed, when it is not `seed`, is said in one line through `say`."""
     if data is not None and is_token_folder(data):
         return token_folder_data(vocab_size, data, tokenizer=tokenizer, checkpoint=checkpoint, seed=seed, say=say)
+    tok = given_tokenizer(vocab_size, tokenizer, checkpoint)
     source, train_docs, val_docs = split_corpus(data, seed)
-    saved = checkpoint / "tokenizer.json" if checkpoint is not None else None
+    if tok is None:
+        tok = cached_tokenizer((d.text for d in train_docs), vocab_size, cache_root() / "tokenizers")
+        _check_vocab(tok, vocab_size)
+    return TrainingData(tok, encode_documents(tok, train_docs), encode_documents(tok, val_docs), str(source))
+
+
+def given_tokenizer(vocab_size: int, tokenizer: str | None, checkpoint: Path | None) -> Tokenizer | None:
+    """The tokenizer a run on a text corpus is given rather than trains: `tokenizer` (a tokenizer.json or a folder
+    holding one), else the tokenizer.json of the `checkpoint` it continues (--resume, --init), else None (the run
+    trains its BPE on the text). Reads no text: `glm5lab.train.plan.check_run` calls it too, so a dry run refuses
+    what the run refuses. Raises FileNotFoundError / ValueError as `load_tokenizer` (a missing or malformed
+    `tokenizer`); ValueError when `tokenizer` is not the checkpoint's (`check_kept_tokenizer`) or its vocabulary
+    does not fit `vocab_size`."""
+    saved = _saved_tokenizer(checkpoint)
     if tokenizer:
         tok = load_tokenizer(Path(tokenizer))
-    elif saved is not None and saved.is_file():
+        check_kept_tokenizer(checkpoint, tokenizer_sha256(tok), f"--tokenizer {tokenizer}",
+                             "drop --tokenizer (the checkpoint's tokenizer.json is used)")
+    elif saved is not None:
         tok = load_tokenizer(saved)
     else:
-        tok = cached_tokenizer((d.text for d in train_docs), vocab_size, cache_root() / "tokenizers")
+        return None
+    _check_vocab(tok, vocab_size)
+    return tok
+
+
+def check_kept_tokenizer(checkpoint: Path | None, sha256: str, other: str, fix: str) -> None:
+    """The rule of a run that continues a checkpoint (--resume, --init), on a text corpus or a token folder: it
+    keeps the tokenizer the checkpoint was trained with. Raises ValueError, one line naming both, when
+    `checkpoint` holds a tokenizer.json whose `tokenizer_sha256` (of the canonical JSON: the same tokenizer however
+    its file is formatted) is not `sha256`, that of `other` (e.g. "--tokenizer PATH", "the token folder DIR's");
+    the line ends with `fix`. Nothing to check without a checkpoint or its tokenizer.json."""
+    saved = _saved_tokenizer(checkpoint)
+    if saved is None:
+        return
+    have = tokenizer_sha256(load_tokenizer(saved))
+    if have != sha256:
+        raise ValueError(f"checkpoint {checkpoint} was trained with another tokenizer (sha256 {have[:12]}) than "
+                         f"{other} ({sha256[:12]}): resume with another tokenizer is not allowed; {fix}")
+
+
+def _saved_tokenizer(checkpoint: Path | None) -> Path | None:
+    saved = Path(checkpoint) / TOKENIZER_FILE if checkpoint is not None else None
+    return saved if saved is not None and saved.is_file() else None
+
+
+def _check_vocab(tok: Tokenizer, vocab_size: int) -> None:
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
                          f"{vocab_size}: use a model config with vocab_size >= the tokenizer's")
-    return TrainingData(tok, encode_documents(tok, train_docs), encode_documents(tok, val_docs), str(source))
 
 
 def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None, checkpoint: Path | None = None,
@@ -85,12 +126,9 @@ def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None, 
             refuse("--tokenizer", tokenizer, f"token folder {folder} holds another tokenizer's shards (sha256 "
                    f"{want[:12]}, this one {given[:12]}): drop --tokenizer (the folder's tokenizer.json is used), "
                    "or tokenize the corpus with this tokenizer")
-    saved = checkpoint / TOKENIZER_FILE if checkpoint is not None else None
-    if saved is not None and saved.is_file() and tokenizer_sha256(load_tokenizer(saved)) != want:
-        raise ValueError(f"checkpoint {checkpoint} was trained with another tokenizer (sha256 "
-                         f"{tokenizer_sha256(load_tokenizer(saved))[:12]}) than the token folder {folder}'s "
-                         f"({want[:12]}): resume with another tokenizer is not allowed; tokenize the corpus with "
-                         f"--tokenizer {saved}")
+    saved = _saved_tokenizer(checkpoint)
+    check_kept_tokenizer(checkpoint, want, f"the token folder {folder}'s",
+                         f"tokenize the corpus with --tokenizer {saved}")
     split_seed = tokens.index.get("split", {}).get("seed")
     if seed is not None and split_seed is not None and split_seed != seed:
         say(f"token folder {folder} was split into training and validation with seed {split_seed} (glm5lab tokenize "

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import gc
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -25,6 +24,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from glm5lab.train.launcher import exit_with_launcher
 
 _joined = False
 """Whether `setup` joined a process group in this process (`joined`)."""
@@ -54,7 +54,8 @@ def world_size() -> int:
 
 def setup() -> DistContext:
     """This process's place in the run: one process, or (WORLD_SIZE > 1) a rank of the process group it joins
-    (NCCL on CUDA, gloo otherwise; `exit_with_launcher` first). Leave it with `teardown` (or `session`)."""
+    (NCCL on CUDA, gloo otherwise; `glm5lab.train.launcher.exit_with_launcher` first: `glm5lab.cli.main` armed it
+    already, before the command's checks, in a rank of `glm5lab`). Leave it with `teardown` (or `session`)."""
     cuda = torch.cuda.is_available()
     if world_size() == 1:
         return DistContext(0, 1, torch.device("cuda" if cuda else "cpu"))
@@ -208,37 +209,6 @@ def optimizer_state(model, optimizer, ctx: DistContext) -> dict:
 def barrier(ctx: DistContext) -> None:
     if ctx.world_size > 1:
         dist.barrier()
-
-
-def exit_with_launcher() -> None:
-    """Under torchrun (TORCHELASTIC_RUN_ID set), make this rank exit (SIGTERM) when its launcher dies, SIGKILL
-    included: torchrun starts each rank as its own child in a new session, so nothing else stops the ranks of a
-    killed launcher, and they would train on, holding the run folder. Linux: prctl(PR_SET_PDEATHSIG), sent when the
-    thread that started this process ends (torchrun's main thread, which starts its ranks and lives as long as the
-    launcher; torch.multiprocessing arms it so for the workers it spawns); other systems: a watchdog thread that
-    checks the parent pid every second. A launcher that died
-    before this call holds the rendezvous store this rank then fails to reach (torchrun's agent store), so the rank
-    never joins a group."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-    else:
-        import threading
-        import time
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=watch, name="glm5lab-launcher-watch", daemon=True).start()
-    if os.getppid() != parent:  # it died between the two calls
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def teardown(ctx: DistContext | None = None, *, barrier: bool = True) -> None:

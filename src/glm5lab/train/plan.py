@@ -61,9 +61,11 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
          notices for another --ep and (with a periodic validation) another --eval-tokens (`ep_note`,
          `eval_tokens_note`);
       5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
-      6. --data: a path that exists; a token folder's index, tokenizer and token counts against every stage's
-         global batch (`token_folder_data`, `check_data_fits`; the run trains on the `TrainingData` it opens, so
-         its split-seed notice is said once, by the dry run too).
+      6. --data: a path that exists; --tokenizer (or --resume's / --init's tokenizer.json) on a text corpus
+         (`given_tokenizer`: one that exists, is the continued checkpoint's, fits vocab_size); a token folder's
+         index, tokenizer and token counts against every stage's global batch (`token_folder_data`,
+         `check_data_fits`; the run trains on the `TrainingData` it opens, so its split-seed notice is said once,
+         by the dry run too).
     The run checks the rest when it reaches it (`NOT_CHECKED`): this machine's memory, a text corpus, checkpoint
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
     ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
@@ -130,19 +132,20 @@ def _optimizer_notice(cfg, optimizer: str) -> str | None:
 
 def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None, say):
     """--data: the run's own refusal when the path does not exist (`iter_documents`, reached before it reads
-    anything); for a token folder, its index, shards' sizes and tokenizer (`token_folder_data`: nothing is loaded;
-    its split seed, when it is not --seed, through `say`) and its token counts against each stage's global batch
-    (`check_data_fits`). Returns the token folder's `TrainingData`, else None."""
-    from glm5lab.train.data import token_folder_data
+    anything); for a text corpus, --tokenizer or the continued checkpoint's (`given_tokenizer`: it loads, is the
+    checkpoint's, fits the vocabulary); for a token folder, its index, shards' sizes and tokenizer
+    (`token_folder_data`: nothing is loaded; its split seed, when it is not --seed, through `say`) and its token
+    counts against each stage's global batch (`check_data_fits`). Returns the token folder's `TrainingData`, else
+    None (a text corpus: the run reads it)."""
+    from glm5lab.train.data import given_tokenizer, token_folder_data
     from glm5lab.train.loop import check_data_fits
     from glm5lab.train.shards import is_token_folder
     from glm5lab.train.sources import iter_documents
 
-    if args.data is None:
-        return None
-    if not Path(args.data).exists():
+    if args.data is not None and not Path(args.data).exists():
         next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError
-    if not is_token_folder(args.data):
+    if args.data is None or not is_token_folder(args.data):  # a text corpus: --tokenizer, the checkpoint's
+        given_tokenizer(cfg.vocab_size, args.tokenizer, checkpoint)
         return None
     data = token_folder_data(cfg.vocab_size, args.data, tokenizer=args.tokenizer, checkpoint=checkpoint,
                              seed=args.seed, say=say)

@@ -5,18 +5,23 @@ What is read (`SUFFIXES`): a .txt/.md file is one document (UTF-8, a leading BOM
 "\\n", as `Path.read_text` gives it); a .jsonl file one per non-blank line (string field `text_field`), named
 `FILE:LINE` (LINE counted from 1 over every line, blank ones included); a .parquet/.arrow file one per row
 (column `text_field`, read with the `datasets` library in streaming mode), named `FILE:ROW` (ROW from 0); a folder
-every such file inside, recursively, in sorted path order, FILE relative to the folder. A document's name, and
-with it its side of the train/validation split, never depends on the other files.
+every such file inside, recursively, in sorted path order, FILE relative to the folder, but for hidden ones (a
+name starting with "." at any depth: .git/, .cache/, .DS_Store, ...). A document's name, and with it its side of
+the train/validation split, never depends on the other files.
 
-Not an error: files of other types in a folder (named in one line on stderr and skipped), blank lines in a JSONL
-file (skipped), an empty file in a folder (blank: nothing but whitespace; named in one line and skipped).
+Skipped, not an error: in a folder, files of other types, hidden files and folders, and empty files (blank: nothing
+but whitespace; a table: no rows), named in one line on stderr with the number of files read (`_say_skipped`);
+blank lines in a JSONL file.
 Refused (ValueError, one line naming the file, line or row): an unknown file type given as DATA (the message lists
-`SUFFIXES`), a folder without such files or with only empty ones, an empty file given as DATA, bad UTF-8, a JSONL
-line that is not an object with a non-empty string field, a table row without text, a table without the column.
+`SUFFIXES`), a folder without such files or with only empty ones, an empty file given as DATA, bad UTF-8, a table
+file that cannot be read, a JSONL line that is not an object with a non-blank string field, a table row without
+non-blank string text, a table without the column (the message names `glm5lab tokenize --text-field`).
 
 `open_corpus` lists the files once (the notices are said once); `Corpus.documents()` reads them, again on each
 call (tokenize reads a corpus two to four times). With `lazy=True` a text file comes as a `TextFile`, read in
 chunks on demand, so a document of any size is never held whole; otherwise as a `Document` holding its text.
+A JSONL line or a table row is parsed whole: its document is always held in memory (docs/data.md, "Long
+documents").
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import codecs
 import io
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,16 +88,16 @@ class Corpus:
 
     def documents(self, lazy: bool = False) -> Iterator[Document | TextFile]:
         """Yield the documents in order (reading the files again on each call); text files as `TextFile`s when
-        `lazy`, else as `Document`s. Raises ValueError / ImportError as the module says."""
+        `lazy`, else as `Document`s. Raises ValueError as the module says."""
         for path, name in self.files:
-            yield from _file_documents(path, name, self.text_field, lazy)
+            yield from _file_documents(path, name, self, lazy)
 
 
 def open_corpus(path, text_field: str = "text") -> Corpus:
-    """List the corpus at `path` (a file or a folder, see the module docstring): files of other types and empty
-    files in a folder are named in one line each on stderr and skipped. Raises FileNotFoundError for a missing
-    path; ValueError for an unknown file type, an empty file given as the corpus, bad UTF-8 (found while checking
-    for empty files), or a folder without a non-empty file of `SUFFIXES`."""
+    """List the corpus at `path` (a file or a folder, see the module docstring): files of other types, hidden and
+    empty files in a folder are skipped, named in one line on stderr. Raises FileNotFoundError for a missing
+    path; ValueError for an unknown file type, an empty file given as the corpus, bad UTF-8 or an unreadable table
+    (found while checking for empty files), or a folder without a non-empty file of `SUFFIXES`."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no corpus at {path}: expected a file or a folder of {'/'.join(SUFFIXES)} files")
@@ -100,8 +106,9 @@ def open_corpus(path, text_field: str = "text") -> Corpus:
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
-    if suffix not in TABLE_SUFFIXES and _blank(path):
-        what = "expected one JSON object per line" if suffix == ".jsonl" else "every document must hold some text"
+    if _empty(path):
+        what = {".jsonl": "expected one JSON object per line", ".parquet": "the table has no rows",
+                ".arrow": "the table has no rows"}.get(suffix, "every document must hold some text")
         raise ValueError(f"{path} is empty: {what}")
     return Corpus(path, ((path, path.name),), text_field)
 
@@ -112,26 +119,54 @@ def iter_documents(path, text_field: str = "text", *, lazy: bool = False) -> Ite
 
 
 def _folder_files(folder: Path) -> list[Path]:
-    every = sorted(p for p in folder.rglob("*") if p.is_file())
+    every, hidden = _walk(folder)
     files = [p for p in every if p.suffix.lower() in SUFFIXES]
     if not files:
-        raise ValueError(f"folder {folder} holds no {'/'.join(SUFFIXES)} files (searched recursively)")
-    _say_skipped(folder, f"reading its {len(files)} {'/'.join(SUFFIXES)} files; skipping", "other file",
-                 [p for p in every if p.suffix.lower() not in SUFFIXES])
-    empty = {p for p in files if p.suffix.lower() not in TABLE_SUFFIXES and _blank(p)}
+        raise ValueError(f"folder {folder} holds no {'/'.join(SUFFIXES)} files (searched recursively; names "
+                         "starting with '.' skipped)")
+    empty = [p for p in files if _empty(p)]  # in sorted order, like `files`
     if len(empty) == len(files):
         raise ValueError(f"folder {folder}: its {len(files)} {'/'.join(SUFFIXES)} file{'s' * (len(files) > 1)} "
-                         "hold no text (empty or whitespace only)")
-    _say_skipped(folder, "skipping", "empty file", sorted(empty))
-    return [p for p in files if p not in empty]
+                         "hold no text (empty or whitespace only, or a table without rows)")
+    skip = set(empty)
+    read = [p for p in files if p not in skip]
+    rel = lambda paths: [p.relative_to(folder).as_posix() for p in paths]  # noqa: E731
+    _say_skipped(folder, len(read), [("empty file", rel(empty)),
+                                     ("other file", rel(p for p in every if p.suffix.lower() not in SUFFIXES)),
+                                     ("hidden file or folder (name starting with '.')", hidden)])
+    return read
 
 
-def _say_skipped(folder: Path, lead: str, what: str, skipped: list[Path]) -> None:
-    if not skipped:
-        return
-    names = [p.relative_to(folder).as_posix() for p in skipped]
-    shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
-    say(f"glm5lab: corpus folder {folder}: {lead} {len(names)} {what}{'s' * (len(names) > 1)}: {shown}")
+def _walk(folder: Path) -> tuple[list[Path], list[str]]:
+    """(the files under `folder`, recursively, in sorted path order, but for hidden ones; the hidden files and
+    folders met, relative to `folder`, a folder with a trailing "/", its contents not listed). Symbolic links to
+    folders are not followed (as `Path.rglob`)."""
+    files, hidden = [], []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        hidden += [(here / d).relative_to(folder).as_posix() + "/" for d in dirs if d.startswith(".")]
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if (here / name).is_file():
+                if name.startswith("."):
+                    hidden.append((here / name).relative_to(folder).as_posix())
+                else:
+                    files.append(here / name)
+    return sorted(files), sorted(hidden)
+
+
+def _say_skipped(folder: Path, n_read: int, skipped: list[tuple[str, list[str]]]) -> None:
+    """One line on stderr when a folder's listing skips anything: the number of files read, then each kind of
+    file skipped, with its count and up to 5 names."""
+    parts = []
+    for what, names in skipped:
+        if names:
+            shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
+            plural = what.replace("file", "files").replace("folder", "folders") if len(names) > 1 else what
+            parts.append(f"{len(names)} {plural}: {shown}")
+    if parts:
+        say(f"glm5lab: corpus folder {folder}: reading its {n_read} {'/'.join(SUFFIXES)} file"
+            f"{'s' * (n_read > 1)}; skipping {'; '.join(parts)}")
 
 
 def _decoded(path: Path, block: int) -> Iterator[str]:
@@ -154,23 +189,48 @@ def _decoded(path: Path, block: int) -> Iterator[str]:
             offset += len(data)
 
 
-def _blank(path: Path) -> bool:
-    """True when the text of `path` is empty or whitespace only (read until its first other character)."""
+def _empty(path: Path) -> bool:
+    """True when `path` holds no document: a text or JSONL file empty or whitespace only (read until its first
+    other character), a table file without rows (`_table_empty`)."""
+    if path.suffix.lower() in TABLE_SUFFIXES:
+        return _table_empty(path)
     return all(not chunk.strip() for chunk in _decoded(path, _BLANK_CHECK_BYTES))
 
 
-def _file_documents(path: Path, name: str, text_field: str, lazy: bool) -> Iterator[Document | TextFile]:
+def _table_empty(path: Path) -> bool:
+    """True when the parquet / arrow file at `path` has no rows: parquet's footer, an arrow stream's (or file's)
+    batches up to the first with rows, memory-mapped. Raises ValueError naming the file when it cannot be read
+    as one (or when `datasets` is not installed, `_datasets`)."""
+    _datasets(path)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix.lower() == ".parquet":
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        with pa.memory_map(str(path)) as source:
+            try:  # the two arrow layouts, as the `datasets` arrow builder opens them
+                return not any(batch.num_rows for batch in pa.ipc.open_stream(source))
+            except (OSError, pa.ArrowInvalid):
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                return not any(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable {path.suffix.lower()[1:]} file ({e})") from None
+
+
+def _file_documents(path: Path, name: str, corpus: Corpus, lazy: bool) -> Iterator[Document | TextFile]:
     suffix = path.suffix.lower()
     if suffix in TABLE_SUFFIXES:
-        yield from _table_documents(path, name, text_field)
+        yield from _table_documents(path, name, corpus)
     elif suffix == ".jsonl":
-        yield from _jsonl_documents(path, name, text_field)
+        yield from _jsonl_documents(path, name, corpus)
     else:
         doc = TextFile(name, path)
         yield doc if lazy else Document(name, doc.text)
 
 
-def _jsonl_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
+def _jsonl_documents(path: Path, name: str, corpus: Corpus) -> Iterator[Document]:
     """One document per non-blank line; lines as `str.splitlines` cuts them (each physical line is cut again, so
     U+2028 and the other separators it knows split lines too), numbered from 1, blank lines counted."""
     lineno = 0
@@ -180,44 +240,87 @@ def _jsonl_documents(path: Path, name: str, text_field: str) -> Iterator[Documen
                 for line in physical.splitlines():
                     lineno += 1
                     if line.strip():
-                        yield Document(f"{name}:{lineno}", _jsonl_text(line, path, lineno, text_field))
+                        yield Document(f"{name}:{lineno}", _jsonl_text(line, path, lineno, corpus))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not valid UTF-8 ({e}); corpus files must be UTF-8 text") from None
 
 
-def _jsonl_text(line: str, path: Path, lineno: int, text_field: str) -> str:
+def _jsonl_text(line: str, path: Path, lineno: int, corpus: Corpus) -> str:
+    field = corpus.text_field
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}, line {lineno}: not valid JSON ({e})") from None
-    text = record.get(text_field) if isinstance(record, dict) else None
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{path}, line {lineno}: expected a JSON object with a non-empty string field '{text_field}'")
-    return text
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}, line {lineno}: expected a JSON object with a non-blank string field '{field}', "
+                         f"got {_a(record)}")
+    if field not in record:
+        raise ValueError(f"{path}, line {lineno} has no field {field!r} (its fields: "
+                         f"{', '.join(record) or 'none'}){_field_hint(corpus, 'field')}")
+    return _checked_text(record[field], f"{path}, line {lineno}: field {field!r}")
 
 
-def _table_documents(path: Path, name: str, text_field: str) -> Iterator[Document]:
+def _field_hint(corpus: Corpus, what: str) -> str:
+    """How to read another JSONL field / table column (only `glm5lab tokenize` has --text-field): nothing when one
+    was named already."""
+    if corpus.text_field != "text":
+        return ""
+    return (f"; name the text {what} with `glm5lab tokenize {corpus.path} --text-field NAME --out DIR` (then "
+            "`glm5lab train --data DIR`)")
+
+
+def _checked_text(value, where: str) -> str:
+    """`value` when it is a string with some non-whitespace character; else ValueError '`where` ...' saying what it
+    holds."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where} holds {_a(value)}, not a string")
+    what = "is null" if value is None else "is empty" if not value else "is blank (whitespace only)"
+    raise ValueError(f"{where} {what}: every document must be a non-blank string")
+
+
+def _a(value) -> str:
+    """'a list ([1, 2])', 'an int (3)': a value's type and its repr (cut to 40 characters)."""
+    kind = type(value).__name__
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({shown})"
+
+
+def _table_documents(path: Path, name: str, corpus: Corpus) -> Iterator[Document]:
+    field = corpus.text_field
     dataset = _stream_table(path)
     columns = _columns(dataset)
-    if text_field not in columns:
-        flag = "" if text_field != "text" else "; name the text column with --text-field NAME"
-        raise ValueError(f"{path} has no column {text_field!r} (its columns: {', '.join(columns) or 'none'}){flag}")
-    row = 0
-    for batch in dataset.select_columns([text_field]).iter(batch_size=_ROWS_PER_READ):
-        for text in batch[text_field]:
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}, row {row}: column {text_field!r} holds {text!r}: every document must "
-                                 "hold some text")
-            yield Document(f"{name}:{row}", text)
+    if field not in columns:
+        raise ValueError(f"{path} has no column {field!r} (its columns: {', '.join(columns) or 'none'})"
+                         f"{_field_hint(corpus, 'column')}")
+    batches, row = iter(dataset.select_columns([field]).iter(batch_size=_ROWS_PER_READ)), 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow's and datasets' errors for a damaged file
+            raise ValueError(f"{path}, from row {row}: not a readable {path.suffix.lower()[1:]} file "
+                             f"({type(e).__name__}: {e})") from None
+        for text in batch[field]:
+            yield Document(f"{name}:{row}", _checked_text(text, f"{path}, row {row}: column {field!r}"))
             row += 1
 
 
-def _stream_table(path: Path):
+def _datasets(path: Path):
+    """The `datasets` module (it brings pyarrow); ValueError naming the extra when it is not installed."""
     try:
         import datasets
     except ImportError:
         raise ValueError(f"reading {path.suffix} files ({path}) needs the `datasets` library: "
                          "pip install -e .[data]") from None
+    return datasets
+
+
+def _stream_table(path: Path):
+    datasets = _datasets(path)
     builder = "parquet" if path.suffix.lower() == ".parquet" else "arrow"
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

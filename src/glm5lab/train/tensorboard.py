@@ -1,9 +1,11 @@
 """`glm5lab train --tensorboard`: the scalars of `metrics.jsonl` as a TensorBoard log in the run folder's `tb/`.
 
 One tag per quantity. Each metrics record becomes scalars at its global step, tagged by its `metrics.jsonl` key:
-numbers as they are (lm_loss, indexer_kl, lr, grad_norm, tokens, tokens_per_s, step_time_s, ep_imbalance, a2a_bytes,
+numbers as they are (lm_loss, indexer_kl, lr, tokens, tokens_per_s, step_time_s, ep_imbalance, a2a_bytes,
 val_loss, val_tokens); the stage's objective, `loss`, whose meaning changes with the stage (LM + MTP in a dense
-stage, the indexer KL alone in the warm-up: 1e1 against 1e-5), one tag per stage, `loss/<stage>`; lists element by
+stage, the indexer KL alone in the warm-up: 1e1 against 1e-5), and the gradient norm, `grad_norm`, of what the
+stage trains (the whole model, the indexer alone in the warm-up: ~2 against ~3e-4), one tag per stage each,
+`loss/<stage>` and `grad_norm/<stage>` (`PER_STAGE`); lists element by
 element (`mtp_losses/1` is MTP depth 1, `ep_tokens/0` EP index 0); the expert loads (tokens per expert, per MoE
 layer) as each layer's busiest expert over the mean (`expert_load/max_over_mean/layer{i}`, 1.0 = balanced) and the
 worst layer's (`expert_load/max_over_mean`). `val_loss` is the periodic validation, a subset of the held-out split;
@@ -31,6 +33,9 @@ def check_available() -> None:
                          "(or bash scripts/setup.sh again)") from None
 
 
+PER_STAGE = ("loss", "grad_norm")
+"""The keys whose quantity changes with the stage, logged as `<key>/<stage>`."""
+
 FINAL = ("val_loss", "val_perplexity", "val_bits_per_byte")
 """The whole-split figures of summary.json logged at the last step, as `final/<key>`."""
 
@@ -42,8 +47,8 @@ def scalars(record: dict) -> dict[str, float]:
     for key, value in record.items():
         if key in ("step", "stage_step") or value is None or isinstance(value, (str, bool)):
             continue
-        if key == "loss":  # the stage's objective: another quantity in each stage
-            out[f"loss/{record['stage']}"] = float(value)
+        if key in PER_STAGE:  # another quantity in each stage
+            out[f"{key}/{record['stage']}"] = float(value)
         elif key == "expert_load":
             out.update(_expert_load(value))
         elif isinstance(value, list):

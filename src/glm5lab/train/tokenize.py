@@ -178,11 +178,24 @@ def tokenize_corpus(data, out, *, tokenizer=None, vocab_size: int, text_field: s
     its index (also written to `out/index.json`). `tokenizer`: a tokenizer.json (or folder holding one); None:
     the byte-level BPE of `prepare_data`, trained on the training split at `vocab_size` and cached.
     Raises ValueError for a bad --shard-size, an --out that holds other files or a token folder already,
-    and as `open_corpus` / `split_documents` for bad input; FileNotFoundError for a missing DATA."""
+    and as `open_corpus` / `split_documents` for bad input; FileNotFoundError for a missing DATA or --tokenizer.
+    On an error, an `out` this call created is removed with what it wrote (Ctrl-C leaves whole shards, no index)."""
     int_at_least("--shard-size", shard_size, 1)
     source = Path(data) if data else fetch_default_corpus()
     corpus = open_corpus(source, text_field)
+    created = not Path(out).exists()
     out = _prepare_out(Path(out))
+    try:
+        return _tokenize_into(out, corpus, source, tokenizer, vocab_size, text_field, shard_size, seed, progress)
+    except Exception:
+        if created:  # a failed tokenize leaves no folder it made (an interrupted one leaves its whole shards)
+            _remove_own(out)
+        raise
+
+
+def _tokenize_into(out: Path, corpus, source: Path, tokenizer, vocab_size: int, text_field: str, shard_size: int,
+                   seed: int, progress: bool) -> dict:
+    """`tokenize_corpus` once `out` is ready (`_prepare_out`)."""
     docs = lambda: corpus.documents(lazy=True)  # noqa: E731
     assigner = SplitAssigner(seed)
     tok = load_tokenizer(Path(tokenizer)) if tokenizer else _trained_tokenizer(assigner, docs, vocab_size)
@@ -205,6 +218,17 @@ def tokenize_corpus(data, out, *, tokenizer=None, vocab_size: int, text_field: s
     return finish_folder(out, tok, writers, split=assigner.record(), source=str(source), text_field=text_field,
                          tokenizer_source=str(tokenizer) if tokenizer else f"trained: byte-level BPE, vocab_size "
                          f"{vocab_size}", encoding=encoding)
+
+
+def _remove_own(out: Path) -> None:
+    """Remove what `glm5lab tokenize` wrote into `out` (the files `_OWN_FILE` names), then `out` if that empties it."""
+    for p in out.iterdir():
+        if _OWN_FILE.match(p.name):
+            p.unlink(missing_ok=True)
+    try:
+        out.rmdir()
+    except OSError:  # something else is in it: leave it
+        pass
 
 
 def finish_folder(out: Path, tok, writers: dict, **meta) -> dict:
