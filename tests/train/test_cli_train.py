@@ -72,6 +72,17 @@ def test_under_torchrun_only_rank_0_prints_the_summary(monkeypatch, capsys, rank
     assert capsys.readouterr().err == ("glm5lab train: interrupted\n" if printed else "")
 
 
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_under_torchrun_only_rank_0_prints_the_dry_run(monkeypatch, capsys, tmp_path, rank, printed):
+    """`torchrun ... train --dry-run`: every rank checks the plan, rank 0 prints it (it was printed once per rank)."""
+    from glm5lab.cli import main
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--recipe", "tiny", "--dry-run", "--threads", "1", "--out", str(tmp_path / "run")]) == 0
+    assert ("plan of `glm5lab train` (recipe tiny" in capsys.readouterr().out) == printed
+
+
 def test_a_resume_with_nothing_to_resume_is_a_user_error(tmp_path):
     """ResumeError is a user error: one `error:` line and exit status 2, not a class name and 1."""
     for out in (tmp_path / "missing", tmp_path):

@@ -127,7 +127,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from glm5lab.train.plan import dry_run
 
-        print(dry_run(TrainArgs(**fields), nproc=args.nproc))
+        plan = dry_run(TrainArgs(**fields), nproc=args.nproc)
+        if is_main_process():  # under torchrun every rank checks the plan; rank 0 prints it
+            print(plan)
         return 0
     try:
         with _sigterm_stops_the_run():
