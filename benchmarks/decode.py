@@ -377,8 +377,8 @@ def _token_agreement(results: dict, batched: dict, device: str) -> str:
 
 def compare_tokens(eager: list, compiled: list, *, exact: bool) -> dict:
     """Compiled against eager tokens over the timed repeats: {"equal": bool, "first_difference": the earliest
-    new-token index where a row differs (None when equal)}. With `exact` (fp32) they must be equal (SystemExit otherwise: the
-    compiled step is wrong; tests/infer/test_compiled.py pins it). In bf16 (CUDA) the fused kernels round
+    new-token index where a row differs (None when equal)}. With `exact` (fp32) they must be equal (SystemExit
+    otherwise: the compiled step is wrong; tests/infer/test_compiled.py pins it). In bf16 (CUDA) the fused kernels round
     differently from eager ones, and a random-init model's near-flat logits let one rounding flip an argmax, after
     which the two continuations differ: recorded, not refused (the CUDA tests tie compiled to eager in fp32 and
     the bf16 logits within tolerance)."""
@@ -476,7 +476,8 @@ def report(results, batched, bandwidth, args, cfg, check, match, ours_bpt, hf_ca
                               "compiled_vs_hf": round(r["compiled_vs_hf"], 3),
                               "compiled_share_of_bound": round(r["compiled_share_of_bound"], 3),
                               "compile_s": round(r["compile_s"], 2), "bound": r["bound"],
-                              "compiled_tokens": r["compiled_tokens"], "ours": r["ours"], "compiled": r["compiled"], "hf": r["hf"]}
+                              "compiled_tokens": r["compiled_tokens"], "ours": r["ours"], "compiled": r["compiled"],
+                              "hf": r["hf"]}
                      for T, r in results.items()},
         "batched": {str(B): {k: v for k, v in r.items()} for B, r in batched.items()},
         "cache_bytes_per_token": {"ours": ours_bpt, "hf": hf_bpt, "hf_layers": hf_cache["per_layer"]},

@@ -18,9 +18,9 @@ BALANCED = 2.0  # max / mean expert load under which the report calls a step bal
 
 def validation(rec) -> dict:
     """{"whole": loss, "whole_tokens", "subset": loss or None, "subset_tokens", "subset_planned"
-    (`_planned_subset`), "subset_step", "eval_batches", "subset_rule" (`_subset_rule`), "old": True when summary.json predates the subset
-    keys}. The subset figure is summary.json's val_subset_loss, or (older runs) the last periodic val_loss
-    when it was taken at the last step."""
+    (`_planned_subset`), "subset_step", "eval_batches", "subset_rule" (`_subset_rule`), "old": True when
+    summary.json predates the subset keys}. The subset figure is summary.json's val_subset_loss, or (older runs)
+    the last periodic val_loss when it was taken at the last step."""
     s, args = rec.summary, rec.run.get("args", {})
     val_rows = [r for r in rec.metrics if r.get("val_loss") is not None]
     last = val_rows[-1] if val_rows else None

@@ -23,9 +23,10 @@ _armed = False
 
 def exit_with_launcher() -> None:
     """Under torchrun (TORCHELASTIC_RUN_ID set), make this rank exit (SIGTERM) when its launcher dies, and at once
-    when it already has (`launcher_gone`). Linux: prctl(PR_SET_PDEATHSIG), sent when the thread that started this
-    process ends (torchrun's main thread, which starts its ranks and lives as long as the launcher); other systems:
-    a watchdog thread that checks the parent pid every second. Idempotent; a no-op without torchrun."""
+    when it already has (`launcher_gone`, probed once, when the tie is made: a later death sends the signal).
+    Linux: prctl(PR_SET_PDEATHSIG), sent when the thread that started this process ends (torchrun's main thread,
+    which starts its ranks and lives as long as the launcher); other systems: a watchdog thread that checks the
+    parent pid every second. Idempotent; a no-op without torchrun."""
     global _armed
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
@@ -47,8 +48,8 @@ def exit_with_launcher() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
 
             threading.Thread(target=watch, name="glm5lab-launcher-watch", daemon=True).start()
-    if launcher_gone():  # it died before the tie was made: the kernel will not send the signal now
-        os.kill(os.getpid(), signal.SIGTERM)
+        if launcher_gone():  # it died before the tie was made: the kernel will not send the signal now
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def launcher_gone() -> bool:

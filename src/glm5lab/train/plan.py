@@ -172,7 +172,8 @@ def dry_run(args, nproc: int | None = None) -> str:
              *(f"notice: {line}" for line in plan.notices),
              f"optimizer {args.optimizer} (weight decay {args.weight_decay}, grad clip {args.grad_clip}, router bias "
              f"rate {args.bias_update_rate}); validation every {args.eval_every} steps (the first "
-             f"{args.eval_tokens:,} held-out targets) and at stage ends; checkpoint every {args.checkpoint_every} steps and at stage ends"]
+             f"{args.eval_tokens:,} held-out targets) and at stage ends; checkpoint every {args.checkpoint_every} "
+             "steps and at stage ends"]
     if plan.extended:
         lines.append(f"--resume extends the run in {args.out} by {plan.extended} steps (its last stage grows; the "
                      "steps it trained keep their lr)")
