@@ -255,18 +255,18 @@ def test_expert_parallel_section_and_plot(tmp_path):
     from types import SimpleNamespace
 
     from glm5lab.report import plots
-    from glm5lab.report.render import _expert_parallel
+    from glm5lab.report.render import expert_parallel_section
 
     rows = [{"step": s, "stage": "dense", "tokens": 100, "expert_load": [[3, 1], [2, 2]], "ep_tokens": [60, 40],
              "ep_imbalance": imb, "a2a_bytes": 2**20} for s, imb in ((1, 1.2), (2, 1.5), (3, 1.1))]
-    text = _expert_parallel(SimpleNamespace(metrics=rows), {"ep": "expert_parallel.png"})
+    text = expert_parallel_section(SimpleNamespace(metrics=rows), {"ep": "expert_parallel.png"})
     assert "2 EP ranks" in text and "Over 3 steps the all-to-alls moved 3.0 MiB" in text
     assert "10,486 bytes per training token" in text  # 3 MiB / 300 tokens
     assert "median 1.20x, at most 1.50x" in text and "(expert_parallel.png)" in text
     png = plots.expert_parallel(rows, tmp_path / "ep.png")
     assert png is not None and png.stat().st_size > 10_000
     plain = [{k: v for k, v in r.items() if not k.startswith(("ep_", "a2a"))} for r in rows]
-    assert _expert_parallel(SimpleNamespace(metrics=plain), {}) == ""
+    assert expert_parallel_section(SimpleNamespace(metrics=plain), {}) == ""
     assert plots.expert_parallel(plain, tmp_path / "none.png") is None
 
 
