@@ -6,7 +6,7 @@ Model: the `small` preset (MLA, DSA with an indexer and index sharing, MoE of 16
 with the router's selection-only bias, one shared-parameter MTP layer) at `hidden` width and `layers` layers
 (`config`), the workbench's vocabulary (512: text + MQAR ids) and `index_topk` below the training length.
 Recipe: `glm5lab train`'s three stages (`default_stages`: dense with MTP depth 3, indexer warm-up, sparse
-adaptation) scaled to `steps` in total (as `study_baseline.glm5_stages`) and its step settings (`TrainHyper`:
+adaptation) scaled to `steps` in total (`fit.glm5_stages`) and its step settings (`TrainHyper`:
 weight decay 0.1, clipping 1.0, router bias rate 1.5e-2). Every stage's lr and lr_end are the default schedule's
 times one factor; an arm's "peak lr" is its dense stage's. Batches: `Workbench.mixed` (text rows and
 `task_rows` fresh MQAR rows); batch k of stage j is the same for every arm of a seed, so a longer run sees the
@@ -55,13 +55,12 @@ import time
 
 import torch
 
-from glm5lab.ablate.fit import fit
-from glm5lab.ablate.measure import mqar_accuracy
+from glm5lab.ablate.fit import fit, glm5_stages
+from glm5lab.ablate.measure import mqar_accuracy, text_score
+from glm5lab.ablate.models import GPU_SHAPE
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
-from glm5lab.ablate.study_baseline import GPU_SHAPE, glm5_stages
-from glm5lab.ablate.study_baseline import score as text_score
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.config import ModelConfig
 from glm5lab.evals.bpb import token_byte_lengths
