@@ -60,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def write_folder(path: Path, tok, train_tokens: int, val_tokens: int, seed: int) -> dict:
     """A token folder of uniform random ids < the tokenizer's vocabulary, written as `glm5lab tokenize` writes."""
-    from glm5lab.train.shards import dtype_for
-    from glm5lab.train.tokenize import ShardWriter, finish_folder
+    from glm5lab.data.shards import dtype_for
+    from glm5lab.data.tokenize import ShardWriter, finish_folder
 
     path.mkdir(parents=True)
     rng, vocab = np.random.default_rng(seed), tok.get_vocab_size()
@@ -98,8 +98,8 @@ def run_child(folder: Path, run: Path, args) -> dict:
 
 def loader_rate(folder: Path, args, cold: bool) -> float:
     """Windows per second of BatchStream over the folder's training split (batches at consecutive steps)."""
-    from glm5lab.train.batches import BatchStream, pack
-    from glm5lab.train.shards import open_token_folder
+    from glm5lab.data.batches import BatchStream, pack
+    from glm5lab.data.shards import open_token_folder
 
     tokens = open_token_folder(folder).train
     if cold:
@@ -120,8 +120,8 @@ def main() -> None:
     if args.child:
         return child(*args.child, args)
     from glm5lab.environment import env_facts
-    from glm5lab.tokenizer import cached_tokenizer
-    from glm5lab.train.corpus import cache_root
+    from glm5lab.data.tokenizer import cached_tokenizer
+    from glm5lab.data.corpus import cache_root
     from glm5lab.presets import PRESETS
 
     vocab = PRESETS[args.preset]()["vocab_size"]

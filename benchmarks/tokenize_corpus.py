@@ -75,12 +75,12 @@ def main() -> None:
     args.out = args.out or str(ROOT / "benchmarks" / "results" / "tokenize.json")
     from benchmarks.common import markdown_table, print_json_line
     from glm5lab.environment import env_facts
-    from glm5lab.tokenizer import cached_tokenizer
-    from glm5lab.train.corpus import cache_root, fetch_default_corpus
-    from glm5lab.train.data import split_corpus
-    from glm5lab.train.sources import iter_documents
-    from glm5lab.train.pieces import Cutter
-    from glm5lab.train.tokenize import BATCH_CHARS, BATCH_DOCS, _batches, tokenize_corpus
+    from glm5lab.data.tokenizer import cached_tokenizer
+    from glm5lab.data.corpus import cache_root, fetch_default_corpus
+    from glm5lab.data.pipeline import split_corpus
+    from glm5lab.data.sources import iter_documents
+    from glm5lab.data.pieces import Cutter
+    from glm5lab.data.tokenize import BATCH_CHARS, BATCH_DOCS, _batches, tokenize_corpus
 
     facts = env_facts("cpu")
     facts["load_average_start"] = list(os.getloadavg())
@@ -141,19 +141,19 @@ def child(case: str, text_file: str, tokenizer: str, out: str = "") -> None:
 
     import numpy as np
 
-    from glm5lab.tokenizer import encode_documents, load_tokenizer
+    from glm5lab.data.tokenizer import encode_documents, load_tokenizer
 
     t0 = time.perf_counter()
     tok = load_tokenizer(Path(tokenizer))
     if case == "tokenize":
-        from glm5lab.train.shards import open_token_folder
-        from glm5lab.train.tokenize import tokenize_corpus
+        from glm5lab.data.shards import open_token_folder
+        from glm5lab.data.tokenize import tokenize_corpus
 
         tokenize_corpus(text_file, out, tokenizer=tokenizer, vocab_size=4096, progress=False)
         folder = open_token_folder(out)
         splits = [folder.train, folder.val]
     elif case == "whole":
-        from glm5lab.train.corpus import Document, split_documents
+        from glm5lab.data.corpus import Document, split_documents
 
         path = Path(text_file)
         (train,), (val,) = split_documents([Document(path.name, path.read_text(encoding="utf-8-sig"))])
@@ -209,12 +209,12 @@ def _document(path: Path, corpus_text: str, mb: float, one_line: bool) -> int:
 def memory(args) -> None:
     from benchmarks.common import markdown_table, print_json_line
     from glm5lab.environment import env_facts
-    from glm5lab.tokenizer import cached_tokenizer
-    from glm5lab.train.corpus import cache_root, fetch_default_corpus
-    from glm5lab.train.data import split_corpus
-    from glm5lab.train.pieces import PIECE_CHARS
-    from glm5lab.train.sources import iter_documents
-    from glm5lab.train.tokenize import BATCH_CHARS
+    from glm5lab.data.tokenizer import cached_tokenizer
+    from glm5lab.data.corpus import cache_root, fetch_default_corpus
+    from glm5lab.data.pipeline import split_corpus
+    from glm5lab.data.pieces import PIECE_CHARS
+    from glm5lab.data.sources import iter_documents
+    from glm5lab.data.tokenize import BATCH_CHARS
 
     out = args.out or str(ROOT / "benchmarks" / "results" / "tokenize_memory.json")
     facts = env_facts("cpu")

@@ -1,5 +1,5 @@
 """Library code the benchmarks call: the `bench` preset, `glm5lab.hf.load_transformers_twin` and
-`glm5lab.train.data.held_out_prompts` (with `run_json_of`)."""
+`glm5lab.data.pipeline.held_out_prompts` (with `run_json_of`)."""
 
 import json
 
@@ -40,8 +40,8 @@ def test_transformers_twin_holds_the_same_weights_and_restores_logging(tmp_path)
 
 
 def test_held_out_prompts_come_from_the_runs_validation_split(tmp_path):
-    from glm5lab.tokenizer import encode_documents, train_tokenizer
-    from glm5lab.train.data import held_out_prompts, run_json_of, split_corpus
+    from glm5lab.data.tokenizer import encode_documents, train_tokenizer
+    from glm5lab.data.pipeline import held_out_prompts, run_json_of, split_corpus
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(400)))

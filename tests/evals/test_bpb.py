@@ -9,8 +9,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, models
 
 from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
-from glm5lab.tokenizer import EOT, encode_documents, train_tokenizer
-from glm5lab.train.corpus import Document
+from glm5lab.data.tokenizer import EOT, encode_documents, train_tokenizer
+from glm5lab.data.corpus import Document
 
 TEXTS = ["naïve café — ok, the naïve café is ok", "plain ascii words and more plain words",
          "Grüße aus Köln: 東京 ✓ ünïcödé"] * 20

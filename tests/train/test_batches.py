@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from glm5lab.tokenizer import cached_tokenizer, encode_documents, eot_id
-from glm5lab.train.batches import BatchStream, pack, unigram_loss
-from glm5lab.train.corpus import split_documents
-from glm5lab.train.sources import iter_documents
+from glm5lab.data.tokenizer import cached_tokenizer, encode_documents, eot_id
+from glm5lab.data.batches import BatchStream, pack, unigram_loss
+from glm5lab.data.corpus import split_documents
+from glm5lab.data.sources import iter_documents
 
 
 def _windows(n: int = 50, seq_len: int = 4) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Corpus reading (`glm5lab.train.sources`, the one reader of `train --data` and `tokenize`), the document split,
+"""Corpus reading (`glm5lab.data.sources`, the one reader of `train --data` and `tokenize`), the document split,
 and the default-corpus fetch (network only in the slow test)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from glm5lab.train import corpus
-from glm5lab.train.corpus import Document, fetch_default_corpus, split_documents
-from glm5lab.train.sources import iter_documents
+from glm5lab.data import corpus
+from glm5lab.data.corpus import Document, fetch_default_corpus, split_documents
+from glm5lab.data.sources import iter_documents
 
 
 def _read(path: Path) -> list[Document]:

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from glm5lab.tokenizer import train_tokenizer
-from glm5lab.train.batches import BatchStream, pack, unigram_loss
-from glm5lab.train.data import prepare_data
+from glm5lab.data.tokenizer import train_tokenizer
+from glm5lab.data.batches import BatchStream, pack, unigram_loss
+from glm5lab.data.pipeline import prepare_data
 from glm5lab.train.evaluation import evaluate_nll
-from glm5lab.train.shards import ShardedTokens, TokenWindows, open_token_folder
+from glm5lab.data.shards import ShardedTokens, TokenWindows, open_token_folder
 from glm5lab.train.stages import Stage
-from glm5lab.train.tokenize import ShardWriter, tokenize_corpus
+from glm5lab.data.tokenize import ShardWriter, tokenize_corpus
 from tests.conftest import write_word_corpus
 
 VOCAB = 320
@@ -49,7 +49,7 @@ def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch)
     """Issue 36: `train --data FOLDER` reads the .parquet (and .arrow) files `tokenize FOLDER` reads, through the
     same reader: the same documents, tokenizer, train/val tokens and unigram baseline either way."""
     datasets = pytest.importorskip("datasets")
-    from glm5lab.train.data import split_corpus
+    from glm5lab.data.pipeline import split_corpus
 
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
     raw = write_word_corpus(tmp_path / "raw", docs=5, words_per_doc=200)
@@ -223,7 +223,7 @@ def test_cli_train_on_a_token_folder_and_init_with_another_tokenizer(folders, tm
 
 
 def test_held_out_prompts_from_a_token_folder(folders, tmp_path):
-    from glm5lab.train.data import held_out_prompts
+    from glm5lab.data.pipeline import held_out_prompts
 
     texts, tokens = folders
     checkpoint = tmp_path / "ckpt"

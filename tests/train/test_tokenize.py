@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from glm5lab.cli import main
-from glm5lab.tokenizer import encode_documents, load_tokenizer, train_tokenizer
-from glm5lab.train.corpus import Document, _score, split_documents
-from glm5lab.train.data import prepare_data
-from glm5lab.train.shards import ShardedTokens, dtype_for, open_token_folder
-from glm5lab.train.sources import TextFile, iter_documents
-from glm5lab.train.tokenize import ShardWriter, SplitAssigner, settled, tokenize_corpus
+from glm5lab.data.tokenizer import encode_documents, load_tokenizer, train_tokenizer
+from glm5lab.data.corpus import Document, _score, split_documents
+from glm5lab.data.pipeline import prepare_data
+from glm5lab.data.shards import ShardedTokens, dtype_for, open_token_folder
+from glm5lab.data.sources import TextFile, iter_documents
+from glm5lab.data.tokenize import ShardWriter, SplitAssigner, settled, tokenize_corpus
 from tests.conftest import write_word_corpus
 
 VOCAB = 300
@@ -31,7 +31,7 @@ def _cache(tmp_path, monkeypatch):
 def test_a_text_file_read_in_chunks_equals_it_read_whole(tmp_path, monkeypatch):
     """`TextFile` decodes as `Path.read_text(encoding="utf-8-sig")`: BOM, CRLF and lone CR, multi-byte characters
     and a CRLF cut between two reads; `part` and the one-document split read only what they need."""
-    from glm5lab.train import sources
+    from glm5lab.data import sources
 
     path = tmp_path / "t.txt"
     path.write_bytes("\ufeffab\r\ncd\re\u00e9\u4e2d\U0001f600\r\n\r\nend\r".encode())
@@ -202,8 +202,8 @@ def test_parquet_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys)
 def test_streamed_tokenizer_training_equals_cached_tokenizer(tmp_path, monkeypatch):
     """The streamed trainer reads documents in pieces (here of at most 64 characters): the same tokenizer and
     cache entry as training on the whole texts."""
-    from glm5lab.tokenizer import cached_tokenizer, cached_tokenizer_streamed
-    from glm5lab.train import pieces
+    from glm5lab.data.tokenizer import cached_tokenizer, cached_tokenizer_streamed
+    from glm5lab.data import pieces
 
     docs = list(iter_documents(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300), lazy=True))
     texts = [d.text for d in docs]
@@ -240,7 +240,7 @@ def test_a_long_document_is_encoded_in_pieces_to_the_whole_documents_tokens(tmp_
     """Issue 36: a text file is read in chunks and encoded in pieces of at most PIECE_CHARS characters (here 500),
     whatever its length, and the shards hold exactly the tokens of the whole document: a one-document corpus (its
     text split inside) and a folder with a long document beside short ones."""
-    from glm5lab.train import pieces, sources, tokenize
+    from glm5lab.data import pieces, sources, tokenize
 
     for module in (pieces, tokenize):
         monkeypatch.setattr(module, "PIECE_CHARS", 500)
@@ -265,7 +265,7 @@ def test_a_long_document_is_encoded_in_pieces_to_the_whole_documents_tokens(tmp_
 
 
 def test_a_tokenizer_that_cannot_be_cut_is_encoded_whole_and_said_so(tmp_path, monkeypatch, capsys):
-    from glm5lab.train import pieces, tokenize
+    from glm5lab.data import pieces, tokenize
 
     for module in (pieces, tokenize):
         monkeypatch.setattr(module, "PIECE_CHARS", 500)
@@ -299,7 +299,7 @@ def test_peak_memory_does_not_follow_the_document(tmp_path):
         pytest.skip("reads VmHWM from /proc (Linux)")
     train_tokenizer([_long_text(3000, seed=2)], VOCAB, tmp_path / "tk")
     unit, peaks = _long_text(20000), []
-    code = ("import sys; from glm5lab.train.tokenize import tokenize_corpus; tokenize_corpus(sys.argv[1], sys.argv[2], "
+    code = ("import sys; from glm5lab.data.tokenize import tokenize_corpus; tokenize_corpus(sys.argv[1], sys.argv[2], "
             "tokenizer=sys.argv[3], vocab_size=300, progress=False); "
             "print([line for line in open('/proc/self/status') if line.startswith('VmHWM')][0].split()[1])")
     for mb in (4, 24):

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from glm5lab import tokenizer as tok_mod
-from glm5lab.tokenizer import (
+from glm5lab.data import tokenizer as tok_mod
+from glm5lab.data.tokenizer import (
     EOT, cached_tokenizer, encode_documents, eot_id, load_tokenizer, train_tokenizer,
 )
-from glm5lab.train.corpus import Document
+from glm5lab.data.corpus import Document
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.\n\n" * 3,

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import torch
 
-from glm5lab.train.shards import ShardedTokens, TokenWindows
+from glm5lab.data.shards import ShardedTokens, TokenWindows
 
 
 def pack(tokens: np.ndarray, seq_len: int) -> torch.LongTensor:

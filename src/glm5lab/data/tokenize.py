@@ -1,7 +1,7 @@
-"""`glm5lab tokenize DATA --out DIR`: a corpus to a token folder (`glm5lab.train.shards`), streamed.
+"""`glm5lab tokenize DATA --out DIR`: a corpus to a token folder (`glm5lab.data.shards`), streamed.
 
-Documents are read (`glm5lab.train.sources.open_corpus`; a text file in chunks, never whole), cut into pieces
-of at most `PIECE_CHARS` characters where the tokenizer's own pre-tokens end (`glm5lab.train.pieces`: the same
+Documents are read (`glm5lab.data.sources.open_corpus`; a text file in chunks, never whole), cut into pieces
+of at most `PIECE_CHARS` characters where the tokenizer's own pre-tokens end (`glm5lab.data.pieces`: the same
 tokens as encoding the document whole), encoded a batch of pieces at a time and appended to the open shard of
 their split, so memory grows neither with the corpus nor with its largest document. A tokenizer whose boundaries
 `Cutter` does not know (`Cutter.of` says why, in one line once a document is longer than a piece) has its
@@ -34,12 +34,12 @@ import numpy as np
 
 import glm5lab
 from glm5lab.io_utils import atomic_write_text
-from glm5lab.tokenizer import cached_tokenizer_streamed, eot_id, load_tokenizer
-from glm5lab.train.corpus import _score, _split_one, cache_root, fetch_default_corpus
-from glm5lab.train.pieces import PIECE_CHARS, Cutter
-from glm5lab.train.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
+from glm5lab.data.tokenizer import cached_tokenizer_streamed, eot_id, load_tokenizer
+from glm5lab.data.corpus import _score, _split_one, cache_root, fetch_default_corpus
+from glm5lab.data.pieces import PIECE_CHARS, Cutter
+from glm5lab.data.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
                                   tokenizer_sha256)
-from glm5lab.train.sources import TEXT_SUFFIXES, open_corpus
+from glm5lab.data.sources import TEXT_SUFFIXES, open_corpus
 from glm5lab.validate import int_at_least
 
 VAL_FRACTION = 0.05  # split_documents' default, the one `glm5lab train` uses
@@ -214,7 +214,7 @@ def _tokenize_into(out: Path, corpus, source: Path, tokenizer, vocab_size: int, 
         settled(assigner, docs, lambda pairs: sum(1 for _ in pairs))  # so one long file is not encoded twice
     settled(assigner, docs, write)
     encoding = (f"pieces of at most {PIECE_CHARS} characters, cut where the whole text's pre-tokens end "
-                "(glm5lab.train.pieces)" if cutter else f"whole documents ({why})")
+                "(glm5lab.data.pieces)" if cutter else f"whole documents ({why})")
     return finish_folder(out, tok, writers, split=assigner.record(), source=str(source), text_field=text_field,
                          tokenizer_source=str(tokenizer) if tokenizer else f"trained: byte-level BPE, vocab_size "
                          f"{vocab_size}", encoding=encoding)

