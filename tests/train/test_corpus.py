@@ -189,7 +189,7 @@ def test_split_never_leaves_a_side_empty(val_fraction, sizes):
 
 def test_split_moves_the_lowest_scoring_document_to_an_empty_val():
     docs = _docs(30)
-    scores = {d.name: corpus._score(d.name, 0) for d in docs}
+    scores = {d.name: corpus.split_score(d.name, 0) for d in docs}
     _, val = split_documents(docs, val_fraction=min(scores.values()) / 2)
     assert [d.name for d in val] == [min(scores, key=scores.get)]
 
