@@ -17,7 +17,7 @@ from glm5lab.data.sources import iter_documents
 
 
 def _read(path: Path) -> list[Document]:
-    return list(iter_documents(path))
+    return [Document(d.name, d.text) for d in iter_documents(path)]
 
 
 def _write(path: Path, data: str | bytes) -> Path:

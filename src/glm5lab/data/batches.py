@@ -15,7 +15,7 @@ import torch
 from glm5lab.data.shards import ShardedTokens, TokenWindows
 
 
-def pack(tokens: np.ndarray, seq_len: int) -> torch.LongTensor:
+def pack(tokens: np.ndarray | ShardedTokens, seq_len: int) -> torch.LongTensor | TokenWindows:
     """Cut a 1-D token stream into non-overlapping windows of `seq_len + 1` tokens.
 
     Returns an int64 tensor [N, seq_len + 1], N = len(tokens) // (seq_len + 1), row i being
@@ -24,9 +24,7 @@ def pack(tokens: np.ndarray, seq_len: int) -> torch.LongTensor:
 
     A token folder's `ShardedTokens` gives `TokenWindows` instead: the same rows, read when indexed.
     """
-    if isinstance(tokens, ShardedTokens):
-        return _lazy_windows(tokens, seq_len)
-    tokens = np.asarray(tokens)
+    tokens = tokens if isinstance(tokens, ShardedTokens) else np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
     if seq_len < 1:
@@ -35,15 +33,9 @@ def pack(tokens: np.ndarray, seq_len: int) -> torch.LongTensor:
     n = len(tokens) // width
     if n == 0:
         raise ValueError(f"{len(tokens)} tokens do not fill one window of seq_len + 1 = {width} tokens")
+    if isinstance(tokens, ShardedTokens):
+        return TokenWindows(tokens, seq_len)
     return torch.from_numpy(tokens[: n * width].astype(np.int64)).view(n, width)
-
-
-def _lazy_windows(tokens: ShardedTokens, seq_len: int) -> TokenWindows:
-    if seq_len < 1:
-        raise ValueError(f"seq_len = {seq_len} is not allowed: it must be >= 1")
-    if len(tokens) < seq_len + 1:
-        raise ValueError(f"{len(tokens)} tokens do not fill one window of seq_len + 1 = {seq_len + 1} tokens")
-    return TokenWindows(tokens, seq_len)
 
 
 class BatchStream:

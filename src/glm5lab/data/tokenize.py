@@ -184,7 +184,7 @@ def _tokenize_into(out: Path, corpus, tok, name: str, *, vocab_size: int, shard_
     """Write the token folder of `corpus` (an `open_corpus`) into the ready folder `out`, split with `seed`,
     tokenized by `tok` (a `tokenizers.Tokenizer`, `name` saying which; None: the byte-level BPE at `vocab_size`,
     `_trained_tokenizer`). Returns the index."""
-    docs = lambda: corpus.documents(lazy=True)  # noqa: E731
+    docs = lambda: corpus.documents()  # noqa: E731
     assigner = SplitAssigner(seed)
     trained = tok is None
     tok = _trained_tokenizer(assigner, docs, vocab_size) if trained else tok
