@@ -88,8 +88,9 @@ def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch)
     text, lazy = prepare_data(VOCAB, str(raw), 0), prepare_data(VOCAB, str(tmp_path / "tokens"), 0)
     assert lazy.tokenizer.to_str() == text.tokenizer.to_str()
     train_ids, val_ids = reference_split(lazy.tokenizer, raw)
-    assert np.array_equal(np.asarray(lazy.train_tokens), train_ids) and np.array_equal(np.asarray(lazy.val_tokens), val_ids)
-    assert np.array_equal(np.asarray(text.train_tokens), train_ids) and np.array_equal(np.asarray(text.val_tokens), val_ids)
+    for data in (lazy, text):
+        assert np.array_equal(np.asarray(data.train_tokens), train_ids)
+        assert np.array_equal(np.asarray(data.val_tokens), val_ids)
     index = open_token_folder(tmp_path / "tokens").index
     assert index["splits"]["val"]["documents"] == len(val_docs) and index["splits"]["train"]["documents"] == len(
         train_docs) == 5 + 30 + 70 - len(val_docs)
@@ -130,8 +131,8 @@ def test_same_batches_per_rank_and_step(folders, world_size):
 def test_same_validation_windows_scores_and_unigram(folders, monkeypatch):
     texts, tokens = folders
     lazy = prepare_data(VOCAB, str(tokens), 0)
-    memory = type("Memory", (), {"train_tokens": np.asarray(lazy.train_tokens), "val_tokens": np.asarray(lazy.val_tokens)})
-    val_mem, val_lazy = pack(memory.val_tokens, 16), pack(lazy.val_tokens, 16)
+    train_mem, val_mem_ids = np.asarray(lazy.train_tokens), np.asarray(lazy.val_tokens)  # the tokens in memory
+    val_mem, val_lazy = pack(val_mem_ids, 16), pack(lazy.val_tokens, 16)
     assert torch.equal(val_lazy[:], val_mem) and torch.equal(val_lazy[:4], val_mem[:4])
     assert torch.equal(val_lazy[len(val_mem) - 1], val_mem[-1])
     model = _BigramModel(VOCAB)
@@ -141,7 +142,7 @@ def test_same_validation_windows_scores_and_unigram(folders, monkeypatch):
         a = evaluate_nll(model, val_mem, stage, n_windows, byte_lengths_V=lengths)
         b = evaluate_nll(model, val_lazy, stage, n_windows, byte_lengths_V=lengths)
         assert (a.tokens, a.utf8_bytes) == (b.tokens, b.utf8_bytes) and a.nll_sum == b.nll_sum
-    ref = unigram_loss(memory.train_tokens, memory.val_tokens, VOCAB)
+    ref = unigram_loss(train_mem, val_mem_ids, VOCAB)
     assert unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB) == ref  # one chunk each: the same sums
     monkeypatch.setattr(ShardedTokens.chunks, "__defaults__", (50,))
     got = unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB)

@@ -54,7 +54,8 @@ def test_shards_are_the_split_documents_encoded_whole_and_joined(tmp_path, n_doc
     folder = open_token_folder(tmp_path / "tok")
     tok = load_tokenizer(tmp_path / "tok")
     train_ids, val_ids = reference_split(tok, texts)
-    assert np.array_equal(np.asarray(folder.train), train_ids) and np.array_equal(np.asarray(folder.val), val_ids)
+    assert np.array_equal(np.asarray(folder.train), train_ids)
+    assert np.array_equal(np.asarray(folder.val), val_ids)
     train_docs, val_docs = split_documents(list(iter_documents(texts)), seed=0)
     parts = np.split(val_ids, np.flatnonzero(val_ids == tok.token_to_id("<|endoftext|>")))
     assert [tok.decode(p.tolist()) for p in parts] == [d.text for d in val_docs]

@@ -147,11 +147,12 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     """`count` prompts of `length` tokens of held-out text for a trained checkpoint: the validation split of
     its run (`prepare_data` with the corpus and seed of the run's run.json, `run_json_of`; `data` /
     `split_seed` override them; without a run.json, the default corpus and seed 0), encoded with the
-    checkpoint's tokenizer.json (a text corpus: its cached token folder), cut into non-overlapping windows of `length` tokens (`pack`), of which
-    `count` are taken evenly spaced over the split (first and last included). Returns (prompts, info: corpus,
-    split_seed, val_documents, val_tokens, windows, rows taken, run_json found). Raises ValueError when the
-    checkpoint has no tokenizer.json or the split holds fewer than `count` windows. A token folder as the corpus
-    gives its own validation split and seed (refused when the checkpoint's tokenizer is another)."""
+    checkpoint's tokenizer.json (a text corpus: its cached token folder), cut into non-overlapping windows of
+    `length` tokens (`pack`), of which `count` are taken evenly spaced over the split (first and last included).
+    Returns (prompts, info: corpus, split_seed, val_documents, val_tokens, windows, rows taken, run_json found).
+    Raises ValueError when the checkpoint has no tokenizer.json or the split holds fewer than `count` windows. A
+    token folder as the corpus gives its own validation split and seed (refused when the checkpoint's tokenizer is
+    another)."""
     import torch
 
     from glm5lab.data.batches import pack
