@@ -79,7 +79,7 @@ def main() -> None:
     from glm5lab.data.pipeline import prepare_data
     from glm5lab.data.sources import iter_documents
     from glm5lab.data.pieces import Cutter
-    from glm5lab.data.tokenize import BATCH_CHARS, BATCH_DOCS, _batches, tokenize_corpus
+    from glm5lab.data.tokenize import BATCH_CHARS, BATCH_DOCS, piece_batches, tokenize_corpus
 
     facts = env_facts("cpu")
     facts["load_average_start"] = list(os.getloadavg())
@@ -103,8 +103,8 @@ def main() -> None:
         tokens = sum(s["tokens"] for s in index["splits"].values())
         docs = sum(s["documents"] for s in index["splits"].values())
         cutter, _ = Cutter.of(tok)  # tokenize's batches: its documents' pieces
-        same = [[text for _, _, text in b] for b in _batches((False, k == 0, piece) for t in texts
-                                                                for k, piece in enumerate(cutter.pieces([t])))]
+        same = [[text for _, _, text in b] for b in piece_batches((False, k == 0, piece) for t in texts
+                                                                  for k, piece in enumerate(cutter.pieces([t])))]
         whole = [texts[lo:lo + BATCH_DOCS] for lo in range(0, len(texts), BATCH_DOCS)]
         for name, batches, label in (("encode_batch_fast", same, "tokenize's batches"),
                                      ("encode_batch", same, "tokenize's batches"),

@@ -279,7 +279,7 @@ def _encode_into(tok, pieces, writers: dict, progress: bool) -> None:
     bar = tqdm(unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True, desc="tokenize")
     start, chars = time.perf_counter(), 0
     try:
-        for batch in _batches(pieces):
+        for batch in piece_batches(pieces):
             encs = tok.encode_batch_fast([text for _, _, text in batch], add_special_tokens=False)
             for split in SPLITS:
                 parts, w = [], writers[split]
@@ -300,7 +300,9 @@ def _encode_into(tok, pieces, writers: dict, progress: bool) -> None:
         bar.close()
 
 
-def _batches(pieces) -> Iterator[list]:
+def piece_batches(pieces) -> Iterator[list]:
+    """Lists of consecutive (is_val, starts a document, text) pieces, each `BATCH_DOCS` long or past `BATCH_CHARS`
+    characters (the last: what is left): what one `encode_batch_fast` call encodes."""
     batch, chars = [], 0
     for piece in pieces:
         batch.append(piece)

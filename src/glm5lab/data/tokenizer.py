@@ -39,7 +39,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size = {vocab_size} is too small: byte-level BPE needs at least "
                          f"{MIN_VOCAB_SIZE} (256 bytes + {EOT})")
-    tokenizer = _untrained()
+    tokenizer = untrained_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
@@ -47,8 +47,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
     return tokenizer
 
 
-def _untrained() -> Tokenizer:
-    """The recipe before training: an empty BPE with the ByteLevel pre-tokenizer (GPT-2 pattern) and decoder."""
+def untrained_bpe() -> Tokenizer:
+    """glm5lab's byte-level BPE before training: an empty BPE with the ByteLevel pre-tokenizer (GPT-2 pattern) and
+    decoder."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -84,7 +85,7 @@ def cached_tokenizer(train_docs: Callable[[], Iterable], vocab_size: int, cache_
     folder = Path(cache_dir) / f"tokenizer-v{vocab_size}-{_texts_key(d.chunks for d in train_docs())}"
     if (folder / TOKENIZER_FILE).is_file():
         return load_tokenizer(folder)
-    cutter, _ = Cutter.of(_untrained())
+    cutter, _ = Cutter.of(untrained_bpe())
     return train_tokenizer((p for d in train_docs() for p in cutter.pieces(d.chunks())), vocab_size, folder)
 
 
