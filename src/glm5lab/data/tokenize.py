@@ -143,7 +143,7 @@ def cached_token_folder(data, seed: int, *, tokenizer=None, vocab_size: int, say
     Errors as `tokenize_corpus`."""
     source = Path(data) if data else fetch_default_corpus()
     corpus = open_corpus(source)
-    root, stem = cache_root() / "tokens", f"{source.name}-{corpus_key(corpus, seed)}"
+    root, stem = cache_root() / "tokens", f"{source.resolve().name}-{corpus_key(corpus, seed)}"
     sha = tokenizer_sha256(tokenizer) if tokenizer is not None else None
     folder = root / f"{stem}-{sha[:16] if sha else f'bpe{vocab_size}'}"
     if (folder / INDEX_FILE).is_file():
