@@ -81,7 +81,7 @@ def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None
     last = Stage.from_dict(args.stage_plan[-1])
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     tok = load_tokenizer(latest)
-    rows = pack(reference_split(tok, args.data, args.seed)[1], last.seq_len)  # every window (the last batch may be short)
+    rows = pack(reference_split(tok, args.data, args.seed)[1], last.seq_len)  # every window
     n_tokens = rows[:, 1:].numel()
     n_bytes = sum(len(tok.decode(r[1:].tolist()).encode("utf-8")) for r in rows)
     assert (summary["val_tokens"], summary["val_bytes"]) == (n_tokens, n_bytes)
