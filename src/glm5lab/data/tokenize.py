@@ -5,12 +5,9 @@ of at most `PIECE_CHARS` characters where the tokenizer's own pre-tokens end (`g
 tokens as encoding the document whole), encoded a batch of pieces at a time and appended to the open shard of
 their split, so memory grows neither with the corpus nor with its largest document. A tokenizer whose boundaries
 `Cutter` does not know (`Cutter.of` says why, in one line once a document is longer than a piece) has its
-documents encoded whole. The split is `glm5lab.data.corpus.SplitAssigner`'s, by
-document (score = SHA-256 of `seed:name` < val_fraction), decided per document while streaming; its
-fallbacks need the whole corpus seen (no validation document: the lowest-score one moves to validation; no
-training document: the highest-score one moves back; one document: its text is cut at a paragraph
-boundary), so a pass that ends in one of them is run again with that assignment fixed (only tiny corpora; a
-corpus of text files, named without reading them, is settled first, so one long file is encoded once).
+documents encoded whole. The split is `glm5lab.data.corpus.SplitAssigner`'s, decided per document while
+streaming; a pass that ends in one of its fallbacks is run again with it fixed (only tiny corpora; a corpus of text
+files, named without reading them, is settled first, so one long file is encoded once).
 Each split's stream is its documents' tokens in input order, `<|endoftext|>` between two documents (the one
 place that joins them). Without `--tokenizer` the byte-level BPE is trained on the training split at
 `vocab_size` and cached (`cached_tokenizer`, fed pieces). `glm5lab train --data TEXT` trains from the token
