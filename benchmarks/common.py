@@ -95,7 +95,7 @@ def resolve_checkpoint(path) -> Path:
     (`glm5lab.cli.generate.resolve_model_dir`: a checkpoint folder as is, a run folder through its
     `checkpoints/latest`); a run's `checkpoints/` folder is taken as its run folder. Raises
     SystemExit with what was looked for when there is no model there."""
-    from glm5lab.checkpoint import latest_pointer
+    from glm5lab.checkpoints.folder import latest_pointer
     from glm5lab.cli.generate import resolve_model_dir
 
     p = Path(path)

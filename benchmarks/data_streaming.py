@@ -60,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def write_folder(path: Path, tok, train_tokens: int, val_tokens: int, seed: int) -> dict:
     """A token folder of uniform random ids < the tokenizer's vocabulary, written as `glm5lab tokenize` writes."""
-    from glm5lab.train.shards import dtype_for
-    from glm5lab.train.tokenize import ShardWriter, finish_folder
+    from glm5lab.data.shards import dtype_for
+    from glm5lab.data.tokenize import ShardWriter, finish_folder
 
     path.mkdir(parents=True)
     rng, vocab = np.random.default_rng(seed), tok.get_vocab_size()
@@ -98,8 +98,8 @@ def run_child(folder: Path, run: Path, args) -> dict:
 
 def loader_rate(folder: Path, args, cold: bool) -> float:
     """Windows per second of BatchStream over the folder's training split (batches at consecutive steps)."""
-    from glm5lab.train.batches import BatchStream, pack
-    from glm5lab.train.shards import open_token_folder
+    from glm5lab.data.batches import BatchStream, pack
+    from glm5lab.data.shards import open_token_folder
 
     tokens = open_token_folder(folder).train
     if cold:
@@ -120,13 +120,14 @@ def main() -> None:
     if args.child:
         return child(*args.child, args)
     from glm5lab.environment import env_facts
-    from glm5lab.tokenizer import cached_tokenizer
-    from glm5lab.train.corpus import cache_root
+    from glm5lab.data.corpus import Document, cache_root
+    from glm5lab.data.tokenizer import cached_tokenizer
     from glm5lab.presets import PRESETS
 
     vocab = PRESETS[args.preset]()["vocab_size"]
     words = [f"w{i} " * (1 + i % 3) for i in range(4 * vocab)]
-    tok = cached_tokenizer(words, vocab, cache_root() / "tokenizers")
+    docs = [Document(str(i), w) for i, w in enumerate(words)]
+    tok = cached_tokenizer(lambda: iter(docs), vocab, cache_root() / "tokenizers")
     facts = env_facts("cpu")
     facts["load_average_start"] = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="glm5lab-data-streaming-") as tmp:

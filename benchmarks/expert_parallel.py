@@ -20,7 +20,7 @@ Each (shape, EP) is one `python -m torch.distributed.run --standalone --nproc_pe
 of this script (`--worker`), so every configuration starts from a fresh process (its peak memory
 is its own); EP = 1 is the same launch with one process (no process group, no sharding). The
 world is pure EP (world size = EP, no data-parallel replica); the non-expert weights are FSDP2-
-sharded over the same ranks (`glm5lab.train.dist.shard_model(model, ctx, ep=EP)`).
+sharded over the same ranks (`glm5lab.parallel.dist.shard_model(model, ctx, ep=EP)`).
 
 Per configuration (figures from the ranks, gathered to rank 0, written as JSON for the parent):
 - step s: `--warmup` untimed repeats, then `--repeats` timed repeats of `--steps` steps; each step
@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def worker(args) -> None:
     """One (shape, EP) configuration on this rank; rank 0 writes its `config_record` to --out."""
-    from glm5lab.train import dist as gdist
+    from glm5lab.parallel import dist as gdist
     from tests.train.ep_harness import Case, build
 
     torch.set_num_threads(args.threads)
@@ -221,7 +221,7 @@ class Trainer:
         """One step on the global batch `window_BT1`: {seconds (slowest rank), a2a_bytes, ep_imbalance,
         ep_tokens, load_RE, ledger_a2a_bytes, rows}."""
         from glm5lab.ledger import a2a_bytes
-        from glm5lab.train.expert_parallel import pop_ep_metrics
+        from glm5lab.parallel.expert_parallel import pop_ep_metrics
         from tests.train.ep_harness import gather_rows
 
         self._barrier()
@@ -241,7 +241,7 @@ class Trainer:
         PARTS in it (`part_seconds`)}."""
         from torch.profiler import ProfilerActivity, profile
 
-        from glm5lab.train.expert_parallel import pop_ep_metrics
+        from glm5lab.parallel.expert_parallel import pop_ep_metrics
 
         self._barrier()
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -5,7 +5,7 @@ and the bytes and step time of DSA decode at 32K.
    contexts `--contexts` (default 4K and 16K; the trained model has max_position_embeddings 4096, raised here on
    the loaded config to the longest context: RoPE is computed for any position, so it extrapolates past the
    4096 positions the config names and the 256 tokens it was trained on). Held-out text: `--windows` windows of
-   L tokens of the run's validation split per context (`glm5lab.train.data.held_out_prompts`), each run through
+   L tokens of the run's validation split per context (`glm5lab.data.pipeline.held_out_prompts`), each run through
    the cached, chunked prefill `glm5lab.generate` runs (`model.step` per chunk of `--chunk` tokens into a
    `KVCache`), keeping every position's logits:
    - pass fp32: a cache with fp32 indexer keys. At every call of an "own" layer's indexer (every layer that
@@ -170,7 +170,7 @@ def nll_pass(model, ids_1L: torch.Tensor, chunk: int, **cache_options) -> tuple[
 
 def quality(args, model, checkpoint) -> dict:
     """Recall per layer and delta NLL per context (module doc, part 1)."""
-    from glm5lab.train.data import held_out_prompts
+    from glm5lab.data.pipeline import held_out_prompts
 
     cfg, k = model.config, model.config.index_topk
     variants = {"fp8": fp8_roundtrip}

@@ -7,7 +7,7 @@ is exactly 0 when every indexer head's ReLU is 0, so models with few indexer hea
 
 For each model (trained run folders / checkpoints given with --model, and random inits of a
 preset with --random-preset at each --index-heads count), the forward runs over --prompts held-out
-windows of --prompt-len tokens (the run's validation split: `glm5lab.train.data.held_out_prompts`,
+windows of --prompt-len tokens (the run's validation split: `glm5lab.data.pipeline.held_out_prompts`,
 as in benchmarks/speculative.py; random models read the first --model's windows, or seeded random ids without one), and
 every full indexer layer's scores are checked row by row (rows with more than index_topk causal
 keys only: below that every key is selected).
@@ -33,7 +33,7 @@ import glm5lab.model.mla as mla
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.environment import env_facts
 from glm5lab.model.topk import boundary_ties
-from glm5lab.train.data import held_out_prompts
+from glm5lab.data.pipeline import held_out_prompts
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -4,14 +4,14 @@
 
 The script launches itself under `python -m torch.distributed.run --standalone --nproc_per_node=PROCS`
 (`--worker`; gloo on CPU, 1 torch thread per process). Every rank builds the preset's model (seed 0),
-shards it as `glm5lab train` does (`glm5lab.train.dist.shard_model`, FSDP2, `--ep` experts by expert),
+shards it as `glm5lab train` does (`glm5lab.parallel.dist.shard_model`, FSDP2, `--ep` experts by expert),
 builds Muon Split and trains one step (batch 1 x 64 tokens a rank, the dense stage's losses) so the
 optimizer holds its state. Then, on every rank, twice:
-- `sharded`: `glm5lab.train.sharded_checkpoint.save_sharded_checkpoint` (what a distributed run now
+- `sharded`: `glm5lab.checkpoints.dcp.save_sharded_checkpoint` (what a distributed run now
   writes: each rank its own shards, nothing gathered);
 - `full gather`: what a distributed run wrote before issue 27 (`dist.full_model` +
   `dist.optimizer_state` with full_state_dict, gathered to CPU on every rank, then rank 0 writes the
-  HF folder + trainer_state.pt: `glm5lab.checkpoint.save_checkpoint`).
+  HF folder + trainer_state.pt: `glm5lab.checkpoints.folder.save_checkpoint`).
 Per rank and save: RSS before (VmRSS of /proc/self/status, after `gc.collect` and glibc's `malloc_trim(0)`,
 which returns freed heap pages, so that a save cannot hide its allocations in memory freed earlier), the peak during it
 (VmHWM, reset just before the save by writing 5 to /proc/self/clear_refs) and its rise = peak - before;
@@ -66,10 +66,10 @@ def worker(args) -> None:
     import torch.distributed as tdist
 
     from glm5lab import GLM5ForCausalLM, ModelConfig
-    from glm5lab.checkpoint import rng_state, save_checkpoint
-    from glm5lab.train import dist
+    from glm5lab.checkpoints.folder import rng_state, save_checkpoint
+    from glm5lab.parallel import dist
     from glm5lab.train.losses import stage_losses
-    from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
+    from glm5lab.checkpoints.dcp import save_sharded_checkpoint
     from glm5lab.train.stages import default_stages
     from glm5lab.train.step import TrainHyper, optimizer_step
 

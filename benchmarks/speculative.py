@@ -2,7 +2,7 @@
 
 The model trained by `glm5lab train` (default `--model runs/small`: its `checkpoints/latest`),
 with its MTP layer as the draft head, on held-out text: `--prompts` prompts of `--prompt-len`
-tokens from the validation split of the training corpus (`glm5lab.train.data.held_out_prompts`:
+tokens from the validation split of the training corpus (`glm5lab.data.pipeline.held_out_prompts`:
 the run's `run.json` gives the corpus and split seed; the checkpoint's tokenizer.json encodes it;
 windows evenly spaced over the split), `--new-tokens` greedy tokens each, batch 1, timed
 interleaved:
@@ -57,7 +57,7 @@ from common import (counting_compile, load_ours, markdown_table, median, print_j
 
 import glm5lab
 from glm5lab.environment import env_facts, load_average
-from glm5lab.train.data import held_out_prompts
+from glm5lab.data.pipeline import held_out_prompts
 
 GOALS = {"speedup": 1.6, "acceptance_length": 2.5, "draft_steps": 3}
 """Targets at 3 draft steps: speculative decode tokens/s >= 1.6x plain (compiled, both), acceptance

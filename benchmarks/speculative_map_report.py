@@ -21,7 +21,7 @@ from common import load_ours, markdown_table, verdict
 from glm5lab.environment import load_average
 from glm5lab.io_utils import atomic_write_text
 from glm5lab.infer.compiled import CompiledSteps
-from glm5lab.train.data import held_out_prompts
+from glm5lab.data.pipeline import held_out_prompts
 
 GOALS = {"within": 0.20, "speedup": 1.3}
 

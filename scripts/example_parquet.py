@@ -14,8 +14,8 @@ from pathlib import Path
 
 from datasets import Dataset, disable_progress_bars
 
-from glm5lab.train.corpus import fetch_default_corpus
-from glm5lab.train.sources import iter_documents
+from glm5lab.data.corpus import fetch_default_corpus
+from glm5lab.data.sources import iter_documents
 
 
 def main() -> None:

@@ -80,3 +80,24 @@ def tiny_cfg() -> ModelConfig:
 def tiny_model(tiny_cfg) -> GLM5ForCausalLM:
     torch.manual_seed(0)
     return GLM5ForCausalLM(tiny_cfg)
+
+
+def encode_whole(tok, docs):
+    """int64 ids of `docs` (anything with `.text`), each encoded whole without the tokenizer's special tokens,
+    `<|endoftext|>` between two: the reference a token folder's split stream must equal (it encodes in pieces)."""
+    import numpy as np
+
+    eot, ids = tok.token_to_id("<|endoftext|>"), []
+    for i, enc in enumerate(tok.encode_batch([d.text for d in docs], add_special_tokens=False)):
+        ids += ([eot] if i else []) + enc.ids
+    return np.array(ids, dtype=np.int64)
+
+
+def reference_split(tok, data, seed: int = 0, text_field: str = "text"):
+    """(train, val) `encode_whole` ids of corpus `data` (None: the default corpus): its documents read whole,
+    split by `split_documents` with `seed`."""
+    from glm5lab.data.corpus import Document, fetch_default_corpus, split_documents
+    from glm5lab.data.sources import iter_documents
+
+    docs = [Document(d.name, d.text) for d in iter_documents(data or fetch_default_corpus(), text_field)]
+    return tuple(encode_whole(tok, part) for part in split_documents(docs, seed=seed))

@@ -1,4 +1,4 @@
-"""The expert-parallel all-to-all contract (`glm5lab.alltoall.a2a_bytes`, re-exported by `glm5lab.ledger`).
+"""The expert-parallel all-to-all contract (`glm5lab.parallel.alltoall.a2a_bytes`, re-exported by `glm5lab.ledger`).
 
 Checked by hand on a 4-rank routing, against an independent construction (the rank-to-rank split
 sizes a dispatcher passes to its all-to-all, off the diagonal), and against the uniform-routing
@@ -13,7 +13,7 @@ import pytest
 
 from glm5lab import ModelConfig
 from glm5lab import ledger as lg
-from glm5lab.alltoall import crossing_rows
+from glm5lab.parallel.alltoall import crossing_rows
 
 LOAD = [[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 1, 0], [2, 0, 0, 3]]
 """4 ranks (2 data x ep 2), E = 4: experts 0-1 on EP index 0, 2-3 on EP index 1. Crossing rows:

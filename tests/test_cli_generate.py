@@ -18,7 +18,7 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig, generate
 from glm5lab.cli import main
 from glm5lab.cli.generate import Stream, parse_stops
-from glm5lab.tokenizer import load_tokenizer, train_tokenizer
+from glm5lab.data.tokenizer import load_tokenizer, train_tokenizer
 
 N = 5  # new tokens per CLI run
 PROMPT = "Hello world"

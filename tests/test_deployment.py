@@ -164,5 +164,5 @@ def test_cli_refusals_are_one_line_and_exit_2(args, message):
 
 
 def test_accounts_import_no_torch():
-    code = "import sys, glm5lab.deployment, glm5lab.alltoall, glm5lab.ledger; assert 'torch' not in sys.modules"
+    code = "import sys, glm5lab.deployment, glm5lab.parallel.alltoall, glm5lab.ledger; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

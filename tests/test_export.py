@@ -9,9 +9,9 @@ import torch
 
 from glm5lab import GLM5ForCausalLM
 from glm5lab.cli import main
-from glm5lab.export import export_checkpoint, load_checkpoint_model, parse_size
+from glm5lab.checkpoints.export import export_checkpoint, load_checkpoint_model, parse_size
 from glm5lab.hf import read_checkpoint
-from glm5lab.tokenizer import load_tokenizer, save_for_transformers, train_tokenizer
+from glm5lab.data.tokenizer import load_tokenizer, save_for_transformers, train_tokenizer
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import fp8_index_keys as bench  # noqa: E402
 @pytest.fixture(scope="module")
 def run_folder(tmp_path_factory):
     from glm5lab import GLM5ForCausalLM, ModelConfig
-    from glm5lab.tokenizer import train_tokenizer
+    from glm5lab.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("fp8run")
     corpus = root / "corpus.txt"

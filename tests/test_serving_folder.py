@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoint import save_checkpoint
+from glm5lab.checkpoints.folder import save_checkpoint
 from glm5lab.hf import INDEX_NAME
-from glm5lab.tokenizer import EOT, train_tokenizer
+from glm5lab.data.tokenizer import EOT, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402

@@ -2,7 +2,7 @@
 
 `deployment` answers "what does each of G GPUs hold" for a model whose routed experts are sharded by
 expert over an EP group of `ep` ranks, under one stated sharding model per mode (`SHARDING`), plus the
-all-to-all bytes per token (`glm5lab.alltoall`). Pure arithmetic on `ModelConfig` (no torch); the
+all-to-all bytes per token (`glm5lab.parallel.alltoall`). Pure arithmetic on `ModelConfig` (no torch); the
 parameter counts are the ledger's (`glm5lab.ledger`, pinned to the model by `tests/test_ledger.py`).
 Formulas, assumptions and the check against the published GLM-5-FP8 8 x H200 deployment: `docs/ledger.md`,
 "Deployment accounts". Units: elements and bytes (GB = 1e9, GiB = 2**30 bytes).
@@ -13,7 +13,7 @@ Optimizer state follows the kinds of `glm5lab.optim.groups.RULES` (torch-free, f
 
 from __future__ import annotations
 
-from glm5lab.alltoall import a2a_per_token
+from glm5lab.parallel.alltoall import a2a_per_token
 from glm5lab.config import ModelConfig
 from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
                             mixer_kind, mtp_params, state)
@@ -128,7 +128,7 @@ def deployment(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = 
     Keys: name, mode, gpus, ep, "sharding" (`SHARDING[mode]`), "experts_per_ep_rank", "dtype" and
     "bytes_per_value" (weights), "params" (`param_split`), "optimizer_kinds", "per_gpu_params"
     (`per_gpu_params`), "per_gpu_bytes" (`train_bytes` or `serve_bytes`), "a2a": forward all-to-all
-    bytes per token per MoE layer ("dispatch", "combine": `glm5lab.alltoall.a2a_per_token`, uniform
+    bytes per token per MoE layer ("dispatch", "combine": `glm5lab.parallel.alltoall.a2a_per_token`, uniform
     routing, in `payload_dtype(dtype)`), "moe_layers" (main layers; the MTP layer adds one when it
     runs), "forward_per_token" over them and, in training, "forward_backward_per_token"; serve only:
     "cache" {"dtype", "context", "batch"}. cache_dtype: default `dtype`; context: default

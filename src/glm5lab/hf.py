@@ -191,7 +191,7 @@ def _has_mtp_weights(tensors, cfg: ModelConfig) -> bool:
 
 def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = None):
     """Build `cls(config)` from an HF-layout folder and load its weights exactly. A distributed run's sharded
-    checkpoint folder (trainer_state.json, DCP shards) is read too (`glm5lab.train.sharded_checkpoint`).
+    checkpoint folder (trainer_state.json, DCP shards) is read too (`glm5lab.checkpoints.dcp`).
 
     mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but the weights lack
     it, e.g. a folder written by transformers, the model is built without it and a warning says so); True =
@@ -206,7 +206,7 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
         hint = f" (an interrupted save left the previous checkpoint at {olds[0]}: rename it back)" if olds else ""
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist{hint}")
     if (folder / "trainer_state.json").is_file():  # a distributed run's sharded (DCP) checkpoint
-        from glm5lab.train.sharded_checkpoint import load_sharded_model
+        from glm5lab.checkpoints.dcp import load_sharded_model
 
         return load_sharded_model(cls, folder, dtype=dtype, device=device, mtp=mtp)
     cfg = ModelConfig.from_hf(folder)

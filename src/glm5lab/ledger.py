@@ -15,7 +15,7 @@ routed experts per MoE layer. The GLM-5 report says its 744B / 40B include MTP a
 output; that convention gives 752B / 40.5B. 744B is the count with embedding and output and without MTP (=
 transformers' `GlmMoeDsaForCausalLM`, whose MTP layer is not built).
 
-Expert-parallel all-to-all bytes (`a2a_bytes`, `a2a_per_token`) live in `glm5lab.alltoall` and are
+Expert-parallel all-to-all bytes (`a2a_bytes`, `a2a_per_token`) live in `glm5lab.parallel.alltoall` and are
 re-exported here; bytes per GPU for a training or serving layout in `glm5lab.deployment`.
 
 Sources: the GLM-5 report's appendix table; transformers' `GlmMoeDsaForCausalLM` (module structure, mirrored
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import textwrap
 
-from glm5lab.alltoall import a2a_bytes, a2a_per_token  # noqa: F401  (re-exported: the ledger's public names)
+from glm5lab.parallel.alltoall import a2a_bytes, a2a_per_token  # noqa: F401  (re-exported: the ledger's public names)
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.validate import DTYPES, TORCH_NAMES, dtype_name, refuse
 

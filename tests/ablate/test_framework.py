@@ -171,7 +171,7 @@ def test_a_token_folder_as_study_data_is_refused_in_one_line(tmp_path):
     """A study reads text (it trains its own tokenizer with task ids reserved): a token folder is named and refused,
     not a traceback from inside the workbench (it was `'ShardedTokens' object has no attribute 'astype'`)."""
     from glm5lab.ablate.workbench import Workbench
-    from glm5lab.train.tokenize import tokenize_corpus
+    from glm5lab.data.tokenize import tokenize_corpus
     from tests.conftest import write_word_corpus
 
     write_word_corpus(tmp_path / "texts")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig, generate
-from glm5lab.tokenizer import load_tokenizer, train_tokenizer
+from glm5lab.data.tokenizer import load_tokenizer, train_tokenizer
 from tests.conftest import TOL
 
 lm_eval = pytest.importorskip("lm_eval")

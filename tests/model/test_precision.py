@@ -207,7 +207,7 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.model.moe import Router
 from glm5lab.model.precision import KeepFP32
-from glm5lab.train import dist
+from glm5lab.parallel import dist
 from tests.model.test_precision import _model
 
 ctx = dist.setup()

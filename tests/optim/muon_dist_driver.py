@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 from glm5lab.optim import MuonAdamW
-from glm5lab.train.dist import end_process, session
+from glm5lab.parallel.dist import end_process, session
 
 # name -> (shape, kind, heads); ep_experts lives on the "moe" submodule (the EP layout), the rest on the root
 PARAMS = {
@@ -143,7 +143,7 @@ def run_case(n: int) -> dict:
 
 def main(out: str) -> None:
     dist.init_process_group("gloo")
-    with session():  # every rank leaves the groups together (barrier, destroy, collect): glm5lab.train.dist.teardown
+    with session():  # every rank leaves the groups together (barrier, destroy, collect): glm5lab.parallel.dist.teardown
         assert dist.get_world_size() == 4, "run with --nproc_per_node=4"
         cases = {}
         for n in (4, 2):

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.train import dist as gdist
-from glm5lab.train.expert_parallel import pop_ep_metrics
+from glm5lab.parallel import dist as gdist
+from glm5lab.parallel.expert_parallel import pop_ep_metrics
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
@@ -123,7 +123,7 @@ def worker(rank: int, world: int, port: int, ep: int, cases: list[Case], out_dir
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    with gdist.session():  # the groups left together, by every rank (`glm5lab.train.dist.teardown`)
+    with gdist.session():  # the groups left together, by every rank (`glm5lab.parallel.dist.teardown`)
         for case in cases:
             result = run(case, ep)
             if rank == 0:

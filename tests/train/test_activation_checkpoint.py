@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.train.activation_checkpoint import apply_activation_checkpointing
+from glm5lab.parallel.activation_checkpoint import apply_activation_checkpointing
 from glm5lab.train.balance import moe_layers
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
@@ -58,7 +58,7 @@ def test_checkpointed_blocks_give_the_same_losses_gradients_and_loads(name):
 def test_garbled_recomputation_would_fail():
     """A shared layer re-run with the last own layer's selection (what checkpointing alone would do)
     changes gradients: the restore of the step's selection is what the test above checks."""
-    from glm5lab.train import activation_checkpoint as ac_mod
+    from glm5lab.parallel import activation_checkpoint as ac_mod
 
     window = torch.randint(0, 320, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
     plain, ac = _model(), _model()

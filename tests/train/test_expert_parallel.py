@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from glm5lab.model.dispatch import LocalDispatcher
-from glm5lab.train.dist import end_process, session
-from glm5lab.train.expert_parallel import AllToAllDispatcher, EPStats, check_ep
+from glm5lab.parallel.dist import end_process, session
+from glm5lab.parallel.expert_parallel import AllToAllDispatcher, EPStats, check_ep
 from glm5lab import ModelConfig
 from tests.train import ep_harness
 from tests.train.ep_harness import Case
@@ -83,7 +83,7 @@ def _check_metrics(case: Case, result: dict, world: int, ep: int) -> None:
 def _dispatch_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    with session():  # the groups left together, by every rank (`glm5lab.train.dist.teardown`)
+    with session():  # the groups left together, by every rank (`glm5lab.parallel.dist.teardown`)
         results = [_dispatch_roundtrip(rank, world, routing) for routing in ("random", "rank0", "empty_rank")]
         torch.save(results, os.path.join(out_dir, f"dispatch-{rank}.pt"))
     end_process()  # leave as every multi-process run does

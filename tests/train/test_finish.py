@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-import glm5lab.checkpoint as checkpoint_module
+import glm5lab.checkpoints.folder as checkpoint_module
 import glm5lab.train.loop as loop_module
 import glm5lab.train.plot as plot_module
 from glm5lab import GLM5ForCausalLM

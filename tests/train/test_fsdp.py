@@ -10,12 +10,12 @@ import subprocess
 import sys
 
 from glm5lab import GLM5ForCausalLM
-from glm5lab.export import load_checkpoint_model
+from glm5lab.checkpoints.export import load_checkpoint_model
 from tests.train.test_loop import _plan, corpus  # noqa: F401  (fixture)
 
 DRIVER = """
 import sys
-from glm5lab.train.dist import end_process
+from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
 from tests.train.test_loop import _plan
 out, batch = sys.argv[1], int(sys.argv[2])
@@ -23,7 +23,7 @@ ep = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
                 eval_every=2, eval_tokens=96, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 2), batch=batch),
                 ep=ep))
-end_process()  # leave as every multi-process run does (glm5lab.train.dist.end_process)
+end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
 
 

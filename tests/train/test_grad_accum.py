@@ -110,14 +110,14 @@ def test_split_batch_rows_and_refusal():
 
 DRIVER = """
 import sys
-from glm5lab.train.dist import end_process
+from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
 from tests.train.test_loop import _plan
 out, batch, accum = sys.argv[1], int(sys.argv[2]), int(sys.argv[4])
 plan = [{**stage, "grad_accum": accum} for stage in _plan(steps=(2, 1, 2), batch=batch)]
 train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
                 eval_every=0, checkpoint_every=0, stage_plan=plan))
-end_process()  # leave as every multi-process run does (glm5lab.train.dist.end_process)
+end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
 
 

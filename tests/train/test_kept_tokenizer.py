@@ -9,8 +9,8 @@ import json
 import pytest
 
 from glm5lab import ModelConfig
-from glm5lab.tokenizer import train_tokenizer
-from glm5lab.train.data import prepare_data
+from glm5lab.data.tokenizer import train_tokenizer
+from glm5lab.data.pipeline import prepare_data
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.plan import dry_run
 from tests.conftest import write_word_corpus

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoint import ResumeError
+from glm5lab.checkpoints.folder import ResumeError
 from glm5lab.train.balance import update_router_bias
 from glm5lab.train.loop import TrainArgs, _Loop, resolve_stages, train
 from glm5lab.train.step import TrainingDiverged, clip_and_check
@@ -73,16 +73,15 @@ def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None
     """summary.json's val_bits_per_byte is val_loss x targets / (ln 2 x bytes), with the targets
     and their bytes recounted from the run's own validation split and tokenizer: the bytes by
     decoding each window's targets (an ASCII corpus: no character is cut at a window edge)."""
-    from glm5lab.tokenizer import encode_documents, load_tokenizer
-    from glm5lab.train.batches import pack
-    from glm5lab.train.data import split_corpus
+    from glm5lab.data.tokenizer import load_tokenizer
+    from glm5lab.data.batches import pack
+    from tests.conftest import reference_split
 
     assert json.loads((run / "summary.json").read_text()) == json.loads(json.dumps(summary))
     last = Stage.from_dict(args.stage_plan[-1])
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     tok = load_tokenizer(latest)
-    _, _, val_docs = split_corpus(args.data, args.seed)
-    rows = pack(encode_documents(tok, val_docs), last.seq_len)  # every window, the last batch possibly short
+    rows = pack(reference_split(tok, args.data, args.seed)[1], last.seq_len)  # every window
     n_tokens = rows[:, 1:].numel()
     n_bytes = sum(len(tok.decode(r[1:].tolist()).encode("utf-8")) for r in rows)
     assert (summary["val_tokens"], summary["val_bytes"]) == (n_tokens, n_bytes)

@@ -1,4 +1,4 @@
-"""Meta-device build + per-shard init (`glm5lab.train.meta_init`, `dist.build_meta` / `dist.materialize`): the
+"""Meta-device build + per-shard init (`glm5lab.parallel.meta_init`, `dist.build_meta` / `dist.materialize`): the
 recorded build replayed tensor by tensor equals `torch.manual_seed(seed); GLM5ForCausalLM(cfg)` on the CPU bit
 for bit (every parameter and buffer; GDN's computed `A_log`/`dt_bias`, tied embeddings, norms of ones), and
 leaves the generator where that build does. Under torchrun (2 processes, with and without --ep):
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.train.meta_init import record_build
+from glm5lab.parallel.meta_init import record_build
 
 MIXED = dict(attention_types=["mla", "mla", "gqa", "gqa"], mixer_types=["full", "gdn", "full", "simple_gdn"],
              num_key_value_heads=2)

@@ -1,4 +1,4 @@
-"""Long texts in pieces (`glm5lab.train.pieces`): the pieces encode to exactly the tokens of the whole text on
+"""Long texts in pieces (`glm5lab.data.pieces`): the pieces encode to exactly the tokens of the whole text on
 texts with tricky boundaries (long runs of spaces, newlines, unicode, one line without whitespace, added tokens
 and contractions), for glm5lab's byte-level BPE and the Llama-3/GLM and Qwen2 pre-tokenizer patterns; a cutter
 that also cuts where the anchors' proof does not hold fails on the same texts; pieces stay short however long
@@ -13,9 +13,9 @@ import re
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from glm5lab.tokenizer import EOT, train_tokenizer
-from glm5lab.train import pieces
-from glm5lab.train.pieces import Cutter
+from glm5lab.data.tokenizer import EOT, train_tokenizer
+from glm5lab.data import pieces
+from glm5lab.data.pieces import Cutter
 
 TRICKY = {
     "spaces": "word" + " " * 3000 + "next  word   x\t \n  y " * 60 + " " * 200,
@@ -135,10 +135,10 @@ def test_tokenizers_whose_boundaries_are_not_known_are_encoded_whole():
 def test_bpe_trained_on_pieces_is_the_bpe_of_whole_texts(tmp_path):
     """glm5lab's trainer counts pre-tokens: pieces give the same counts, so the same merges, byte for byte (literal
     special tokens in the text included)."""
-    from glm5lab.tokenizer import _untrained
+    from glm5lab.data.tokenizer import untrained_bpe
 
     texts = list(TRICKY.values())
-    cutter, _ = Cutter.of(_untrained(), size=SIZE)
+    cutter, _ = Cutter.of(untrained_bpe(), size=SIZE)
     whole = train_tokenizer(texts, 500, tmp_path / "whole")
     cut = train_tokenizer((p for t in texts for p in cutter.pieces([t])), 500, tmp_path / "cut")
     assert cut.to_str() == whole.to_str()

@@ -53,7 +53,7 @@ def _held_run(corpus) -> str:
 
 
 def _token_folder(corpus) -> str:
-    from glm5lab.train.tokenize import tokenize_corpus
+    from glm5lab.data.tokenize import tokenize_corpus
 
     tokenize_corpus(corpus / "texts", corpus / "tokens", vocab_size=320, shard_size=1000, seed=0, progress=False)
     return str(corpus / "tokens")

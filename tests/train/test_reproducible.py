@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoint import latest_checkpoint
+from glm5lab.checkpoints.folder import latest_checkpoint
 from glm5lab.hf import read_checkpoint
 from glm5lab.model import moe
 from glm5lab.train.loop import TrainArgs, train

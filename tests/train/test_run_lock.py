@@ -101,7 +101,7 @@ def test_a_failed_start_removes_only_what_the_lock_made(tmp_path):
 DRIVER = """
 import os, sys, time
 from pathlib import Path
-from glm5lab.train import dist
+from glm5lab.parallel import dist
 from glm5lab.train.run_lock import hold_run_folder
 ctx = dist.setup()
 with dist.session(ctx), hold_run_folder(Path(sys.argv[1]), ctx):
@@ -170,7 +170,7 @@ def test_killing_the_torchrun_launcher_stops_its_ranks_and_frees_the_folder(tmp_
 def test_a_launcher_is_gone_when_its_store_refuses_connections(monkeypatch):
     """`launcher_gone` asks the store torchrun's agent holds for the whole run: refused = the launcher is dead; a
     listening store, or no agent store (the ranks make their own), decides nothing."""
-    from glm5lab.train.launcher import launcher_gone
+    from glm5lab.parallel.launcher import launcher_gone
 
     with socket.socket() as store:
         store.bind(("127.0.0.1", 0))

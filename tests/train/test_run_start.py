@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from glm5lab import ModelConfig
-from glm5lab.checkpoint import ResumeError
+from glm5lab.checkpoints.folder import ResumeError
 from glm5lab.cli import build_parser, default_out, main
 from glm5lab.train.loop import (
     TrainArgs, check_data_fits, check_stage_lengths, progress_text, stage_summary, train,

@@ -20,7 +20,7 @@ DRIVER = """
 import json, sys
 import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.train import dist
+from glm5lab.parallel import dist
 from glm5lab.train.loop import TrainArgs, train
 from tests.train.test_loop import _plan
 out, corpus = sys.argv[1], sys.argv[2]

@@ -19,24 +19,24 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoint import ResumeError
-from glm5lab.export import load_checkpoint_model
+from glm5lab.checkpoints.folder import ResumeError
+from glm5lab.checkpoints.export import load_checkpoint_model
 from glm5lab.train.loop import TrainArgs, train
-from glm5lab.train.resume import rescale_stages
+from glm5lab.checkpoints.resume import rescale_stages
 from glm5lab.train.stages import Stage
 from tests.conftest import write_word_corpus
 from tests.train.test_loop import _plan
 
 DRIVER = """
 import sys
-from glm5lab.train.dist import end_process
+from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
 from tests.train.test_loop import _plan
 out, batch, corpus, ep, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 train(TrainArgs(config=corpus + "/config.json", data=corpus + "/texts", out=out, progress=False, eval_every=2,
                 eval_tokens=48, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=batch), ep=ep,
                 resume=resume))
-end_process()  # leave as every multi-process run does (glm5lab.train.dist.end_process)
+end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
 LOSS_RTOL = 1e-5
 """Another world size sums the gradients in another order: observed relative loss differences up to 1e-7 (fp32
@@ -227,21 +227,21 @@ def test_export_of_a_sharded_checkpoint_gives_the_trained_model_here_and_in_tran
     """The --ep 2 run's DCP checkpoint -> HF shards of at most 300 kB: the tensors `save_pretrained` writes of the
     trained model, read a shard's worth at a time (never the whole model); GLM5ForCausalLM and transformers'
     GlmMoeDsaForCausalLM load it with the trained model's logits."""
-    import glm5lab.export
-    from glm5lab.export import export_checkpoint
+    import glm5lab.checkpoints.export
+    from glm5lab.checkpoints.export import export_checkpoint
     from glm5lab.hf import load_transformers_twin, read_checkpoint
     from tests.conftest import HF_LOGITS_ATOL
 
     read_bytes = []
-    real = glm5lab.export.read_dcp
+    real = glm5lab.checkpoints.export.read_dcp
 
     def counting(target, folder, **kw):
         read_bytes.append(sum(t.numel() * t.element_size() for t in target["model"].values()))
         real(target, folder, **kw)
 
-    monkeypatch.setattr(glm5lab.export, "read_dcp", counting)
+    monkeypatch.setattr(glm5lab.checkpoints.export, "read_dcp", counting)
     out = export_checkpoint(runs / "ep", tmp_path / "out", max_shard_bytes=300_000)
-    monkeypatch.setattr(glm5lab.export, "read_dcp", real)
+    monkeypatch.setattr(glm5lab.checkpoints.export, "read_dcp", real)
     trained = load_checkpoint_model(runs / "ep" / "checkpoints" / "step-000007")
     trained.save_pretrained(tmp_path / "saved")
     ours, saved = read_checkpoint(out), read_checkpoint(tmp_path / "saved")

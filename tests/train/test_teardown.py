@@ -1,5 +1,5 @@
 """How a multi-process run leaves its process group (issue 36, faults 9 and 10), one way for the library and the
-tests (`glm5lab.train.dist`): `session` tears the group down when its block ends (a barrier first when it ends
+tests (`glm5lab.parallel.dist`): `session` tears the group down when its block ends (a barrier first when it ends
 normally; at once after Ctrl-C or an error), and a process that ends with its run leaves through `end_process`
 (atexit handlers and flushed output, then no interpreter teardown, where gloo's threads of the destroyed but still
 referenced groups used to abort a rank now and then: "terminate called without an active exception", exit -6).
@@ -15,7 +15,7 @@ import pytest
 
 SESSION = """
 import os, sys, torch.distributed as dist
-from glm5lab.train.dist import session
+from glm5lab.parallel.dist import session
 store = dist.HashStore()
 for how in ("normal", "ctrl-c", "error"):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -46,7 +46,7 @@ def test_a_session_tears_the_group_down_however_it_ends():
 
 END = """
 import atexit, sys
-from glm5lab.train.dist import end_process
+from glm5lab.parallel.dist import end_process
 class Finalized:
     def __del__(self, write=sys.stdout.write):
         write("finalized\\n")
@@ -67,7 +67,7 @@ def test_end_process_runs_atexit_flushes_and_skips_the_interpreter_teardown(stat
 
 def test_every_multiprocess_driver_leaves_through_the_shared_teardown():
     """A driver that joins a process group (init_process_group, dist.setup, or train() under torchrun) tears it down
-    through `glm5lab.train.dist` (`session`/`teardown`, or train's own session) and ends with `end_process`: no copy
+    through `glm5lab.parallel.dist` (`session`/`teardown`, or train's own session) and ends with `end_process`: no copy
     of the teardown, and no driver left to the interpreter's exit (the flaky 4-process fixture of
     tests/optim/test_muon_dist.py ended with a bare destroy_process_group)."""
     tests = Path(__file__).resolve().parents[1]

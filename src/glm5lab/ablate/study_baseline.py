@@ -1,7 +1,7 @@
 """`glm5lab ablate baseline`: the `small` preset against the dense GPT a CPU user would reach for.
 
 No report figure. Three arms on `glm5lab train`'s text, tokenizer (vocab 4096) and document split
-(`train.data.prepare_data`; `--data` picks another corpus); not the runner's `Workbench` (no MQAR rows).
+(`data.pipeline.prepare_data`; `--data` picks another corpus); not the runner's `Workbench` (no MQAR rows).
 
   GLM-5 small        `presets.small` (MLA, DSA top-64, MoE 16 experts top-2 + shared, MTP) with
                      `glm5lab train`'s recipe: `stages.default_stages` (dense with MTP, indexer
@@ -53,8 +53,8 @@ from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.workbench import SPLIT_SEED, BatchFn
 from glm5lab.config import ModelConfig
+from glm5lab.data.batches import BatchStream, pack
 from glm5lab.evals.bpb import token_byte_lengths
-from glm5lab.train.batches import BatchStream, pack
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import TrainHyper
 
@@ -156,7 +156,7 @@ def train_and_score(cfg: ModelConfig, stages: list[Stage], optimizer: str, batch
 def run(args: StudyArgs, bench=None) -> StudyResult:
     """Train the three arms for every seed on the same batches and score them; the StudyResult.
     `bench` (the runner's Workbench) is not used: see the module docstring."""
-    from glm5lab.train.data import prepare_data
+    from glm5lab.data.pipeline import prepare_data
 
     s = args.sizes(SIZES)
     seeds, plan = args.seed_list(s), plans(s)

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from glm5lab.evals.mqar import make_mqar_batch
 from glm5lab.evals.tasks import MARKERS, TaskVocab, derive_seed
-from glm5lab.train.batches import BatchStream, pack
+from glm5lab.data.batches import BatchStream, pack
 from glm5lab.train.stages import Stage
 from glm5lab.validate import one_of
 
@@ -28,7 +28,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 BatchFn = Callable[[int, Stage, int], Batch]
 """(stage index, stage, step within the stage) -> a batch; a pure function, so runs are seeded."""
 SPLIT_SEED = 0
-"""The document split of every study's corpus (`train.data.split_corpus`): `glm5lab train`'s
+"""The document split of every study's corpus (`data.pipeline.prepare_data`): `glm5lab train`'s
 default --seed, so the studies hold out what a default run holds out."""
 
 
@@ -50,8 +50,8 @@ class Workbench:
         tokenized as `glm5lab train` does (`prepare_data` at the text ids, split seed SPLIT_SEED). Raises
         ValueError when the reserved ids leave fewer than 300 ids for text (a byte-level BPE) or `data` is a token
         folder (its ids are another tokenizer's), FileNotFoundError for a missing `data`."""
-        from glm5lab.train.data import prepare_data
-        from glm5lab.train.shards import is_token_folder
+        from glm5lab.data.pipeline import prepare_data
+        from glm5lab.data.shards import is_token_folder
 
         if data is not None and is_token_folder(data):
             raise ValueError(f"--data {data} is a token folder (glm5lab tokenize): a study trains its own tokenizer "
@@ -65,8 +65,8 @@ class Workbench:
                              "at least 300 needed (a byte-level BPE)")
         text = prepare_data(text_vocab, data, SPLIT_SEED)
         tasks = TaskVocab.from_range(vocab_size, text_vocab, num_keys, num_values, filler=range(text_vocab))
-        return cls(vocab_size, text.tokenizer, text.train_tokens.astype(np.int64), text.val_tokens.astype(np.int64),
-                   tasks)
+        return cls(vocab_size, text.tokenizer, np.asarray(text.train_tokens, dtype=np.int64),
+                   np.asarray(text.val_tokens, dtype=np.int64), tasks)
 
     def text_windows(self, split: str, seq_len: int) -> torch.Tensor:
         """int64 [N, seq_len + 1] non-overlapping windows of the "train" or "val" split."""

@@ -56,7 +56,7 @@ from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
 from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
 from glm5lab.threads import configure as configure_threads
-from glm5lab.train.launcher import exit_with_launcher
+from glm5lab.parallel.launcher import exit_with_launcher
 from glm5lab.validate import DTYPES, refuse
 
 USER_ERRORS = (ConfigError, OSError, ValueError)
@@ -396,11 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default sys.argv[1:]); returns the exit status. A torchrun rank first ties
     itself to its launcher (`exit_with_launcher`: it ends when torchrun dies, also during its checks), and one that
-    joined a process group does not return: it ends with that status through `glm5lab.train.dist.end_process`."""
+    joined a process group does not return: it ends with that status through `glm5lab.parallel.dist.end_process`."""
     exit_with_launcher()
     args = build_parser().parse_args(argv)
     status = _run(args)
-    dist = sys.modules.get("glm5lab.train.dist")
+    dist = sys.modules.get("glm5lab.parallel.dist")
     if dist is not None and dist.joined():
         dist.end_process(status)
     return status

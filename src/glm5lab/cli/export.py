@@ -1,6 +1,6 @@
 """`glm5lab export CHECKPOINT --out DIR [--max-shard-size 5GB]`: a training checkpoint (a run folder's latest,
 a step folder; sharded DCP or single-process HF) as the HF safetensors folder transformers, vLLM and SGLang
-read (`glm5lab.export`)."""
+read (`glm5lab.checkpoints.export`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from glm5lab.export import export_checkpoint, parse_size, resolve_checkpoint
+    from glm5lab.checkpoints.export import export_checkpoint, parse_size, resolve_checkpoint
 
     folder = resolve_checkpoint(args.checkpoint)
     out = export_checkpoint(folder, args.out, max_shard_bytes=parse_size(args.max_shard_size))

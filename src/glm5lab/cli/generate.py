@@ -161,7 +161,7 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
     if not folder.is_dir():
         raise FileNotFoundError(f"--model {path} is a file: give the folder that holds config.json and the "
                                 "*.safetensors weights, or a `glm5lab train` run folder")
-    from glm5lab.checkpoint import latest_pointer  # here: the CLI starts without torch
+    from glm5lab.checkpoints.folder import latest_pointer  # here: the CLI starts without torch
 
     ckpt = latest_pointer(folder)
     if ckpt is not None:
@@ -185,7 +185,7 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
 def find_tokenizer(option: str | None, folder: Path, model_arg: Path):
     """The tokenizer from --tokenizer, else the checkpoint folder's (or the --model folder's)
     tokenizer.json, else None."""
-    from glm5lab.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from glm5lab.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     if option is not None:
         return load_tokenizer(Path(option))

@@ -1,5 +1,5 @@
 """`glm5lab tokenize DATA --out DIR`: a corpus to a token folder that `glm5lab train --data DIR` streams
-(`glm5lab.train.tokenize`; the format in `glm5lab.train.shards`, docs/data.md)."""
+(`glm5lab.data.tokenize`; the format in `glm5lab.data.shards`, docs/data.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from glm5lab.train.tokenize import tokenize_corpus
+    from glm5lab.data.tokenize import tokenize_corpus
 
     index = tokenize_corpus(args.data, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                             text_field=args.text_field, shard_size=args.shard_size, seed=args.seed,
@@ -24,7 +24,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 def add_tokenize_parser(sub) -> None:
     from glm5lab.presets import PRESETS
-    from glm5lab.train.tokenize import DEFAULT_SHARD_SIZE
+    from glm5lab.data.tokenize import DEFAULT_SHARD_SIZE
 
     small_vocab = PRESETS["small"]()["vocab_size"]
     p = sub.add_parser("tokenize", help="tokenize a corpus into token shards for `glm5lab train --data DIR`",

@@ -6,7 +6,7 @@ other model's on the same text (the convention of GPT-2/The Pile/nanoGPT reports
 
     bpb = sum_t nll_t / (ln 2 * sum_t bytes(target_t))
 
-For a byte-level BPE (`glm5lab.tokenizer`: GPT-2's ByteLevel alphabet, one printable character
+For a byte-level BPE (`glm5lab.data.tokenizer`: GPT-2's ByteLevel alphabet, one printable character
 per byte) the bytes of an id are the length of its token string (an added, non-special token's
 are those of its plain-text content); special tokens (the document separator `<|endoftext|>`)
 and ids outside the tokenizer (the ablation workbench's task ids) stand for 0 bytes. Their loss

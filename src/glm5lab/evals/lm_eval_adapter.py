@@ -50,7 +50,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 from glm5lab.infer.generate import generate
 from glm5lab.model.model import GLM5ForCausalLM
-from glm5lab.tokenizer import EOT, load_tokenizer
+from glm5lab.data.tokenizer import EOT, load_tokenizer
 from glm5lab.validate import default_dtype, torch_dtype
 
 log = logging.getLogger(__name__)

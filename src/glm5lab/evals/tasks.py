@@ -109,7 +109,7 @@ class Scores:
 
 def derive_seed(seed: int, index: int, task: str) -> int:
     """Seed of example `index` of a batch drawn with `seed`: the first 63 bits of
-    SHA-256("glm5lab-evals:{task}:{seed}:{index}") (as `glm5lab.train.batches` derives epochs)."""
+    SHA-256("glm5lab-evals:{task}:{seed}:{index}") (as `glm5lab.data.batches` derives epochs)."""
     digest = hashlib.sha256(f"glm5lab-evals:{task}:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
 

@@ -7,7 +7,7 @@ Legend: N tokens, D hidden, E experts, K experts per token, A = N*K assignments 
 `dispatch` permutes the N*K (token, expert) assignments once, stably sorted by expert, and counts the rows per
 expert; every expert kernel (`glm5lab.model.moe`) then works on the rows of each expert as one contiguous
 group. `combine` weights each row by its router weight and adds it back to its token. `LocalDispatcher` is the
-single-process form (every expert is local); the expert-parallel form, `glm5lab.train.expert_parallel.
+single-process form (every expert is local); the expert-parallel form, `glm5lab.parallel.expert_parallel.
 AllToAllDispatcher`, keeps this interface and moves rows between ranks in `dispatch` and `combine`
 (all-to-all); this one is the reference it is tested against. Source: DeepSeek-V3 section 3.2 (dispatch
 and combine), MegaBlocks (Gale et al. 2022; tokens sorted by expert).

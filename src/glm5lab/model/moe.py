@@ -202,7 +202,7 @@ class Experts(nn.Module):
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of the experts this process computes: all E, or under expert parallelism
-        (`glm5lab.train.expert_parallel`: the weights are DTensors sharded by expert) this rank's E/ep,
+        (`glm5lab.parallel.expert_parallel`: the weights are DTensors sharded by expert) this rank's E/ep,
         whose rows the dispatcher delivers (`to_local` is differentiable: gradients reach the shard)."""
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj, self.down_proj))
 

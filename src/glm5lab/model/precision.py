@@ -17,7 +17,7 @@ Sources: transformers' `GlmMoeDsaPreTrainedModel._keep_in_fp32_modules_strict` (
 bias, fp32 in every load) and `_keep_in_fp32_modules` (`indexer.weights_proj`, fp32 for fp16
 loads); DeepSeek-V3.2's inference `model.py` (`Indexer.weights_proj` and the indexer's
 `LayerNorm` are fp32 parameters, the LayerNorm computed in fp32). FSDP2 mixed precision is
-handled where it is applied (`glm5lab.train.dist.shard_model`), from outside the model.
+handled where it is applied (`glm5lab.parallel.dist.shard_model`), from outside the model.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class Step:
     def running_state(self) -> tuple:
         """What the layers hand on through the step (the published selection, the KLs so far), as an
         opaque value for `restore_running_state`: activation checkpointing re-runs a layer in the backward
-        with the state it saw in the forward (`glm5lab.train.activation_checkpoint`)."""
+        with the state it saw in the forward (`glm5lab.parallel.activation_checkpoint`)."""
         return self._topk, len(self._indexer_kls)
 
     def restore_running_state(self, state: tuple) -> None:

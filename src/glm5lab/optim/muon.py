@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, required
 
-from glm5lab.optim import muon_dist
+from glm5lab.parallel import muon_dist
 from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, check_sections, muon_split, newton_schulz
 from glm5lab.validate import int_at_least, one_of
 

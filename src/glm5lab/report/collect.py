@@ -67,7 +67,7 @@ def _json_line(path: Path, number: int, line: str) -> dict:
 
 
 def _checkpoint(run_dir: Path) -> Path:
-    from glm5lab.checkpoint import latest_pointer
+    from glm5lab.checkpoints.folder import latest_pointer
 
     folder = latest_pointer(run_dir)
     if folder is None:

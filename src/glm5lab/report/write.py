@@ -103,7 +103,7 @@ def _state_row(d: dict, dtype: str) -> list:
 def _measure(rec, cfg, quick: bool) -> dict:
     import torch
 
-    from glm5lab.train.data import prepare_data
+    from glm5lab.data.pipeline import prepare_data
 
     args = rec.run.get("args", {})  # an older run.json may lack a key: the run then had its default
     data = prepare_data(cfg.vocab_size, args.get("data"), args.get("seed", 0), tokenizer=args.get("tokenizer"),

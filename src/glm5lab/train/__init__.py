@@ -1,5 +1,3 @@
-"""Training: the data pipeline (`corpus` -> `glm5lab.tokenizer` -> `batches`; see docs/data.md), the
-stages, losses and the loop (checkpoints: `glm5lab.checkpoint`).
-
-Import from the submodules, e.g. `from glm5lab.train.sources import iter_documents`.
+"""The run: its folder, metrics, progress and summary, the step, stages, recipes, losses and evaluation.
+The top room: imports data, parallel and checkpoints; nothing below imports it.
 """

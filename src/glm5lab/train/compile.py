@@ -98,7 +98,7 @@ def compile_blocks(model, backend: str | None = None) -> str:
     (a dimension that changes, such as the rows an all-to-all delivers, becomes dynamic). Returns the backend."""
     import os
 
-    from glm5lab.train.activation_checkpoint import blocks
+    from glm5lab.parallel.activation_checkpoint import blocks
 
     backend = backend or os.environ.get(BACKEND_ENV) or BACKEND
     torch._dynamo.config.capture_scalar_outputs = True

@@ -4,10 +4,10 @@
 clipping, optimizer, router bias) is `glm5lab.train.step.run_stages`; this module keeps what a run adds around it:
 the run folder, resume (a stage's batch is a pure function of the stage and step, so resume is exact), one JSON
 object per step in `metrics.jsonl`, periodic validation, checkpoints, the progress bar and `summary.json`.
-Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.train.dist`) and
+Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.parallel.dist`) and
 each rank reads its slice of every global batch and writes its own shards of each checkpoint
-(`glm5lab.train.sharded_checkpoint`; a resume may change the process count: `glm5lab.train.resume`); `ep`
-(`--ep N`) adds expert parallelism (`glm5lab.train.expert_parallel`) and its figures to `metrics.jsonl`. Under
+(`glm5lab.checkpoints.dcp`; a resume may change the process count: `glm5lab.checkpoints.resume`); `ep`
+(`--ep N`) adds expert parallelism (`glm5lab.parallel.expert_parallel`) and its figures to `metrics.jsonl`. Under
 torchrun each rank builds the model on the meta device and allocates and initialises only its shards
 (`dist.build_meta`, `dist.materialize`: the values of one process's seeded init). `compile=True` (`--compile`)
 runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`: one graph per stage in one
@@ -27,24 +27,24 @@ from pathlib import Path
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoint import (
+from glm5lab.checkpoints.folder import (
     has_checkpoint, latest_pointer, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
 )
 from glm5lab.console import is_main_process, say
 from glm5lab.environment import git_commit
 from glm5lab.io_utils import atomic_write_text
-from glm5lab.train import dist
-from glm5lab.train.batches import BatchStream, pack, unigram_loss
-from glm5lab.train.data import TrainingData, prepare_data
+from glm5lab.parallel import dist
+from glm5lab.data.batches import BatchStream, pack, unigram_loss
+from glm5lab.data.pipeline import TrainingData, prepare_data
 from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, subset_windows, summary_fields
-from glm5lab.train.expert_parallel import pop_ep_metrics
+from glm5lab.parallel.expert_parallel import pop_ep_metrics
 from glm5lab.train.extend import continue_position, extend_plan, record_extension
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.plan import check_run
 from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
-from glm5lab.train.resume import first_complete, resume_checkpoint
+from glm5lab.checkpoints.resume import first_complete, resume_checkpoint
 from glm5lab.train.run_lock import hold_run_folder
-from glm5lab.train.sharded_checkpoint import save_sharded_checkpoint
+from glm5lab.checkpoints.dcp import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, TrainHyper, run_stages
 from glm5lab.validate import finite, int_at_least
@@ -85,10 +85,10 @@ class TrainArgs:
     graph per stage (`CompiledLosses`); under torchrun each block on its own, inside FSDP2 (`compile_blocks`)."""
     ep: int = 1
     """Expert-parallel size (`--ep`, under torchrun): routed experts split by expert over groups of `ep` ranks
-    (`glm5lab.train.expert_parallel`); it divides the process count and n_routed_experts."""
+    (`glm5lab.parallel.expert_parallel`); it divides the process count and n_routed_experts."""
     activation_checkpointing: bool = False
     """Recompute each decoder block and the MTP layer in the backward (`--activation-checkpointing`;
-    `glm5lab.train.activation_checkpoint`); losses and gradients equal a run without it."""
+    `glm5lab.parallel.activation_checkpoint`); losses and gradients equal a run without it."""
     tensorboard: bool = False
     """Also write metrics.jsonl's scalars to the run folder's tb/ (`--tensorboard`; `glm5lab.train.tensorboard`)."""
     stage_plan: list[dict] = field(default_factory=list)
@@ -262,7 +262,7 @@ def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
 
         compile_blocks(model)
     if args.activation_checkpointing:
-        from glm5lab.train.activation_checkpoint import apply_activation_checkpointing
+        from glm5lab.parallel.activation_checkpoint import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
 
@@ -270,9 +270,9 @@ def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
 def _materialize(model, ctx, record, weights: Path | None) -> None:
     """The sharded meta model's shards on the device: the seeded init's values (`dist.materialize`), then, from
     `weights` (--init's checkpoint folder): an HF folder tensor by tensor
-    (`glm5lab.train.sharded_load`), a sharded one through DCP (`load_sharded_weights`)."""
-    from glm5lab.train.sharded_checkpoint import is_sharded, load_sharded_weights
-    from glm5lab.train.sharded_load import CheckpointTensors, load_into_shards
+    (`glm5lab.checkpoints.sharded_load`), a sharded one through DCP (`load_sharded_weights`)."""
+    from glm5lab.checkpoints.dcp import is_sharded, load_sharded_weights
+    from glm5lab.checkpoints.sharded_load import CheckpointTensors, load_into_shards
 
     dist.materialize(model, ctx, record)
     if weights is not None and is_sharded(weights):  # a distributed run's checkpoint: DCP reshards it

@@ -69,10 +69,10 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     The run checks the rest when it reaches it (`NOT_CHECKED`): this machine's memory, a text corpus, checkpoint
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
     ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
-    from glm5lab.checkpoint import resume_candidates
+    from glm5lab.checkpoints.folder import resume_candidates
     from glm5lab.train import loop
-    from glm5lab.train.expert_parallel import check_ep
-    from glm5lab.train.resume import (
+    from glm5lab.parallel.expert_parallel import check_ep
+    from glm5lab.checkpoints.resume import (
         ep_note, eval_tokens_note, first_complete, rescale_stages, started_world_size,
     )
     from glm5lab.train.run_lock import refuse_if_held
@@ -137,10 +137,10 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
     (`token_folder_data`: nothing is loaded; its split seed, when it is not --seed, through `say`) and its token
     counts against each stage's global batch (`check_data_fits`). Returns the token folder's `TrainingData`, else
     None (a text corpus: the run reads it)."""
-    from glm5lab.train.data import given_tokenizer, token_folder_data
+    from glm5lab.data.pipeline import given_tokenizer, token_folder_data
     from glm5lab.train.loop import check_data_fits
-    from glm5lab.train.shards import is_token_folder
-    from glm5lab.train.sources import iter_documents
+    from glm5lab.data.shards import is_token_folder
+    from glm5lab.data.sources import iter_documents
 
     if args.data is not None and not Path(args.data).exists():
         next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError

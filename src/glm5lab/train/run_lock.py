@@ -42,7 +42,7 @@ class RunFolderInUse(ValueError):
 @contextlib.contextmanager
 def hold_run_folder(run_dir: Path, ctx=None, *, create: bool = True):
     """Hold `run_dir` (created if missing, with its parents, when `create`; a --resume makes nothing) for the `with`
-    block, on every rank of `ctx` (a `glm5lab.train.dist.DistContext`: a collective call under torchrun; None: one
+    block, on every rank of `ctx` (a `glm5lab.parallel.dist.DistContext`: a collective call under torchrun; None: one
     process, as `glm5lab ablate` holds its --out). Raises
     RunFolderInUse, naming the holder, on every rank when another run holds it. A folder that is missing (not
     `create`) or cannot be made (--out is a file, no permission) is left to the run's own checks: nothing is held

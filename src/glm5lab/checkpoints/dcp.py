@@ -10,11 +10,11 @@
 
 Every rank writes its own shards (`dcp.save` of `get_state_dict(model, optimizer)`): nothing is gathered to
 one rank. The folder is assembled under a hidden temp name, which rank 0 renames into place once every rank
-is done (a barrier), then `latest` is rewritten atomically: the layout rules of `glm5lab.checkpoint` (keep 2,
+is done (a barrier), then `latest` is rewritten atomically: the layout rules of `glm5lab.checkpoints.folder` (keep 2,
 `resume_candidates`, `check_complete`). Loading reshards: DCP reads whatever slice of each tensor the loading
-rank holds, for any world size and `--ep`; one process reads it without a process group. `glm5lab.export`
+rank holds, for any world size and `--ep`; one process reads it without a process group. `glm5lab.checkpoints.export`
 turns such a folder into an HF safetensors folder. A single-process run keeps HF checkpoints
-(`glm5lab.checkpoint.save_checkpoint`).
+(`glm5lab.checkpoints.folder.save_checkpoint`).
 Source: torch.distributed.checkpoint docs (save/load, state_dict.get_state_dict); torchtitan's CheckpointManager.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from glm5lab.checkpoint import ResumeError, prune_checkpoints, rng_state
+from glm5lab.checkpoints.folder import ResumeError, prune_checkpoints, rng_state
 from glm5lab.io_utils import atomic_write, atomic_write_text
 
 SHARDED_STATE = "trainer_state.json"
@@ -60,7 +60,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, tokenize
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from glm5lab.hf_config import save_config
-    from glm5lab.tokenizer import save_for_transformers
+    from glm5lab.data.tokenizer import save_for_transformers
 
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:06d}"

@@ -2,8 +2,8 @@
 transformers, vLLM and SGLang read.
 
 CHECKPOINT is a run folder (its `latest` checkpoint), a step folder, sharded (DCP, from a distributed run:
-`glm5lab.train.sharded_checkpoint`) or HF (a single process). DIR receives config.json, the tokenizer files
-(`glm5lab.tokenizer.save_for_transformers`), `model-0000i-of-0000n.safetensors` shards of at most
+`glm5lab.checkpoints.dcp`) or HF (a single process). DIR receives config.json, the tokenizer files
+(`glm5lab.data.tokenizer.save_for_transformers`), `model-0000i-of-0000n.safetensors` shards of at most
 `max_shard_bytes` (a tensor larger than that gets a shard of its own) and `model.safetensors.index.json`,
 with the names and layout `save_pretrained` writes (`glm5lab.hf.checkpoint_tensors`, `mtp_copies`: experts
 one tensor each, the MTP layer as layer N with its copies of the embedding and head). From a DCP checkpoint
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoint import latest_pointer
+from glm5lab.checkpoints.folder import latest_pointer
 from glm5lab.hf import _SHARD_RE, INDEX_NAME, _shard, checkpoint_tensors, mtp_copies
 from glm5lab.hf_config import save_config
 from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
-from glm5lab.train.sharded_checkpoint import _read_metadata, is_sharded, read_dcp
+from glm5lab.checkpoints.dcp import _read_metadata, is_sharded, read_dcp
 from glm5lab.validate import int_at_least, refuse
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -119,7 +119,7 @@ def _plan(cfg: ModelConfig, shapes: dict[str, torch.Tensor]) -> tuple[dict[str, 
 def _write(out: Path, folder: Path, cfg: ModelConfig, shapes, read, max_shard_bytes: int) -> None:
     from safetensors.torch import save_file
 
-    from glm5lab.tokenizer import load_tokenizer, save_for_transformers
+    from glm5lab.data.tokenizer import load_tokenizer, save_for_transformers
 
     tensors, source = _plan(cfg, shapes)
     shards = _shard(tensors, max_shard_bytes)

@@ -5,9 +5,9 @@ CPUs) and `shard_model` applies `fully_shard` to every decoder block, the MTP la
 Each rank reads its slice of every global batch (`BatchStream(rank=, world_size=)`), so N ranks
 with batch B see what one process with batch N*B sees. A single process skips all of it. With
 `--ep N` (`shard_model(..., ep=N)`) the routed experts are also split by expert over groups of N
-ranks and tokens reach them by all-to-all (`glm5lab.train.expert_parallel`). Under torchrun the model is built on
+ranks and tokens reach them by all-to-all (`glm5lab.parallel.expert_parallel`). Under torchrun the model is built on
 the meta device (`build_meta`), sharded, then allocated and initialised shard by shard (`materialize`): no rank
-holds the whole model, and the values equal one process's seeded init (`glm5lab.train.meta_init`).
+holds the whole model, and the values equal one process's seeded init (`glm5lab.parallel.meta_init`).
 Source: torch.distributed.fsdp.fully_shard (FSDP2) documentation; torchtitan's parallelize step.
 """
 
@@ -24,7 +24,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from glm5lab.train.launcher import exit_with_launcher
+from glm5lab.parallel.launcher import exit_with_launcher
 
 _joined = False
 """Whether `setup` joined a process group in this process (`joined`)."""
@@ -54,7 +54,7 @@ def world_size() -> int:
 
 def setup() -> DistContext:
     """This process's place in the run: one process, or (WORLD_SIZE > 1) a rank of the process group it joins
-    (NCCL on CUDA, gloo otherwise; `glm5lab.train.launcher.exit_with_launcher` first: `glm5lab.cli.main` armed it
+    (NCCL on CUDA, gloo otherwise; `glm5lab.parallel.launcher.exit_with_launcher` first: `glm5lab.cli.main` armed it
     already, before the command's checks, in a rank of `glm5lab`). Leave it with `teardown` (or `session`)."""
     cuda = torch.cuda.is_available()
     if world_size() == 1:
@@ -80,7 +80,7 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     Everything but the routed experts is FSDP2-sharded over the whole world, as without --ep. With
     ep > 1 each MoE's routed experts are split by expert over the "ep" dimension and FSDP2-sharded
     over the "dp" dimension (the other data-parallel ranks), and their gradients are divided by the
-    whole world size, as every other gradient (`glm5lab.train.expert_parallel`). Raises ValueError
+    whole world size, as every other gradient (`glm5lab.parallel.expert_parallel`). Raises ValueError
     for an ep that does not divide the world size or the routed experts (`check_ep`).
 
     param_dtype: FSDP2 mixed precision (e.g. torch.bfloat16): parameters are all-gathered and
@@ -89,7 +89,7 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     form their own FSDP group with an fp32 policy, so their values reach the forward unrounded.
     None (default) = no FSDP casting (the training loop uses bf16 autocast on CUDA instead).
     Only with several ranks: a single process is not sharded, and its model keeps its dtype."""
-    from glm5lab.train.expert_parallel import apply_expert_parallel, check_ep
+    from glm5lab.parallel.expert_parallel import apply_expert_parallel, check_ep
 
     check_ep(ep, ctx.world_size, model.config)
     if not _on_meta(model):  # a meta model (`build_meta`) is allocated on the device by `materialize`
@@ -130,9 +130,9 @@ def _on_meta(model) -> bool:
 def build_meta(cfg, seed: int):
     """(model, record): `torch.manual_seed(seed); GLM5ForCausalLM(cfg)` built on the meta device (no
     memory), with what `materialize` needs to give each rank's shards the values of that seeded CPU build
-    (`glm5lab.train.meta_init`). The CPU generator ends where the CPU build leaves it."""
+    (`glm5lab.parallel.meta_init`). The CPU generator ends where the CPU build leaves it."""
     from glm5lab import GLM5ForCausalLM
-    from glm5lab.train.meta_init import record_build
+    from glm5lab.parallel.meta_init import record_build
 
     return record_build(lambda: GLM5ForCausalLM(cfg), seed)
 
@@ -161,7 +161,7 @@ def local_part(target: torch.Tensor, full: torch.Tensor, *, ctx: DistContext) ->
 def full_model(model, ctx: DistContext):
     """A module whose state_dict holds full tensors, on rank 0 (None on the others); the model itself when
     unsharded. Gathers the whole model: training saves sharded checkpoints instead
-    (`glm5lab.train.sharded_checkpoint`); tests and benchmarks compare against it."""
+    (`glm5lab.checkpoints.dcp`); tests and benchmarks compare against it."""
     if ctx.world_size == 1:
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

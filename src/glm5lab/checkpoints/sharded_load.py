@@ -5,7 +5,7 @@
 read lazily from the folder's safetensors files, with `glm5lab.hf`'s key mapping: the MTP layer renamed
 (`model.mtp_layers.0.` <- `model.layers.{N}.`), routed experts stacked from their per-expert tensors, a tied
 head read from the embedding. `load_into_shards(model, tensors, ctx)` copies each tensor's local part
-(`glm5lab.train.dist.local_part`) into the model's (DTensor) parameter or buffer.
+(`glm5lab.parallel.dist.local_part`) into the model's (DTensor) parameter or buffer.
 Source: safetensors `safe_open` (lazy per-tensor reads); `glm5lab.hf` (the key mapping).
 """
 
@@ -54,7 +54,7 @@ def load_into_shards(model, tensors, ctx) -> None:
     """Copy into every parameter and buffer of the (sharded, allocated) `model` this rank's part of
     `tensors[name]` (a mapping from our state-dict names, e.g. `CheckpointTensors`), cast to the
     parameter's dtype. Raises CheckpointError for a missing name or a shape that differs (naming it)."""
-    from glm5lab.train.dist import local_part
+    from glm5lab.parallel.dist import local_part
 
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         full = tensors[name]

@@ -9,7 +9,7 @@
 A checkpoint is assembled in a hidden temp folder and renamed into place, then `latest` is
 rewritten atomically: a run killed at any moment leaves every earlier checkpoint intact. This is a
 single process's checkpoint; a distributed run writes sharded ones in the same layout
-(`glm5lab.train.sharded_checkpoint`), and `glm5lab.train.resume` reads either at any process count.
+(`glm5lab.checkpoints.dcp`), and `glm5lab.checkpoints.resume` reads either at any process count.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from glm5lab.io_utils import atomic_write, atomic_write_text
-from glm5lab.tokenizer import save_for_transformers
+from glm5lab.data.tokenizer import save_for_transformers
 
 STATE_FILE = "trainer_state.pt"
 

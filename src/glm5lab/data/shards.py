@@ -1,11 +1,10 @@
 """Token folders: flat binary token shards plus `index.json`, read lazily through numpy memmap.
 
-A token folder (written by `glm5lab tokenize`, `glm5lab.train.tokenize`) holds, per split S in
+A token folder (written by `glm5lab tokenize`, `glm5lab.data.tokenize`) holds, per split S in
 ("train", "val"), shards `S-000000.bin`, `S-000001.bin`, ...: raw little-endian arrays of `dtype`
 (uint16 when every id of the tokenizer is < 65536, else uint32), `shard_size` tokens each but
-the last. Concatenated in order they are the split's token stream, exactly
-`glm5lab.tokenizer.encode_documents(tokenizer, split_documents)`: documents joined by
-`<|endoftext|>`. Beside them `tokenizer.json` and `index.json` (`INDEX_FILE`, written last and
+the last. Concatenated in order they are the split's token stream: its documents (`split_documents`)
+encoded whole, joined by `<|endoftext|>`. Beside them `tokenizer.json` and `index.json` (`INDEX_FILE`, written last and
 atomically: a folder without it is not a token folder):
 
     {"format": "glm5lab-tokens", "version": 1, "dtype": "uint16", "vocab_size": V,
@@ -17,7 +16,7 @@ atomically: a folder without it is not a token folder):
 
 Reading: `open_token_folder` checks the index and every shard's size on disk, and returns the
 splits as `ShardedTokens` (a 1-D token sequence that reads only the ranges asked for). `pack`
-(`glm5lab.train.batches`) turns one into `TokenWindows`, rows read on demand, so BatchStream,
+(`glm5lab.data.batches`) turns one into `TokenWindows`, rows read on demand, so BatchStream,
 validation and the unigram baseline never load a split. Shapes: N windows, W = seq_len + 1.
 """
 

@@ -17,7 +17,7 @@ The MoE seam (`glm5lab.model.moe.MoE.forward`) is route -> dispatch -> local exp
 
 Expert e lives on EP index e // L (contiguous blocks, as `Shard(0)` of the [E, ...] weights). The
 world is a 2-D mesh (data, expert), expert innermost: rank r has EP index r % ep. `apply_expert_parallel`
-(called by `glm5lab.train.dist.shard_model`) makes every MoE's expert weights DTensors sharded by
+(called by `glm5lab.parallel.dist.shard_model`) makes every MoE's expert weights DTensors sharded by
 expert over the "ep" mesh dimension and swaps in the dispatcher; the model code stays single-device
 (`Experts` computes on its local shard, `to_local`). `EPStats` records what the all-to-alls moved.
 Source: torchtitan `ExpertParallel` (v0.2.0, token dispatch/combine with all_to_all_single);
@@ -118,7 +118,7 @@ def apply_expert_parallel(model, mesh) -> EPStats:
     """Shard every MoE's routed experts by expert over `mesh["ep"]` (each rank keeps its E/ep
     experts: `Shard(0)` DTensors of the [E, I, D] / [E, D, I] weights) and give each MoE an
     `AllToAllDispatcher` over that group. mesh: a 2-D DeviceMesh ("dp", "ep"). Call before FSDP2
-    (`glm5lab.train.dist.shard_model` does). Returns the `EPStats` all the dispatchers share.
+    (`glm5lab.parallel.dist.shard_model` does). Returns the `EPStats` all the dispatchers share.
     Raises ValueError when the model has no MoE layer or E is not divisible by ep."""
     from torch import nn
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -13,7 +13,7 @@ Under torchrun it is not combined with --compile (`glm5lab.train.compile.compile
 What the recomputation must not repeat or see differently (each restored after it runs):
 - `MoE.load`: the router's per-expert counts for aux-loss-free balancing (`MoE.pop_load`); counted once, in
   the forward, as without checkpointing.
-- `EPStats` of an expert-parallel run (`glm5lab.train.expert_parallel`): rows received and bytes sent by the
+- `EPStats` of an expert-parallel run (`glm5lab.parallel.expert_parallel`): rows received and bytes sent by the
   forward's all-to-alls (the recomputation repeats the all-to-alls, collectively on every rank, but they are
   the forward's traffic again, not the step's); the backward's gradient bytes are counted by hooks on the
   forward's tensors, once.

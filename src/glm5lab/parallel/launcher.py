@@ -3,7 +3,7 @@
 torchrun starts each rank as its own child in a new session, so nothing else stops the ranks of a killed launcher
 (SIGKILL included): they would retry the launcher's store for 30 minutes, or train on, holding the run folder.
 `exit_with_launcher` ties them: `glm5lab.cli.main` calls it first of all in a torchrun rank (before the command
-line is parsed and before torch is imported: this module is torch-free), and `glm5lab.train.dist.setup` again for
+line is parsed and before torch is imported: this module is torch-free), and `glm5lab.parallel.dist.setup` again for
 the library's own callers. Source: prctl(2) PR_SET_PDEATHSIG; torch.distributed.elastic's agent store
 (TORCHELASTIC_USE_AGENT_STORE, MASTER_ADDR, MASTER_PORT).
 """

@@ -1,7 +1,7 @@
 """Resume a run from its checkpoint at any process count and `--ep`: weights, optimizer state, position, RNG.
 
-A checkpoint is sharded (DCP, written by a distributed run: `glm5lab.train.sharded_checkpoint`) or HF
-(a single process: `glm5lab.checkpoint`). Either loads into the model as this run built, sharded and
+A checkpoint is sharded (DCP, written by a distributed run: `glm5lab.checkpoints.dcp`) or HF
+(a single process: `glm5lab.checkpoints.folder`). Either loads into the model as this run built, sharded and
 initialised it, after `dist.shard_model` and the optimizer are made (build -> shard -> init -> load):
 
 | checkpoint | this run     | weights                                   | optimizer state                        |
@@ -24,10 +24,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoint import ResumeError, check_complete, load_trainer_state, resume_candidates
+from glm5lab.checkpoints.folder import ResumeError, check_complete, load_trainer_state, resume_candidates
 from glm5lab.config import ConfigError
 from glm5lab.hf import CheckpointError
-from glm5lab.train.sharded_checkpoint import check_sharded_complete, is_sharded, load_sharded_checkpoint
+from glm5lab.checkpoints.dcp import check_sharded_complete, is_sharded, load_sharded_checkpoint
 from glm5lab.train.stages import Stage
 
 
