@@ -41,6 +41,15 @@ def write_word_corpus(folder, *, docs: int = 6, words_per_doc: int = 1500, words
     return folder
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a torchrun --master_port or a spawned gloo group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def assert_close(actual, expected, dtype=torch.float32, **kw):
     torch.testing.assert_close(actual, expected, **{**TOL[dtype], **kw})
 

@@ -84,7 +84,7 @@ def test_every_multiprocess_driver_leaves_through_the_shared_teardown():
             assert "destroy_process_group" not in driver, path  # one teardown, the library's
             assert re.search(r"\bsession\(|teardown\(|\btrain\(TrainArgs", driver), path
             assert "end_process(" in driver, path
-    assert {"muon_dist_driver.py", "ep_harness.py", "test_expert_parallel.py", "test_fsdp.py", "test_precision.py",
+    assert {"muon_dist_driver.py", "test_expert_parallel.py", "test_fsdp.py", "test_precision.py",
             "test_grad_accum.py", "test_scale_torchrun.py", "test_sharded_checkpoint.py"} <= set(checked)
 
 
