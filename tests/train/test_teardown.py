@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 SESSION = """
 import os, sys, torch.distributed as dist
 from glm5lab.parallel.dist import session
@@ -106,14 +108,13 @@ def test_ctrl_c_under_torchrun_stops_every_rank_once_and_cleanly(tmp_path):
     import time
 
     from tests.conftest import write_word_corpus
-    from tests.train.test_fsdp import _free_port
 
     write_word_corpus(tmp_path / "texts")
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLM5LAB_CACHE": str(tmp_path / "cache")}
     with (tmp_path / "err.txt").open("w") as err:
         launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                     f"--master_port={_free_port()}", "-m", "glm5lab", "train", "--recipe", "tiny",
+                                     f"--master_port={free_port()}", "-m", "glm5lab", "train", "--recipe", "tiny",
                                      "--data", str(tmp_path / "texts"), "--steps", "60", "--threads", "1",
                                      "--no-progress", "--out", str(run)], env=env, stdout=subprocess.DEVNULL, stderr=err)
         try:
