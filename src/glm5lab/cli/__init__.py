@@ -265,8 +265,9 @@ def add_train_parser(sub) -> None:
                        "torchrun the model is built on the meta device and sharded with FSDP2 (--ep: and by "
                        "expert).")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", metavar="NAME", help=RecipeHelp(f"model preset: one of {', '.join(PRESETS)} (default {{preset}}; "
-                     "tiny is the smallest: `--recipe tiny` trains it in a minute or two)"))
+    src.add_argument("--preset", metavar="NAME", help=RecipeHelp(
+        f"model preset: one of {', '.join(PRESETS)} (default {{preset}}; tiny is the smallest: `--recipe tiny` trains "
+        "it in a minute or two)"))
     src.add_argument("--config", metavar="FILE", help="a model config.json (HF glm_moe_dsa layout)")
     src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's (or run folder's latest "
                      "checkpoint's) weights and config "
