@@ -92,6 +92,16 @@ def test_small_recipe_settings_are_the_defaults():
     assert with_recipe(TrainArgs(optimizer="adamw", eval_every=5)).optimizer == "adamw"  # a flag wins
 
 
+def test_a_recipe_takes_the_default_recipes_values_for_the_keys_it_leaves_out(tmp_path):
+    """The defaults are recipes/small.toml: a section key left out is small's; a stage key left out, `Stage`'s."""
+    recipe = load_recipe(_write(tmp_path, BASE + "[optimizer]\nweight_decay = 0.0\n"))
+    small = default_recipe()
+    assert recipe.optimizer == dataclasses.replace(small.optimizer, weight_decay=0.0)
+    assert (recipe.model, recipe.evaluation, recipe.checkpoint) == (small.model, small.evaluation, small.checkpoint)
+    (a,) = resolve(recipe, mtp_depth=2, has_indexer=False)
+    assert a == Stage("a", 4, 1e-3, 16, 2, mtp_weights=(0.3, 0.3))
+
+
 def test_builtin_recipes_ship_as_package_data():
     assert {"small", "glm5-dsa"} <= set(builtin_names())
     path = recipe_path("small")
@@ -163,6 +173,8 @@ lr_end = 1e-4
     (BASE + "[optimizer]\ngrad_clip = 'big'\n", r"\[optimizer\].grad_clip = 'big' is not allowed: a number"),
     (BASE.replace("lr = 1e-3", "lr = 1e-3\nuse_dsa = 1"), r"stages\[0\].use_dsa = 1 is not allowed: a boolean"),
     (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {stepz = 2}"), r"stages\[0\].quick key `stepz`"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {tokens = 64}"),  # quick sets `Stage` fields (a crash before)
+     r"stages\[0\].quick key `tokens` is not allowed: allowed keys are steps, lr, "),
     ("name = 'x'\n", r"`stages` is missing"),
     ("[[stages]\n", r"not valid TOML"),
     # issue 36 (faults 4, 5, 11): refused at load, so a dry run refuses them too

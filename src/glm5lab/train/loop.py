@@ -134,7 +134,9 @@ def model_config(args: TrainArgs) -> ModelConfig:
     """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset. Raises ConfigError
     (unknown field or preset, bad value). Whether it fits this machine's memory is `train`'s check (`_check_fits`)."""
     source = args.init or args.config
-    return ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset or "small")
+    if source:
+        return ModelConfig.from_hf(source)
+    return ModelConfig.from_preset(args.preset or default_recipe().model.preset)
 
 
 def build_model(args: TrainArgs, cfg: ModelConfig | None = None) -> GLM5ForCausalLM:

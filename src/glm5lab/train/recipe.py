@@ -153,12 +153,8 @@ as (a float field takes a TOML integer too; a bool is never a number). A datacla
 def keys_of(cls) -> dict[str, tuple[str, str]]:
     """The TOML keys of a table read into the dataclass `cls`: key -> (field name, kind: a `KINDS` key), in field
     order; a field's metadata "key" renames it (None: not a key)."""
-    keys = {}
-    for f in dataclasses.fields(cls):
-        key = f.metadata.get("key", f.name)
-        if key is not None:
-            keys[key] = (f.name, f.type.removesuffix(" | None"))
-    return keys
+    keys = {f.metadata.get("key", f.name): (f.name, f.type.removesuffix(" | None")) for f in dataclasses.fields(cls)}
+    return {key: value for key, value in keys.items() if key is not None}
 
 
 STAGE_KEYS = {**keys_of(Stage), **{k: v for k, v in keys_of(StageSpec).items() if k != "fields"}}
@@ -244,7 +240,8 @@ def _section(cls, table: dict, base, where: str, name: str):
     keys = keys_of(cls)
     _check_table(table, keys, where, name)
     values = {**(dataclasses.asdict(base) if base is not None else {}), **{keys[k][0]: v for k, v in table.items()}}
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in values and f.default is dataclasses.MISSING]
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    missing = [key for key, (name_, _) in keys.items() if name_ in required and name_ not in values]
     if missing:
         raise ValueError(f"{where}: {name} has no `{missing[0]}`: the default recipe sets every key of its tables "
                          "(they are every other recipe's defaults)")
