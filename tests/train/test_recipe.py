@@ -284,6 +284,7 @@ def test_default_out_names_the_recipe():
     assert default_out(parse("--recipe", "glm5-dsa")) == "runs/glm5-dsa"
     assert default_out(parse("--recipe", "glm5-dsa", "--preset", "tiny", "--lr", "1e-3")) == "runs/glm5-dsa-tiny-lr0.001"
     assert default_out(parse("--grad-accum", "4")) == "runs/small-accum4"
+    assert default_out(parse("--quick", "--steps", "420")) == "runs/small-quick-steps420"  # not --quick's folder
 
 
 def test_grad_accum_run_counts_every_micro_batch(tmp_path, monkeypatch):

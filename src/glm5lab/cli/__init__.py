@@ -193,6 +193,7 @@ def default_out(args: argparse.Namespace) -> str:
     recipe = getattr(args, "recipe", None)
     recipe_name = load_recipe(recipe).name if recipe else DEFAULT_RECIPE
     defaults = default_recipe().flag_values()
+    del defaults["steps"]  # --steps always names the folder: its default depends on --quick
     if args.init:
         base = f"init-{_stem(args.init)}"
     elif args.config:
