@@ -343,8 +343,8 @@ def _stage_spec(table: dict, where: str, name: str) -> StageSpec:
     _check_counts(quick, where, f"{name}.quick")
     _check_stage_values({**table, **quick}, lambda key: f"{where}: {name}{'.quick' * (key in quick)}.{key}")
     fields = keys_of(Stage)
-    return StageSpec({k: v for k, v in table.items() if k in fields}, **{k: v for k, v in table.items()
-                                                                          if k not in fields})
+    how = {k: v for k, v in table.items() if k not in fields}
+    return StageSpec({k: v for k, v in table.items() if k in fields}, **how)
 
 
 def _check_stage_values(table: dict, key) -> None:
@@ -412,9 +412,9 @@ def _stage(spec: StageSpec, recipe: Recipe, mtp_depth: int, world_size: int, qui
     values["mtp_weights"] = spec.fields.get("mtp_weights", (weight,) * mtp_depth) if mtp_depth else ()
     if quick:
         values.update(_quick(spec, values))
-    kinds = {name: kind for name, kind in keys_of(Stage).values()}
-    return Stage(**{k: v if v is None else float(v) if kinds[k] == "float" else tuple(map(float, v))
-                    if kinds[k] == "tuple[float, ...]" else v for k, v in values.items()})
+    values["mtp_weights"] = tuple(float(w) for w in values["mtp_weights"])
+    floats = {name for name, kind in keys_of(Stage).values() if kind == "float"}  # a TOML `lr = 1` too
+    return Stage(**{k: float(v) if k in floats and v is not None else v for k, v in values.items()})
 
 
 def _quick(spec: StageSpec, values: dict) -> dict:
