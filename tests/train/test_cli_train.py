@@ -130,25 +130,26 @@ def test_quick_run_on_the_default_corpus(tmp_path):
 
 def test_help_states_the_defaults_the_run_uses():
     """The "(default X" in each train flag's help is `TrainArgs`' default or, for the fields the recipe sets, the
-    default recipe's (recipes/small.toml, whose optimizer settings equal `TrainHyper`'s): the help cannot drift."""
+    default recipe's (recipes/small.toml, `Recipe.flag_values`): the help cannot drift."""
     import re
 
     from glm5lab.cli import build_parser
     from glm5lab.train.loop import TrainArgs
-    from glm5lab.train.recipe import default_values
-    from glm5lab.train.step import TrainHyper
+    from glm5lab.train.recipe import default_recipe
 
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     checked = []
     for action in train._actions:  # a TrainArgs field left None takes the default recipe's value
         default = getattr(TrainArgs, action.dest, None)
-        default = default_values().get(action.dest) if default is None else default
-        said = re.search(r"(?:^|\()default ([^\s,;)]+)", action.help or "")
+        default = default_recipe().flag_values().get(action.dest) if default is None else default
+        said = re.search(r"(?:^|\()default ([^\s,;)]+)", (action.help or "") % {})  # `RecipeHelp`: filled here
         if said and default is not None and not isinstance(default, bool):
             assert said.group(1) == str(default) or float(said.group(1)) == default, action.dest
             checked.append(action.dest)
-    assert {"optimizer", "bias_update_rate", "seq_len", "batch_size", "seed"} <= set(checked)
-    assert TrainArgs().hyper == TrainHyper()
+    assert {"optimizer", "bias_update_rate", "seq_len", "batch_size", "seed", "steps", "eval_every", "eval_tokens",
+            "checkpoint_every", "preset"} <= set(checked)
+    helps = {a.dest: (a.help or "") % {} for a in train._actions}
+    assert "17 steps" in helps["quick"] and "default the recipe's (small: 1)" in helps["grad_accum"]
 
 
 def test_help_names_the_tiny_recipe_and_token_folders():

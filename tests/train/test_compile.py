@@ -19,7 +19,8 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.train import compile as train_compile
 from glm5lab.train.compile import CompiledLosses
 from glm5lab.train.loop import TrainArgs, train
-from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
+from glm5lab.train.recipe import TrainHyper
+from glm5lab.train.step import optimizer_step, set_trainable
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
 from tests.train.conftest import metrics_rows, run_args, train_killed_at
@@ -74,7 +75,7 @@ def _two_steps(model, losses_fn, stage, windows):
     backward, clip, Muon Split, router bias update); returns the StepLosses of each and the
     gradients of the first."""
     set_trainable(model, stage)
-    opt = TrainHyper().build_optimizer(model, stage.lr)
+    opt = TrainHyper.default().build_optimizer(model, stage.lr)
     grads = {}
 
     def keep_first_grads(*_):
@@ -84,7 +85,7 @@ def _two_steps(model, losses_fn, stage, windows):
     out = []
     for step, w in enumerate(windows, start=1):
         losses = losses_fn(w, stage)
-        optimizer_step(model, opt, losses, stage, step, TrainHyper())
+        optimizer_step(model, opt, losses, stage, step, TrainHyper.default())
         out.append(losses)
     return out, grads
 

@@ -17,13 +17,14 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import TrainHyper, run_stages, split_batch
+from glm5lab.train.recipe import TrainHyper
+from glm5lab.train.step import run_stages, split_batch
 from tests.conftest import assert_close, free_port
 from tests.train.conftest import logged_losses, tiny_plan
 
 B, A, T = 2, 3, 12
 OFFSET = (0, 2, 3)  # first step of each stage in `windows` (stages of 2, 1, 2 steps)
-HYPER = TrainHyper(optimizer="adamw")
+HYPER = TrainHyper.default(optimizer="adamw")
 
 
 def _stages(grad_accum: int, batch: int) -> list[Stage]:

@@ -14,7 +14,8 @@ from glm5lab.train.balance import update_router_bias
 from glm5lab.train.loop import TrainArgs, _Loop, resolve_stages, train
 from glm5lab.train.step import TrainingDiverged, clip_and_check
 from glm5lab.train.losses import stage_losses
-from glm5lab.train.stages import Stage, default_stages
+from glm5lab.train.recipe import default_stages
+from glm5lab.train.stages import Stage
 from tests.train.conftest import metrics_rows, run_args, tiny_plan, train_killed_at
 
 

@@ -15,7 +15,8 @@ from glm5lab.cli import build_parser, default_out, main
 from glm5lab.train.loop import (
     TrainArgs, check_data_fits, check_stage_lengths, progress_text, stage_summary, train,
 )
-from glm5lab.train.stages import Stage, default_stages
+from glm5lab.train.recipe import default_stages
+from glm5lab.train.stages import Stage
 from tests.train.conftest import metrics_rows, run_args, tiny_plan
 
 

@@ -14,9 +14,10 @@ from glm5lab.parallel.dist import DistContext, shard_model
 from glm5lab.train.balance import moe_layers
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import StepDone, TrainHyper, run_stages
+from glm5lab.train.recipe import TrainHyper
+from glm5lab.train.step import StepDone, run_stages
 
-HYPER = TrainHyper(optimizer="muon-split", bias_update_rate=1e-2)
+HYPER = TrainHyper.default(optimizer="muon-split", bias_update_rate=1e-2)
 LR = 3e-3
 
 
