@@ -23,7 +23,7 @@ from glm5lab.report.series import load_stats, stage_rows
 from glm5lab.train.plot import draw_losses
 from glm5lab.train.loop import train
 from tests.conftest import write_word_corpus
-from tests.train.test_loop import _args
+from tests.train.conftest import run_args
 
 SECTIONS = ("## Quality", "## Training tokens", "## Parameters under every counting convention",
             "## KV and index state bytes per token", "## Prefill and decode throughput",
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
     mp.setenv("GLM5LAB_CACHE", str(root / "cache"))
     write_word_corpus(root / "texts")
     (root / "config.json").write_text(json.dumps(ModelConfig.from_preset("tiny", vocab_size=320).to_hf()))
-    train(_args(root, root / "runs" / "tiny"))
+    train(run_args(root, root / "runs" / "tiny"))
     study = root / "runs" / "ablate" / "mla"
     study.mkdir(parents=True)
     (study / "results.json").write_text(json.dumps({"study": "mla", "quick": False, "seeds": [0, 1, 2], "elapsed_s": 3}))
@@ -272,10 +272,10 @@ def test_expert_parallel_section_and_plot(tmp_path):
 
 def test_report_shows_the_attention_costs_record_and_says_when_there_is_none(run, tmp_path, monkeypatch):
     from glm5lab.report import attention_costs
-    from tests.test_attention_costs import _record
+    from tests.conftest import attention_costs_record
 
     record = tmp_path / "attention_costs.json"
-    record.write_text(json.dumps(_record()))
+    record.write_text(json.dumps(attention_costs_record()))
     monkeypatch.setattr(attention_costs, "RESULT", record)
     text = write_report(run, out=tmp_path / "with", measure=False).read_text()
     assert "### Attention costs on one stack (per layer, at 64K tokens)" in text

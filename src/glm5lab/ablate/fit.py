@@ -11,10 +11,11 @@ import torch
 
 from glm5lab.ablate.workbench import BatchFn
 from glm5lab.train.losses import task_losses
-from glm5lab.train.stages import Stage, default_stages
-from glm5lab.train.step import StepDone, TrainHyper, run_stages
+from glm5lab.train.recipe import TrainHyper, default_stages
+from glm5lab.train.stages import Stage
+from glm5lab.train.step import StepDone, run_stages
 
-STUDY_HYPER = TrainHyper(bias_update_rate=1e-3)
+STUDY_HYPER = TrainHyper.default(bias_update_rate=1e-3)
 """The studies' step settings: `glm5lab train`'s (`TrainHyper`) but a router bias rate of 1e-3,
 the rate the studies' published numbers were trained with. It acts on MoE layers only, and the
 study models (`models.study_config`) have a dense FFN in every layer (their MTP layer too); the

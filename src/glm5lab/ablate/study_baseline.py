@@ -4,7 +4,7 @@ No report figure. Three arms on `glm5lab train`'s text, tokenizer (vocab 4096) a
 (`data.pipeline.prepare_data`; `--data` picks another corpus); not the runner's `Workbench` (no MQAR rows).
 
   GLM-5 small        `presets.small` (MLA, DSA top-64, MoE 16 experts top-2 + shared, MTP) with
-                     `glm5lab train`'s recipe: `stages.default_stages` (dense with MTP, indexer
+                     `glm5lab train`'s recipe: `recipe.default_stages` (dense with MTP, indexer
                      warm-up, sparse adaptation) with the 300/40/80 steps scaled to the size, and
                      its default optimizer "muon-split".
   dense GPT + AdamW  nanoGPT-shaped, from our `ModelConfig`: MHA (GQA layers, KV heads = heads)
@@ -55,8 +55,8 @@ from glm5lab.ablate.workbench import SPLIT_SEED, BatchFn
 from glm5lab.config import ModelConfig
 from glm5lab.data.batches import BatchStream, pack
 from glm5lab.evals.bpb import token_byte_lengths
+from glm5lab.train.recipe import TrainHyper
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import TrainHyper
 
 GLM5, ADAMW, MUON = "GLM-5 small", "dense GPT + AdamW", "dense GPT + Muon"
 OPTIMIZERS = {GLM5: "muon-split", ADAMW: "adamw", MUON: "muon"}
@@ -69,7 +69,7 @@ ADAMW_LR = {"small": 2e-3, "gpu": 6e-4}
 first 128 validation windows, nats/token): 1e-3 5.476, 2e-3 5.341, 3e-3 5.403, 6e-3 5.602.
 gpu: nanoGPT's value for GPT-2 small (124M). Muon is not tuned: both Muon arms keep `glm5lab
 train`'s 3e-3 (the same probe gave the dense GPT + Muon 5.058 at 1.5e-3 and 4.795 at 6e-3)."""
-TRAIN = TrainHyper()
+TRAIN = TrainHyper.default()
 """`glm5lab train`'s step settings, passed to `fit` for every arm with the arm's optimizer (the
 router bias rate only acts on MoE)."""
 SIZES = {  # steps: the GLM-5 arm's total, split 300/40/80 as default_stages; val_windows None = all

@@ -65,7 +65,8 @@ from glm5lab.ablate.workbench import Workbench
 from glm5lab.config import ModelConfig
 from glm5lab.evals.bpb import token_byte_lengths
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import TrainHyper, TrainingDiverged
+from glm5lab.train.recipe import TrainHyper, default_stages
+from glm5lab.train.step import TrainingDiverged
 
 ARMS = {"AdamW": "adamw", "Muon": "muon", "Muon Split": "muon-split", "Muon Split, K/V apart": "muon-split-kv"}
 REFERENCE = "Muon Split"
@@ -77,14 +78,14 @@ COMPARISONS = (("Muon Split", "AdamW"), ("Muon", "AdamW"), ("Muon Split", "Muon"
 first three it is the claim of the Muon / Muon Split literature; for K/V apart nothing is published."""
 METRICS = {"val_bpb": ("val bpb", -1), "mqar_accuracy": ("MQAR acc", 1), "acceptance_length": ("MTP acceptance", 1)}
 """raw key -> (label, the better side: -1 lower, +1 higher)."""
-DEFAULT_DENSE_LR = 3e-3
+DEFAULT_DENSE_LR = default_stages()[0].lr
 """`default_stages`' dense peak lr: an arm's lr / this scales every stage's lr and lr_end."""
 SWEEP_SEED = 100
 EVAL_SEED = 424_242
 DRAFT_STEPS = 3
 SWEEP_EXTENSIONS = 2
 """How many lrs the sweep may add past an edge of `lrs` while the best one lies at that edge (`next_lr`)."""
-TRAIN = TrainHyper()
+TRAIN = TrainHyper.default()
 SIZES = {
     "quick": dict(model="small", hidden=64, layers=2, T=32, topk=8, batch=4, task_rows=1, pairs=2, steps=6,
                   lrs=(2e-3, 4e-3), val_windows=4, eval_rows=8, prompts=2, prompt_len=8, max_new=6, seeds=1),
