@@ -32,13 +32,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if spec.mlp == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> tuple[torch.Tensor, TopK | None, torch.Tensor | None]:
-        """(block output [B, T, D], the DSA selection for the next layer, the indexer KL or None) for each row's
-        T new tokens (`step`: positions, cache state, options and the selection handed on to this layer, see
-        `glm5lab.model.step`). The selection is this layer's on an "own" DSA layer, else `step.topk` passed
-        through; the KL is None unless `step.indexer_loss` and the layer runs an indexer. Both are outputs, so
-        that wrappers acting on a module's inputs and outputs see them: activation checkpointing re-runs the
-        block on the same inputs; FSDP2 unshards a block's weights for the backward of its outputs only, and in
-        the indexer warm-up the KL is the only output with a gradient."""
+        """(block output [B, T, D], the DSA selection for the next layer: this one's on an "own" DSA layer, else
+        `step.topk`; the indexer KL under `step.indexer_loss` on a layer with an indexer, else None) for each
+        row's T new tokens (`step`: see `glm5lab.model.step`). Outputs, not side effects, so that wrappers see
+        them: activation checkpointing re-runs the block on the same inputs; FSDP2 unshards a block's weights for
+        the backward of its outputs only, and in the indexer warm-up the KL is the only output with a gradient."""
         h_BTD = self.input_layernorm(x_BTD)
         if isinstance(self.self_attn, MLAttention):
             a_BTD, topk, kl = self.self_attn(h_BTD, step)

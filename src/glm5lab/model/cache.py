@@ -57,40 +57,35 @@ def layer_buffers(cfg: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...
 
 
 class LayerState(Protocol):
-    """One layer's cached state. `bounded_rollback`: None when `rollback` is free (lowering the row
-    lengths is enough), else the kind's name for refusals: it then rolls back only within the last
-    forward, by that forward's record. An attention layer's state also has `write(name, new_BT, step)
-    -> keys [B, S, ...]` and `mask(step, window) -> bool [B, T, S]`; a recurrent one moves by its own
-    `advance`."""
+    """One layer's cached state, one class per kind (`FullBuffers`, `WindowRing`, `RecurrentState`).
+    buffers: name -> [B, ...], the tensors it holds. rollback(keep_B): each row b back to its state after
+    keep_B[b] (int64 [B]) tokens of the last forward. keep_rows(rows_N): keep rows rows_N (int64 [N], in this
+    order). nbytes_per_token / nbytes_per_row: bytes per row per cached token / whatever its length.
+    bounded_rollback: None when rollback is free (lowering the lengths is enough), else the kind's name: it
+    rolls back only within the last forward, by that forward's record. An attention layer's state also has
+    write(name, new_BT, step) -> keys [B, S, ...] and mask(step, window) -> bool [B, T, S]."""
 
     bounded_rollback: str | None
-    buffers: dict[str, torch.Tensor]  # name -> [B, ...]: the tensors it holds (written in place when attention)
+    buffers: dict[str, torch.Tensor]
 
-    def rollback(self, keep_B: torch.Tensor) -> None:
-        """Each row b back to its state after keep_B[b] (int64 [B]) tokens of the last forward."""
-
-    def keep_rows(self, rows_N: torch.Tensor) -> None:
-        """Keep only rows `rows_N` (int64 [N], in this order)."""
-
-    def nbytes_per_token(self) -> int:
-        """Bytes per cached token per row (0 for a fixed-size state)."""
-
-    def nbytes_per_row(self) -> int:
-        """Bytes per row independent of its length (0 for per-token buffers)."""
+    def rollback(self, keep_B: torch.Tensor) -> None: ...
+    def keep_rows(self, rows_N: torch.Tensor) -> None: ...
+    def nbytes_per_token(self) -> int: ...
+    def nbytes_per_row(self) -> int: ...
 
 
 class FullBuffers:
     """The per-token buffers of one full-attention layer, `buffers` name -> [B, capacity, ...] zero-filled
-    (`layer_buffers`' shapes in `dtype`). fp8: the names stored as float8_e4m3fn, each with its fp32
-    per-token scales [B, capacity] in buffers[SCALE_BUFFERS[name]] (`glm5lab.model.fp8_keys`), quantized on
-    write and dequantized on read. A `LayerState` whose rollback is free: slots past a row's
-    length are never read, so lowering the length is enough."""
+    (`layer_buffers`' shapes in `dtype`). fp8: the indexer keys (`SCALE_BUFFERS`) stored as float8_e4m3fn, each
+    with its fp32 per-token scales [B, capacity] in buffers[SCALE_BUFFERS[name]] (`glm5lab.model.fp8_keys`),
+    quantized on write and dequantized on read (`self.fp8`: those names). A `LayerState` whose rollback is free: slots past a row's length are never
+    read."""
 
     bounded_rollback = None
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], batch: int, capacity: int, *, dtype: torch.dtype,
-                 device, fp8: frozenset = frozenset()):
-        self.fp8, self.buffers = fp8 & shapes.keys(), {}
+                 device, fp8: bool = False):
+        self.fp8, self.buffers = {n for n in SCALE_BUFFERS if fp8 and n in shapes}, {}
         for name, shape in shapes.items():
             self.buffers[name] = torch.zeros(batch, capacity, *shape, dtype=FP8 if name in self.fp8 else dtype,
                                              device=device)
@@ -110,11 +105,10 @@ class FullBuffers:
         return dequantize(buf[:, :step.extent], scales[:, :step.extent], new_BT.dtype)
 
     def mask(self, step: Step, window: int | None) -> torch.Tensor:
-        """The step's mask over slots 0..extent-1 (`Step.mask`)."""
-        return step.mask(window)
+        return step.mask(window)  # over slots 0..extent-1
 
     def rollback(self, keep_B: torch.Tensor) -> None:
-        """Nothing to do: the cache lowers the row lengths."""
+        pass  # the cache lowers the row lengths
 
     def keep_rows(self, rows_N: torch.Tensor) -> None:
         self.buffers = {name: buf.index_select(0, rows_N) for name, buf in self.buffers.items()}
@@ -150,10 +144,10 @@ class KVCache:
                              f"{cfg.max_position_embeddings}")
         self.capacity, self.dtype, self.specs = capacity, dtype, specs
         self.index_fp8 = index_cache_fp8(index_cache_dtype) or dtype == FP8  # checked before any allocation
-        fp8, where = frozenset(SCALE_BUFFERS) if self.index_fp8 else frozenset(), {"dtype": dtype, "device": device}
+        where = {"dtype": dtype, "device": device}
         self.states = [
             mixers[i].new_state(batch, **where) if spec.recurrent else
-            FullBuffers(layer_buffers(cfg, spec), batch, capacity, **where, fp8=fp8) if spec.window is None else
+            FullBuffers(layer_buffers(cfg, spec), batch, capacity, **where, fp8=self.index_fp8) if spec.window is None else
             WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, **where)
             for i, spec in enumerate(specs)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)

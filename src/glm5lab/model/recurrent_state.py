@@ -61,8 +61,7 @@ class RecurrentState:
         return 0
 
     @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The state's tensors (replaced, not written in place, by `advance`)."""
+    def buffers(self) -> dict[str, torch.Tensor]:  # replaced, not written in place, by `advance`
         return {"recurrent": self.recurrent_BHKV, **({} if self.conv_BCW is None else {"conv": self.conv_BCW})}
 
     def advance(self, new_BHKV: torch.Tensor, *, conv_BCX: torch.Tensor | None, k_BTHK: torch.Tensor,

@@ -44,11 +44,6 @@ class _LastForward:
     new: dict  # name -> [B, T, ...]: its T new entries (cache dtype)
 
 
-def ring_slots(window: int, capacity: int) -> int:
-    """R, the slots of a sliding-window layer's ring in a cache of `capacity` tokens per row."""
-    return min(window, capacity)
-
-
 def slot_positions(lengths_B: torch.Tensor, R: int) -> torch.Tensor:
     """int64 [B, R]: the position slot j of each row holds, for rows of `lengths_B` tokens
     (the largest p < length with p = j mod R; negative: the slot holds no token yet)."""
@@ -82,7 +77,7 @@ class WindowRing:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], batch: int, window: int, capacity: int, *,
                  dtype: torch.dtype, device):
-        self.window, self.slots = window, ring_slots(window, capacity)
+        self.window, self.slots = window, min(window, capacity)
         self.buffers = {name: torch.zeros(batch, self.slots, *shape, dtype=dtype, device=device)
                         for name, shape in shapes.items()}
         self.last: _LastForward | None = None
