@@ -330,7 +330,8 @@ def test_buffer_shapes_hold_nothing_per_head(tiny):
             assert layer["index_keys"].shape == (2, 6, 16)
     assert cache.lengths.dtype == torch.int64 and cache.lengths.tolist() == [0, 0]
     mtp = KVCache.for_mtp(tiny, 2, 6)
-    assert {k: tuple(v.shape) for k, v in mtp.states[0].buffers.items()} == {"latent": (2, 6, 40), "index_keys": (2, 6, 16)}
+    assert {k: tuple(v.shape) for k, v in mtp.states[0].buffers.items()} == {"latent": (2, 6, 40),
+                                                                               "index_keys": (2, 6, 16)}
     gqa = KVCache.for_model(build(gqa_cfg()), 2, 6)
     assert all({k: tuple(v.shape) for k, v in layer.items()} == {"k": (2, 6, 2, 24), "v": (2, 6, 2, 16)}
                for layer in (s.buffers for s in gqa.states))

@@ -3,19 +3,18 @@
 Legend: B rows (sequences), S_max capacity (tokens per row), C `kv_lora_rank`, R
 `qk_rope_head_dim`, J `index_head_dim`, G KV heads, X q/k head width, V value width.
 
-What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowhere else, and held
-in one `LayerState` per layer (`KVCache.states`), whatever its kind: per MLA layer `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe] (576 values per token
-in GLM-5), plus `index_keys` [B, S_max, J] (the lightning indexer's keys) on layers with `index_cache` (an
-"own" indexer and `use_dsa`; SWA layers holding indexer weights keep none); with `index_cache_dtype="fp8"` those
-keys are float8_e4m3fn beside `index_key_scales` fp32 [B, S_max], one scale per token
-(`glm5lab.model.fp8_keys`). Per GQA layer: `k` [B, S_max, G,
-X] and `v` [B, S_max, G, V] (these per-token buffers: `FullBuffers`). Per sliding-window ("swa") layer: the same buffers, but as a ring of
-min(window, S_max) slots (`WindowRing`, `glm5lab.model.window_ring`): constant memory whatever the
-context. Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState`
-(`glm5lab.model.recurrent_state`). Rings and recurrent states roll back only within the last forward.
-`bytes_per_token` (the per-token buffers) equals the ledger's `state(...)["main"]["bytes_per_token"]` in
-the same dtype, and `state_bytes_per_row` (rings and recurrent states) its `"fixed_bytes"` at a context
-of S_max tokens.
+What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowhere else, and held in one
+`LayerState` per layer (`KVCache.states`), whatever its kind: per MLA layer `latent` [B, S_max, C + R] = [normed kv
+latent c | RoPE'd shared key k_pe] (576 values per token in GLM-5), plus `index_keys` [B, S_max, J] (the lightning
+indexer's keys) on layers with `index_cache` (an "own" indexer and `use_dsa`; SWA layers holding indexer weights
+keep none); with `index_cache_dtype="fp8"` those keys are float8_e4m3fn beside `index_key_scales` fp32 [B, S_max],
+one scale per token (`glm5lab.model.fp8_keys`). Per GQA layer: `k` [B, S_max, G, X] and `v` [B, S_max, G, V] (these
+per-token buffers: `FullBuffers`). Per sliding-window ("swa") layer: the same buffers, but as a ring of min(window,
+S_max) slots (`WindowRing`, `glm5lab.model.window_ring`): constant memory whatever the context. Per Gated DeltaNet
+/ SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState` (`glm5lab.model.recurrent_state`). Rings
+and recurrent states roll back only within the last forward. `bytes_per_token` (the per-token buffers) equals the
+ledger's `state(...)["main"]["bytes_per_token"]` in the same dtype, and `state_bytes_per_row` (rings and recurrent
+states) its `"fixed_bytes"` at a context of S_max tokens.
 
 Each row has its own length (`lengths`, int64 [B]): a forward of T new tokens writes them at
 slots lengths[b] .. lengths[b]+T-1 of row b and attends causally from there; slots past a row's
@@ -36,7 +35,6 @@ from typing import Protocol
 
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, dequantize, index_cache_fp8, quantize_per_token
-from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import Step
 from glm5lab.model.window_ring import WindowRing
 from glm5lab.validate import int_at_least
@@ -78,8 +76,8 @@ class FullBuffers:
     """The per-token buffers of one full-attention layer, `buffers` name -> [B, capacity, ...] zero-filled
     (`layer_buffers`' shapes in `dtype`). fp8: the indexer keys (`SCALE_BUFFERS`) stored as float8_e4m3fn, each
     with its fp32 per-token scales [B, capacity] in buffers[SCALE_BUFFERS[name]] (`glm5lab.model.fp8_keys`),
-    quantized on write and dequantized on read (`self.fp8`: those names). A `LayerState` whose rollback is free: slots past a row's length are never
-    read."""
+    quantized on write and dequantized on read (`self.fp8`: those names). A `LayerState` whose rollback is
+    free: slots past a row's length are never read."""
 
     bounded_rollback = None
 
@@ -147,8 +145,8 @@ class KVCache:
         where = {"dtype": dtype, "device": device}
         self.states = [
             mixers[i].new_state(batch, **where) if spec.recurrent else
-            FullBuffers(layer_buffers(cfg, spec), batch, capacity, **where, fp8=self.index_fp8) if spec.window is None else
-            WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, **where)
+            WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, **where) if spec.window is not None else
+            FullBuffers(layer_buffers(cfg, spec), batch, capacity, fp8=self.index_fp8, **where)
             for i, spec in enumerate(specs)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.extent_bound = 0  # host-side upper bound of lengths.max()
