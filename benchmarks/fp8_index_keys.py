@@ -246,7 +246,7 @@ def bench_model(T: int):
 def fp8_copy(model, cache: KVCache, T: int) -> KVCache:
     """An fp8-key cache holding what an fp8 prefill of the same T tokens writes (one-layer model: module doc)."""
     fp8 = KVCache.for_model(model, 1, cache.capacity, index_cache_dtype="fp8")
-    src, dst = cache.layers[0], fp8.layers[0]
+    src, dst = cache.states[0].buffers, fp8.states[0].buffers
     dst["latent"].copy_(src["latent"])
     k8, scale = quantize_per_token(src["index_keys"][:, :T])
     dst["index_keys"][:, :T], dst["index_key_scales"][:, :T] = k8, scale
@@ -272,8 +272,8 @@ def decode_cost(args, device) -> dict:
     c8 = fp8_copy(model, c32, T)
     tok = torch.tensor([7])
     caches = {"fp32": c32, "fp8": c8}
-    values = {name: c.layers[0]["index_keys"][:, :T].nbytes for name, c in caches.items()}
-    read = {name: values[name] + (c.layers[0]["index_key_scales"][:, :T].nbytes if c.index_fp8 else 0)
+    values = {name: c.states[0].buffers["index_keys"][:, :T].nbytes for name, c in caches.items()}
+    read = {name: values[name] + (c.states[0].buffers["index_key_scales"][:, :T].nbytes if c.index_fp8 else 0)
             for name, c in caches.items()}
 
     layer = model.model.layers[0]
@@ -292,8 +292,8 @@ def decode_cost(args, device) -> dict:
         return fn
 
     def scoring(name):
-        keys = c32.layers[0]["index_keys"][:, :T]
-        k8, s8 = c8.layers[0]["index_keys"][:, :T], c8.layers[0]["index_key_scales"][:, :T]
+        keys = c32.states[0].buffers["index_keys"][:, :T]
+        k8, s8 = c8.states[0].buffers["index_keys"][:, :T], c8.states[0].buffers["index_key_scales"][:, :T]
         if name == "fp32":
             return lambda: ix.scores(x, q_lat, keys, cos, sin, q_offset=torch.tensor([T]))
         return lambda: ix.scores(x, q_lat, dequantize(k8, s8, torch.float32), cos, sin, q_offset=torch.tensor([T]))

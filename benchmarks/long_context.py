@@ -313,7 +313,7 @@ def decode_parts(args, model, cache, ids, device) -> dict:
     x = layer.input_layernorm(model.model.embed_tokens(ids[:, -1:]))
     q_nope, q_pe, q_lat, _, _ = attn.project(x, cos, sin)
     q_abs = attn.absorbed_query(q_nope, q_pe)
-    latent, keys = cache.layers[0]["latent"][:, :T], cache.layers[0]["index_keys"][:, :T]
+    latent, keys = cache.states[0].buffers["latent"][:, :T], cache.states[0].buffers["index_keys"][:, :T]
     topk = ix.topk(x, q_lat, keys, cos, sin, cfg.index_topk, q_offset=T - 1, blocked=False)
     visible = torch.ones(1, 1, T, dtype=torch.bool, device=ids.device)
     cases = {

@@ -132,9 +132,9 @@ def regime_state(model, stream: Stream, *, batch: int, context: int, margin: int
     cache, mtp = KVCache.for_model(model, batch, context), KVCache.for_mtp(model, batch, context)
     for dst, src in ((cache, stream.cache), (mtp, stream.mtp)):
         n = min(context, src.capacity)
-        for d_layer, s_layer in zip(dst.layers, src.layers, strict=True):
-            for name, buf in d_layer.items():
-                buf[:, :n] = s_layer[name][:, :n]
+        for d_layer, s_layer in zip(dst.states, src.states, strict=True):
+            for name, buf in d_layer.buffers.items():
+                buf[:, :n] = s_layer.buffers[name][:, :n]
     for c, n in ((cache, lens), (mtp, lens - 1)):
         c.commit(int(n.max()))
         c.truncate(n)

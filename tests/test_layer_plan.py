@@ -46,7 +46,7 @@ def test_cache_bytes_equal_ledger_state_and_the_indexers_the_forward_runs(name, 
     state = ledger.state(cfg, dtype="fp32", context=32)
     assert cache.bytes_per_token() == state["main"]["bytes_per_token"]
     assert KVCache.for_mtp(model, 1, 32).bytes_per_token() == state["mtp"]["bytes_per_token"]
-    with_keys = {i for i, layer in enumerate(cache.layers) if "index_keys" in layer}
+    with_keys = {i for i, layer in enumerate(cache.states) if "index_keys" in layer.buffers}
     assert with_keys == {s.index for s in cfg.layers if s.index_cache}
 
     owner = {layer.self_attn.indexer: i for i, layer in enumerate(model.model.layers)

@@ -49,7 +49,7 @@ def test_rows_of_and_byte_model_prediction(model_and_stream):
     st = sm.regime_state(model, stream, batch=4, context=64, margin=10, k=3)
     sub = sm.rows_of(st, 2)
     assert sub.cache.batch == 2 and sub.cache.lengths.tolist() == [54, 50] and st.cache.batch == 4
-    for a, b in zip(sub.cache.layers, st.cache.layers, strict=True):
+    for a, b in zip([s.buffers for s in sub.cache.states], [s.buffers for s in st.cache.states], strict=True):
         for name in a:
             assert torch.equal(a[name], b[name][:2])
     p = sm.predict(model.config, batch=2, context=64, k=3, acceptance_length=2.0, bandwidth=1e10,

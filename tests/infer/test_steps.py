@@ -233,7 +233,7 @@ def test_a_narrower_cache_dtype_is_read_back_in_the_model_dtype():
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(5))
     cache = KVCache.for_model(model, 2, 16, dtype=torch.bfloat16)
     logits = prefill(model, ids, cache).logits_BV
-    assert logits.dtype == torch.float32 and cache.layers[0]["latent"].dtype == torch.bfloat16
+    assert logits.dtype == torch.float32 and cache.states[0].buffers["latent"].dtype == torch.bfloat16
     assert_close(logits, model(ids).logits[:, -1], atol=0.1, rtol=0.1)  # bf16-rounded latents: loose by design
     with pytest.raises(ValueError, match="cache dtype must be a floating torch.dtype"):
         KVCache.for_model(model, 2, 16, dtype=torch.int64)

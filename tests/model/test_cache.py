@@ -265,7 +265,7 @@ def test_dsa_topk_engages_in_cached_decode(tiny, dense):
     chunks = [4] + [1] * 12
     sparse, sparse_cache = decode(tiny, ids, chunks)
     dense_logits, dense_cache = decode(dense, ids, chunks)
-    assert "index_keys" in sparse_cache.layers[0] and "index_keys" not in dense_cache.layers[0]
+    assert "index_keys" in sparse_cache.states[0].buffers and "index_keys" not in dense_cache.states[0].buffers
     assert_close(sparse[:, :K], dense_logits[:, :K])
     diff_per_position = (sparse[:, K:] - dense_logits[:, K:]).abs().amax(dim=(0, 2))
     assert bool((diff_per_position > 100 * ATOL).all()), diff_per_position
@@ -323,18 +323,19 @@ def test_bytes_per_token_hand_count():
 
 def test_buffer_shapes_hold_nothing_per_head(tiny):
     cache = KVCache.for_model(tiny, 2, 6)
-    assert [set(layer) for layer in cache.layers] == [{"latent", "index_keys"}, {"latent"}] * 2  # full/shared
-    for layer in cache.layers:
+    assert [set(s.buffers) for s in cache.states] == [{"latent", "index_keys"}, {"latent"}] * 2  # full/shared
+    for layer in [s.buffers for s in cache.states]:
         assert layer["latent"].shape == (2, 6, 32 + 8) and layer["latent"].dtype == torch.float32
         if "index_keys" in layer:
             assert layer["index_keys"].shape == (2, 6, 16)
     assert cache.lengths.dtype == torch.int64 and cache.lengths.tolist() == [0, 0]
     mtp = KVCache.for_mtp(tiny, 2, 6)
-    assert {k: tuple(v.shape) for k, v in mtp.layers[0].items()} == {"latent": (2, 6, 40), "index_keys": (2, 6, 16)}
+    assert {k: tuple(v.shape) for k, v in mtp.states[0].buffers.items()} == {"latent": (2, 6, 40),
+                                                                               "index_keys": (2, 6, 16)}
     gqa = KVCache.for_model(build(gqa_cfg()), 2, 6)
     assert all({k: tuple(v.shape) for k, v in layer.items()} == {"k": (2, 6, 2, 24), "v": (2, 6, 2, 16)}
-               for layer in gqa.layers)
-    assert [set(layer) for layer in KVCache.for_model(meta_model(mixed_cfg()), 1, 2).layers] == \
+               for layer in (s.buffers for s in gqa.states))
+    assert [set(s.buffers) for s in KVCache.for_model(meta_model(mixed_cfg()), 1, 2).states] == \
         [{"latent", "index_keys"}, {"k", "v"}, {"latent"}, {"k", "v"}]
 
 
@@ -342,8 +343,8 @@ def test_glm5_cache_is_576_latent_plus_128_index_key_per_layer():
     cfg = ModelConfig.from_preset("glm5")
     model = meta_model(cfg)
     cache = KVCache.for_model(model, 1, 8, dtype=torch.bfloat16)
-    assert len(cache.layers) == 78
-    for layer in cache.layers:
+    assert len(cache.states) == 78
+    for layer in [s.buffers for s in cache.states]:
         assert layer["latent"].shape == (1, 8, 576) and layer["latent"].dtype == torch.bfloat16
         assert layer["index_keys"].shape == (1, 8, 128)
     ledger = state(cfg, dtype="bf16")
@@ -361,12 +362,12 @@ def test_overflow_leaves_the_cache_unchanged(tiny):
     ids = rand_ids(40, 2, 11)
     cache = KVCache.for_model(tiny, 2, 10)
     tiny(ids[:, :8], cache=cache)
-    before = [{k: v.clone() for k, v in layer.items()} for layer in cache.layers]
+    before = [{k: v.clone() for k, v in layer.items()} for layer in [s.buffers for s in cache.states]]
     with pytest.raises(CacheOverflowError, match=r"\b10\b"):
         tiny(ids[:, 8:11], cache=cache)
     assert isinstance(CacheOverflowError("x"), ValueError)
     assert cache.lengths.tolist() == [8, 8]
-    for layer, old in zip(cache.layers, before):
+    for layer, old in zip([s.buffers for s in cache.states], before):
         for k in layer:
             assert torch.equal(layer[k], old[k])
     got = tiny(ids[:, 8:10], cache=cache).logits  # exactly full: allowed
@@ -434,7 +435,7 @@ def test_mtp_step_on_gqa_layer(mixed):
     layer, cfg = model.model.mtp_layers[0], model.config
     h_ref, _ = layer(hidden, model.model.embed_tokens(ids[:, 1:]), uncached_step(cfg, 10, reference=True).layer(0))
     cache = KVCache.for_mtp(model, 2, 10)
-    assert set(cache.layers[0]) == {"k", "v"}
+    assert set(cache.states[0].buffers) == {"k", "v"}
     h1, l1 = model.mtp_step(hidden[:, :7], ids[:, 1:8], cache=cache)
     h2, l2 = model.mtp_step(hidden[:, 7:], ids[:, 8:], cache=cache)
     assert_close(torch.cat([h1, h2], dim=1), h_ref)
@@ -457,7 +458,7 @@ def test_keep_rows(tiny):
     rows = torch.tensor([2, 1])
     cache.keep_rows(rows)
     assert cache.batch == 2 and cache.lengths.tolist() == [9, 7]
-    assert all(buf.shape[0] == 2 for layer in cache.layers for buf in layer.values())
+    assert all(buf.shape[0] == 2 for layer in [s.buffers for s in cache.states] for buf in layer.values())
     assert_close(tiny(step[rows], cache=cache).logits, before[rows])
     more = rand_ids(62, 2, 2)
     got = tiny(more, cache=cache).logits

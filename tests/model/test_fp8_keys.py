@@ -158,17 +158,17 @@ def test_bad_index_cache_dtype_is_one_clear_line(tiny4, value):
 
 def test_buffers_and_bytes(tiny4):
     cache = KVCache.for_model(tiny4, 2, 6, index_cache_dtype="fp8")
-    assert [set(layer) for layer in cache.layers] == [{"latent", "index_keys", "index_key_scales"}, {"latent"}] * 2
-    for layer in cache.layers[::2]:
+    assert [set(s.buffers) for s in cache.states] == [{"latent", "index_keys", "index_key_scales"}, {"latent"}] * 2
+    for layer in [s.buffers for s in cache.states][::2]:
         assert layer["index_keys"].dtype == FP8 and layer["index_keys"].shape == (2, 6, 16)
         assert layer["index_key_scales"].dtype == torch.float32 and layer["index_key_scales"].shape == (2, 6)
         assert layer["latent"].dtype == torch.float32
     # 4 layers x 40 fp32 latent values + 2 index layers x (16 fp8 values + a 4-byte scale)
     assert cache.bytes_per_token() == 4 * 40 * 4 + 2 * (16 + 4)
     mtp = KVCache.for_mtp(tiny4, 2, 6, index_cache_dtype="fp8")
-    assert mtp.layers[0]["index_keys"].dtype == FP8 and mtp.bytes_per_token() == 40 * 4 + 16 + 4
+    assert mtp.states[0].buffers["index_keys"].dtype == FP8 and mtp.bytes_per_token() == 40 * 4 + 16 + 4
     assert not KVCache.for_model(tiny4, 1, 2).index_fp8 and "index_key_scales" not in \
-        KVCache.for_model(tiny4, 1, 2, index_cache_dtype="auto").layers[0]
+        KVCache.for_model(tiny4, 1, 2, index_cache_dtype="auto").states[0].buffers
 
 
 def decode(model, ids_BN, chunks, *, impl="auto", cache=None, capacity=None):
@@ -262,7 +262,7 @@ def test_rows_of_different_lengths_and_keep_rows(tiny4):
     assert_close(step[0], reference(tiny4, seq0)[0, 10:13])
     assert_close(step[1], reference(tiny4, ids[1:, :17])[0, 14:17])
     cache.keep_rows(torch.tensor([1]))
-    assert cache.layers[0]["index_key_scales"].shape == (1, 24) and cache.lengths.tolist() == [17]
+    assert cache.states[0].buffers["index_key_scales"].shape == (1, 24) and cache.lengths.tolist() == [17]
     got, _ = decode(tiny4, ids[1:, 17:24], [1, 1, 5], cache=cache)
     assert_close(got, reference(tiny4, ids[1:])[:, 17:])
 

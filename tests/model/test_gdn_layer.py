@@ -31,7 +31,7 @@ def _step(T, state=None, *, reference=False, **options) -> LayerStep:
     """One uncached layer step of T tokens: `state` (a `new_state`) or None (zero start).
     Gated DeltaNet uses no RoPE: the angles are zeros."""
     zeros = torch.zeros(T, 4)
-    return LayerStep(Step.uncached(T, zeros, zeros, reference=reference, **options), {}, state)
+    return LayerStep(Step.uncached(T, zeros, zeros, reference=reference, **options), state)
 
 
 def _randomize(module, seed=0):
@@ -86,7 +86,7 @@ def test_gated_deltanet_matches_qwen3_next(gdn_pair, T):
         for reference in (False, True):  # chunked (recurrent at T = 1) / token-by-token
             step = _step(T, reference=reference, use_dsa=True, index_topk=2, indexer_loss=True)
             assert_close(ours(x, step), expected)
-            assert step.topk is None and step.indexer_kls == []  # selects nothing, no indexer loss
+            assert torch.is_tensor(ours(x, step))  # a plain output: selects nothing, no indexer loss
     assert expected.abs().max() > 1e-2  # a non-trivial output
 
 
@@ -237,7 +237,7 @@ def test_simple_gdn_from_gqa_reproduces_projections():
         state = layer.new_state(B)
         step = _step(T, state, use_dsa=True, index_topk=2, indexer_loss=True)
         out = layer(x, step)
-    assert out.shape == x.shape and step.topk is None and step.indexer_kls == []
+    assert torch.is_tensor(out) and out.shape == x.shape
     assert state.recurrent_BHKV.shape == (B, 4, cfg.qk_head_dim, cfg.v_head_dim)
 
 
@@ -249,7 +249,7 @@ def test_validation_errors(tiny_cfg, gdn_pair):
     plain = _step(3).step
     cached = Step(T=3, extent=3, cos=plain.cos, sin=plain.sin, offsets=torch.zeros(2, dtype=torch.long), cache=object())
     with pytest.raises(ValueError, match="no recurrent state.*KVCache.for_model"):
-        ours(x, LayerStep(cached, {}, None))  # a cached step without this layer's state
+        ours(x, LayerStep(cached, None))  # a cached step without this layer's state
     with pytest.raises(ValueError, match="x_BTD"):
         ours(x[..., :32], _step(3))
     with pytest.raises(ValueError, match="x_BTD"):

@@ -33,9 +33,9 @@ def _layer(spec_changes=None, layer_index=0, **changes):
 
 
 def _run(layer, cfg, x, impl, topk=None, **options):
-    """(out, the step's top-k after the forward) of one uncached forward (DSA as in `cfg`)."""
-    step = uncached_step(cfg, x.shape[1], topk=topk, **IMPL_OPTIONS[impl], **options)
-    return layer(x, step.layer(0)), step.topk
+    """(out, the top-k the layer hands on) of one uncached forward (DSA as in `cfg`), given `topk`."""
+    out, handed, _ = layer(x, uncached_step(cfg, x.shape[1], **IMPL_OPTIONS[impl], **options).layer(0, topk))
+    return out, handed
 
 
 @pytest.mark.parametrize("T", [1, K - 1, K, K + 1, 17, 16 * K + 1])  # the last: `auto` gathers
@@ -74,11 +74,10 @@ def test_shared_layer_reuses_given_topk_and_refuses_without():
     assert shared.spec.indexer == "shared" and shared.indexer is None
     x = torch.randn(1, 2 * K, cfg.hidden_size)
     step = uncached_step(cfg, x.shape[1], absorbed=True)
-    full(x, step.layer(0))
-    topk = step.topk
+    _, topk, _ = full(x, step.layer(0))
     assert topk is not None
-    out = shared(x, step.layer(1))
-    assert step.topk is topk  # read, not replaced
+    out, handed, _ = shared(x, step.layer(1, topk))
+    assert handed is topk  # read, not replaced
     given, reused = _run(shared, cfg, x, "absorbed", topk=topk)
     assert reused is topk
     assert_close(given, out)
@@ -177,8 +176,8 @@ def _cached_step(cfg, layer, T, use_dsa, **options):
 
 
 def _forced(layer, x, step, route):
-    """out of `layer.forward` with `attention_route` forced to `route` (so `MLAttention.attend`
-    runs it); also returns the route the table would have chosen."""
+    """(out, the route the table would have chosen, the top-k) of `layer.forward` with `attention_route`
+    forced to `route` (so `MLAttention.attend` runs it)."""
     natural, chosen = attention_route, []
 
     def force(**kw):
@@ -186,9 +185,9 @@ def _forced(layer, x, step, route):
         return route
 
     with mock.patch.object(mla, "attention_route", force):
-        out = layer(x, step.layer(0))
+        out, topk, _ = layer(x, step.layer(0))
     assert len(chosen) == 1
-    return out, chosen[0]
+    return out, chosen[0], topk
 
 
 @pytest.mark.parametrize("T", [1, K - 1, K, K + 1, 17])
@@ -206,8 +205,7 @@ def test_every_route_equals_the_reference_forward_and_backward(scenario, cached,
         return uncached_step(cfg, T, use_dsa=use_dsa)
 
     step = make_step()
-    ref, natural = _forced(layer, x, step, "reference")
-    topk = step.topk
+    ref, natural, topk = _forced(layer, x, step, "reference")
     S = step.extent
     assert (topk is not None) == (scenario == "dsa" and S > K)
     assert natural == attention_route(reference=False, absorbed=False, sparse=topk is not None,
@@ -217,9 +215,9 @@ def test_every_route_equals_the_reference_forward_and_backward(scenario, cached,
     assert natural in routes
     for route in routes:
         step = make_step()
-        out, _ = _forced(layer, x, step, route)
+        out, _, got = _forced(layer, x, step, route)
         if topk is not None:
-            assert torch.equal(step.topk.idx_BTK, topk.idx_BTK) and torch.equal(step.topk.valid_BTK, topk.valid_BTK)
+            assert torch.equal(got.idx_BTK, topk.idx_BTK) and torch.equal(got.valid_BTK, topk.valid_BTK)
         assert_close(out, ref, msg=lambda m, route=route: f"route {route}: {m}")
         for name, a, b in zip(("x", "q_b_proj", "kv_b_proj"), grads(out, *params), ref_grads, strict=True):
             assert_close(a, b, msg=lambda m, route=route, name=name: f"route {route}, grad {name}: {m}")
@@ -227,7 +225,7 @@ def test_every_route_equals_the_reference_forward_and_backward(scenario, cached,
         _, full_layer = _layer(dict(indexer="none", index_cache=False))  # the same layer without its window
         full_layer.load_state_dict(layer.state_dict())
         full_step = _cached_step(cfg, full_layer, T, use_dsa)[0] if cached else make_step()  # its own cache: no ring
-        full_out, _ = _forced(full_layer, x, full_step, "reference")
+        full_out, _, _ = _forced(full_layer, x, full_step, "reference")
         if cached or T > W:
             assert (full_out - ref).abs().max() > 1e-3
 
@@ -242,8 +240,8 @@ def test_cached_rows_at_different_offsets_equal_their_uncached_forward(scenario,
     x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(T))
     with torch.no_grad():
         step, x_pre = _cached_step(cfg, layer, T, use_dsa, reference=True)
-        cached = layer(x, step.layer(0))
+        cached, _, _ = layer(x, step.layer(0))
         for b, L in enumerate(LENGTHS):
             seq = torch.cat([x_pre[b:b + 1, :L], x[b:b + 1]], dim=1)
-            alone = layer(seq, uncached_step(cfg, L + T, use_dsa=use_dsa, reference=True).layer(0))
+            alone, _, _ = layer(seq, uncached_step(cfg, L + T, use_dsa=use_dsa, reference=True).layer(0))
             assert_close(cached[b:b + 1], alone[:, L:])

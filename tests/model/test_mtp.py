@@ -54,7 +54,7 @@ def test_recursion_matches_hand_written_unroll(tiny_model):
     for j in (1, 2, 3):
         L = 10 - j
         x = layer.eh_proj(torch.cat([layer.enorm(m.model.embed_tokens(ids[:, j:])), layer.hnorm(h[:, :L])], -1))
-        z, _ = DecoderLayer.forward(layer, x, uncached_step(m.config, L, reference=True, moe_impl="loop").layer(0))
+        z, _, _ = DecoderLayer.forward(layer, x, uncached_step(m.config, L, reference=True, moe_impl="loop").layer(0))
         h = layer.shared_head.norm(z)  # what the head reads is what the next depth receives
         assert_close(out.mtp_logits[j - 1], m.lm_head(h))
 

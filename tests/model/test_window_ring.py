@@ -17,7 +17,7 @@ from glm5lab import GLM5ForCausalLM, KVCache, ModelConfig, generate, ledger
 from glm5lab.evals.search_swa import interleave_pattern
 from glm5lab.infer import decode_step, prefill, verify
 from glm5lab.model.visibility import visible
-from glm5lab.model.window_ring import ring_key_positions, ring_mask, slot_positions
+from glm5lab.model.window_ring import WindowRing, ring_key_positions, ring_mask, slot_positions
 from tests.conftest import assert_close
 
 W = 5
@@ -147,7 +147,7 @@ def test_ring_bytes_are_the_window_whatever_the_capacity(pattern, attention):
         assert cache.state_bytes_per_row() == state["fixed_bytes"] == swa * min(W, capacity) * width * 4
         assert cache.bytes_per_token() == state["bytes_per_token"]
         assert cache.nbytes() == 2 * state["bytes_for_context"]
-        for ring in (r for r in cache.rings if r is not None):
+        for ring in (s for s in cache.states if isinstance(s, WindowRing)):
             assert all(buf.shape[1] == min(W, capacity) for buf in ring.buffers.values())
 
 

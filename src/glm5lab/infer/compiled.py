@@ -130,9 +130,8 @@ def _compile(name: str, mode: str | None, device: torch.device):
 
 def _mark_static(cache) -> None:
     """CUDA graphs: the cache buffers, written in place every step, become static inputs."""
-    rings = [ring.buffers for ring in cache.rings if ring is not None]
-    for layer in (*cache.layers, *rings):
-        for buf in layer.values():
+    for state in cache.states:
+        for buf in state.buffers.values():
             torch._dynamo.mark_static_address(buf, guard=False)
 
 

@@ -2,7 +2,8 @@
 
 What the block holds comes from its `LayerSpec` (`ModelConfig.layers`): the token mixer (MLA or GQA attention,
 sliding window, Gated DeltaNet, SimpleGDN) and the MLP kind ("dense" / "sparse"). Every mixer has the same
-interface, `mixer(x_BTD, step) -> out_BTD` (`glm5lab.model.step`).
+interface, `mixer(x_BTD, step) -> out_BTD` (`glm5lab.model.step`); MLA's also returns the DSA selection to
+hand on and its indexer KL.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from glm5lab.model.mlp import MLP
 from glm5lab.model.moe import MoE
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.step import LayerStep
+from glm5lab.model.topk import TopK
 
 
 class DecoderLayer(nn.Module):
@@ -29,18 +31,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if spec.mlp == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(block output [B, T, D], the indexer KLs its mixer computed) for each row's T new
-        tokens (`step`: positions, cache slots, options and the running DSA selection, see
-        `glm5lab.model.step`). The KL list is empty unless `step.indexer_loss` and the layer runs
-        an indexer; it is returned (not only left in `step.indexer_kls`) so that wrappers acting
-        on a module's outputs see it: FSDP2 unshards a block's weights for the backward of its
-        outputs only, and in the indexer warm-up the KL is the only output with a gradient."""
-        n_kls = len(step.indexer_kls)
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), step)
-        h_BTD = self.post_attention_layernorm(x_BTD)
-        h_BTD = self.mlp(h_BTD, step)
-        return x_BTD + h_BTD, step.indexer_kls[n_kls:]
+    def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> tuple[torch.Tensor, TopK | None, torch.Tensor | None]:
+        """(block output [B, T, D], the DSA selection for the next layer: this one's on an "own" DSA layer, else
+        `step.topk`; the indexer KL under `step.indexer_loss` on a layer with an indexer, else None) for each
+        row's T new tokens (`step`: see `glm5lab.model.step`). Outputs, not side effects, so that wrappers see
+        them: activation checkpointing re-runs the block on the same inputs; FSDP2 unshards a block's weights for
+        the backward of its outputs only, and in the indexer warm-up the KL is the only output with a gradient."""
+        h_BTD = self.input_layernorm(x_BTD)
+        if isinstance(self.self_attn, MLAttention):
+            a_BTD, topk, kl = self.self_attn(h_BTD, step)
+        else:
+            a_BTD, topk, kl = self.self_attn(h_BTD, step), step.topk, None
+        x_BTD = x_BTD + a_BTD
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD), step), topk, kl
 
 
 def token_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:

@@ -3,19 +3,18 @@
 Legend: B rows (sequences), S_max capacity (tokens per row), C `kv_lora_rank`, R
 `qk_rope_head_dim`, J `index_head_dim`, G KV heads, X q/k head width, V value width.
 
-What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowhere else:
-per MLA layer `latent` [B, S_max, C + R] = [normed kv latent c | RoPE'd shared key k_pe] (576 values per token
-in GLM-5), plus `index_keys` [B, S_max, J] (the lightning indexer's keys) on layers with `index_cache` (an
-"own" indexer and `use_dsa`; SWA layers holding indexer weights keep none); with `index_cache_dtype="fp8"` those
-keys are float8_e4m3fn beside `index_key_scales` fp32 [B, S_max], one scale per token
-(`glm5lab.model.fp8_keys`). Per GQA layer: `k` [B, S_max, G,
-X] and `v` [B, S_max, G, V]. Per sliding-window ("swa") layer: the same buffers, but as a ring of
-min(window, S_max) slots (`WindowRing`, `glm5lab.model.window_ring`): constant memory whatever the
-context. Per Gated DeltaNet / SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState`
-(`glm5lab.model.recurrent_state`). Rings and recurrent states roll back only within the last forward.
-`bytes_per_token` (the per-token buffers) equals the ledger's `state(...)["main"]["bytes_per_token"]` in
-the same dtype, and `state_bytes_per_row` (rings and recurrent states) its `"fixed_bytes"` at a context
-of S_max tokens.
+What each layer keeps is decided by its `LayerSpec` (`ModelConfig.layers`), nowhere else, and held in one
+`LayerState` per layer (`KVCache.states`), whatever its kind: per MLA layer `latent` [B, S_max, C + R] = [normed kv
+latent c | RoPE'd shared key k_pe] (576 values per token in GLM-5), plus `index_keys` [B, S_max, J] (the lightning
+indexer's keys) on layers with `index_cache` (an "own" indexer and `use_dsa`; SWA layers holding indexer weights
+keep none); with `index_cache_dtype="fp8"` those keys are float8_e4m3fn beside `index_key_scales` fp32 [B, S_max],
+one scale per token (`glm5lab.model.fp8_keys`). Per GQA layer: `k` [B, S_max, G, X] and `v` [B, S_max, G, V] (these
+per-token buffers: `FullBuffers`). Per sliding-window ("swa") layer: the same buffers, but as a ring of min(window,
+S_max) slots (`WindowRing`, `glm5lab.model.window_ring`): constant memory whatever the context. Per Gated DeltaNet
+/ SimpleGDN layer: no per-token buffer but a fixed-size `RecurrentState` (`glm5lab.model.recurrent_state`). Rings
+and recurrent states roll back only within the last forward. `bytes_per_token` (the per-token buffers) equals the
+ledger's `state(...)["main"]["bytes_per_token"]` in the same dtype, and `state_bytes_per_row` (rings and recurrent
+states) its `"fixed_bytes"` at a context of S_max tokens.
 
 Each row has its own length (`lengths`, int64 [B]): a forward of T new tokens writes them at
 slots lengths[b] .. lengths[b]+T-1 of row b and attends causally from there; slots past a row's
@@ -32,9 +31,10 @@ import contextlib
 
 import torch
 
+from typing import Protocol
+
 from glm5lab.config import LayerSpec, ModelConfig
-from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, index_cache_fp8
-from glm5lab.model.recurrent_state import RecurrentState
+from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, dequantize, index_cache_fp8, quantize_per_token
 from glm5lab.model.step import Step
 from glm5lab.model.window_ring import WindowRing
 from glm5lab.validate import int_at_least
@@ -54,10 +54,76 @@ def layer_buffers(cfg: ModelConfig, spec: LayerSpec) -> dict[str, tuple[int, ...
     return {"k": (G, cfg.qk_head_dim), "v": (G, cfg.v_head_dim)}
 
 
+class LayerState(Protocol):
+    """One layer's cached state, one class per kind (`FullBuffers`, `WindowRing`, `RecurrentState`).
+    buffers: name -> [B, ...], the tensors it holds. rollback(keep_B): each row b back to its state after
+    keep_B[b] (int64 [B]) tokens of the last forward. keep_rows(rows_N): keep rows rows_N (int64 [N], in this
+    order). nbytes_per_token / nbytes_per_row: bytes per row per cached token / whatever its length.
+    bounded_rollback: None when rollback is free (lowering the lengths is enough), else the kind's name: it
+    rolls back only within the last forward, by that forward's record. An attention layer's state also has
+    write(name, new_BT, step) -> keys [B, S, ...] and mask(step, window) -> bool [B, T, S]."""
+
+    bounded_rollback: str | None
+    buffers: dict[str, torch.Tensor]
+
+    def rollback(self, keep_B: torch.Tensor) -> None: ...
+    def keep_rows(self, rows_N: torch.Tensor) -> None: ...
+    def nbytes_per_token(self) -> int: ...
+    def nbytes_per_row(self) -> int: ...
+
+
+class FullBuffers:
+    """The per-token buffers of one full-attention layer, `buffers` name -> [B, capacity, ...] zero-filled
+    (`layer_buffers`' shapes in `dtype`). fp8: the indexer keys (`SCALE_BUFFERS`) stored as float8_e4m3fn, each
+    with its fp32 per-token scales [B, capacity] in buffers[SCALE_BUFFERS[name]] (`glm5lab.model.fp8_keys`),
+    quantized on write and dequantized on read (`self.fp8`: those names). A `LayerState` whose rollback is
+    free: slots past a row's length are never read."""
+
+    bounded_rollback = None
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], batch: int, capacity: int, *, dtype: torch.dtype,
+                 device, fp8: bool = False):
+        self.fp8, self.buffers = {n for n in SCALE_BUFFERS if fp8 and n in shapes}, {}
+        for name, shape in shapes.items():
+            self.buffers[name] = torch.zeros(batch, capacity, *shape, dtype=FP8 if name in self.fp8 else dtype,
+                                             device=device)
+            if name in self.fp8:
+                self.buffers[SCALE_BUFFERS[name]] = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
+
+    def write(self, name: str, new_BT: torch.Tensor, step: Step) -> torch.Tensor:
+        """Store new_BT ([B, T, ...]) at the step's slots; return the buffer's first `step.extent` slots
+        [B, S, ...] in new_BT's dtype (read back cast, or dequantized for an fp8 buffer)."""
+        rows_B1, slots_BT = step.slots()
+        buf = self.buffers[name]
+        if name not in self.fp8:
+            buf[rows_B1, slots_BT] = new_BT.to(buf.dtype)
+            return buf[:, :step.extent].to(new_BT.dtype)
+        scales = self.buffers[SCALE_BUFFERS[name]]
+        buf[rows_B1, slots_BT], scales[rows_B1, slots_BT] = quantize_per_token(new_BT)
+        return dequantize(buf[:, :step.extent], scales[:, :step.extent], new_BT.dtype)
+
+    def mask(self, step: Step, window: int | None) -> torch.Tensor:
+        return step.mask(window)  # over slots 0..extent-1
+
+    def rollback(self, keep_B: torch.Tensor) -> None:
+        pass  # the cache lowers the row lengths
+
+    def keep_rows(self, rows_N: torch.Tensor) -> None:
+        self.buffers = {name: buf.index_select(0, rows_N) for name, buf in self.buffers.items()}
+
+    def nbytes_per_token(self) -> int:
+        return sum(buf[0, 0].numel() * buf.element_size() for buf in self.buffers.values())
+
+    def nbytes_per_row(self) -> int:
+        return 0
+
+
 class KVCache:
     """Caches of a stack of layers (the main model's, or the MTP layer's) for B rows of up to
     `capacity` tokens each. Build with `KVCache.for_model(model, ...)` / `KVCache.for_mtp(...)`.
-    Buffers are zero-filled at construction (memory is allocated once, up front).
+    Buffers are zero-filled at construction (memory is allocated once, up front). `states[i]`: layer
+    i's `LayerState` (module doc). mixers: the layers' token mixers, needed for recurrent layers only
+    (their `new_state`).
 
     index_cache_dtype: None / "auto" (the indexer keys in `dtype`, as everything else), or "fp8" /
     torch.float8_e4m3fn: "index_keys" in float8_e4m3fn plus "index_key_scales" fp32 [B, capacity], one scale per
@@ -65,7 +131,7 @@ class KVCache:
     layout); a `dtype` of float8_e4m3fn implies it. ValueError for another value."""
 
     def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], batch: int, capacity: int, *,
-                 dtype: torch.dtype, device, index_cache_dtype=None):
+                 dtype: torch.dtype, device, index_cache_dtype=None, mixers=None):
         int_at_least("cache batch", batch, 1)
         int_at_least("cache capacity", capacity, 1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -76,28 +142,15 @@ class KVCache:
                              f"{cfg.max_position_embeddings}")
         self.capacity, self.dtype, self.specs = capacity, dtype, specs
         self.index_fp8 = index_cache_fp8(index_cache_dtype) or dtype == FP8  # checked before any allocation
-        self.layers = [{} if spec.window is not None else self._buffers(cfg, spec, batch, dtype, device)
-                       for spec in specs]
-        self.rings: list[WindowRing | None] = [
-            None if spec.window is None else
-            WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, dtype=dtype, device=device)
-            for spec in specs]
+        where = {"dtype": dtype, "device": device}
+        self.states = [
+            mixers[i].new_state(batch, **where) if spec.recurrent else
+            WindowRing(layer_buffers(cfg, spec), batch, spec.window, capacity, **where) if spec.window is not None else
+            FullBuffers(layer_buffers(cfg, spec), batch, capacity, fp8=self.index_fp8, **where)
+            for i, spec in enumerate(specs)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.extent_bound = 0  # host-side upper bound of lengths.max()
-        self.forward_start = self.lengths  # row lengths before the last forward (recurrent rollback limit)
-        self.recurrent: list[RecurrentState | None] = [None] * len(specs)
-
-    def _buffers(self, cfg: ModelConfig, spec: LayerSpec, batch: int, dtype: torch.dtype, device) -> dict:
-        """One layer's per-token buffers, zero-filled: `layer_buffers`' shapes in `dtype`; with fp8 indexer
-        keys (`index_fp8`), each buffer of `SCALE_BUFFERS` ("index_keys") in float8_e4m3fn plus its fp32
-        per-token scales [B, capacity] (unwritten slots are masked, never read)."""
-        out = {}
-        for name, shape in layer_buffers(cfg, spec).items():
-            fp8 = self.index_fp8 and name in SCALE_BUFFERS
-            out[name] = torch.zeros(batch, self.capacity, *shape, dtype=FP8 if fp8 else dtype, device=device)
-            if fp8:
-                out[SCALE_BUFFERS[name]] = torch.zeros(batch, self.capacity, dtype=torch.float32, device=device)
-        return out
+        self.forward_start = self.lengths  # row lengths before the last forward (bounded rollback limit)
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
@@ -105,12 +158,8 @@ class KVCache:
         """Cache of the main decoder layers of a `GLM5ForCausalLM` (dtype/device: the model's;
         index_cache_dtype: see the class). "gdn" / "simple_gdn" layers get a `RecurrentState` (fixed size,
         rollback by replay)."""
-        cache = cls(model.config, model.layer_specs, batch, capacity, **_where(model, dtype),
-                    index_cache_dtype=index_cache_dtype)
-        for i, layer in enumerate(model.model.layers):
-            if cache.specs[i].recurrent:
-                cache.recurrent[i] = layer.self_attn.new_state(batch, **_where(model, dtype))
-        return cache
+        return cls(model.config, model.layer_specs, batch, capacity, **_where(model, dtype),
+                   index_cache_dtype=index_cache_dtype, mixers=[layer.self_attn for layer in model.model.layers])
 
     @classmethod
     def for_mtp(cls, model, batch: int, capacity: int, *, dtype: torch.dtype | None = None,
@@ -129,12 +178,12 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """Bytes held per token per row, over all layers (sliding-window rings excluded: they hold
         a fixed number of tokens, `state_bytes_per_row`)."""
-        return sum(buf[0, 0].numel() * buf.element_size() for layer in self.layers for buf in layer.values())
+        return sum(state.nbytes_per_token() for state in self.states)
 
     def state_bytes_per_row(self) -> int:
         """Bytes per row of the fixed-size state: the recurrent states (Gated DeltaNet layers) and
         the rings of min(window, capacity) tokens (sliding-window layers)."""
-        return sum(r.nbytes_per_row() for r in (*self.recurrent, *self.rings) if r is not None)
+        return sum(state.nbytes_per_row() for state in self.states)
 
     def nbytes(self) -> int:
         """Bytes of all buffers: batch x (capacity x bytes_per_token + state_bytes_per_row)."""
@@ -209,11 +258,9 @@ class KVCache:
         if bool((new < 0).any()) or bool((new > self.lengths).any()):
             raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {new.tolist()}: "
                              "each new length must lie in 0..the current length")
-        if self._rolls_back_by_record() and bool((new < self.lengths).any()):
+        kinds = self.bounded_kinds()
+        if kinds and bool((new < self.lengths).any()):
             if bool((new < self.forward_start).any()):
-                kinds = " and ".join(k for k, layers in (("Gated DeltaNet", self.recurrent),
-                                                         ("sliding-window (ring buffer)", self.rings))
-                                     if any(r is not None for r in layers))
                 raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {new.tolist()}: this "
                                  f"model has {kinds} layers, whose state rolls back only within the last "
                                  f"forward (to lengths >= {self.forward_start.tolist()})")
@@ -225,24 +272,22 @@ class KVCache:
         models (the bound `extent_bound` is kept): lengths_B, int64 [B], must lie between the
         last forward's start (recurrent layers) or 0 and each row's current length. For callers
         that computed the lengths themselves (`glm5lab.infer.steps`)."""
-        if self._rolls_back_by_record():
-            for r in (*self.recurrent, *self.rings):
-                if r is not None:
-                    r.rollback(lengths_B - self.forward_start)
+        if self.bounded_kinds():
+            for state in self.states:
+                state.rollback(lengths_B - self.forward_start)
         self.lengths = lengths_B
 
-    def _rolls_back_by_record(self) -> bool:
-        """Whether some layer's state (recurrent, ring) rolls back by its last forward's record."""
-        return any(r is not None for r in (*self.recurrent, *self.rings))
+    def bounded_kinds(self) -> str:
+        """The kinds of layer state that roll back only within the last forward, by its record (e.g.
+        "Gated DeltaNet and sliding-window (ring buffer)"); "" when every layer rolls back freely."""
+        return " and ".join(dict.fromkeys(s.bounded_rollback for s in self.states if s.bounded_rollback))
 
     def keep_rows(self, rows_N: torch.Tensor) -> None:
         """Keep only rows `rows_N` (int64 [N], in this order): finished sequences leave the batch."""
-        self.layers = [{name: buf.index_select(0, rows_N) for name, buf in layer.items()} for layer in self.layers]
         self.lengths = self.lengths.index_select(0, rows_N)
         self.forward_start = self.forward_start.index_select(0, rows_N)
-        for r in (*self.recurrent, *self.rings):
-            if r is not None:
-                r.keep_rows(rows_N)
+        for state in self.states:
+            state.keep_rows(rows_N)
 
 
 def _where(model, dtype):

@@ -81,15 +81,3 @@ def dequantize(k8_BTJ: torch.Tensor, scale_BT: torch.Tensor, dtype: torch.dtype)
 def fp8_roundtrip(k_BTJ: torch.Tensor) -> torch.Tensor:
     """dequantize(quantize_per_token(k)) in k's dtype: the keys an fp8 index cache hands the indexer."""
     return dequantize(*quantize_per_token(k_BTJ), k_BTJ.dtype)
-
-
-def write_quantized(buffers: dict, name: str, rows_B1, slots_BT, new_BT: torch.Tensor, extent: int) -> torch.Tensor:
-    """`LayerStep.write` for a buffer stored in fp8 (`SCALE_BUFFERS`): quantize the new entries into
-    buffers[name] and their scales into buffers[SCALE_BUFFERS[name]] at (rows_B1, slots_BT); return the first
-    `extent` slots dequantized, [B, extent, J] in new_BT's dtype."""
-    buf, scales = buffers[name], buffers[SCALE_BUFFERS[name]]
-    k8_BTJ, scale_BT = quantize_per_token(new_BT)
-    buf[rows_B1, slots_BT] = k8_BTJ
-    scales[rows_B1, slots_BT] = scale_BT
-    return dequantize(buf[:, :extent], scales[:, :extent], new_BT.dtype)
-

@@ -53,10 +53,10 @@ class RMSNormGated(nn.Module):
 def _check_forward_args(module, x_BTD, step):
     if x_BTD.dim() != 3 or x_BTD.shape[-1] != module.hidden_size:
         raise ValueError(f"x_BTD must be [B, T, {module.hidden_size}], got {tuple(x_BTD.shape)}")
-    if step.cached and step.recurrent is None:
+    if step.cached and step.state is None:
         raise ValueError("this cache has no recurrent state for a Gated DeltaNet layer: build it with "
                          "KVCache.for_model(model, ...)")
-    state = step.recurrent
+    state = step.state
     if state is None:
         return
     if state.recurrent_BHKV.shape[0] != x_BTD.shape[0]:
@@ -115,7 +115,7 @@ class GatedDeltaNet(nn.Module):
                               dtype=dtype, device=device)
 
     def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> torch.Tensor:
-        """out_BTD [B, T, D] for each row's T new tokens. State: `step.recurrent` (a
+        """out_BTD [B, T, D] for each row's T new tokens. State: `step.state` (a
         `RecurrentState`, advanced in place and recorded for rollback) or, without one, the zero
         state (the start of the sequences). `step.reference`: the token-by-token rule; else the
         chunked rule for T > 1. No RoPE (position enters through the decay), no key selection.
@@ -123,7 +123,7 @@ class GatedDeltaNet(nn.Module):
         _check_forward_args(self, x_BTD, step)
         B, T, _ = x_BTD.shape
         H, Hk, K, V, W = self.n_heads, self.n_k_heads, self.k_dim, self.v_dim, self.conv_kernel - 1
-        state = step.recurrent
+        state = step.state
         mixed_BCT = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1).transpose(1, 2)
         window_BCW = (mixed_BCT.new_zeros(B, self.conv_dim, W) if state is None
                       else state.conv_BCW.to(mixed_BCT.dtype))
@@ -227,7 +227,7 @@ class SimpleGDN(nn.Module):
         _check_forward_args(self, x_BTD, step)
         B, T, _ = x_BTD.shape
         H, r = self.n_heads, self.n_heads // self.n_kv
-        state = step.recurrent
+        state = step.state
         q_BTHK, k_BTGK, v_BTGV = self.project(x_BTD)
         q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTGK).repeat_interleave(r, dim=2)
         v_BTHV = v_BTGV.repeat_interleave(r, dim=2)

@@ -130,8 +130,8 @@ class MLAttention(nn.Module):
     def select(self, x_BTD, q_lat_BTQ, index_keys_BSJ, step: LayerStep) -> TopK | None:
         """This layer's DSA top-k, or None when DSA is off for this call (off, a layer that selects nothing,
         or S <= index_topk: every query then keeps all its causal keys). An "own" layer scores the keys with
-        its indexer and publishes its choice in the step (`step.topk`); a "shared" layer reuses the published
-        one (IndexCache). Selection is discrete: no gradient flows through it."""
+        its indexer; a "shared" layer reuses `step.topk`, the last "own" layer's, handed on to it (IndexCache).
+        Selection is discrete: no gradient flows through it."""
         role = self.spec.indexer
         if not step.use_dsa or role == "none" or step.extent <= step.index_topk:
             return None
@@ -140,9 +140,8 @@ class MLAttention(nn.Module):
                 raise ValueError("a 'shared' DSA layer needs the top-k of an earlier 'own' layer in the same forward")
             return step.topk
         with torch.no_grad():
-            step.publish_topk(self.indexer.topk(x_BTD, q_lat_BTQ, index_keys_BSJ, step.cos, step.sin, step.index_topk,
-                                                q_offset=step.offsets, blocked=not (step.decode_sized or step.static)))
-        return step.topk
+            return self.indexer.topk(x_BTD, q_lat_BTQ, index_keys_BSJ, step.cos, step.sin, step.index_topk,
+                                     q_offset=step.offsets, blocked=not (step.decode_sized or step.static))
 
     def index_keys(self, x_BTD, step: LayerStep) -> torch.Tensor | None:
         """The indexer keys of all S keys ([B, S, J]) on an "own" layer: written to the cache
@@ -150,20 +149,21 @@ class MLAttention(nn.Module):
         if self.spec.indexer != "own":
             return None
         if step.cached:
-            if "index_keys" not in step.buffers:
+            if "index_keys" not in step.state.buffers:
                 if step.use_dsa:
                     raise ValueError("DSA is on but this cache holds no indexer keys (built for a dense model)")
                 return None
             return step.write("index_keys", self.indexer.keys(x_BTD, step.cos, step.sin))
         return self.indexer.keys(x_BTD, step.cos, step.sin) if step.use_dsa and step.extent > step.index_topk else None
 
-    def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> tuple[torch.Tensor, TopK | None, torch.Tensor | None]:
         """Causal self-attention of each row's T new tokens over its S visible keys (`step`, see
-        `glm5lab.model.step`: uncached = offset 0 and S = T). Returns out_BTD. Writes the new latents (and indexer
-        keys where the cache keeps them) to the step's cache. DSA is active when `step.use_dsa`, the layer selects
-        ("own"/"shared") and S > index_topk. The kernel is `attention_route`'s. With `step.indexer_loss`
-        (uncached), an "own" layer appends its indexer KL (`indexer_kl`) to `step.indexer_kls`. Raises ValueError
-        when DSA is on for a cache without indexer keys, or for a "shared" layer with no earlier selection."""
+        `glm5lab.model.step`: uncached = offset 0 and S = T). Returns (out_BTD, the selection to hand on: this
+        layer's on an "own" layer, else `step.topk`; the indexer KL (`indexer_kl`) of an "own" layer under
+        `step.indexer_loss` (uncached), else None). Writes the new latents (and indexer keys where the cache keeps
+        them) to the step's cache. DSA is active when `step.use_dsa`, the layer selects ("own"/"shared") and S >
+        index_topk. The kernel is `attention_route`'s. Raises ValueError when DSA is on for a cache without
+        indexer keys, or for a "shared" layer with no earlier selection."""
         B, T, _ = x_BTD.shape
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, step.cos, step.sin)
         latent_BSX = step.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
@@ -172,10 +172,10 @@ class MLAttention(nn.Module):
         route = attention_route(reference=step.reference, absorbed=step.absorbed, sparse=topk is not None,
                                 decode_sized=step.decode_sized, S=S, index_topk=step.index_topk)
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
-        if step.indexer_loss and self.spec.indexer == "own":
-            step.add_indexer_kl(self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), step.cos,
-                                                    step.sin, topk=topk, step_reference=step.reference))
-        return self.o_proj(o_BTHV.reshape(B, T, -1))
+        own = self.spec.indexer == "own"
+        kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), step.cos, step.sin, topk=topk,
+                              step_reference=step.reference) if own and step.indexer_loss else None)
+        return self.o_proj(o_BTHV.reshape(B, T, -1)), topk if own else step.topk, kl
 
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""

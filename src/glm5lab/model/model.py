@@ -135,10 +135,10 @@ class GLM5ForCausalLM(nn.Module):
         cos_TR2, sin_TR2 = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         step = (cache.begin(T, cos_TR2, sin_TR2, static=static, **options) if cache is not None
                 else Step.uncached(T, cos_TR2, sin_TR2, **options))
-        x_BTD, kls = self.model.embed_tokens(input_ids), []
-        for i, layer in enumerate(self.model.layers):
-            x_BTD, layer_kls = layer(x_BTD, step.layer(i))
-            kls.extend(layer_kls)
+        x_BTD, topk, kls = self.model.embed_tokens(input_ids), None, []
+        for i, layer in enumerate(self.model.layers):  # the last "own" layer's top-k goes on to the "shared" ones
+            x_BTD, topk, kl = layer(x_BTD, step.layer(i, topk))
+            kls += [] if kl is None else [kl]
         h_BTD = self.model.norm(x_BTD)
         out = CausalLMOutput(logits=self.lm_head(h_BTD[:, -logits_to_keep:]), hidden_states=h_BTD)
         if mtp_depth:

@@ -54,16 +54,16 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(cfg)
 
     def forward(self, h_BLD, emb_BLD, step: LayerStep):
-        """One depth: (h^(j) [B, L, D], this depth's indexer KLs) from h^(j-1) [B, L, D] (the main model's post-norm hidden
-        state at depth 1, the previous depth's output after) and the next tokens' embeddings
-        [B, L, D]. h^(j) is the block output after `shared_head.norm`: the output head's input and
-        the next depth's. `step`: this depth's positions and options (uncached in training; the
-        MTP cache's step in speculative drafting); the KL list is empty unless the step asks for
-        `indexer_loss` (see `DecoderLayer.forward`). Everything runs inside this call, so wrappers that act on `__call__`
-        (FSDP2 unsharding, activation checkpointing) cover it."""
+        """One depth: (h^(j) [B, L, D], this depth's indexer KL or None) from h^(j-1) [B, L, D] (the main
+        model's post-norm hidden state at depth 1, the previous depth's output after) and the next tokens'
+        embeddings [B, L, D]. h^(j) is the block output after `shared_head.norm`: the output head's input and
+        the next depth's. `step`: this depth's positions and options (uncached in training; the MTP cache's step
+        in speculative drafting); the KL is None unless the step asks for `indexer_loss` (see
+        `DecoderLayer.forward`). Everything runs inside this call, so wrappers that act on `__call__` (FSDP2
+        unsharding, activation checkpointing) cover it."""
         joined_BL2D = torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1)
-        z_BLD, kls = super().forward(self.eh_proj(joined_BL2D), step)
-        return self.shared_head.norm(z_BLD), kls
+        z_BLD, _, kl = super().forward(self.eh_proj(joined_BL2D), step)
+        return self.shared_head.norm(z_BLD), kl
 
 
 def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, step: Step):
@@ -79,7 +79,7 @@ def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, step
     h_BLD, logits, kls = h0_BTD, [], []
     for j in range(1, depth + 1):
         L = T - j
-        h_BLD, depth_kls = mtp_layer(h_BLD[:, :L], embed(input_ids_BT[:, j:]), step.narrowed(L).layer(0))
+        h_BLD, kl = mtp_layer(h_BLD[:, :L], embed(input_ids_BT[:, j:]), step.narrowed(L).layer(0))
         logits.append(lm_head(h_BLD))
-        kls.extend(depth_kls)
+        kls += [] if kl is None else [kl]
     return logits, kls

@@ -41,7 +41,10 @@ class _LastForward:
 
 class RecurrentState:
     """recurrent_BHKV: fp32 [B, H, K, V]; conv_BCW: [B, Cc, W] in the cache dtype, or None (a
-    layer without a short conv). Both start at zero (= the start of a sequence)."""
+    layer without a short conv). Both start at zero (= the start of a sequence). A `LayerState`
+    (`glm5lab.model.cache`) without `write`/`mask`: the layer moves it with `advance`."""
+
+    bounded_rollback = "Gated DeltaNet"
 
     def __init__(self, batch: int, heads: int, k_dim: int, v_dim: int, conv: tuple[int, int] | None, *,
                  dtype: torch.dtype, device):
@@ -53,6 +56,13 @@ class RecurrentState:
         """Bytes of one row's state (independent of its length)."""
         conv = 0 if self.conv_BCW is None else self.conv_BCW[0].numel() * self.conv_BCW.element_size()
         return self.recurrent_BHKV[0].numel() * 4 + conv
+
+    def nbytes_per_token(self) -> int:
+        return 0
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:  # replaced, not written in place, by `advance`
+        return {"recurrent": self.recurrent_BHKV, **({} if self.conv_BCW is None else {"conv": self.conv_BCW})}
 
     def advance(self, new_BHKV: torch.Tensor, *, conv_BCX: torch.Tensor | None, k_BTHK: torch.Tensor,
                 v_BTHV: torch.Tensor, g_BTH: torch.Tensor, beta_BTH: torch.Tensor) -> None:

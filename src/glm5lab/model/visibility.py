@@ -24,9 +24,9 @@ def query_positions(offsets, T: int, device=None) -> torch.Tensor:
 
 
 def visible(offsets, T: int, keys, *, window: int | None = None, device=None) -> torch.Tensor:
-    """Bool [B|1, T, S]: key visible to query. keys: an int S (positions 0..S-1) or an int64 [S]
-    of key positions (a block of columns). device: where int offsets put the query positions (default: the
-    keys' device when keys is a tensor, else the CPU)."""
+    """Bool [B|1, T, S]: key visible to query. keys: an int S (positions 0..S-1), an int64 [S]
+    of key positions (a block of columns) or [B, 1, S] (per row: a sliding-window ring's slots). device: where
+    int offsets put the query positions (default: the keys' device when keys is a tensor, else the CPU)."""
     if device is None and torch.is_tensor(keys):
         device = keys.device
     q_pos_BT1 = query_positions(offsets, T, device)[..., None]

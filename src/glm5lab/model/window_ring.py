@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5lab.model.visibility import query_positions
+from glm5lab.model.visibility import query_positions, visible
 
 
 @dataclass
@@ -42,11 +42,6 @@ class _LastForward:
     slots_BW: torch.Tensor  # int64 [B, W]: the slots it wrote (its last W tokens)
     old: dict  # name -> [B, W, ...]: those slots' entries before the forward
     new: dict  # name -> [B, T, ...]: its T new entries (cache dtype)
-
-
-def ring_slots(window: int, capacity: int) -> int:
-    """R, the slots of a sliding-window layer's ring in a cache of `capacity` tokens per row."""
-    return min(window, capacity)
 
 
 def slot_positions(lengths_B: torch.Tensor, R: int) -> torch.Tensor:
@@ -66,22 +61,23 @@ def ring_key_positions(lengths_B: torch.Tensor, T: int, R: int) -> torch.Tensor:
 
 
 def ring_mask(lengths_B: torch.Tensor, T: int, R: int, window: int) -> torch.Tensor:
-    """Bool [B, T, S]: key visible to query, over the keys of `ring_key_positions` (a key is a
-    token (>= 0), not after the query, and one of its last `window` tokens)."""
+    """Bool [B, T, S]: key visible to query (`visible`), over the keys of `ring_key_positions`, of
+    which only tokens (position >= 0) count."""
     keys_B1S = ring_key_positions(lengths_B, T, R)[:, None, :]
-    q_BT1 = query_positions(lengths_B, T)[..., None]
-    return (keys_B1S >= 0) & (keys_B1S <= q_BT1) & (keys_B1S > q_BT1 - window)
+    return visible(lengths_B, T, keys_B1S, window=window) & (keys_B1S >= 0)
 
 
 class WindowRing:
-    """The ring buffers of one sliding-window layer in a `KVCache`: `buffers` name -> [B, R, ...]
-    (the same names and per-token shapes a full cache would have: "latent" for MLA, "k"/"v" for GQA),
-    zero at the start. `window`: keys per query (the layer's `sliding_window`); R = min(window,
-    capacity) slots."""
+    """The ring buffers of one sliding-window layer in a `KVCache` (a `LayerState`, `glm5lab.model.cache`):
+    `buffers` name -> [B, R, ...] (the same names and per-token shapes a full cache would have: "latent" for
+    MLA, "k"/"v" for GQA), zero at the start. `window`: keys per query (the layer's `sliding_window`); R =
+    min(window, capacity) slots."""
+
+    bounded_rollback = "sliding-window (ring buffer)"
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], batch: int, window: int, capacity: int, *,
                  dtype: torch.dtype, device):
-        self.window, self.slots = window, ring_slots(window, capacity)
+        self.window, self.slots = window, min(window, capacity)
         self.buffers = {name: torch.zeros(batch, self.slots, *shape, dtype=dtype, device=device)
                         for name, shape in shapes.items()}
         self.last: _LastForward | None = None
@@ -90,11 +86,18 @@ class WindowRing:
         """Bytes of one row's ring (independent of its length)."""
         return sum(buf[0].numel() * buf.element_size() for buf in self.buffers.values())
 
-    def write(self, name: str, new_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-        """Store the new entries of buffer `name` ([B, T, ...], rows at `lengths_B` tokens before
+    def nbytes_per_token(self) -> int:
+        return 0
+
+    def mask(self, step, window: int | None) -> torch.Tensor:
+        """`ring_mask` of the step's rows (built once per forward and window, shared by the layers)."""
+        return step.shared(("ring", window), lambda: ring_mask(step.offsets, step.T, self.slots, self.window))
+
+    def write(self, name: str, new_BT: torch.Tensor, step) -> torch.Tensor:
+        """Store the new entries of buffer `name` ([B, T, ...], rows at `step.offsets` tokens before
         this forward) and return the keys the forward reads, [B, S, ...] in new_BT's dtype, in
         `ring_key_positions`' order. Records the forward for `rollback` (per buffer)."""
-        buf, T, R = self.buffers[name], new_BT.shape[1], self.slots
+        buf, T, R, lengths_B = self.buffers[name], new_BT.shape[1], self.slots, step.offsets
         W = min(T, R)
         rows_B1 = torch.arange(buf.shape[0], device=buf.device)[:, None]
         slots_BW = (lengths_B[:, None] + torch.arange(T - W, T, device=buf.device)).remainder(R)

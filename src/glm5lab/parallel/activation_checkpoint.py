@@ -10,16 +10,16 @@ Under torchrun it is not combined with --compile (`glm5lab.train.compile.compile
 `forward` is replaced on the instance, no wrapper module), so checkpoints, the optimizer's group table and
 `state_dict` keys are as without it.
 
-What the recomputation must not repeat or see differently (each restored after it runs):
+What the recomputation must not repeat (each restored after it runs):
 - `MoE.load`: the router's per-expert counts for aux-loss-free balancing (`MoE.pop_load`); counted once, in
   the forward, as without checkpointing.
 - `EPStats` of an expert-parallel run (`glm5lab.parallel.expert_parallel`): rows received and bytes sent by the
   forward's all-to-alls (the recomputation repeats the all-to-alls, collectively on every rank, but they are
   the forward's traffic again, not the step's); the backward's gradient bytes are counted by hooks on the
   forward's tensors, once.
-- the step's running state (`Step.running_state`): a "shared" IndexCache layer re-run in the backward reads
-  the selection the last "own" layer before it published in the forward, not the last one of the whole
-  forward; KLs the re-run adds are dropped.
+What it sees is the forward's: a block's inputs include the IndexCache selection handed on to it
+(`LayerStep.topk`), and it returns its selection and indexer KL (`DecoderLayer.forward`), so a re-run
+"shared" layer reads the selection it read in the forward.
 Source: torch.utils.checkpoint (non-reentrant); torchtitan `apply_ac` (per-block, before FSDP2 and compile).
 """
 
@@ -47,28 +47,23 @@ def _checkpointed(block, forward):
     moes = [m for m in block.modules() if isinstance(m, MoE)]
 
     def run(*args, **kwargs):
-        step = next(a for a in args if hasattr(a, "running_state"))  # the block's LayerStep
-        seen = {"topk": step.topk, "calls": 0}
+        calls = []
 
         def body(*a, **k):
-            seen["calls"] += 1
-            if seen["calls"] == 1:  # the forward
-                return forward(*a, **k)
-            return _recompute(forward, moes, step, seen["topk"], a, k)
+            calls.append(None)
+            return forward(*a, **k) if len(calls) == 1 else _recompute(forward, moes, a, k)  # 1: the forward
 
         return checkpoint(body, *args, use_reentrant=False, **kwargs)
 
     return run
 
 
-def _recompute(forward, moes, step, topk, args, kwargs):
-    """The block's forward again (in the backward), with the forward's IndexCache selection, and with the
-    side effects it repeats undone when it ends (also when checkpoint's early stop ends it)."""
+def _recompute(forward, moes, args, kwargs):
+    """The block's forward again (in the backward), with the side effects it repeats undone when it ends
+    (also when checkpoint's early stop ends it)."""
     loads = [m.load for m in moes]
     ep = [m.dispatcher.stats for m in moes if hasattr(m.dispatcher, "stats")][:1]
     ep_counts = [(s.rows_in, s.bytes_out) for s in ep]
-    running = step.running_state()
-    step.publish_topk(topk)
     try:
         return forward(*args, **kwargs)
     finally:
@@ -76,5 +71,4 @@ def _recompute(forward, moes, step, topk, args, kwargs):
             m.load = load
         for s, (rows, sent) in zip(ep, ep_counts, strict=True):
             s.rows_in, s.bytes_out = rows, sent
-        step.restore_running_state(running)
 

@@ -89,7 +89,7 @@ def compile_blocks(model, backend: str | None = None) -> str:
     around the compiled blocks. The block's `forward` is replaced on the instance by its compiled form, so the
     module tree and parameter names do not change (no `OptimizedModule`). Not combined with activation
     checkpointing (refused by `glm5lab train`): compiled inside a checkpoint, dynamo cannot trace a forward with
-    side effects (the router-load counts, the IndexCache selection handed to later layers) and leaves the block
+    side effects (the router-load counts) and leaves the block
     uncompiled; checkpointed around it, the backward's recomputation met another graph than the forward in a
     stage change (torch.utils.checkpoint's CheckpointError). Scalar outputs are captured while a block traces
     (`experts_grouped`'s tile count); a data-dependent host read (the all-to-all split sizes of --ep) is a graph
