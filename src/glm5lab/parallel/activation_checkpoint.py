@@ -6,7 +6,7 @@ applied from outside the model.
 the backward runs the block again to get its activations (one more forward per block: about a third more
 compute, for activation memory of one block instead of all). Apply it before `fully_shard`, as torchtitan does
 (FSDP2's hooks sit outside the checkpointed region; its pre-backward all-gather precedes the recomputation).
-Under torchrun it is not combined with --compile (`glm5lab.train.compile.compile_blocks` says why). The module tree and parameter names do not change (the layer's
+Under torchrun it is not combined with --compile (`glm5lab.parallel.compile.compile_blocks` says why). The module tree and parameter names do not change (the layer's
 `forward` is replaced on the instance, no wrapper module), so checkpoints, the optimizer's group table and
 `state_dict` keys are as without it.
 

@@ -260,7 +260,7 @@ def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
     process compiles the whole step instead: `CompiledLosses`), or activation checkpointing
     (`--activation-checkpointing`; the two together are refused under torchrun: `_check_args`)."""
     if args.compile and ctx.world_size > 1:
-        from glm5lab.train.compile import compile_blocks
+        from glm5lab.parallel.compile import compile_blocks
 
         compile_blocks(model)
     if args.activation_checkpointing:
