@@ -32,10 +32,12 @@ from glm5lab.hf_config import save_config
 from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
 from glm5lab.validate import int_at_least
 
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
-_CKPT_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+_CKPTEXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+"""Our stacked expert weight [E, ...] (group 1: the experts module, group 2: the projection)."""
 INDEX_NAME = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+"""The name of one file of a sharded checkpoint (model-0000i-of-0000n.safetensors)."""
 _MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
 
@@ -48,7 +50,8 @@ class MissingMTPWeights(CheckpointError):
     (e.g. a folder written by transformers, which does not save the MTP layer)."""
 
 
-def _mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
+def mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
+    """(our MTP layer's state-dict prefix, the checkpoint's: layer N = num_hidden_layers)."""
     return "model.mtp_layers.0.", f"model.layers.{cfg.num_hidden_layers}."
 
 
@@ -67,9 +70,9 @@ def checkpoint_tensors(key: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str,
     """One entry of our state dict -> its checkpoint tensors (contiguous): the same name, or the MTP
     layer's renamed, or a stacked expert weight [E, ...] split into E tensors. The MTP copies of the
     embedding and head are not included (`mtp_copies`). Works on meta tensors (names and shapes only)."""
-    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
+    ours_mtp, ckpt_mtp = mtp_prefixes(cfg)
     name = ckpt_mtp + key[len(ours_mtp):] if key.startswith(ours_mtp) else key
-    m = _EXPERT_RE.match(name)
+    m = EXPERT_RE.match(name)
     if m:
         return {f"{m.group(1)}.{e}.{m.group(2)}.weight": t[e].contiguous() for e in range(t.shape[0])}
     return {name: t.contiguous()}
@@ -78,7 +81,7 @@ def checkpoint_tensors(key: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str,
 def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
     """{checkpoint name: our state-dict key} of the copies of the embedding and output head that the MTP
     layer carries in the checkpoint (DeepSeek-V3 layout); {} for a model without MTP layer."""
-    ckpt_mtp = _mtp_prefixes(cfg)[1]
+    ckpt_mtp = mtp_prefixes(cfg)[1]
     return {ckpt_mtp + suffix: main for suffix, main in _MTP_SHARED.items()} if cfg.num_nextn_predict_layers else {}
 
 
@@ -86,7 +89,7 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_
     """Checkpoint tensors -> our state dict. Experts are stacked in index order; MTP keys are renamed (or dropped
     when `keep_mtp` is False). Raises CheckpointError when an expert index is missing, an expert's shape or dtype
     differs from expert 0's, or the MTP copies of the embedding/head differ from the main ones."""
-    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
+    ours_mtp, ckpt_mtp = mtp_prefixes(cfg)
     experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
     out = {}
     for ckpt_name, t in tensors.items():
@@ -102,7 +105,7 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_
                 _check_shared_copy(name, t, tensors.get(main_key))
                 continue
             name = ours_mtp + rest
-        m = _CKPT_EXPERT_RE.match(name)
+        m = _CKPTEXPERT_RE.match(name)
         if m:
             experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = (ckpt_name, t)
         else:
@@ -132,7 +135,10 @@ def _check_shared_copy(name, t, main):
                               "embedding and output head with the main model")
 
 
-def _checkpoint_files(folder: Path) -> list[Path]:
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in `folder`: those its index names, else model.safetensors, else
+    every *.safetensors. Raises CheckpointError (both an index and model.safetensors; a corrupt index),
+    FileNotFoundError (no weights)."""
     index, single = folder / INDEX_NAME, folder / "model.safetensors"
     if index.is_file() and single.is_file():
         raise CheckpointError(f"{folder} holds both {single.name} and {index.name}: which one is the "
@@ -172,7 +178,7 @@ def read_checkpoint(folder) -> dict[str, torch.Tensor]:
     FileNotFoundError (no weights, or a shard the index names is missing), CheckpointError (unreadable shard;
     corrupt index or one naming a file outside the folder; both `model.safetensors` and an index present)."""
     tensors = {}
-    for path in _checkpoint_files(Path(folder)):
+    for path in checkpoint_files(Path(folder)):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
         try:
@@ -184,14 +190,61 @@ def read_checkpoint(folder) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class CheckpointTensors:
+    """Our state-dict name -> the HF checkpoint's CPU tensor (dtype as stored), read from `folder`'s safetensors
+    files on access, one tensor at a time (the MTP layer renamed, routed experts stacked, a tied head read from the
+    embedding): how a sharded model is loaded without any process holding the whole checkpoint.
+    `check(model_state)` refuses a checkpoint whose tensors are not those of that state before anything is read."""
+
+    def __init__(self, folder, cfg: ModelConfig):
+        self.folder, self.cfg = Path(folder), cfg
+        self.where = {}
+        for path in checkpoint_files(self.folder):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
+            with safe_open(str(path), framework="pt") as f:
+                self.where.update(dict.fromkeys(f.keys(), path))
+
+    def check(self, state: dict[str, torch.Tensor]) -> None:
+        """CheckpointError listing the missing and unexpected checkpoint keys against our (meta) `state`."""
+        expected = set(to_checkpoint(state, self.cfg))
+        expected -= {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        missing, unexpected = sorted(expected - set(self.where)), sorted(set(self.where) - expected)
+        if missing or unexpected:
+            parts = [f"{len(missing)} missing keys: {missing}"] if missing else []
+            parts += [f"{len(unexpected)} unexpected keys: {unexpected}"] if unexpected else []
+            raise CheckpointError(f"{self.folder}: checkpoint does not match the model config; " + "; ".join(parts))
+
+    def _read(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {key}; it does not match the "
+                                  "model config")
+        try:
+            with safe_open(str(self.where[key]), framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:  # safetensors raises several error types for a corrupt file
+            raise CheckpointError(f"cannot read {self.where[key]}: {e}") from None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        ours_mtp, ckpt_mtp = mtp_prefixes(self.cfg)
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        key = ckpt_mtp + name[len(ours_mtp):] if name.startswith(ours_mtp) else name
+        m = EXPERT_RE.match(key)
+        if m is None:
+            return self._read(key)
+        return torch.stack([self._read(f"{m.group(1)}.{e}.{m.group(2)}.weight")
+                            for e in range(self.cfg.n_routed_experts)])
+
+
 def _has_mtp_weights(tensors, cfg: ModelConfig) -> bool:
-    prefix = _mtp_prefixes(cfg)[1]
+    prefix = mtp_prefixes(cfg)[1]
     return any(k.startswith(prefix) for k in tensors)
 
 
 def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = None):
-    """Build `cls(config)` from an HF-layout folder and load its weights exactly. A distributed run's sharded
-    checkpoint folder (trainer_state.json, DCP shards) is read too (`glm5lab.checkpoints.dcp`).
+    """Build `cls(config)` from an HF-layout folder and load its weights exactly. A run checkpoint folder
+    (trainer_state.json, DCP shards) is read too (`glm5lab.checkpoints.dcp.load_model`).
 
     mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but the weights lack
     it, e.g. a folder written by transformers, the model is built without it and a warning says so); True =
@@ -205,15 +258,15 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
         olds = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
         hint = f" (an interrupted save left the previous checkpoint at {olds[0]}: rename it back)" if olds else ""
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist{hint}")
-    if (folder / "trainer_state.json").is_file():  # a distributed run's sharded (DCP) checkpoint
-        from glm5lab.checkpoints.dcp import load_sharded_model
+    if (folder / "trainer_state.json").is_file():  # a run checkpoint (DCP)
+        from glm5lab.checkpoints.dcp import load_model
 
-        return load_sharded_model(cls, folder, dtype=dtype, device=device, mtp=mtp)
+        return _place(load_model(cls, folder, mtp=mtp), dtype, device)
     cfg = ModelConfig.from_hf(folder)
     tensors = read_checkpoint(folder)
     if cfg.num_nextn_predict_layers and not _has_mtp_weights(tensors, cfg):
         if mtp is True:
-            raise MissingMTPWeights(f"mtp=True but {folder} has no MTP weights ({_mtp_prefixes(cfg)[1]}*)")
+            raise MissingMTPWeights(f"mtp=True but {folder} has no MTP weights ({mtp_prefixes(cfg)[1]}*)")
         if mtp is None:
             warnings.warn(f"{folder}: config.json declares an MTP layer but the checkpoint has no "
                           "weights for it (transformers does not save it); loading without MTP", stacklevel=3)
@@ -229,6 +282,10 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
         load_state_exact(model, state)
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}") from None
+    return _place(model, dtype, device)
+
+
+def _place(model, dtype, device):
     if dtype is not None:
         model.to(dtype)
     if device is not None:
@@ -313,11 +370,11 @@ def load_transformers_twin(folder, *, dtype: torch.dtype = torch.float32, device
 
 def _is_checkpoint_file(name: str) -> bool:
     """Files a save replaces: config.json, the weights (single or sharded) and the index."""
-    return name in ("config.json", "model.safetensors", INDEX_NAME) or bool(_SHARD_RE.match(name))
+    return name in ("config.json", "model.safetensors", INDEX_NAME) or bool(SHARD_RE.match(name))
 
 
 def _write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_shard_bytes: int) -> None:
-    shards = _shard(tensors, max_shard_bytes)
+    shards = shard_tensors(tensors, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, shard in zip(names, shards, strict=True):
@@ -329,7 +386,8 @@ def _write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], cfg: Model
     save_config(cfg, folder)
 
 
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+def shard_tensors(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """`tensors` split, in name order, into files of at most `max_bytes` (a larger tensor gets one of its own)."""
     shards, size = [{}], 0
     for key in sorted(tensors):
         nbytes = tensors[key].numel() * tensors[key].element_size()

@@ -66,7 +66,10 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     umask = os.umask(0)
     os.umask(umask)
     assert (latest.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
-    assert ((latest / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~umask
+    assert ((latest / "__0_0.distcp").stat().st_mode & 0o777) == 0o666 & ~umask
+    served = GLM5ForCausalLM.from_pretrained(run / "model")  # the finished run's HF folder: the last checkpoint's weights
+    assert (run / "model" / "tokenizer.json").is_file() and not (run / "model" / "trainer_state.json").exists()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in served.state_dict().items())
 
 
 def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None:
