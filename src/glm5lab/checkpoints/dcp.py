@@ -73,7 +73,7 @@ def _rank_world(model) -> tuple[int, int] | None:
 def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path:
     """Write the run checkpoint `folder` (model and optimizer as laid out: sharded or not); collective when the model
     is sharded (every rank calls it). state: JSON data kept in trainer_state.json ({"position": {"step", "stage",
-    "in_stage"}, "ep"}; "world_size" is added). Each rank writes its shards and its RNG state into a hidden temp
+    "in_stage"}, "ep"}; "format": "dcp" and "world_size" are added). Each rank writes its shards and its RNG state into a hidden temp
     folder beside `folder`; rank 0 adds config.json, the tokenizer files (`tokenizer`: a `tokenizers.Tokenizer` or
     None) and trainer_state.json, then (after a barrier) renames it into place, replacing an earlier `folder`.
     Temp folders a killed save left beside it are removed first. Returns `folder`."""
@@ -104,7 +104,7 @@ def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path
             save_config(model.config, tmp)
             if tokenizer is not None:
                 save_for_transformers(tokenizer, tmp)
-            atomic_write_text(tmp / STATE_FILE, json.dumps({**state, "world_size": world}, indent=2) + "\n")
+            atomic_write_text(tmp / STATE_FILE, json.dumps({"format": "dcp", **state, "world_size": world}, indent=2) + "\n")
         if placed:
             dist.barrier()
         if rank == 0:
