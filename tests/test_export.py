@@ -46,7 +46,8 @@ def test_export_of_a_run_folder_writes_the_save_pretrained_tensors_in_shards(run
     assert all(torch.equal(v, tiny_model.state_dict()[k]) for k, v in loaded.items())
     assert load_checkpoint_model(run).state_dict().keys() == loaded.keys()
     export_checkpoint(run, out)  # again over the earlier export, default 5GB: one shard, the old ones gone
-    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]  # as save_pretrained
+    assert not (out / "model.safetensors.index.json").exists()
 
 
 def test_refusals_are_one_line_naming_the_argument(run, tmp_path, capsys):

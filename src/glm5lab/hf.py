@@ -55,15 +55,41 @@ def mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
     return "model.mtp_layers.0.", f"model.layers.{cfg.num_hidden_layers}."
 
 
-def to_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict -> checkpoint tensors (contiguous, split per expert, MTP renamed + copies)."""
-    out = {}
-    for key, t in state.items():
-        out.update(checkpoint_tensors(key, t, cfg))
-    if cfg.num_nextn_predict_layers:
-        for name, main_key in mtp_copies(cfg).items():
-            out[name] = state[main_key].clone()
-    return out
+def plan_checkpoint(cfg: ModelConfig, shapes: dict[str, torch.Tensor]) -> tuple[dict, dict[str, str]]:
+    """(checkpoint name -> meta tensor, checkpoint name -> the key of our state dict `shapes` (meta tensors) it comes
+    from): experts split, the MTP layer renamed with its copies of the embedding and head, a tied head left out."""
+    tensors, source = {}, {}
+    for key, t in shapes.items():
+        for name, piece in checkpoint_tensors(key, t.to("meta"), cfg).items():
+            tensors[name], source[name] = piece, key
+    for name, key in mtp_copies(cfg).items():
+        tensors[name], source[name] = shapes[key].to("meta"), key
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors, source
+
+
+def write_weights(out: Path, cfg: ModelConfig, shapes: dict[str, torch.Tensor], read, max_shard_bytes: int) -> None:
+    """Write into folder `out` config.json and the checkpoint tensors of our state dict (`shapes`: key -> tensor,
+    meta or not; read(keys) -> those keys' tensors), one file of at most `max_shard_bytes` at a time (read just
+    before it is written): model.safetensors when they fit in one, else model-0000i-of-0000n.safetensors + index."""
+    tensors, source = plan_checkpoint(cfg, shapes)
+    shards = shard_tensors(tensors, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for file, shard in zip(names, shards, strict=True):
+        loaded = read(sorted({source[name] for name in shard}))
+        ready = {}
+        for key, t in loaded.items():
+            ready.update(checkpoint_tensors(key, t, cfg))
+        data = {name: (ready[name] if name in ready else loaded[source[name]].clone()) for name in shard}
+        atomic_write(out / file, lambda tmp, data=data: save_file(data, tmp, metadata={"format": "pt"}))
+        del loaded, ready, data
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {name: file for file, shard in zip(names, shards, strict=True) for name in shard}}
+        atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    save_config(cfg, out)
 
 
 def checkpoint_tensors(key: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -207,8 +233,7 @@ class CheckpointTensors:
 
     def check(self, state: dict[str, torch.Tensor]) -> None:
         """CheckpointError listing the missing and unexpected checkpoint keys against our (meta) `state`."""
-        expected = set(to_checkpoint(state, self.cfg))
-        expected -= {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        expected = set(plan_checkpoint(self.cfg, state)[0])
         missing, unexpected = sorted(expected - set(self.where)), sorted(set(self.where) - expected)
         if missing or unexpected:
             parts = [f"{len(missing)} missing keys: {missing}"] if missing else []
@@ -332,11 +357,9 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
         raise ValueError(f"cannot save a model with weights on the meta device ({len(on_meta)} tensors, e.g. "
                          f"{on_meta[0]}): materialise them first (e.g. `model.to_empty(device='cpu')`, then load or "
                          "`reset_parameters()`)")
-    tensors = to_checkpoint({k: v.detach().cpu() for k, v in state.items()}, model.config)
-    if model.config.tie_word_embeddings:
-        del tensors["lm_head.weight"]
-    replace_folder(Path(path), lambda tmp: _write_checkpoint(tmp, tensors, model.config, max_shard_bytes),
-                   replaces=_is_checkpoint_file)
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    replace_folder(Path(path), lambda tmp: write_weights(tmp, model.config, state, lambda keys: {k: state[k] for k in keys},
+                                                         max_shard_bytes), replaces=is_weights_file)
     return Path(path)
 
 
@@ -368,22 +391,9 @@ def load_transformers_twin(folder, *, dtype: torch.dtype = torch.float32, device
     return (model if device is None else model.to(device)).eval()
 
 
-def _is_checkpoint_file(name: str) -> bool:
+def is_weights_file(name: str) -> bool:
     """Files a save replaces: config.json, the weights (single or sharded) and the index."""
     return name in ("config.json", "model.safetensors", INDEX_NAME) or bool(SHARD_RE.match(name))
-
-
-def _write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_shard_bytes: int) -> None:
-    shards = shard_tensors(tensors, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for name, shard in zip(names, shards, strict=True):
-        atomic_write(folder / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s}}
-        atomic_write_text(folder / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    save_config(cfg, folder)
 
 
 def shard_tensors(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
