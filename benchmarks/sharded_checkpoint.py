@@ -10,7 +10,7 @@ optimizer holds its state. Then, on every rank, twice:
 - `sharded`: `glm5lab.checkpoints.dcp.save` (what a run now writes: each rank its own shards,
   nothing gathered);
 - `full gather`: what a distributed run wrote before issue 27 (`dist.full_model` +
-  `dist.optimizer_state` with full_state_dict, gathered to CPU on every rank, then rank 0 writes the
+  `get_optimizer_state_dict` with full_state_dict, gathered to CPU on every rank, then rank 0 writes the
   HF folder (`save_pretrained`) + trainer_state.pt (`torch.save`)).
 Per rank and save: RSS before (VmRSS of /proc/self/status, after `gc.collect` and glibc's `malloc_trim(0)`,
 which returns freed heap pages, so that a save cannot hide its allocations in memory freed earlier), the peak during it
@@ -64,6 +64,7 @@ def _local_bytes(model, optimizer) -> int:
 def worker(args) -> None:
     import torch
     import torch.distributed as tdist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     from glm5lab import GLM5ForCausalLM, ModelConfig
     from glm5lab.checkpoints.dcp import rng_state, save
@@ -91,7 +92,9 @@ def worker(args) -> None:
         save(run / "sharded" / "step-000001", model, optimizer, {"position": position, "ep": args.ep})
 
     def full_gather():
-        state = {"optimizer": dist.optimizer_state(model, optimizer, ctx), "rng": rng_state(), "position": position}
+        full_state = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=full_state), "rng": rng_state(),
+                 "position": position}
         full = dist.full_model(model, ctx)
         if ctx.is_main:
             full.save_pretrained(run / "full")
