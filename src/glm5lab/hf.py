@@ -203,33 +203,29 @@ def read_checkpoint(folder) -> dict[str, torch.Tensor]:
     those `model.safetensors.index.json` names, else `model.safetensors`, else every `*.safetensors`. Raises
     FileNotFoundError (no weights, or a shard the index names is missing), CheckpointError (unreadable shard;
     corrupt index or one naming a file outside the folder; both `model.safetensors` and an index present)."""
-    tensors = {}
-    for path in checkpoint_files(Path(folder)):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-        except Exception as e:  # safetensors raises several error types for a corrupt file
-            raise CheckpointError(f"cannot read {path}: {e}") from None
-    return tensors
+    reader = CheckpointTensors(folder)
+    return {key: reader.read(key) for key in reader.where}
 
 
 class CheckpointTensors:
     """Our state-dict name -> the HF checkpoint's CPU tensor (dtype as stored), read from `folder`'s safetensors
-    files on access, one tensor at a time (the MTP layer renamed, routed experts stacked, a tied head read from the
-    embedding): how a sharded model is loaded without any process holding the whole checkpoint.
-    `check(model_state)` refuses a checkpoint whose tensors are not those of that state before anything is read."""
+    files (`checkpoint_files`) on access, one tensor at a time (the MTP layer renamed, routed experts stacked, a tied
+    head read from the embedding; `cfg` needed): how a sharded model is loaded without any process holding the whole
+    checkpoint. `read(key)` reads by the checkpoint's own name; `check(model_state)` refuses a checkpoint whose
+    tensors are not those of that state before anything is read. Raises FileNotFoundError, CheckpointError
+    (an unreadable file) as `read_checkpoint`."""
 
-    def __init__(self, folder, cfg: ModelConfig):
+    def __init__(self, folder, cfg: ModelConfig | None = None):
         self.folder, self.cfg = Path(folder), cfg
-        self.where = {}
+        self.where, self.files = {}, {}  # checkpoint key -> its file; file -> its open handle
         for path in checkpoint_files(self.folder):
             if not path.is_file():
                 raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
-            with safe_open(str(path), framework="pt") as f:
-                self.where.update(dict.fromkeys(f.keys(), path))
+            try:
+                self.files[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises several error types for a corrupt file
+                raise CheckpointError(f"cannot read {path}: {e}") from None
+            self.where.update(dict.fromkeys(self.files[path].keys(), path))
 
     def check(self, state: dict[str, torch.Tensor]) -> None:
         """CheckpointError listing the missing and unexpected checkpoint keys against our (meta) `state`."""
@@ -240,13 +236,13 @@ class CheckpointTensors:
             parts += [f"{len(unexpected)} unexpected keys: {unexpected}"] if unexpected else []
             raise CheckpointError(f"{self.folder}: checkpoint does not match the model config; " + "; ".join(parts))
 
-    def _read(self, key: str) -> torch.Tensor:
+    def read(self, key: str) -> torch.Tensor:
+        """The checkpoint's tensor `key` (its own name). Raises CheckpointError when it has none or cannot read it."""
         if key not in self.where:
             raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {key}; it does not match the "
                                   "model config")
         try:
-            with safe_open(str(self.where[key]), framework="pt") as f:
-                return f.get_tensor(key)
+            return self.files[self.where[key]].get_tensor(key)
         except Exception as e:  # safetensors raises several error types for a corrupt file
             raise CheckpointError(f"cannot read {self.where[key]}: {e}") from None
 
@@ -257,8 +253,8 @@ class CheckpointTensors:
         key = ckpt_mtp + name[len(ours_mtp):] if name.startswith(ours_mtp) else name
         m = EXPERT_RE.match(key)
         if m is None:
-            return self._read(key)
-        return torch.stack([self._read(f"{m.group(1)}.{e}.{m.group(2)}.weight")
+            return self.read(key)
+        return torch.stack([self.read(f"{m.group(1)}.{e}.{m.group(2)}.weight")
                             for e in range(self.cfg.n_routed_experts)])
 
 
@@ -347,7 +343,7 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     GlmMoeDsaForCausalLM and the serving stacks read. Returns `Path(path)`.
 
     Written into a fresh hidden sibling, then swapped in (`glm5lab.io_utils.replace_folder`, which
-    states the crash guarantees): other files in `path` (tokenizer.json, trainer_state.pt, ...) are
+    states the crash guarantees): other files in `path` (tokenizer.json, ...) are
     carried over; its old weights, index and config.json are dropped, so no stale shard survives.
     Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
     int_at_least("max_shard_bytes", max_shard_bytes, 1)
