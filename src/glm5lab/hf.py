@@ -254,8 +254,8 @@ class CheckpointTensors:
         m = EXPERT_RE.match(key)
         if m is None:
             return self.read(key)
-        return torch.stack([self.read(f"{m.group(1)}.{e}.{m.group(2)}.weight")
-                            for e in range(self.cfg.n_routed_experts)])
+        names = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(self.cfg.n_routed_experts)]
+        return _stack_experts(key, {e: (n, self.read(n)) for e, n in enumerate(names)})
 
 
 def _has_mtp_weights(tensors, cfg: ModelConfig) -> bool:

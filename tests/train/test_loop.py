@@ -138,7 +138,7 @@ def test_warmup_trains_only_the_indexer(corpus):
     train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan[:1], "checkpoint_every": 0}))
     dense = GLM5ForCausalLM.from_pretrained(run / "checkpoints" / "step-000002").state_dict()
     run2 = corpus / "run2"
-    train(TrainArgs(**{**_args(corpus, run2).__dict__, "init": str(run / "checkpoints" / "step-000002"),
+    train(TrainArgs(**{**_args(corpus, run2).__dict__, "init": str(run / "model"),  # the HF folder, tensor by tensor
                        "config": None, "stage_plan": plan[1:2]}))
     warm = GLM5ForCausalLM.from_pretrained(run2 / "checkpoints" / "step-000002").state_dict()
     tok = lambda r: (r / "checkpoints" / "step-000002" / "tokenizer.json").read_bytes()  # noqa: E731
@@ -208,6 +208,18 @@ def test_init_keeps_the_checkpoint_tokenizer_on_other_data(corpus):
     train(TrainArgs(**{**_args(corpus, run3).__dict__, "config": None, "stage_plan": plan[1:2], "init": str(run)}))
     info = json.loads((run3 / "run.json").read_text())
     assert info["args"]["init"] == str(run / "checkpoints" / "step-000002")
+    from safetensors.torch import load_file, save_file
+
+    from glm5lab.hf import CheckpointError
+
+    weights = run / "model" / "model.safetensors"  # an HF folder whose tensors are not its config's: refused
+    tensors = load_file(weights)
+    tensors["model.layers.0.extra.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, weights)
+    with pytest.raises(CheckpointError, match=r"1 missing keys: \['model.norm.weight'\]; 1 unexpected keys: "
+                       r"\['model.layers.0.extra.weight'\]"):
+        train(TrainArgs(**{**_args(corpus, corpus / "run4").__dict__, "config": None, "stage_plan": plan[1:2],
+                           "init": str(run / "model")}))
 
 
 def test_resume_with_another_model_config_is_refused(corpus):
