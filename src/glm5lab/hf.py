@@ -111,42 +111,9 @@ def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
     return {ckpt_mtp + suffix: main for suffix, main in _MTP_SHARED.items()} if cfg.num_nextn_predict_layers else {}
 
 
-def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_mtp: bool) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> our state dict. Experts are stacked in index order; MTP keys are renamed (or dropped
-    when `keep_mtp` is False). Raises CheckpointError when an expert index is missing, an expert's shape or dtype
-    differs from expert 0's, or the MTP copies of the embedding/head differ from the main ones."""
-    ours_mtp, ckpt_mtp = mtp_prefixes(cfg)
-    experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
-    out = {}
-    for ckpt_name, t in tensors.items():
-        name = ckpt_name
-        if name.startswith(ckpt_mtp):
-            if not keep_mtp:
-                continue
-            rest = name[len(ckpt_mtp):]
-            if rest in _MTP_SHARED:
-                main_key = _MTP_SHARED[rest]
-                if cfg.tie_word_embeddings:
-                    main_key = "model.embed_tokens.weight"
-                _check_shared_copy(name, t, tensors.get(main_key))
-                continue
-            name = ours_mtp + rest
-        m = _CKPTEXPERT_RE.match(name)
-        if m:
-            experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = (ckpt_name, t)
-        else:
-            out[name] = t
-    for key, per_expert in experts.items():
-        out[key] = _stack_experts(key, per_expert)
-    return out
-
-
 def _stack_experts(key: str, per_expert: dict[int, tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """[E, ...] from {expert index: (checkpoint key, tensor)}; CheckpointError for a missing
-    index, or a shape or dtype that differs from expert 0's (listing each checkpoint key)."""
-    missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
-    if missing:
-        raise CheckpointError(f"{key}: experts {missing} are missing from the checkpoint")
+    """[E, ...] from {expert index: (checkpoint key, tensor)}; CheckpointError for a shape or dtype that
+    differs from expert 0's (listing each checkpoint key)."""
     ref = per_expert[0][1]
     bad = [f"{name}: {tuple(t.shape)} {t.dtype} vs expert 0's {tuple(ref.shape)} {ref.dtype}"
            for name, t in (per_expert[e] for e in sorted(per_expert)) if t.shape != ref.shape or t.dtype != ref.dtype]
@@ -227,10 +194,12 @@ class CheckpointTensors:
                 raise CheckpointError(f"cannot read {path}: {e}") from None
             self.where.update(dict.fromkeys(self.files[path].keys(), path))
 
-    def check(self, state: dict[str, torch.Tensor]) -> None:
-        """CheckpointError listing the missing and unexpected checkpoint keys against our (meta) `state`."""
+    def check(self, state: dict[str, torch.Tensor], *, ignore: str | None = None) -> None:
+        """CheckpointError listing the missing and unexpected checkpoint keys against our (meta) `state`; keys under
+        the prefix `ignore` are not compared (an MTP layer not loaded)."""
         expected = set(plan_checkpoint(self.cfg, state)[0])
-        missing, unexpected = sorted(expected - set(self.where)), sorted(set(self.where) - expected)
+        have = {k for k in self.where if not (ignore and k.startswith(ignore))}
+        missing, unexpected = sorted(expected - have), sorted(have - expected)
         if missing or unexpected:
             parts = [f"{len(missing)} missing keys: {missing}"] if missing else []
             parts += [f"{len(unexpected)} unexpected keys: {unexpected}"] if unexpected else []
@@ -258,11 +227,6 @@ class CheckpointTensors:
         return _stack_experts(key, {e: (n, self.read(n)) for e, n in enumerate(names)})
 
 
-def _has_mtp_weights(tensors, cfg: ModelConfig) -> bool:
-    prefix = mtp_prefixes(cfg)[1]
-    return any(k.startswith(prefix) for k in tensors)
-
-
 def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = None):
     """Build `cls(config)` from an HF-layout folder and load its weights exactly. A run checkpoint folder
     (trainer_state.json, DCP shards) is read too (`glm5lab.checkpoints.dcp.load_model`).
@@ -284,21 +248,24 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
 
         return _place(load_model(cls, folder, mtp=mtp), dtype, device)
     cfg = ModelConfig.from_hf(folder)
-    tensors = read_checkpoint(folder)
-    if cfg.num_nextn_predict_layers and not _has_mtp_weights(tensors, cfg):
+    reader = CheckpointTensors(folder, cfg)
+    ckpt_mtp = mtp_prefixes(cfg)[1]
+    if cfg.num_nextn_predict_layers and not any(k.startswith(ckpt_mtp) for k in reader.where):
         if mtp is True:
-            raise MissingMTPWeights(f"mtp=True but {folder} has no MTP weights ({mtp_prefixes(cfg)[1]}*)")
+            raise MissingMTPWeights(f"mtp=True but {folder} has no MTP weights ({ckpt_mtp}*)")
         if mtp is None:
             warnings.warn(f"{folder}: config.json declares an MTP layer but the checkpoint has no "
                           "weights for it (transformers does not save it); loading without MTP", stacklevel=3)
         cfg = cfg.replace(num_nextn_predict_layers=0)
     elif mtp is False:
         cfg = cfg.replace(num_nextn_predict_layers=0)
-    state = from_checkpoint(tensors, cfg, keep_mtp=mtp is not False)
-    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
-        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    reader.cfg = cfg
     with torch.device("meta"):
         model = cls(cfg)
+    reader.check(model.state_dict(), ignore=None if cfg.num_nextn_predict_layers else ckpt_mtp)
+    state = {key: reader[key] for key in model.state_dict()}  # experts stacked, the MTP layer renamed
+    for name, key in mtp_copies(cfg).items():
+        _check_shared_copy(name, reader.read(name), state[key])
     try:
         load_state_exact(model, state)
     except CheckpointError as e:
