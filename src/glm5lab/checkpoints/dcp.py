@@ -189,8 +189,8 @@ def load(folder: Path, model, optimizer=None) -> dict | None:
     `dist.shard_model` at any world size and --ep, or one process's; allocated: values are overwritten) and return
     its trainer state with this rank's "rng" (the saving rank's of the same index, else rank 0's). The optimizer
     state is loaded for exactly the parameters the checkpoint has state for (one never trained so far keeps none,
-    as in the run that saved it). Without an optimizer `folder` may also be an HF folder (`--init`): its weights
-    are read tensor by tensor into this rank's shards, and None is returned. Raises ResumeError when a file is
+    as in the run that saved it). Without an optimizer only the weights are read (no "rng"), and `folder` may also be
+    an HF folder (`--init`): its weights are read tensor by tensor into this rank's shards, and None is returned. Raises ResumeError when a file is
     missing or a shard cannot be read (collective: every rank raises), CheckpointError for an HF folder whose
     tensors are not the model's (listing missing and unexpected keys)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -250,10 +250,11 @@ def _load_hf(folder: Path, model) -> None:
 
 
 def allocate(model, device) -> None:
-    """Allocate the (possibly sharded) meta `model` on `device` without initialising it (`to_empty`; a tied head tied
-    again): for a model whose every value is loaded next."""
+    """Allocate the (possibly sharded) meta `model` on `device` without initialising it (`to_empty`; in one process a
+    tied head tied again, which `to_empty` undoes; sharded, as `dist.materialize` leaves it): for a model whose every
+    value is loaded next."""
     model.to_empty(device=device)
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and _rank_world(model) is None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
