@@ -8,6 +8,7 @@ alike rather than one of them; figures are medians over the repeats.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import statistics
 import time
@@ -138,11 +139,11 @@ def save_random_model(cfg, folder, *, seed: int = 0) -> Path:
     return Path(folder)
 
 
-def load_ours(folder, device, *, dtype: torch.dtype | None = None):
-    """`GLM5ForCausalLM.from_pretrained(folder)` in eval mode (dtype: `model_dtype(device)`)."""
+def load_ours(folder, device, *, dtype: torch.dtype | None = None, mtp: bool | None = None):
+    """`GLM5ForCausalLM.from_pretrained(folder, mtp=mtp)` in eval mode (dtype: `model_dtype(device)`)."""
     from glm5lab import GLM5ForCausalLM
 
-    model = GLM5ForCausalLM.from_pretrained(folder, dtype=dtype or model_dtype(device), device=device)
+    model = GLM5ForCausalLM.from_pretrained(folder, dtype=dtype or model_dtype(device), device=device, mtp=mtp)
     return model.eval()
 
 
@@ -193,6 +194,16 @@ def mem_available_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def trim_heap(device) -> None:
+    """Return freed heap to the OS (glibc malloc_trim; CPU only), so a reused page counts in the next
+    `PeakMemory` peak."""
+    if torch.device(device).type == "cpu":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
 
 
 class PeakMemory:

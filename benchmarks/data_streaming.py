@@ -120,13 +120,14 @@ def main() -> None:
     if args.child:
         return child(*args.child, args)
     from glm5lab.environment import env_facts
+    from glm5lab.data.corpus import Document, cache_root
     from glm5lab.data.tokenizer import cached_tokenizer
-    from glm5lab.data.corpus import cache_root
     from glm5lab.presets import PRESETS
 
     vocab = PRESETS[args.preset]()["vocab_size"]
     words = [f"w{i} " * (1 + i % 3) for i in range(4 * vocab)]
-    tok = cached_tokenizer(words, vocab, cache_root() / "tokenizers")
+    docs = [Document(str(i), w) for i, w in enumerate(words)]
+    tok = cached_tokenizer(lambda: iter(docs), vocab, cache_root() / "tokenizers")
     facts = env_facts("cpu")
     facts["load_average_start"] = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="glm5lab-data-streaming-") as tmp:

@@ -10,9 +10,9 @@ routing counts), and as a measure of the overheads EP adds on one machine, not a
 EP's speedup. Each process runs 1 torch thread: EP = 1 uses one core, EP = 2 both cores of a
 2-core machine, and **EP = 4 runs 4 processes on 2 cores: it measures contention, not scaling**.
 
-What runs: the training step of `tests/train/ep_harness.py` (`Case` and `build`: the `tiny` preset
-with vocab 320, seed 0, its step: DSA on, indexer KL weight 1, MTP depth 3, Muon Split, router bias
-rate 1e-2, each rank training on its contiguous slice of the global batch), on two shapes:
+What runs: `glm5lab.train.ep_check` (the EP tests' run: `ep_check_model`, the `tiny` preset with vocab 320, seed
+0; `train_ep_check`, `run_stages` with DSA on, indexer KL weight 1, MTP depth 3, Muon Split, router bias rate 1e-2,
+each rank training on its contiguous slice of the global batch), on two shapes:
 - `tiny`: the tiny preset's MoE, 8 routed experts top-2 (+1 shared), hidden 64, expert width 32;
 - `glm5-routing`: the same model at GLM-5's routing shape, 256 routed experts top-8 (n_group 1,
   topk_group 1, scale 2.5 as GLM-5), expert width 32.
@@ -24,8 +24,8 @@ sharded over the same ranks (`glm5lab.parallel.dist.shard_model(model, ctx, ep=E
 
 Per configuration (figures from the ranks, gathered to rank 0, written as JSON for the parent):
 - step s: `--warmup` untimed repeats, then `--repeats` timed repeats of `--steps` steps; each step
-  starts after a barrier and is timed with `time.perf_counter` on every rank (forward + losses
-  `stage_losses`, then `optimizer_step`: backward, clip, Muon Split, router bias); a step's time is
+  starts after a barrier and is timed with `time.perf_counter` on every rank (one `run_stages` step:
+  forward and losses, backward, clip, Muon Split, router bias); a step's time is
   the slowest rank's; a repeat's figure is its mean step; reported: the median repeat.
   tokens/s = global batch x seq-len / step s.
 - a2a share: the share of a step spent in the all-to-alls, measured with torch.profiler (CPU
@@ -87,13 +87,12 @@ import torch
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parent.parent
 sys.path.insert(0, str(SCRIPT.parent))
-sys.path.insert(0, str(ROOT))  # tests.train.ep_harness: the EP tests' model and step
 from common import markdown_table, median, print_json_line
 
 from glm5lab.environment import env_facts, load_average
 
 SHAPES = {"tiny": {}, "glm5-routing": {"n_routed_experts": 256, "num_experts_per_tok": 8}}
-"""Overrides of `ep_harness.Case`'s config (the tiny preset, vocab 320) per shape; every other
+"""Overrides of `ep_check_model`'s config (the tiny preset, vocab 320) per shape; every other
 field is the preset's (n_group 1, topk_group 1, routed_scaling_factor 2.5: GLM-5's)."""
 WIDE = {"hidden_size": 128}
 """The sweep's width point: the same model at twice the hidden width."""
@@ -135,16 +134,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def worker(args) -> None:
     """One (shape, EP) configuration on this rank; rank 0 writes its `config_record` to --out."""
     from glm5lab.parallel import dist as gdist
-    from tests.train.ep_harness import Case, build
+    from glm5lab.train.ep_check import ep_check_model
 
     torch.set_num_threads(args.threads)
     ctx = gdist.setup()
     ep = ctx.world_size
-    case = Case(args.shape, overrides=SHAPES[args.shape], batch=args.batch, seq_len=args.seq_len)
     rss_before = _rss_bytes()
-    trainer = Trainer(build(case), ctx, ep, seq_len=args.seq_len, batch=args.batch)
+    trainer = Trainer(ep_check_model(ctx, ep, SHAPES[args.shape]), ctx)
     g = torch.Generator().manual_seed(1)
-    vocab = case.config().vocab_size
+    vocab = trainer.cfg.vocab_size
 
     def window(batch: int) -> torch.Tensor:  # the same draws on every rank; each trains on its slice
         return torch.randint(0, vocab, (batch, args.seq_len + 1), generator=g)
@@ -158,8 +156,7 @@ def worker(args) -> None:
     if ep > 1:
         for batch in args.sweep_batches:
             sweep.append({"batch": batch, "hidden_size": trainer.cfg.hidden_size, **trainer.step(window(batch))})
-        wide = Trainer(build(Case(f"{args.shape}-wide", overrides={**SHAPES[args.shape], **WIDE})), ctx, ep,
-                       seq_len=args.seq_len, batch=args.batch)
+        wide = Trainer(ep_check_model(ctx, ep, {**SHAPES[args.shape], **WIDE}), ctx)
         sweep.append({"batch": args.batch, "hidden_size": wide.cfg.hidden_size, **wide.step(window(args.batch))})
     shares = [p[part] / p["seconds"] for part in PARTS for p in profiled]  # part-major
     per_rank = _gather([peak_rss, rss_before, *shares], ctx)
@@ -199,17 +196,20 @@ def config_record(args, cfg, ep: int, steps: list[dict], profiled: list[dict], s
 
 
 class Trainer:
-    """`ep_harness.EPTrainer` (the EP tests' set-up and step) on an already built model, with each step
-    timed between barriers, its EP metrics popped and its routing counts gathered (untimed)."""
+    """`train_ep_check` (the EP tests' step) one step at a time on a built model (`ep_check_model`), with each
+    step timed between barriers, its EP metrics popped and its routing counts gathered (untimed)."""
 
-    def __init__(self, model, ctx, ep: int, *, seq_len: int, batch: int):
-        from tests.train.ep_harness import EPTrainer
-
-        self.inner = EPTrainer(model, ctx, ep, seq_len=seq_len, batch=batch)
-        self.model, self.ctx, self.cfg = model, ctx, model.config
+    def __init__(self, model, ctx):
+        self.model, self.ctx, self.cfg, self.optimizer = model, ctx, model.config, None
 
     def _run(self, window_BT1: torch.Tensor) -> torch.Tensor:
-        return self.inner.step(window_BT1)[2]
+        """One step on the global batch window_BT1; this rank's routing loads load_E [E]."""
+        from glm5lab.train.ep_check import train_ep_check
+
+        loads = []
+        self.optimizer = train_ep_check(self.model, self.ctx, [window_BT1], lambda _, load_E: loads.append(load_E),
+                                        self.optimizer)
+        return loads[0]
 
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:
@@ -222,14 +222,13 @@ class Trainer:
         ep_tokens, load_RE, ledger_a2a_bytes, rows}."""
         from glm5lab.ledger import a2a_bytes
         from glm5lab.parallel.expert_parallel import pop_ep_metrics
-        from tests.train.ep_harness import gather_rows
 
         self._barrier()
         t0 = time.perf_counter()
         load_E = self._run(window_BT1)
         seconds = _max_over_ranks(time.perf_counter() - t0, self.ctx)
         metrics = pop_ep_metrics(self.model)
-        load_RE = gather_rows(load_E, self.ctx)
+        load_RE = [[int(x) for x in row] for row in _gather(load_E.tolist(), self.ctx)]
         ep = self.ctx.world_size
         return {"seconds": seconds, "a2a_bytes": metrics.get("a2a_bytes", 0),
                 "ep_imbalance": metrics.get("ep_imbalance"), "ep_tokens": metrics.get("ep_tokens"),
@@ -428,8 +427,8 @@ def main(argv=None) -> dict | None:
               "config": {"batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "repeats": args.repeats,
                          "warmup": args.warmup, "ep": args.ep_sizes, "shapes": args.shapes,
                          "sweep_batches": args.sweep_batches, "threads_per_process": args.threads,
-                         "dtype": "fp32", "backend": "gloo", "model": "tests/train/ep_harness.py Case (tiny preset, "
-                         "vocab 320) + shape overrides", "shape_overrides": {s: SHAPES[s] for s in args.shapes},
+                         "dtype": "fp32", "backend": "gloo", "model": "glm5lab.train.ep_check.ep_check_model (tiny "
+                         "preset, vocab 320) + shape overrides", "shape_overrides": {s: SHAPES[s] for s in args.shapes},
                          "wide_overrides": WIDE},
               "env": env}
     print_json_line(record)

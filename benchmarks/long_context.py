@@ -64,7 +64,6 @@ default docs/figures/long_context.png), then one JSON line with every figure.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import sys
@@ -74,7 +73,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (PeakMemory, markdown_table, matmul_case, median, mib, model_dtype, print_json_line, setup_device,
-                    timed)
+                    timed, trim_heap)
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.environment import env_facts, load_average
@@ -173,15 +172,6 @@ def repeats_for(args, T: int) -> int:
 
 # -- measuring ------------------------------------------------------------------------------------
 
-def _trim(device) -> None:
-    """Return freed heap to the OS (glibc malloc_trim), so a reused page counts in the next peak."""
-    if torch.device(device).type == "cpu":
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
-
-
 def measure(cases: dict, *, device, repeats: int, warm: tuple = (), clocks: dict | None = None,
             memory: bool = True) -> tuple[dict, dict]:
     """Run each callable of `warm` once, then `repeats` rounds of every case in turn, each call
@@ -198,7 +188,7 @@ def measure(cases: dict, *, device, repeats: int, warm: tuple = (), clocks: dict
     for _ in range(repeats):
         for name, fn in cases.items():
             if memory:
-                _trim(device)
+                trim_heap(device)
                 peak.reset()
             if clocks:
                 clocks[name].reset()

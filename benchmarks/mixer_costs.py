@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PeakMemory, markdown_table, median, mib, model_dtype, timed  # noqa: E402
+from common import PeakMemory, markdown_table, median, mib, model_dtype, timed, trim_heap  # noqa: E402
 
 MIXERS = {
     "dense": {"label": "dense MLA", "layers": 1, "cfg": dict(use_dsa=False)},
@@ -171,17 +171,15 @@ def measure_calls(cases: dict, *, repeats: int, device, clocks: dict, after=None
                   warm: int = 0) -> dict:
     """`warm` untimed rounds, then `repeats` rounds of every case in turn (interleaved), each call
     timed (`timed_cpu`), with the seconds inside its mixers (`clocks[name]`) and, with `memory`,
-    its peak-memory rise (`long_context.measure`'s method: malloc_trim, `common.PeakMemory`).
+    its peak-memory rise (`long_context.measure`'s method: `common.trim_heap`, `common.PeakMemory`).
     after(name): run untimed after each call (a rollback). Returns {name: {"s", "cpu_s", "mixer_s":
     medians, "s_repeats", "cpu_s_repeats", "peak_bytes": the max rise or None}}."""
-    from long_context import _trim
-
     rec = {n: {"s": [], "cpu": [], "mix": [], "peak": []} for n in cases}
     peak = PeakMemory(device)
     for rnd in range(warm + repeats):
         for name, fn in cases.items():
             if memory:
-                _trim(device)
+                trim_heap(device)
                 peak.reset()
             clocks[name].reset()
             s, cpu = timed_cpu(fn, device)

@@ -70,8 +70,8 @@ def worker(args) -> None:
     from glm5lab.checkpoints.dcp import rng_state, save
     from glm5lab.parallel import dist
     from glm5lab.train.losses import stage_losses
-    from glm5lab.train.stages import default_stages
-    from glm5lab.train.step import TrainHyper, optimizer_step
+    from glm5lab.train.recipe import TrainHyper, default_stages
+    from glm5lab.train.step import optimizer_step
 
     torch.set_num_threads(1)
     ctx = dist.setup()
@@ -79,7 +79,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = GLM5ForCausalLM(cfg)
     dist.shard_model(model, ctx, ep=args.ep)
-    hyper = TrainHyper()
+    hyper = TrainHyper.default()
     stage = default_stages(seq_len=64, batch_size=1)[0]
     optimizer = hyper.build_optimizer(model, stage.lr)
     window = torch.randint(0, cfg.vocab_size, (1, 65), generator=torch.Generator().manual_seed(ctx.rank))

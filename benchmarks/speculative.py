@@ -52,11 +52,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (counting_compile, markdown_table, median, model_dtype, print_json_line, resolve_checkpoint,
+from common import (counting_compile, load_ours, markdown_table, median, print_json_line, resolve_checkpoint,
                     setup_device, time_interleaved, verdict, weight_bytes_read)
 
 import glm5lab
-from glm5lab import GLM5ForCausalLM
 from glm5lab.environment import env_facts, load_average
 from glm5lab.data.pipeline import held_out_prompts
 
@@ -145,11 +144,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_model(checkpoint: Path, device):
-    model = GLM5ForCausalLM.from_pretrained(checkpoint, dtype=model_dtype(device), device=device, mtp=True)
-    return model.eval()
-
-
 def make_case(model, prompts, n: int, k: int | None, *, temperature: float = 0.0, seed: int | None = None,
               compile: bool = False):
     """One call = every prompt at batch 1; returns the summed stats and the tokens."""
@@ -192,7 +186,7 @@ def main(argv=None) -> dict:
         record = render_saved(args, checkpoint) if args.from_json else run_map(args, checkpoint, env)
         print_json_line(record)
         return record
-    model = load_model(checkpoint, device)
+    model = load_ours(checkpoint, device, mtp=True)
     prompts, data_info = held_out_prompts(checkpoint, args.prompts, args.prompt_len, data=args.data,
                                           split_seed=args.split_seed)
     n = args.new_tokens

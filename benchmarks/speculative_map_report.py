@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import speculative_map as sm
-from common import markdown_table, verdict
+from common import load_ours, markdown_table, verdict
 
 from glm5lab.environment import load_average
 from glm5lab.io_utils import atomic_write_text
@@ -28,9 +28,7 @@ GOALS = {"within": 0.20, "speedup": 1.3}
 
 def run_map(args, checkpoint, env) -> dict:
     """Measure every regime of `args` (see speculative.py's --map flags); print; return the JSON record."""
-    from speculative import load_model
-
-    base = load_model(checkpoint, "cpu")
+    base = load_ours(checkpoint, "cpu", mtp=True)
     k, p_max = args.map_k, max(args.acceptance_context_list)
     (stream_ids,), data_info = held_out_prompts(checkpoint, 1, p_max, data=args.data, split_seed=args.split_seed)
     env["bandwidth_bytes_per_s"] = bandwidth = sm.calibrate_bandwidth()

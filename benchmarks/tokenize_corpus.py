@@ -19,8 +19,8 @@ timed in turn:
 - `tokenizers` alone on the same texts already in memory, the ids discarded: `encode_batch_fast` (no offsets;
   what glm5lab uses) and `encode_batch` (with offsets) on tokenize's batches (its documents' pieces of at
   most `PIECE_CHARS` characters, `BATCH_DOCS` pieces or `BATCH_CHARS` characters, whichever comes first; before
-  issue 36 whole documents), and `encode_batch_fast` on `BATCH_DOCS` whole documents a call (`encode_documents`'
-  batches: larger here, whole plays).
+  issue 36 whole documents), and `encode_batch_fast` on `BATCH_DOCS` whole documents a call (the batches of
+  `encode_documents`, gone in issue 37: larger here, whole plays).
 MB/s counts the UTF-8 bytes of the text. `tokenizers` encodes a batch's documents on its Rayon thread pool
 (`RAYON_NUM_THREADS`, default one per CPU); the figures say which. Peak RSS of the process after the
 tokenize case (`ru_maxrss`) shows that it streams: it stays far below the text's size.
@@ -30,8 +30,8 @@ cut to size: prose with its newlines), and of `--one-line-sizes` MB with every n
 tens of MB). A one-document corpus: its text is split inside, at the paragraph boundary nearest 95%. Tokenizer:
 the default run's BPE (`--tokenizer`). Each case runs in a fresh process whose peak RSS (VmHWM) is the
 figure: `glm5lab tokenize` (`tokenize_corpus`: the file read in chunks, encoded in pieces), and the whole-document
-way it replaced (the text read whole, split, each part encoded whole by `encode_documents`: what tokenize did
-before issue 36 and what `glm5lab train --data FILE` does in memory), run only where it fits (its peak, ~160
+way it replaced (the text read whole, split, each part encoded whole: what tokenize did before issue 36 and
+`glm5lab train --data FILE` in memory before issue 37), run only where it fits (its peak, ~160
 bytes a character, under 60% of MemAvailable). A third process only imports and loads the tokenizer: the floor.
 The two ways' tokens are compared by SHA-256 (identical is the claim).
 """
@@ -75,18 +75,16 @@ def main() -> None:
     args.out = args.out or str(ROOT / "benchmarks" / "results" / "tokenize.json")
     from benchmarks.common import markdown_table, print_json_line
     from glm5lab.environment import env_facts
-    from glm5lab.data.tokenizer import cached_tokenizer
-    from glm5lab.data.corpus import cache_root, fetch_default_corpus
-    from glm5lab.data.pipeline import split_corpus
+    from glm5lab.data.corpus import fetch_default_corpus
+    from glm5lab.data.pipeline import prepare_data
     from glm5lab.data.sources import iter_documents
     from glm5lab.data.pieces import Cutter
-    from glm5lab.data.tokenize import BATCH_CHARS, BATCH_DOCS, _batches, tokenize_corpus
+    from glm5lab.data.tokenize import BATCH_CHARS, BATCH_DOCS, piece_batches, tokenize_corpus
 
     facts = env_facts("cpu")
     facts["load_average_start"] = list(os.getloadavg())
     rayon = os.environ.get("RAYON_NUM_THREADS", f"unset (one per CPU: {os.cpu_count()})")
-    _, train_docs, _ = split_corpus(None, 0)
-    tok = cached_tokenizer((d.text for d in train_docs), 4096, cache_root() / "tokenizers")
+    tok = prepare_data(4096, None, 0).tokenizer  # the default run's BPE
     corpus = fetch_default_corpus()
     results = {}
     with tempfile.TemporaryDirectory(prefix="glm5lab-tokenize-bench-") as tmp:
@@ -105,8 +103,8 @@ def main() -> None:
         tokens = sum(s["tokens"] for s in index["splits"].values())
         docs = sum(s["documents"] for s in index["splits"].values())
         cutter, _ = Cutter.of(tok)  # tokenize's batches: its documents' pieces
-        same = [[text for _, _, text in b] for b in _batches((False, k == 0, piece) for t in texts
-                                                                for k, piece in enumerate(cutter.pieces([t])))]
+        same = [[text for _, _, text in b] for b in piece_batches((False, k == 0, piece) for t in texts
+                                                                  for k, piece in enumerate(cutter.pieces([t])))]
         whole = [texts[lo:lo + BATCH_DOCS] for lo in range(0, len(texts), BATCH_DOCS)]
         for name, batches, label in (("encode_batch_fast", same, "tokenize's batches"),
                                      ("encode_batch", same, "tokenize's batches"),
@@ -141,7 +139,7 @@ def child(case: str, text_file: str, tokenizer: str, out: str = "") -> None:
 
     import numpy as np
 
-    from glm5lab.data.tokenizer import encode_documents, load_tokenizer
+    from glm5lab.data.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
     tok = load_tokenizer(Path(tokenizer))
@@ -157,7 +155,8 @@ def child(case: str, text_file: str, tokenizer: str, out: str = "") -> None:
 
         path = Path(text_file)
         (train,), (val,) = split_documents([Document(path.name, path.read_text(encoding="utf-8-sig"))])
-        splits = [encode_documents(tok, [train]), encode_documents(tok, [val])]
+        splits = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast([train.text, val.text],
+                                                                                  add_special_tokens=False)]
     else:  # "floor": imports and the tokenizer only
         splits = []
     seconds = time.perf_counter() - t0
@@ -209,9 +208,8 @@ def _document(path: Path, corpus_text: str, mb: float, one_line: bool) -> int:
 def memory(args) -> None:
     from benchmarks.common import markdown_table, print_json_line
     from glm5lab.environment import env_facts
-    from glm5lab.data.tokenizer import cached_tokenizer
-    from glm5lab.data.corpus import cache_root, fetch_default_corpus
-    from glm5lab.data.pipeline import split_corpus
+    from glm5lab.data.corpus import fetch_default_corpus
+    from glm5lab.data.pipeline import prepare_data
     from glm5lab.data.pieces import PIECE_CHARS
     from glm5lab.data.sources import iter_documents
     from glm5lab.data.tokenize import BATCH_CHARS
@@ -220,8 +218,7 @@ def memory(args) -> None:
     facts = env_facts("cpu")
     facts["load_average_start"] = list(os.getloadavg())
     rayon = os.environ.get("RAYON_NUM_THREADS", f"unset (one per CPU: {os.cpu_count()})")
-    _, train_docs, _ = split_corpus(None, 0)
-    tok = cached_tokenizer((d.text for d in train_docs), 4096, cache_root() / "tokenizers")
+    tok = prepare_data(4096, None, 0).tokenizer  # the default run's BPE
     corpus_text = "".join(d.text for d in iter_documents(fetch_default_corpus()))
     assert corpus_text.isascii()  # 1 MB = 10^6 characters = 10^6 bytes
     cases = [(float(s), False) for s in args.sizes.split(",") if s] + [

@@ -81,8 +81,9 @@ from glm5lab.ledger import flops
 from glm5lab.train.balance import moe_layers
 from glm5lab.train.compile import CompiledLosses
 from glm5lab.train.losses import cross_entropy, stage_losses
-from glm5lab.train.stages import Stage, default_stages
-from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
+from glm5lab.train.recipe import TrainHyper, default_stages
+from glm5lab.train.stages import Stage
+from glm5lab.train.step import optimizer_step, set_trainable
 
 GOALS = {"speedup": 3.0, "mfu": 0.40, "muon_split_share": 0.15}
 """Targets: like-for-like tokens/s >= 3x transformers' (its default experts implementation);
@@ -90,7 +91,7 @@ full step >= 40% of the matmul peak; the Muon Split optimizer step <= 15% of the
 GLM5_ROUTING_GOALS = {**GOALS, "speedup_vs_loop": 3.0}
 """--routing glm5 adds: like-for-like tokens/s >= 3x transformers' per-expert loop
 (experts_implementation="eager"), the baseline the 256-expert shape was added for."""
-TRAIN = TrainHyper()
+TRAIN = TrainHyper.default()
 """`glm5lab train`'s step settings: the full step's optimizer, weight decay, grad clip and router bias rate."""
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": TRAIN.weight_decay}
 PARITY_RTOL = 1e-5

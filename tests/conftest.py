@@ -9,6 +9,10 @@ Integers (token ids, expert ids, top-k indices) always match exactly.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 from glm5lab.threads import configure
 
 configure("pytest", None)  # before torch loads: one thread per CPU other processes leave free (docs/threads.md)
@@ -25,6 +29,7 @@ TOL = {
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
 HF_LOGITS_ATOL = 1e-4
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 WORDS = "the king and queen of denmark speak of love war and the sea while the fool sings".split()
@@ -39,6 +44,15 @@ def write_word_corpus(folder, *, docs: int = 6, words_per_doc: int = 1500, words
         picked = [words[int(i)] for i in torch.randint(0, len(words), (words_per_doc,), generator=g)]
         (folder / f"doc{d}.txt").write_text(" ".join(picked))
     return folder
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a torchrun --master_port or a spawned gloo group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_close(actual, expected, dtype=torch.float32, **kw):
@@ -57,6 +71,23 @@ def uncached_step(cfg: ModelConfig, T: int, **options) -> Step:
     switch and `index_topk` unless `options` override them; `.layer(i)` runs one layer."""
     cos, sin = rope_angles(torch.arange(T), cfg.qk_rope_head_dim, cfg.rope_theta)
     return Step.uncached(T, cos, sin, **{"use_dsa": cfg.use_dsa, "index_topk": cfg.index_topk, **options})
+
+
+def random_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
+    """One seeded random prompt of token ids in [0, vocab) per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The reference: argmax of a full uncached forward over the whole sequence, n times."""
+    ids, out = torch.tensor([prompt]), []
+    for _ in range(n):
+        tok = int(model(ids).logits[0, -1].argmax())
+        out.append(tok)
+        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +111,65 @@ def tiny_cfg() -> ModelConfig:
 def tiny_model(tiny_cfg) -> GLM5ForCausalLM:
     torch.manual_seed(0)
     return GLM5ForCausalLM(tiny_cfg)
+
+
+def encode_whole(tok, docs):
+    """int64 ids of `docs` (anything with `.text`), each encoded whole without the tokenizer's special tokens,
+    `<|endoftext|>` between two: the reference a token folder's split stream must equal (it encodes in pieces)."""
+    import numpy as np
+
+    eot, ids = tok.token_to_id("<|endoftext|>"), []
+    for i, enc in enumerate(tok.encode_batch([d.text for d in docs], add_special_tokens=False)):
+        ids += ([eot] if i else []) + enc.ids
+    return np.array(ids, dtype=np.int64)
+
+
+def reference_split(tok, data, seed: int = 0, text_field: str = "text"):
+    """(train, val) `encode_whole` ids of corpus `data` (None: the default corpus): its documents read whole,
+    split by `split_documents` with `seed`."""
+    from glm5lab.data.corpus import Document, fetch_default_corpus, split_documents
+    from glm5lab.data.sources import iter_documents
+
+    docs = [Document(d.name, d.text) for d in iter_documents(data or fetch_default_corpus(), text_field)]
+    return tuple(encode_whole(tok, part) for part in split_documents(docs, seed=seed))
+
+
+def benchmark_module(name: str):
+    """benchmarks/NAME.py loaded as a module (its folder put on sys.path for its own imports)."""
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def costs_point(T, *, window=2048, swa_ms=2.0, capped=False):
+    """A `mixer_costs.costs_point`-shaped entry with hand-set figures: dense state 576 x 4 bytes per token, SWA
+    the same width for min(window, T) tokens."""
+    keys = ("dense", "swa", "gdn")
+    per_token = 576 * 4
+    state = {"dense": per_token * T, "swa": per_token * min(window, T), "gdn": 2 * 2**20}
+    pre = {k: {"s": 0.01 * T / 1024, "per_layer_s": 0.01 * T / 1024, "cpu_per_layer_s": 0.009 * T / 1024,
+               "mixer_per_layer_s": 0.008 * T / 1024, "peak_bytes": 2**20 * T / 1024} for k in keys}
+    if capped:
+        pre["dense"] = None
+    dec = {k: {"s": ms / 1e3, "per_layer_s": ms * 1.5 / 1e3, "cpu_per_layer_s": ms / 1e3, "mixer_per_layer_s": ms / 2e3,
+               "cache": "zeros" if capped and k == "dense" else "prefill"}
+           for k, ms in (("dense", 0.001 * T), ("swa", swa_ms), ("gdn", 3.0))}
+    return {"T": T, "repeats": 1, "prefill": pre, "decode": dec,
+            "dense_reference": None if capped else {"s": 0.005 * T / 1024, "cpu_s": 0.004 * T / 1024,
+                                                    "mixer_s": 0.003 * T / 1024, "peak_bytes": 2**21},
+            "state": {k: {"measured": b, "ledger": b, "measured_per_layer": b, "ledger_per_layer": b}
+                      for k, b in state.items()}}
+
+
+def attention_costs_record() -> dict:
+    """A small hand-made record of `benchmarks/long_context.py --costs` (`glm5lab.report.attention_costs`)."""
+    costs = benchmark_module("mixer_costs")
+    points = [costs_point(8192), costs_point(65536, swa_ms=2.2, capped=True)]
+    return {"benchmark": "attention_costs", "command": "benchmarks/long_context.py --costs --lengths 8192,65536",
+            "dtype": "float32", "window": 2048, "dense_cap": 16384,
+            "mixers": {k: {"label": costs.MIXERS[k]["label"], "layers": 1} for k in ("dense", "swa", "gdn")},
+            "points": points, "goals": costs.goals(points, 2048),
+            "env": {"date_utc": "2026-12-03 15:00", "git_commit": "0123456789abcdef", "device": "cpu",
+                    "torch_threads": 1, "load_average_start": [1.0, 1.0, 1.0], "load_average_end": [2.0, 1.0, 1.0]}}

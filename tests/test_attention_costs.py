@@ -3,75 +3,31 @@ builds every mixer at the same widths, measures state bytes as the cache holds t
 as stated, and `glm5lab.report.attention_costs` renders and plots a record of its layout (a small
 hand-made one) and refuses what is not one."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from glm5lab.report.attention_costs import RESULT, load_record, plot, render_section
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _module(name):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _point(T, *, window=2048, swa_ms=2.0, capped=False):
-    """A `costs_point`-shaped entry with hand-set figures: dense state 576 x 4 bytes per token, SWA
-    the same width for min(window, T) tokens."""
-    keys = ("dense", "swa", "gdn")
-    per_token = 576 * 4
-    state = {"dense": per_token * T, "swa": per_token * min(window, T), "gdn": 2 * 2**20}
-    pre = {k: {"s": 0.01 * T / 1024, "per_layer_s": 0.01 * T / 1024, "cpu_per_layer_s": 0.009 * T / 1024,
-               "mixer_per_layer_s": 0.008 * T / 1024, "peak_bytes": 2**20 * T / 1024} for k in keys}
-    if capped:
-        pre["dense"] = None
-    dec = {k: {"s": ms / 1e3, "per_layer_s": ms * 1.5 / 1e3, "cpu_per_layer_s": ms / 1e3, "mixer_per_layer_s": ms / 2e3,
-               "cache": "zeros" if capped and k == "dense" else "prefill"}
-           for k, ms in (("dense", 0.001 * T), ("swa", swa_ms), ("gdn", 3.0))}
-    return {"T": T, "repeats": 1, "prefill": pre, "decode": dec,
-            "dense_reference": None if capped else {"s": 0.005 * T / 1024, "cpu_s": 0.004 * T / 1024,
-                                                    "mixer_s": 0.003 * T / 1024, "peak_bytes": 2**21},
-            "state": {k: {"measured": b, "ledger": b, "measured_per_layer": b, "ledger_per_layer": b}
-                      for k, b in state.items()}}
-
-
-def _record():
-    costs = _module("mixer_costs")
-    points = [_point(8192), _point(65536, swa_ms=2.2, capped=True)]
-    return {"benchmark": "attention_costs", "command": "benchmarks/long_context.py --costs --lengths 8192,65536",
-            "dtype": "float32", "window": 2048, "dense_cap": 16384,
-            "mixers": {k: {"label": costs.MIXERS[k]["label"], "layers": 1} for k in ("dense", "swa", "gdn")},
-            "points": points, "goals": costs.goals(points, 2048),
-            "env": {"date_utc": "2026-12-03 15:00", "git_commit": "0123456789abcdef", "device": "cpu",
-                    "torch_threads": 1, "load_average_start": [1.0, 1.0, 1.0], "load_average_end": [2.0, 1.0, 1.0]}}
-
+from tests.conftest import attention_costs_record, benchmark_module, costs_point
 
 def test_swa_goals_are_exact_state_ratio_and_flat_decode():
-    costs = _module("mixer_costs")
-    g = costs.goals([_point(8192), _point(32768, swa_ms=2.3), _point(65536, swa_ms=2.2)], 2048)
+    costs = benchmark_module("mixer_costs")
+    g = costs.goals([costs_point(8192), costs_point(32768, swa_ms=2.3), costs_point(65536, swa_ms=2.2)], 2048)
     assert g["swa_state"]["met"] is True and g["swa_state"]["value"]["measured"] == 2048 / 65536
     assert g["swa_decode_flat"]["value"] == pytest.approx(2.3 / 2.0) and g["swa_decode_flat"]["met"] is True
     assert g["swa_decode_flat"]["wall_value"] == pytest.approx(2.3 / 2.0)
-    slow = costs.goals([_point(8192), _point(65536, swa_ms=2.5)], 2048)
+    slow = costs.goals([costs_point(8192), costs_point(65536, swa_ms=2.5)], 2048)
     assert slow["swa_decode_flat"]["met"] is False  # 1.25 > 1.2
-    one = costs.goals([_point(2048), _point(8192)], 2048)  # only 8K is >= 4 x window: undecided
+    one = costs.goals([costs_point(2048), costs_point(8192)], 2048)  # only 8K is >= 4 x window: undecided
     assert one["swa_decode_flat"]["met"] is None and one["swa_decode_flat"]["shown"] == "not measured"
-    full = _point(65536)
+    full = costs_point(65536)
     full["state"]["swa"]["ledger"] += 1  # one byte off the exact ratio misses
     assert costs.goals([full], 2048)["swa_state"]["met"] is False
 
 
 def test_costs_arguments_default_to_their_own_record_and_check_the_mixers():
-    lc = _module("long_context")
+    lc = benchmark_module("long_context")
     full = lc.parse_args(["--costs"])
     assert full.json_out.endswith("benchmarks/results/attention_costs.json")
     assert full.png.endswith("docs/figures/attention_costs.png")
@@ -87,7 +43,7 @@ def test_costs_arguments_default_to_their_own_record_and_check_the_mixers():
 
 
 def test_every_mixer_has_the_same_widths_and_its_state_bytes_match_the_ledger():
-    costs = _module("mixer_costs")
+    costs = benchmark_module("mixer_costs")
     T, window = 300, 64
     models = costs.make_models(costs.MIXERS, window=window, max_T=T, seed=0, device="cpu")
     for key, model in models.items():
@@ -105,7 +61,7 @@ def test_every_mixer_has_the_same_widths_and_its_state_bytes_match_the_ledger():
 
 
 def test_zero_filled_cache_decodes_at_T():
-    costs = _module("mixer_costs")
+    costs = benchmark_module("mixer_costs")
     from glm5lab.infer import decode_step
 
     model = costs.make_models(["dense"], window=64, max_T=300, seed=0, device="cpu")["dense"]
@@ -117,7 +73,7 @@ def test_zero_filled_cache_decodes_at_T():
 
 
 def test_section_shows_the_longest_context_with_how_it_was_recorded():
-    text = render_section(_record(), "attention_costs.png")
+    text = render_section(attention_costs_record(), "attention_costs.png")
     assert "per layer, at 64K tokens" in text and "`benchmarks/long_context.py --costs --lengths 8192,65536`" in text
     assert "git 0123456789ab" in text and "1 torch threads" in text and "SWA window 2048" in text
     assert "| dense MLA | - | 98.30 / 65.54 | 144.00 / 144.00 | - |" in text  # capped prefill: '-'
@@ -135,13 +91,13 @@ def test_absent_record_is_one_line_and_bad_files_are_not_records(tmp_path):
     (tmp_path / "lc.json").write_text(json.dumps({"benchmark": "long_context", "curve": []}))
     (tmp_path / "bad.json").write_text("{not json")
     assert load_record(tmp_path / "lc.json") is None and load_record(tmp_path / "bad.json") is None
-    (tmp_path / "ac.json").write_text(json.dumps(_record()))
+    (tmp_path / "ac.json").write_text(json.dumps(attention_costs_record()))
     assert load_record(tmp_path / "ac.json")["points"][1]["T"] == 65536
     assert RESULT.parts[-3:] == ("benchmarks", "results", "attention_costs.json")
 
 
 def test_plot_writes_a_png(tmp_path):
-    data = plot(_record(), tmp_path / "ac.png").read_bytes()
+    data = plot(attention_costs_record(), tmp_path / "ac.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000
 
 
@@ -149,7 +105,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_a_short_run_writes_a_record_the_report_reads(tmp_path):
     """The whole `--costs` path at two short lengths (~1 min on a loaded 2-core CPU): every mixer
     measured, state bytes equal to the ledger's, the SWA goals decided, the record and figure written."""
-    lc = _module("long_context")
+    lc = benchmark_module("long_context")
     out, png = tmp_path / "ac.json", tmp_path / "ac.png"
     rec = lc.main(["--costs", "--lengths", "320,1280", "--decode-steps", "1", "--repeats", "1", "--threads", "1",
                    "--json-out", str(out), "--png", str(png)])

@@ -39,10 +39,12 @@ def test_transformers_twin_holds_the_same_weights_and_restores_logging(tmp_path)
         torch.testing.assert_close(twin(ids).logits, ours(ids, use_dsa=False).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_held_out_prompts_come_from_the_runs_validation_split(tmp_path):
-    from glm5lab.data.tokenizer import encode_documents, train_tokenizer
-    from glm5lab.data.pipeline import held_out_prompts, run_json_of, split_corpus
+def test_held_out_prompts_come_from_the_runs_validation_split(tmp_path, monkeypatch):
+    from glm5lab.data.tokenizer import train_tokenizer
+    from glm5lab.data.pipeline import held_out_prompts, run_json_of
+    from tests.conftest import reference_split
 
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(400)))
     run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step-000001"
@@ -54,8 +56,7 @@ def test_held_out_prompts_come_from_the_runs_validation_split(tmp_path):
     tok = train_tokenizer([corpus.read_text()], 300, ckpt / "tokenizer.json")
 
     prompts, info = held_out_prompts(ckpt, 3, 8)
-    _, _, val_docs = split_corpus(str(corpus), 3)
-    val = encode_documents(tok, val_docs).tolist()
+    val = reference_split(tok, corpus, 3)[1].tolist()
     n = len(val) // 8
     assert info["split_seed"] == 3 and info["run_json"] and info["windows"] == n and len(prompts) == 3
     assert info["rows"][0] == 0 and info["rows"][-1] == n - 1

@@ -23,7 +23,7 @@ from glm5lab.report.series import load_stats, stage_rows
 from glm5lab.train.plot import draw_losses
 from glm5lab.train.loop import train
 from tests.conftest import write_word_corpus
-from tests.train.test_loop import _args
+from tests.train.conftest import run_args
 
 SECTIONS = ("## Quality", "## Training tokens", "## Parameters under every counting convention",
             "## KV and index state bytes per token", "## Prefill and decode throughput",
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
     mp.setenv("GLM5LAB_CACHE", str(root / "cache"))
     write_word_corpus(root / "texts")
     (root / "config.json").write_text(json.dumps(ModelConfig.from_preset("tiny", vocab_size=320).to_hf()))
-    train(_args(root, root / "runs" / "tiny"))
+    train(run_args(root, root / "runs" / "tiny"))
     study = root / "runs" / "ablate" / "mla"
     study.mkdir(parents=True)
     (study / "results.json").write_text(json.dumps({"study": "mla", "quick": False, "seeds": [0, 1, 2], "elapsed_s": 3}))
@@ -255,27 +255,27 @@ def test_expert_parallel_section_and_plot(tmp_path):
     from types import SimpleNamespace
 
     from glm5lab.report import plots
-    from glm5lab.report.render import _expert_parallel
+    from glm5lab.report.render import expert_parallel_section
 
     rows = [{"step": s, "stage": "dense", "tokens": 100, "expert_load": [[3, 1], [2, 2]], "ep_tokens": [60, 40],
              "ep_imbalance": imb, "a2a_bytes": 2**20} for s, imb in ((1, 1.2), (2, 1.5), (3, 1.1))]
-    text = _expert_parallel(SimpleNamespace(metrics=rows), {"ep": "expert_parallel.png"})
+    text = expert_parallel_section(SimpleNamespace(metrics=rows), {"ep": "expert_parallel.png"})
     assert "2 EP ranks" in text and "Over 3 steps the all-to-alls moved 3.0 MiB" in text
     assert "10,486 bytes per training token" in text  # 3 MiB / 300 tokens
     assert "median 1.20x, at most 1.50x" in text and "(expert_parallel.png)" in text
     png = plots.expert_parallel(rows, tmp_path / "ep.png")
     assert png is not None and png.stat().st_size > 10_000
     plain = [{k: v for k, v in r.items() if not k.startswith(("ep_", "a2a"))} for r in rows]
-    assert _expert_parallel(SimpleNamespace(metrics=plain), {}) == ""
+    assert expert_parallel_section(SimpleNamespace(metrics=plain), {}) == ""
     assert plots.expert_parallel(plain, tmp_path / "none.png") is None
 
 
 def test_report_shows_the_attention_costs_record_and_says_when_there_is_none(run, tmp_path, monkeypatch):
     from glm5lab.report import attention_costs
-    from tests.test_attention_costs import _record
+    from tests.conftest import attention_costs_record
 
     record = tmp_path / "attention_costs.json"
-    record.write_text(json.dumps(_record()))
+    record.write_text(json.dumps(attention_costs_record()))
     monkeypatch.setattr(attention_costs, "RESULT", record)
     text = write_report(run, out=tmp_path / "with", measure=False).read_text()
     assert "### Attention costs on one stack (per layer, at 64K tokens)" in text

@@ -321,8 +321,9 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
                          f"{on_meta[0]}): materialise them first (e.g. `model.to_empty(device='cpu')`, then load or "
                          "`reset_parameters()`)")
     state = {k: v.detach().cpu() for k, v in state.items()}
-    replace_folder(Path(path), lambda tmp: write_weights(tmp, model.config, state, lambda keys: {k: state[k] for k in keys},
-                                                         max_shard_bytes), replaces=is_weights_file)
+    read = lambda keys: {k: state[k] for k in keys}  # noqa: E731
+    replace_folder(Path(path), lambda tmp: write_weights(tmp, model.config, state, read, max_shard_bytes),
+                   replaces=is_weights_file)
     return Path(path)
 
 

@@ -160,11 +160,11 @@ def test_studies_state_their_one_difference_from_train():
 
     from glm5lab.ablate import study_baseline
     from glm5lab.ablate.fit import STUDY_HYPER
-    from glm5lab.train.step import TrainHyper
+    from glm5lab.train.recipe import TrainHyper
 
-    assert STUDY_HYPER.bias_update_rate == 1e-3 != TrainHyper().bias_update_rate
-    assert dataclasses.replace(STUDY_HYPER, bias_update_rate=TrainHyper().bias_update_rate) == TrainHyper()
-    assert study_baseline.TRAIN == TrainHyper()
+    assert STUDY_HYPER.bias_update_rate == 1e-3 != TrainHyper.default().bias_update_rate
+    assert dataclasses.replace(STUDY_HYPER, bias_update_rate=TrainHyper.default().bias_update_rate) == TrainHyper.default()
+    assert study_baseline.TRAIN == TrainHyper.default()
 
 
 def test_a_token_folder_as_study_data_is_refused_in_one_line(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM
-from glm5lab.ablate import (study_baseline, study_dsa, study_efficient, study_indexcache, study_mla, study_mtp,
-                            study_optimizer, study_swa)
+from glm5lab.ablate import (gqa_base, study_baseline, study_dsa, study_efficient, study_indexcache, study_mla,
+                            study_mtp, study_optimizer)
 from glm5lab.ablate.runner import SIZE_KEYS, StudyArgs, run_study
 
 
@@ -25,7 +25,7 @@ def gpu_configs(size: str = "gpu") -> dict:
     swa = fz["base"]
     return {"mla": (list(study_mla.configs(mla).values()), mla["T"], mla["T"]),
             "dsa": ([study_dsa.config(dsa)], dsa["T"], dsa["T"] * max(dsa["scales"])),
-            "swa": ([study_swa.base_config(swa)], swa["seq_len"], max(*swa["lengths"], 2 * fz["seq_len"])),
+            "swa": ([gqa_base.base_config(swa)], swa["seq_len"], max(*swa["lengths"], 2 * fz["seq_len"])),
             "mtp": ([study_mtp.config(mtp, d) for d in study_mtp.DEPTHS], mtp["T"],
                     max(mtp["T"], mtp["prompt_len"] + mtp["max_new"])),
             "indexcache": ([study_indexcache.config(ic)], ic["T"], ic["T"] * max(4, ic["long"])),
@@ -45,8 +45,8 @@ def test_gpu_sizes_are_50_to_100m_params_at_2k_tokens(study):
 def test_swa_and_efficient_gpu_lengths():
     fz = study_efficient.SIZES["gpu"]
     sz = fz["base"]
-    assert sz == study_swa.SIZES["gpu"] and sz["window"] < sz["seq_len"] and max(sz["lengths"]) >= 4 * sz["window"]
-    assert 2 * fz["seq_len"] <= study_swa.base_config(sz).max_position_embeddings
+    assert sz == gqa_base.SIZES["gpu"] and sz["window"] < sz["seq_len"] and max(sz["lengths"]) >= 4 * sz["window"]
+    assert 2 * fz["seq_len"] <= gqa_base.base_config(sz).max_position_embeddings
 
 
 @pytest.mark.parametrize("size", ["quick", "cpu", "gpu", "gpu-quick"])

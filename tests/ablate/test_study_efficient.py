@@ -8,9 +8,9 @@ import torch
 
 from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate import report_figures as rf
+from glm5lab.ablate.gqa_base import SIZES, base_config
 from glm5lab.ablate.runner import StudyArgs, run_study
 from glm5lab.ablate.study_efficient import VARIANTS, build_variants, layer_plan
-from glm5lab.ablate.study_swa import SIZES, base_config
 
 QUICK = SIZES["quick"]
 

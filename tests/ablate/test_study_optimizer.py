@@ -10,6 +10,7 @@ import torch
 
 from glm5lab import ModelConfig
 from glm5lab.ablate import study_optimizer as so
+from glm5lab.ablate.fit import glm5_stages
 from glm5lab.ablate.summary import summary_table
 from tests.ablate.conftest import run_quick
 
@@ -93,7 +94,7 @@ def test_stages_scale_lr_and_steps():
     double = so.stages(s, 2 * so.DEFAULT_DENSE_LR)
     longer = so.stages(s, so.DEFAULT_DENSE_LR, 1.5)
     assert [st.name for st in base] == ["dense", "indexer_warmup", "sparse_adaptation"]
-    assert [st.steps for st in base] == [st.steps for st in so.glm5_stages(s)]
+    assert [st.steps for st in base] == [st.steps for st in glm5_stages(s)]
     for a, b, c in zip(base, double, longer, strict=True):
         assert b.lr == pytest.approx(2 * a.lr) and b.steps == a.steps
         assert b.lr_end == (None if a.lr_end is None else pytest.approx(2 * a.lr_end))

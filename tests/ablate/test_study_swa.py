@@ -8,7 +8,8 @@ import torch
 
 from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.runner import StudyArgs, run_study
-from glm5lab.ablate.study_swa import SIZES, VARIANTS, base_config, task_batches
+from glm5lab.ablate.gqa_base import SIZES, base_config, task_batches
+from glm5lab.ablate.study_swa import VARIANTS
 from glm5lab.evals.mqar import IGNORE_INDEX
 from glm5lab.train.stages import Stage
 

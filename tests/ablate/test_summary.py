@@ -90,14 +90,14 @@ def test_int_keys_restores_json_keys():
 def test_report_section_is_the_same_table(root):
     """`glm5lab report`'s ablation section opens with the same generated table (quick and gpu-scale
     runs left out); a results.json it cannot judge says so instead of failing the report."""
-    from glm5lab.report.render import _ablation_summary
+    from glm5lab.report.render import ablation_summary
 
     infos = load_results(root)
     found = {**infos, "mla (--quick)": {**infos["mla"], "quick": True}}
-    assert summary_table(infos) in _ablation_summary(found)
+    assert summary_table(infos) in ablation_summary(found)
     assert "Summary not available: ValueError: study 'mla': cannot summarise it (KeyError: 'raw')" in \
-        _ablation_summary({"mla": {"study": "mla", "seeds": [0]}})
-    assert _ablation_summary({}) == ""
+        ablation_summary({"mla": {"study": "mla", "seeds": [0]}})
+    assert ablation_summary({}) == ""
 
 
 def _copy(root, tmp_path, study="mtp", edit=None):

@@ -9,8 +9,9 @@ import torch
 from tokenizers import AddedToken, Tokenizer, models
 
 from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
-from glm5lab.data.tokenizer import EOT, encode_documents, train_tokenizer
+from glm5lab.data.tokenizer import EOT, train_tokenizer
 from glm5lab.data.corpus import Document
+from tests.conftest import encode_whole
 
 TEXTS = ["naïve café — ok, the naïve café is ok", "plain ascii words and more plain words",
          "Grüße aus Köln: 東京 ✓ ünïcödé"] * 20
@@ -67,7 +68,7 @@ def test_separator_is_zero_bytes_and_documents_add_up(tokenizer):
     assert (lengths[tokenizer.get_vocab_size():] == 0).all()  # ids past the tokenizer: 0 bytes
     assert (lengths[[i for i in range(tokenizer.get_vocab_size()) if i != eot]] >= 1).all()
     docs = [Document("a", "naïve café — ok"), Document("b", "東京 ✓"), Document("c", "plain")]
-    ids = torch.from_numpy(encode_documents(tokenizer, docs).astype("int64"))
+    ids = torch.from_numpy(encode_whole(tokenizer, docs))
     assert (ids == eot).sum() == 2
     assert target_bytes(lengths, ids) == sum(len(d.text.encode("utf-8")) for d in docs)
 

@@ -21,7 +21,7 @@ import glm5lab
 from glm5lab import GLM5ForCausalLM, KVCache, ModelConfig
 from glm5lab.infer import compiled, decode_step, draft, prefill, verify
 from tests.conftest import assert_close
-from tests.infer.test_steps import MIXED, _model
+from tests.infer.conftest import MIXED, seeded_model
 
 PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(n)] for n in (23, 5, 14)]
 """Three prompts of different lengths; the longest passes index_topk = 8, so DSA selects."""
@@ -35,12 +35,12 @@ def python_wrapper(monkeypatch):
 
 def _small_model() -> GLM5ForCausalLM:
     """tiny with 2 layers (one dense, one MoE, both DSA): graphs compile ~2x faster."""
-    return _model(num_hidden_layers=2)
+    return seeded_model(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("mixed", marks=pytest.mark.slow)])  # mixed: 21 s
 def model(request):
-    return _small_model() if request.param == "tiny" else _model(**MIXED)
+    return _small_model() if request.param == "tiny" else seeded_model(**MIXED)
 
 
 @torch.no_grad()
@@ -116,7 +116,7 @@ def test_speculative_fits_at_the_longest_allowed_request():
     with low acceptance the pending pairs are padded to k+1 but only the valid ones are followed
     by chained drafts (the draft head's cache was once refused there, eager and compiled, by a
     reservation of 2k slots per round)."""
-    model = _model(num_hidden_layers=2, max_position_embeddings=32)
+    model = seeded_model(num_hidden_layers=2, max_position_embeddings=32)
     prompt = PROMPTS[0][:12]
     eager = glm5lab.generate(model, [prompt], 14, speculative="mtp", draft_steps=5)
     comp = glm5lab.generate(model, [prompt], 14, speculative="mtp", draft_steps=5, compile=True)
@@ -135,7 +135,7 @@ def test_compile_refuses_recurrent_models_and_bad_values():
     with pytest.raises(ValueError, match="compile=True supports attention models only"):
         glm5lab.generate(gdn, [1, 2, 3], 2, compile=True)
     with pytest.raises(TypeError, match="compile must be True or False"):
-        glm5lab.generate(_model(), [1, 2, 3], 2, compile="yes")
+        glm5lab.generate(seeded_model(), [1, 2, 3], 2, compile="yes")
     model = _small_model()
     cache = KVCache.for_model(model, 1, 8)
     with pytest.raises(TypeError, match="compiled must be True, False or a glm5lab.infer.compiled.CompiledSteps"):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig, generate
+from tests.conftest import random_prompts, recompute_greedy
 
 NEW = 6
 
@@ -17,22 +18,6 @@ NEW = 6
 def build(seed: int, **overrides) -> GLM5ForCausalLM:
     torch.manual_seed(seed)
     return GLM5ForCausalLM(ModelConfig.from_preset("tiny", **overrides)).eval()
-
-
-def random_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-@torch.no_grad()
-def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """The reference: argmax of a full uncached forward over the whole sequence, n times."""
-    ids, out = torch.tensor([prompt]), []
-    for _ in range(n):
-        tok = int(model(ids).logits[0, -1].argmax())
-        out.append(tok)
-        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
-    return out
 
 
 @pytest.fixture(scope="module")

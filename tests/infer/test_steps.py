@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from glm5lab import GLM5ForCausalLM, KVCache, ModelConfig
+from glm5lab import KVCache
 from glm5lab.model.cache import CacheOverflowError
 from glm5lab.infer import decode_step, draft, prefill, verify
 from tests.conftest import assert_close
+from tests.infer.conftest import MIXED, seeded_model
 
 SYNCING = {"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim",
            "masked_select", "bincount", "repeat_interleave", "argwhere", "_assert_async", "equal", "is_nonzero"}
@@ -63,18 +64,9 @@ def count_syncs(monkeypatch):
     return counter
 
 
-MIXED = dict(attention_types=["mla", "mla", "gqa", "mla"], mixer_types=["attention", "swa", "attention", "attention"],
-             indexer_types=["full", "full", "full", "shared"], sliding_window=3, num_key_value_heads=2)
-
-
-def _model(**overrides) -> GLM5ForCausalLM:
-    torch.manual_seed(0)
-    return GLM5ForCausalLM(ModelConfig.from_preset("tiny").replace(**overrides)).eval()
-
-
 @pytest.fixture(scope="module", params=["tiny", "mixed"])
 def model(request):
-    return _model() if request.param == "tiny" else _model(**MIXED)
+    return seeded_model() if request.param == "tiny" else seeded_model(**MIXED)
 
 
 def _prompts(B=2, P=13, lengths=(13, 10), vocab=512):
@@ -133,7 +125,7 @@ def test_the_counter_sees_a_synchronisation(count_syncs):
 
 @torch.no_grad()
 def test_draft_equals_chained_mtp_steps():
-    model = _model()
+    model = seeded_model()
     ids, lens = _prompts(lengths=(13, 13))
     cache, mtp_cache = KVCache.for_model(model, 2, 40), KVCache.for_mtp(model, 2, 40)
     pre = prefill(model, ids, cache, keep_hidden=True)
@@ -150,7 +142,7 @@ def test_draft_equals_chained_mtp_steps():
 
 
 def test_boundary_checks_are_made_once_and_name_the_argument():
-    model = _model()
+    model = seeded_model()
     cache = KVCache.for_model(model, 2, 16)
     with pytest.raises(ValueError, match=r"vocab_size=512"):
         prefill(model, torch.full((2, 3), 512), cache)
@@ -170,7 +162,7 @@ def test_boundary_checks_are_made_once_and_name_the_argument():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.set_sync_debug_mode)")
 @torch.no_grad()
 def test_decode_step_makes_no_cuda_synchronisation():
-    model = _model().cuda()
+    model = seeded_model().cuda()
     ids, lens = _prompts()
     cache = KVCache.for_model(model, 2, 40)
     tok = prefill(model, ids.cuda(), cache, chunk=5, lengths=lens.cuda()).logits_BV.argmax(-1)
@@ -186,7 +178,7 @@ def test_decode_step_makes_no_cuda_synchronisation():
 def test_steps_trace_whole_under_dynamo_fullgraph():
     """No graph break in decode_step, verify or draft (a host synchronisation would be one); the
     traced steps (backend "eager": dynamo's graph, eager kernels) equal the eager ones."""
-    model = _model()
+    model = seeded_model()
     ids, lens = _prompts()
     caches = [(KVCache.for_model(model, 2, 40), KVCache.for_mtp(model, 2, 40)) for _ in range(2)]
     results = []
@@ -206,7 +198,7 @@ def test_steps_trace_whole_under_dynamo_fullgraph():
 
 @torch.no_grad()
 def test_a_cache_of_other_layers_is_refused_and_left_untouched():
-    model = _model()
+    model = seeded_model()
     ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
     main, mtp = KVCache.for_model(model, 2, 32), KVCache.for_mtp(model, 2, 32)
     prefill(model, ids[:, :4], main)
@@ -215,7 +207,7 @@ def test_a_cache_of_other_layers_is_refused_and_left_untouched():
     assert main.lengths.tolist() == [4, 4]
     with pytest.raises(ValueError, match=r"KVCache.for_model"):
         decode_step(model, ids[:, 0], mtp)
-    other = KVCache.for_model(_model(num_hidden_layers=2), 2, 32)
+    other = KVCache.for_model(seeded_model(num_hidden_layers=2), 2, 32)
     for call in (lambda: prefill(model, ids, other), lambda: verify(model, ids, other), lambda: model(ids, cache=other)):
         with pytest.raises(ValueError, match=r"built for other layers \(2 layers"):
             call()
@@ -223,7 +215,7 @@ def test_a_cache_of_other_layers_is_refused_and_left_untouched():
 
 @torch.no_grad()
 def test_overflow_is_refused_before_anything_is_written():
-    model = _model()
+    model = seeded_model()
     ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(4))
     cache = KVCache.for_model(model, 2, 8)
     with pytest.raises(CacheOverflowError, match="a row at 0 tokens cannot take 10 more"):
@@ -237,7 +229,7 @@ def test_overflow_is_refused_before_anything_is_written():
 
 @torch.no_grad()
 def test_a_narrower_cache_dtype_is_read_back_in_the_model_dtype():
-    model = _model()
+    model = seeded_model()
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(5))
     cache = KVCache.for_model(model, 2, 16, dtype=torch.bfloat16)
     logits = prefill(model, ids, cache).logits_BV
@@ -248,7 +240,7 @@ def test_a_narrower_cache_dtype_is_read_back_in_the_model_dtype():
 
 
 def test_draft_and_decode_step_arguments_are_checked_by_name():
-    model = _model()
+    model = seeded_model()
     cache, mtp = KVCache.for_model(model, 2, 16), KVCache.for_mtp(model, 2, 16)
     ids = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(TypeError, match="token_ids must be a torch.LongTensor"):
@@ -265,6 +257,6 @@ def test_draft_and_decode_step_arguments_are_checked_by_name():
 def test_stop_when_sees_a_copy_of_the_row():
     from glm5lab import generate
 
-    model = _model()
+    model = seeded_model()
     plain = generate(model, [1, 2, 3, 4], 4).tokens
     assert generate(model, [1, 2, 3, 4], 4, stop_when=lambda b, t: t.append(999) or t.clear()).tokens == plain

@@ -19,14 +19,17 @@ Bytes (`bytes_per_token` == the ledger's with index_dtype="fp8"): tests/model/te
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig, generate
 from glm5lab.model.cache import KVCache
 from glm5lab.model.fp8_keys import (
-    E4M3_MAX, FP8, dequantize, fp8_key_reference, fp8_roundtrip, index_cache_fp8, quantize_per_token,
+    E4M3_MAX, FP8, dequantize, fp8_roundtrip, index_cache_fp8, quantize_per_token,
 )
+from glm5lab.model.dsa import LightningIndexer
 from tests.conftest import assert_close
 
 V = 512  # tiny vocab
@@ -177,6 +180,28 @@ def decode(model, ids_BN, chunks, *, impl="auto", cache=None, capacity=None):
         out.append(model(ids_BN[:, pos:pos + T], cache=cache, attn_impl=impl).logits)
         pos += T
     return torch.cat(out, dim=1), cache
+
+
+@contextlib.contextmanager
+def fp8_key_reference(model):
+    """Within this context every lightning indexer of `model` hands out its keys through
+    `fp8_roundtrip`: an uncached forward then scores exactly the keys an fp8 index cache holds. The reference
+    twin of the fp8 cache (`KVCache(index_cache_dtype="fp8")`): cached decoding with it equals an uncached
+    forward under this context. Not for a cached forward (its keys would be rounded twice)."""
+    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+    for ix in indexers:
+        ix.keys = _rounded(ix.keys)  # an instance attribute: shadows the method until deleted
+    try:
+        yield model
+    finally:
+        for ix in indexers:
+            del ix.keys
+
+
+def _rounded(keys):
+    def rounded_keys(x_BTD, cos_TR2, sin_TR2):
+        return fp8_roundtrip(keys(x_BTD, cos_TR2, sin_TR2))
+    return rounded_keys
 
 
 def reference(model, ids_BN) -> torch.Tensor:

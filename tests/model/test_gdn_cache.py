@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, KVCache, ModelConfig, generate, ledger
-from tests.conftest import assert_close
-from tests.infer.test_generate import random_prompts, recompute_greedy
+from tests.conftest import assert_close, random_prompts, recompute_greedy
 
 MIXED = dict(attention_types=["mla", "mla", "gqa", "gqa"], mixer_types=["full", "gdn", "full", "simple_gdn"],
              num_key_value_heads=2)

@@ -6,7 +6,6 @@ exactly as the fp32 model, while the same bias rounded through bf16 does not (so
 the bug it guards against)."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.model.moe import Router
 from glm5lab.model.precision import KeepFP32
+from tests.conftest import free_port
 
 LOW = [torch.bfloat16, torch.float16]
 
@@ -208,10 +208,10 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.model.moe import Router
 from glm5lab.model.precision import KeepFP32
 from glm5lab.parallel import dist
-from tests.model.test_precision import _model
 
 ctx = dist.setup()
-model = _model()
+model = GLM5ForCausalLM(ModelConfig.from_preset("tiny"))
+model.load_state_dict(torch.load(Path(sys.argv[1], "model.pt")))  # the test's `_model()`
 before = {k: v.clone() for k, v in model.state_dict().items()}
 seen = {}
 def hook(name):
@@ -244,12 +244,11 @@ def test_fsdp2_mixed_precision_feeds_the_forward_the_exact_fp32_values(tmp_path)
     the other weights are bf16 (mixed precision is on)."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    torch.save(_model().state_dict(), tmp_path / "model.pt")
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-                          str(driver), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          f"--master_port={free_port()}", str(driver), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "15 modules seen; bad: []"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, KVCache, ModelConfig, generate, ledger
-from glm5lab.ablate.study_swa import interleave_pattern
+from glm5lab.evals.search_swa import interleave_pattern
 from glm5lab.infer import decode_step, prefill, verify
 from glm5lab.model.visibility import visible
 from glm5lab.model.window_ring import ring_key_positions, ring_mask, slot_positions

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from glm5lab.optim import MuonAdamW, adjust_lr, muon_split, newton_schulz
-from tests.optim.test_newton_schulz import NS_VS_TORCH_REL, rel_err
+from tests.optim.conftest import NS_VS_TORCH_REL, rel_err
 
 EXPERT_ATOL = 2e-7
 LR, WD, MOMENTUM = 0.02, 0.1, 0.95

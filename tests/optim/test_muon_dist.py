@@ -12,11 +12,12 @@ is >= 7e-3 away (observed 7.6e-3 at n=2, 9.5e-3 at n=4; asserted > 5e-3).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import free_port
 
 PARAM_ATOL = 2e-7
 # name -> blocks per step (experts, heads or 1), route at n=2, route at n=4 (L local, G gathered to one owner)
@@ -37,18 +38,12 @@ def _route(name: str, n: int) -> str:
     return TABLE[name][1 if n == 2 else 2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("muon_dist") / "out.json"
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-                          f"--master_port={_free_port()}", "tests/optim/muon_dist_driver.py", str(out)],
+                          f"--master_port={free_port()}", "tests/optim/muon_dist_driver.py", str(out)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return {int(n): ranks for n, ranks in json.loads(out.read_text()).items()}

@@ -2,7 +2,7 @@
 muon_split semantics (the seed's example).
 
 Tolerances (fp32 unless noted; observed on a 2-core CPU, torch 2.13):
-- NS_VS_TORCH_REL 6e-2, relative Frobenius error of ours (fp32) vs torch.optim._muon (bf16
+- NS_VS_TORCH_REL 6e-2 (tests/optim/conftest.py), relative Frobenius error of ours (fp32) vs torch.optim._muon (bf16
   matmuls; 8 mantissa bits, amplified by the quintic's slope over 5 iterations): observed
   median 1.6e-2, max 4.5e-2 over 200 seeds x 6 shapes. Garbage: the exact polar factor
   U V^T is >= 0.11 away from torch's result on the same inputs.
@@ -22,9 +22,9 @@ from glm5lab.optim import (
     newton_schulz,
     orthogonalize_exact,
 )
+from tests.optim.conftest import NS_VS_TORCH_REL, rel_err
 
 ODD_SHAPES = [(7, 13), (13, 7), (16, 16), (1, 9), (9, 1), (64, 32)]
-NS_VS_TORCH_REL = 6e-2
 SPECTRAL_ATOL = 1e-5
 BATCH_TOL = {"atol": 1e-5, "rtol": 1e-5}
 NS5_RANGE = (0.68, 1.205)  # p^5 on [2e-3, 1]: [0.6818, 1.2024] (docs/optim.md)
@@ -32,10 +32,6 @@ NS5_RANGE = (0.68, 1.205)  # p^5 on [2e-3, 1]: [0.6818, 1.2024] (docs/optim.md)
 
 def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm()).item()
 
 
 def _quintic(x: torch.Tensor, steps: int = 5) -> torch.Tensor:

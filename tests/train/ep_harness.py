@@ -16,7 +16,8 @@ from glm5lab.parallel import dist as gdist
 from glm5lab.parallel.expert_parallel import pop_ep_metrics
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
+from glm5lab.train.recipe import TrainHyper
+from glm5lab.train.step import optimizer_step, set_trainable
 
 
 @dataclass
@@ -57,7 +58,7 @@ class EPTrainer:
         gdist.shard_model(model, ctx, ep=ep)
         self.model, self.ctx, self.n = model, ctx, 0
         self.stage = Stage("ep", steps, 3e-3, seq_len, batch // ctx.world_size, use_dsa=True, indexer_weight=1.0)
-        self.hyper = TrainHyper(optimizer="muon-split", bias_update_rate=1e-2)
+        self.hyper = TrainHyper.default(optimizer="muon-split", bias_update_rate=1e-2)
         self.optimizer = self.hyper.build_optimizer(model, self.stage.lr)
         set_trainable(model, self.stage)
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from glm5lab.data.tokenizer import cached_tokenizer, encode_documents, eot_id
 from glm5lab.data.batches import BatchStream, pack, unigram_loss
-from glm5lab.data.corpus import split_documents
-from glm5lab.data.sources import iter_documents
+from glm5lab.data.pipeline import prepare_data
+from glm5lab.data.tokenizer import eot_id
 
 
 def _windows(n: int = 50, seq_len: int = 4) -> torch.Tensor:
@@ -108,17 +107,17 @@ def test_unigram_loss_errors():
         unigram_loss(np.array([1.0]), np.array([0]), 4)
 
 
-def test_pipeline_end_to_end(tmp_path):
+def test_pipeline_end_to_end(tmp_path, monkeypatch):
     data = tmp_path / "data"
     data.mkdir()
     rng = np.random.default_rng(0)
     words = ["thou", "art", "more", "lovely", "and", "temperate", "rough", "winds", "do", "shake"]
     for i in range(12):
         (data / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words, size=300)) + "\n")
-    train, val = split_documents(list(iter_documents(data)), val_fraction=0.2, seed=0)
-    tok = cached_tokenizer([d.text for d in train], 320, tmp_path / "cache")
-    train_ids, val_ids = encode_documents(tok, train), encode_documents(tok, val)
-    assert (train_ids == eot_id(tok)).sum() == len(train) - 1
+    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    prepared = prepare_data(320, str(data), 0, say=lambda message: None)
+    tok, train_ids, val_ids = prepared.tokenizer, prepared.train_tokens, prepared.val_tokens
+    assert (np.asarray(train_ids) == eot_id(tok)).sum() == prepared.index["splits"]["train"]["documents"] - 1
     stream = BatchStream(pack(train_ids, 16), batch_size=4, seed=0)
     batch = stream.batch(3)
     assert batch.shape == (4, 17) and batch.dtype == torch.int64

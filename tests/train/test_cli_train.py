@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.train.test_loop import corpus  # noqa: F401  (fixture)
+from tests.conftest import free_port
 
 
 def _run(*args, env_cache, **extra_env):
@@ -16,7 +16,7 @@ def _run(*args, env_cache, **extra_env):
                           env=env, timeout=300)
 
 
-def test_short_run_on_user_data(corpus, tmp_path):  # noqa: F811
+def test_short_run_on_user_data(corpus, tmp_path):
     out = tmp_path / "run"
     r = _run("--preset", "tiny", "--data", str(corpus / "texts"), "--steps", "6", "--seq-len", "24",
              "--batch-size", "2", "--out", str(out), "--no-progress", "--eval-every", "3", env_cache=corpus / "cache")
@@ -106,7 +106,7 @@ def test_a_resume_with_nothing_to_resume_is_a_user_error(tmp_path):
     (["--ep", "2"], "--ep = 2 is not allowed: 1 in one process; --ep 2 runs under torchrun --nproc-per-node 2"),
     (["--ep", "0"], "--ep = 0 is not allowed: an integer >= 1"),
 ])
-def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):  # noqa: F811
+def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):
     base = ["--preset", "tiny", "--data", str(corpus / "texts"), "--no-progress"]
     if "--out" not in args:
         base += ["--out", str(tmp_path / "r")]
@@ -130,25 +130,26 @@ def test_quick_run_on_the_default_corpus(tmp_path):
 
 def test_help_states_the_defaults_the_run_uses():
     """The "(default X" in each train flag's help is `TrainArgs`' default or, for the fields the recipe sets, the
-    default recipe's (recipes/small.toml, whose optimizer settings equal `TrainHyper`'s): the help cannot drift."""
+    default recipe's (recipes/small.toml, `Recipe.flag_values`): the help cannot drift."""
     import re
 
     from glm5lab.cli import build_parser
     from glm5lab.train.loop import TrainArgs
-    from glm5lab.train.recipe import default_values
-    from glm5lab.train.step import TrainHyper
+    from glm5lab.train.recipe import default_recipe
 
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     checked = []
     for action in train._actions:  # a TrainArgs field left None takes the default recipe's value
         default = getattr(TrainArgs, action.dest, None)
-        default = default_values().get(action.dest) if default is None else default
-        said = re.search(r"(?:^|\()default ([^\s,;)]+)", action.help or "")
+        default = default_recipe().flag_values().get(action.dest) if default is None else default
+        said = re.search(r"(?:^|\()default ([^\s,;)]+)", (action.help or "") % {})  # `RecipeHelp`: filled here
         if said and default is not None and not isinstance(default, bool):
             assert said.group(1) == str(default) or float(said.group(1)) == default, action.dest
             checked.append(action.dest)
-    assert {"optimizer", "bias_update_rate", "seq_len", "batch_size", "seed"} <= set(checked)
-    assert TrainArgs().hyper == TrainHyper()
+    assert {"optimizer", "bias_update_rate", "seq_len", "batch_size", "seed", "steps", "eval_every", "eval_tokens",
+            "checkpoint_every", "preset"} <= set(checked)
+    helps = {a.dest: (a.help or "") % {} for a in train._actions}
+    assert "17 steps" in helps["quick"] and "default the recipe's (small: 1)" in helps["grad_accum"]
 
 
 def test_help_names_the_tiny_recipe_and_token_folders():
@@ -267,11 +268,10 @@ def test_under_torchrun_a_refusal_is_printed_once_though_rank_0_is_slower():
     """A real torchrun, its rank 0 two seconds late, refusing argparse's way: the usage and the line come once, from
     rank 0 (rank 1 waits for it; it used to print first, then torchrun stopped rank 0 before it spoke), and torchrun's
     table ends with the line (rank 0's exit status 2, the root cause)."""
-    from tests.train.test_fsdp import _free_port
 
     script = f'[ "$RANK" = 0 ] && sleep 2; exec {sys.executable} -m glm5lab train --recipe tiny --optimizer adam'
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                 f"--master_port={_free_port()}", "--no-python", "sh", "-c", script],
+                                 f"--master_port={free_port()}", "--no-python", "sh", "-c", script],
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     err = launcher.communicate(timeout=120)[1]

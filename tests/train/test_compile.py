@@ -19,10 +19,11 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.train import compile as train_compile
 from glm5lab.train.compile import CompiledLosses
 from glm5lab.train.loop import TrainArgs, train
-from glm5lab.train.step import TrainHyper, optimizer_step, set_trainable
+from glm5lab.train.recipe import TrainHyper
+from glm5lab.train.step import optimizer_step, set_trainable
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from tests.train.test_loop import _args, _rows, corpus, train_killed_at  # noqa: F401  (fixture)
+from tests.train.conftest import metrics_rows, run_args, train_killed_at
 
 COMPILE_TOL = dict(rtol=1e-4, atol=1e-5)
 """fp32 CPU, compiled vs eager, same weights and window. Observed (tiny preset, 2 x 24 tokens):
@@ -74,7 +75,7 @@ def _two_steps(model, losses_fn, stage, windows):
     backward, clip, Muon Split, router bias update); returns the StepLosses of each and the
     gradients of the first."""
     set_trainable(model, stage)
-    opt = TrainHyper().build_optimizer(model, stage.lr)
+    opt = TrainHyper.default().build_optimizer(model, stage.lr)
     grads = {}
 
     def keep_first_grads(*_):
@@ -84,7 +85,7 @@ def _two_steps(model, losses_fn, stage, windows):
     out = []
     for step, w in enumerate(windows, start=1):
         losses = losses_fn(w, stage)
-        optimizer_step(model, opt, losses, stage, step, TrainHyper())
+        optimizer_step(model, opt, losses, stage, step, TrainHyper.default())
         out.append(losses)
     return out, grads
 
@@ -127,13 +128,13 @@ def test_inductor_losses_equal_eager(stage_name):
 
 
 @pytest.mark.slow  # 37 s: a compiled run end to end (the per-stage graph tests above stay in the default suite)
-def test_compiled_run_checkpoints_load_into_eager_and_resume(corpus, monkeypatch):  # noqa: F811
+def test_compiled_run_checkpoints_load_into_eager_and_resume(corpus, monkeypatch):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     backend = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(train_compile, "BACKEND", backend)
     plan = [s.to_dict() for s in STAGES.values()]
-    args = lambda out, **kw: TrainArgs(**{**_args(corpus, out).__dict__, "stage_plan": plan,  # noqa: E731
+    args = lambda out, **kw: TrainArgs(**{**run_args(corpus, out).__dict__, "stage_plan": plan,  # noqa: E731
                                           "checkpoint_every": 2, "eval_every": 2, **kw})
     train(args(corpus / "eager"))
     killed = corpus / "compiled"
@@ -141,7 +142,7 @@ def test_compiled_run_checkpoints_load_into_eager_and_resume(corpus, monkeypatch
     train(args(killed, compile=True, resume=True))
     assert backend.frame_count >= 2  # both stages ran compiled
     assert json.loads((killed / "run.json").read_text())["args"]["compile"] is True
-    a, b = _rows(corpus / "eager"), _rows(killed)
+    a, b = metrics_rows(corpus / "eager"), metrics_rows(killed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for key in ("loss", "lm_loss", "indexer_kl", "val_loss"):
         for ra, rb in zip(a, b, strict=True):

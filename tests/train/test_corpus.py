@@ -17,7 +17,7 @@ from glm5lab.data.sources import iter_documents
 
 
 def _read(path: Path) -> list[Document]:
-    return list(iter_documents(path))
+    return [Document(d.name, d.text) for d in iter_documents(path)]
 
 
 def _write(path: Path, data: str | bytes) -> Path:
@@ -189,7 +189,7 @@ def test_split_never_leaves_a_side_empty(val_fraction, sizes):
 
 def test_split_moves_the_lowest_scoring_document_to_an_empty_val():
     docs = _docs(30)
-    scores = {d.name: corpus._score(d.name, 0) for d in docs}
+    scores = {d.name: corpus.split_score(d.name, 0) for d in docs}
     _, val = split_documents(docs, val_fraction=min(scores.values()) / 2)
     assert [d.name for d in val] == [min(scores, key=scores.get)]
 

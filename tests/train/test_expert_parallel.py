@@ -12,35 +12,112 @@ exactly +-rate per step, so a routing decision that differed would show as a 1e-
 
 import json
 import os
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from glm5lab.model.dispatch import LocalDispatcher
-from glm5lab.parallel.dist import end_process, session
-from glm5lab.parallel.expert_parallel import AllToAllDispatcher, EPStats, check_ep
 from glm5lab import ModelConfig
-from tests.train import ep_harness
-from tests.train.ep_harness import Case
+from glm5lab.model.dispatch import LocalDispatcher
+from glm5lab.parallel import dist as gdist
+from glm5lab.parallel.dist import end_process, session
+from glm5lab.parallel.expert_parallel import AllToAllDispatcher, EPStats, check_ep, pop_ep_metrics
+from glm5lab.train.ep_check import HYPER, LR, ep_check_model, train_ep_check
+from tests.conftest import free_port, write_word_corpus
+
+
+@dataclass
+class Case:
+    """`ep_check_model`'s `overrides` and `skew`, and the run: `steps` steps of `batch` windows (global) of
+    seq_len + 1 tokens."""
+
+    name: str
+    overrides: dict = field(default_factory=dict)
+    skew: float = 0.0
+    steps: int = 3
+    batch: int = 4
+    seq_len: int = 24
+
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_preset("tiny", **{"vocab_size": 320, **self.overrides})
+
 
 CASES = [Case("skew", skew=5.0), Case("glm5_routing", overrides=dict(n_routed_experts=256, num_experts_per_tok=8,
                                                                         moe_intermediate_size=8))]
 MESHES = [(2, 2), (4, 4), (4, 2)]  # (processes, ep): EP = 2, EP = 4, data 2 x expert 2
 
 
+def run(case: Case, ep: int = 1) -> dict:
+    """Train `case` (`train_ep_check`) in this process (world 1) or on this rank of the initialised process group
+    with expert-parallel size `ep`. Returns, on every rank: per step the losses (mean over ranks, with the step's
+    gradient norm before clipping), the EP metrics, the per-rank routing loads load_RE (summed over the step's MoE
+    forwards) and the matrices Newton-Schulz orthogonalised over the world (`ns_blocks`); and on rank 0 the final
+    full state dict (`state`)."""
+    ctx = gdist.setup() if dist.is_initialized() else gdist.DistContext(0, 1, torch.device("cpu"))
+    model = ep_check_model(ctx, ep, case.overrides, case.skew)
+    optimizer, blocks = HYPER.build_optimizer(model, LR), [0]
+    optimizer.on_orthogonalize = lambda p, count: blocks.__setitem__(0, blocks[0] + count)
+    g = torch.Generator().manual_seed(1)
+    windows = list(torch.randint(0, 320, (case.steps, case.batch, case.seq_len + 1), generator=g))
+    out = {"losses": [], "ep": [], "load_RE": [], "ns_blocks": []}
+
+    def on_step(done, load_E):
+        out["losses"].append({**gdist.mean_over_ranks(done.losses.to_log(), ctx), "grad_norm": done.grad_norm})
+        out["ep"].append(pop_ep_metrics(model))
+        out["load_RE"].append(_gather(load_E, ctx).tolist())
+        out["ns_blocks"].append(int(_gather(torch.tensor(blocks.pop()), ctx).sum()))
+        blocks.append(0)
+
+    train_ep_check(model, ctx, windows, on_step, optimizer)
+    full = gdist.full_model(model, ctx)
+    if ctx.is_main:
+        out["state"] = {k: v.detach().clone() for k, v in full.state_dict().items()}
+    return out
+
+
+def _gather(t: torch.Tensor, ctx) -> torch.Tensor:
+    """Every rank's `t` (same shape on every rank), stacked in rank order: [world, *t.shape]."""
+    if ctx.world_size == 1:
+        return t[None]
+    parts = [torch.zeros_like(t) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, t)
+    return torch.stack(parts)
+
+
+def _spawn(worker, world: int, *args) -> None:
+    """worker(rank, world, port, *args) in `world` spawned processes, a free port for their gloo group."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, start_method="spawn")
+
+
+def _worker(rank: int, world: int, port: int, ep: int, out_dir: str) -> None:
+    """One rank of a spawned gloo group: run every case at `ep`; rank 0 saves the results."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with session():  # the groups left together, by every rank (`glm5lab.parallel.dist.teardown`)
+        for case in CASES:
+            result = run(case, ep)
+            if rank == 0:
+                torch.save(result, os.path.join(out_dir, f"{case.name}.pt"))
+    end_process()  # leave as every multi-process run does
+
+
 @pytest.fixture(scope="module")
 def reference():
     torch.set_num_threads(1)
-    return {case.name: ep_harness.run(case) for case in CASES}
+    return {case.name: run(case) for case in CASES}
 
 
 @pytest.mark.parametrize("world,ep", [MESHES[0], pytest.param(*MESHES[1], marks=pytest.mark.slow), MESHES[2]],
                          ids=["ep2", "ep4", "dp2xep2"])  # ep4: 4 processes, 17 s: slow
 def test_expert_parallel_trains_as_one_process(world, ep, reference, tmp_path):
-    got = ep_harness.spawn(world, ep, CASES, str(tmp_path))
+    _spawn(_worker, world, ep, str(tmp_path))
     for case in CASES:
-        one, many = reference[case.name], got[case.name]
+        one, many = reference[case.name], torch.load(tmp_path / f"{case.name}.pt")
         for a, b in zip(one["losses"], many["losses"], strict=True):
             for key in ("loss", "lm_loss", "grad_norm"):  # Muon's update ignores a gradient's scale: the norm does not
                 assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (case.name, key, a[key], b[key])
@@ -60,7 +137,7 @@ def _muon_blocks(case: Case) -> int:
     expert, one per other Muon matrix (`glm5lab.optim.groups`)."""
     from glm5lab.optim import param_group_table
 
-    model = ep_harness.build(case)
+    model = ep_check_model(gdist.DistContext(0, 1, torch.device("cpu")), 1, case.overrides, case.skew)
     shapes = dict(model.named_parameters())
     return sum(row.heads if row.kind == "muon_split" else shapes[row.name].shape[0] if shapes[row.name].ndim == 3 else 1
                for row in param_group_table(model, "muon-split") if row.kind != "adamw")
@@ -126,14 +203,7 @@ def test_dispatch_and_combine_across_ranks_equal_one_process(tmp_path):
     """3 ranks, 6 experts (2 per rank), fp64: forward and backward of dispatch -> expert -> combine
     equal the single-process dispatcher's on each rank's tokens, exactly; with odd token counts,
     experts and ranks that receive no rows, and a rank that sends none."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_dispatch_worker, args=(3, port, str(tmp_path)), nprocs=3, start_method="spawn")
+    _spawn(_dispatch_worker, 3, str(tmp_path))
     for rank in range(3):
         got = torch.load(tmp_path / f"dispatch-{rank}.pt")
         for routing, result in zip(("random", "rank0", "empty_rank"), got, strict=True):
@@ -179,11 +249,9 @@ def test_ep_run_resumes_bit_exactly_and_a_checkpoint_starts_one(tmp_path, monkey
     from glm5lab import GLM5ForCausalLM
     from glm5lab.train.loop import TrainArgs
     from glm5lab.train.loop import train as train_here
-    from tests.conftest import write_word_corpus
-    from tests.train.test_fsdp import _free_port
 
     def train(out, *extra, model=("--preset", "tiny"), steps="3"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                "-m", "glm5lab", "train", *model, "--ep", "2", "--stages", "dense", "--steps", steps,
                "--seq-len", "24", "--batch-size", "2", "--eval-every", "0", "--checkpoint-every", "1",
                "--no-progress", "--data", str(corpus), "--out", str(out), *extra]

@@ -13,7 +13,6 @@ from glm5lab.train.extend import continue_position, extend_plan
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.plan import dry_run
 from glm5lab.train.stages import Stage
-from tests.train.test_loop import corpus  # noqa: F401 (the fixture)
 
 TIMING = ("tokens_per_s", "step_time_s")
 

@@ -19,7 +19,7 @@ import glm5lab.train.loop as loop_module
 import glm5lab.train.plot as plot_module
 from glm5lab import GLM5ForCausalLM
 from glm5lab.train.loop import train
-from tests.train.test_loop import _args, _rows, corpus  # noqa: F401 (fixture)
+from tests.train.conftest import metrics_rows, run_args
 
 FINAL = "step-000009"
 KEYS = ("loss", "lm_loss", "mtp_losses", "indexer_kl", "grad_norm", "val_loss", "val_tokens", "expert_load",
@@ -81,22 +81,23 @@ def _state(run):
 def test_a_run_stopped_before_its_summary_is_finished_by_resume_bit_identically(corpus, monkeypatch, capsys,
                                                                                  point):
     full, killed = corpus / "full", corpus / "killed"
-    train(_args(corpus, full))
+    train(run_args(corpus, full))
     with monkeypatch.context() as m:
         _kill_at(point, m)
         with pytest.raises(KeyboardInterrupt):
-            train(_args(corpus, killed))
+            train(run_args(corpus, killed))
     assert not (killed / "summary.json").exists()
     with pytest.raises(FileExistsError, match="continue it with --resume"):  # a fresh start is still refused
-        train(_args(corpus, killed))
+        train(run_args(corpus, killed))
     capsys.readouterr()
-    summary = train(_args(corpus, killed, resume=True))
+    summary = train(run_args(corpus, killed, resume=True))
     if point in ("final evaluation", "loss.png", "model folder", "summary", "pruning"):  # nothing left to train
         assert "training ended at step 9 of 9; what is left: the final evaluation" in capsys.readouterr().err
     expected = json.loads((full / "summary.json").read_text())
     assert json.loads((killed / "summary.json").read_text()) == {**expected, "run_dir": str(killed)}
     assert summary == {**expected, "run_dir": str(killed)}
-    assert [[r.get(k) for k in KEYS] for r in _rows(killed)] == [[r.get(k) for k in KEYS] for r in _rows(full)]
+    picked = lambda run: [[r.get(k) for k in KEYS] for r in metrics_rows(run)]  # noqa: E731
+    assert picked(killed) == picked(full)
     a, b = _state(full), _state(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     served = GLM5ForCausalLM.from_pretrained(killed / "model").state_dict()  # the HF folder: the same weights
@@ -105,7 +106,7 @@ def test_a_run_stopped_before_its_summary_is_finished_by_resume_bit_identically(
     assert listing(killed) == listing(full)
     assert (killed / "loss.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="already complete"):
-        train(_args(corpus, killed, resume=True))
+        train(run_args(corpus, killed, resume=True))
 
 
 def test_the_subset_figure_of_a_run_finished_by_resume_comes_from_metrics(corpus, monkeypatch):
@@ -115,15 +116,15 @@ def test_the_subset_figure_of_a_run_finished_by_resume_comes_from_metrics(corpus
     with monkeypatch.context() as m:
         _kill_at("final evaluation", m)
         with pytest.raises(KeyboardInterrupt):
-            train(_args(corpus, killed))
-    last = [r for r in _rows(killed) if r.get("val_loss") is not None][-1]
+            train(run_args(corpus, killed))
+    last = [r for r in metrics_rows(killed) if r.get("val_loss") is not None][-1]
     shutil.copy(killed / "metrics.jsonl", corpus / "metrics.before")
-    summary = train(_args(corpus, killed, resume=True))
+    summary = train(run_args(corpus, killed, resume=True))
     assert (summary["val_subset_loss"], summary["val_subset_tokens"]) == (last["val_loss"], last["val_tokens"])
     assert (killed / "metrics.jsonl").read_text() == (corpus / "metrics.before").read_text()
 
 
-def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus, monkeypatch, capsys):  # noqa: F811
+def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus, monkeypatch, capsys):
     """loss.png is drawn before summary.json: a plotting error (issue 36: two runs in one folder repeated steps, and
     matplotlib refused the curve) must not turn the trained run into a failed one."""
     def broken(metrics, out):
@@ -131,7 +132,7 @@ def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus
 
     monkeypatch.setattr(plot_module, "plot_losses", broken)
     run = corpus / "run"
-    summary = train(_args(corpus, run))
+    summary = train(run_args(corpus, run))
     assert json.loads((run / "summary.json").read_text()) == summary and summary["steps"] == 9
     assert not (run / "loss.png").exists()
     err = [line for line in capsys.readouterr().err.splitlines() if "loss.png" in line]

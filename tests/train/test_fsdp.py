@@ -5,54 +5,43 @@ process and whose metrics.jsonl rows carry the all-to-all figures."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 from glm5lab import GLM5ForCausalLM
 from glm5lab.checkpoints.export import load_checkpoint_model
-from tests.train.test_loop import _plan, corpus  # noqa: F401  (fixture)
+from tests.conftest import free_port
+from tests.train.conftest import logged_losses, tiny_plan
 
 DRIVER = """
-import sys
+import json, sys
 from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
-from tests.train.test_loop import _plan
-out, batch = sys.argv[1], int(sys.argv[2])
+out, plan = sys.argv[1], json.loads(sys.argv[2])
 ep = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
-                eval_every=2, eval_tokens=96, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 2), batch=batch),
-                ep=ep))
+                eval_every=2, eval_tokens=96, checkpoint_every=0, stage_plan=plan, ep=ep))
 end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _losses(run):
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["lm_loss"], r.get("val_loss")) for r in rows]
-
-
-def test_two_fsdp_processes_match_one_process(corpus, tmp_path):  # noqa: F811
+def test_two_fsdp_processes_match_one_process(corpus, tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, str(driver), str(tmp_path / "one"), "4", str(corpus)], env=env,
+    plan = lambda batch: json.dumps(tiny_plan(steps=(3, 1, 2), batch=batch))  # noqa: E731
+    one = subprocess.run([sys.executable, str(driver), str(tmp_path / "one"), plan(4), str(corpus)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     for name, ep in (("two", "1"), ("ep", "2")):
         two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                              f"--master_port={_free_port()}", str(driver), str(tmp_path / name), "2", str(corpus), ep],
+                              f"--master_port={free_port()}", str(driver), str(tmp_path / name), plan(2), str(corpus),
+                              ep],
                              env=env, capture_output=True, text=True, timeout=300)
         assert two.returncode == 0, two.stderr[-3000:]
-    a = _losses(tmp_path / "one")
+    a = logged_losses(tmp_path / "one")
     for run in ("two", "ep"):
-        b = _losses(tmp_path / run)
+        b = logged_losses(tmp_path / run)
         assert len(a) == len(b) == 6
         for row_a, row_b in zip(a, b, strict=True):
             for x, y in zip(row_a, row_b, strict=True):

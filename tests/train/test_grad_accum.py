@@ -17,12 +17,14 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import TrainHyper, run_stages, split_batch
-from tests.conftest import assert_close
+from glm5lab.train.recipe import TrainHyper
+from glm5lab.train.step import run_stages, split_batch
+from tests.conftest import assert_close, free_port
+from tests.train.conftest import logged_losses, tiny_plan
 
 B, A, T = 2, 3, 12
 OFFSET = (0, 2, 3)  # first step of each stage in `windows` (stages of 2, 1, 2 steps)
-HYPER = TrainHyper(optimizer="adamw")
+HYPER = TrainHyper.default(optimizer="adamw")
 
 
 def _stages(grad_accum: int, batch: int) -> list[Stage]:
@@ -109,12 +111,10 @@ def test_split_batch_rows_and_refusal():
 
 
 DRIVER = """
-import sys
+import json, sys
 from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
-from tests.train.test_loop import _plan
-out, batch, accum = sys.argv[1], int(sys.argv[2]), int(sys.argv[4])
-plan = [{**stage, "grad_accum": accum} for stage in _plan(steps=(2, 1, 2), batch=batch)]
+out, plan = sys.argv[1], json.loads(sys.argv[2])
 train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
                 eval_every=0, checkpoint_every=0, stage_plan=plan))
 end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
@@ -132,7 +132,6 @@ def test_fsdp_accumulation_matches_one_process(tmp_path, monkeypatch):
     import sys
 
     from tests.conftest import write_word_corpus
-    from tests.train.test_fsdp import _free_port, _losses
 
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
     write_word_corpus(tmp_path / "texts")
@@ -141,14 +140,17 @@ def test_fsdp_accumulation_matches_one_process(tmp_path, monkeypatch):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, str(driver), str(tmp_path / "one"), "4", str(tmp_path), "1"], env=env,
+    plan = lambda batch, accum: json.dumps([{**stage, "grad_accum": accum}  # noqa: E731
+                                            for stage in tiny_plan(steps=(2, 1, 2), batch=batch)])
+    one = subprocess.run([sys.executable, str(driver), str(tmp_path / "one"), plan(4, 1), str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                          f"--master_port={_free_port()}", str(driver), str(tmp_path / "two"), "1", str(tmp_path), "2"],
+                          f"--master_port={free_port()}", str(driver), str(tmp_path / "two"), plan(1, 2),
+                          str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    a, b = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
     assert len(a) == len(b) == 5
     for row_a, row_b in zip(a, b, strict=True):
         for x, y in zip(row_a, row_b, strict=True):

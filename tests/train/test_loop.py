@@ -14,40 +14,15 @@ from glm5lab.train.balance import update_router_bias
 from glm5lab.train.loop import TrainArgs, _Loop, resolve_stages, train
 from glm5lab.train.step import TrainingDiverged, clip_and_check
 from glm5lab.train.losses import stage_losses
-from glm5lab.train.stages import Stage, default_stages
-from tests.conftest import write_word_corpus
-
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
-    write_word_corpus(tmp_path / "texts")
-    cfg = ModelConfig.from_preset("tiny", vocab_size=320)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
-    return tmp_path
-
-
-def _plan(steps=(4, 2, 3), seq_len=24, batch=2):
-    return [s.to_dict() for s in (
-        Stage("dense", steps[0], 3e-3, seq_len, batch, warmup_steps=min(1, steps[0] - 1)),
-        Stage("indexer_warmup", steps[1], 5e-3, seq_len, batch, trainable="indexer", lm_weight=0.0, mtp_weights=(0.0,),
-              indexer_weight=1.0),
-        Stage("sparse_adaptation", steps[2], 3e-4, seq_len, batch, use_dsa=True, indexer_weight=1.0),
-    )]
-
-
-def _args(corpus, out, **kw):
-    return TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
-                     eval_every=3, eval_tokens=96, checkpoint_every=3, stage_plan=_plan(), **kw)
-
-
-def _rows(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+from glm5lab.train.recipe import default_stages
+from glm5lab.train.stages import Stage
+from tests.train.conftest import metrics_rows, run_args, tiny_plan, train_killed_at
 
 
 def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     run = corpus / "run"
-    summary = train(_args(corpus, run))
-    rows = _rows(run)
+    summary = train(run_args(corpus, run))
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == list(range(1, 10))
     assert [r["stage"] for r in rows] == ["dense"] * 4 + ["indexer_warmup"] * 2 + ["sparse_adaptation"] * 3
     assert all(math.isfinite(r["loss"]) for r in rows) and all(len(r["mtp_losses"]) == 3 for r in rows[:4])
@@ -57,7 +32,7 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     assert (run / "loss.png").stat().st_size > 10_000
     assert json.loads((run / "summary.json").read_text())["steps"] == 9
     assert summary["val_loss"] < math.log(320)  # below the uniform guess after 9 steps
-    assert_bits_per_byte_recomputed(run, _args(corpus, run), summary)
+    assert_bits_per_byte_recomputed(run, run_args(corpus, run), summary)
     info = json.loads((run / "run.json").read_text())
     assert info["git_commit"] and info["stages"][1]["trainable"] == "indexer"
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
@@ -67,7 +42,7 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     os.umask(umask)
     assert (latest.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
     assert ((latest / "__0_0.distcp").stat().st_mode & 0o777) == 0o666 & ~umask
-    served = GLM5ForCausalLM.from_pretrained(run / "model")  # the finished run's HF folder: the last checkpoint's weights
+    served = GLM5ForCausalLM.from_pretrained(run / "model")  # the finished run's HF folder: the last checkpoint's
     assert (run / "model" / "tokenizer.json").is_file() and not (run / "model" / "trainer_state.json").exists()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in served.state_dict().items())
 
@@ -76,16 +51,15 @@ def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None
     """summary.json's val_bits_per_byte is val_loss x targets / (ln 2 x bytes), with the targets
     and their bytes recounted from the run's own validation split and tokenizer: the bytes by
     decoding each window's targets (an ASCII corpus: no character is cut at a window edge)."""
-    from glm5lab.data.tokenizer import encode_documents, load_tokenizer
+    from glm5lab.data.tokenizer import load_tokenizer
     from glm5lab.data.batches import pack
-    from glm5lab.data.pipeline import split_corpus
+    from tests.conftest import reference_split
 
     assert json.loads((run / "summary.json").read_text()) == json.loads(json.dumps(summary))
     last = Stage.from_dict(args.stage_plan[-1])
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     tok = load_tokenizer(latest)
-    _, _, val_docs = split_corpus(args.data, args.seed)
-    rows = pack(encode_documents(tok, val_docs), last.seq_len)  # every window, the last batch possibly short
+    rows = pack(reference_split(tok, args.data, args.seed)[1], last.seq_len)  # every window
     n_tokens = rows[:, 1:].numel()
     n_bytes = sum(len(tok.decode(r[1:].tolist()).encode("utf-8")) for r in rows)
     assert (summary["val_tokens"], summary["val_bytes"]) == (n_tokens, n_bytes)
@@ -134,11 +108,11 @@ def test_evaluate_is_the_mean_over_targets_and_sums_exactly_the_scored_targets()
 
 def test_warmup_trains_only_the_indexer(corpus):
     run = corpus / "run"
-    plan = _plan(steps=(2, 2, 1))
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan[:1], "checkpoint_every": 0}))
+    plan = tiny_plan(steps=(2, 2, 1))
+    train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": plan[:1], "checkpoint_every": 0}))
     dense = GLM5ForCausalLM.from_pretrained(run / "checkpoints" / "step-000002").state_dict()
     run2 = corpus / "run2"
-    train(TrainArgs(**{**_args(corpus, run2).__dict__, "init": str(run / "model"),  # the HF folder, tensor by tensor
+    train(TrainArgs(**{**run_args(corpus, run2).__dict__, "init": str(run / "model"),  # the HF folder, tensor by tensor
                        "config": None, "stage_plan": plan[1:2]}))
     warm = GLM5ForCausalLM.from_pretrained(run2 / "checkpoints" / "step-000002").state_dict()
     tok = lambda r: (r / "checkpoints" / "step-000002" / "tokenizer.json").read_bytes()  # noqa: E731
@@ -148,29 +122,14 @@ def test_warmup_trains_only_the_indexer(corpus):
         assert changed == (".indexer." in key), key  # the MTP layer's (layers.4) indexer included
 
 
-def train_killed_at(step: int, args: TrainArgs, monkeypatch) -> None:
-    """Run `train(args)` and kill it (KeyboardInterrupt) when the loop reaches `step`."""
-    real_batch = _Loop.batch
-
-    def dying_batch(self, index, stage, i):
-        if self.step == step:
-            raise KeyboardInterrupt
-        return real_batch(self, index, stage, i)
-
-    monkeypatch.setattr(_Loop, "batch", dying_batch)
-    with pytest.raises(KeyboardInterrupt):
-        train(args)
-    monkeypatch.setattr(_Loop, "batch", real_batch)
-
-
 def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monkeypatch):
     full = corpus / "full"
-    train(_args(corpus, full))
+    train(run_args(corpus, full))
     killed = corpus / "killed"
-    train_killed_at(7, _args(corpus, killed), monkeypatch)
+    train_killed_at(7, run_args(corpus, killed), monkeypatch)
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step-000006"
-    train(_args(corpus, killed, resume=True))
-    a, b = _rows(full), _rows(killed)
+    train(run_args(corpus, killed, resume=True))
+    a, b = metrics_rows(full), metrics_rows(killed)
     assert [r["step"] for r in b] == list(range(1, 10))
     for key in ("loss", "lm_loss", "mtp_losses", "indexer_kl", "grad_norm", "val_loss", "expert_load"):
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key
@@ -182,30 +141,30 @@ def test_resume_after_a_kill_reproduces_the_loss_curve_bit_for_bit(corpus, monke
 def test_existing_run_needs_resume_and_resume_needs_a_checkpoint(corpus):
     run = corpus / "run"
     with pytest.raises(ResumeError, match="does not exist: there is nothing to resume"):
-        train(_args(corpus, run, resume=True))
+        train(run_args(corpus, run, resume=True))
     (run / "checkpoints" / ".step-000001.tmp-dead").mkdir(parents=True)  # killed in its first save
     with pytest.raises(ResumeError, match="no checkpoint in .* stopped before its first one"):
-        train(_args(corpus, run, resume=True))
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))
+        train(run_args(corpus, run, resume=True))
+    train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": tiny_plan(steps=(1, 1, 1))[:1]}))
     with pytest.raises(FileExistsError, match="holds a finished run .* --out DIR, or remove this one"):
-        train(_args(corpus, run))
+        train(run_args(corpus, run))
 
 
 def test_init_keeps_the_checkpoint_tokenizer_on_other_data(corpus):
     run = corpus / "run"
-    plan = _plan(steps=(2, 1, 1))
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan[:1]}))
+    plan = tiny_plan(steps=(2, 1, 1))
+    train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": plan[:1]}))
     other = corpus / "other"
     other.mkdir()
     (other / "a.txt").write_text("completely different words here " * 400)
     (other / "b.txt").write_text("and more unrelated text for a second document " * 300)
     run2 = corpus / "run2"
-    train(TrainArgs(**{**_args(corpus, run2).__dict__, "config": None, "data": str(other), "stage_plan": plan[1:2],
+    train(TrainArgs(**{**run_args(corpus, run2).__dict__, "config": None, "data": str(other), "stage_plan": plan[1:2],
                        "init": str(run / "checkpoints" / "step-000002")}))
     saved = (run / "checkpoints" / "step-000002" / "tokenizer.json").read_bytes()
     assert (run2 / "checkpoints" / "step-000001" / "tokenizer.json").read_bytes() == saved
     run3 = corpus / "run3"  # a run folder as --init: its latest checkpoint
-    train(TrainArgs(**{**_args(corpus, run3).__dict__, "config": None, "stage_plan": plan[1:2], "init": str(run)}))
+    train(TrainArgs(**{**run_args(corpus, run3).__dict__, "config": None, "stage_plan": plan[1:2], "init": str(run)}))
     info = json.loads((run3 / "run.json").read_text())
     assert info["args"]["init"] == str(run / "checkpoints" / "step-000002")
     from safetensors.torch import load_file, save_file
@@ -218,13 +177,13 @@ def test_init_keeps_the_checkpoint_tokenizer_on_other_data(corpus):
     save_file(tensors, weights)
     with pytest.raises(CheckpointError, match=r"1 missing keys: \['model.norm.weight'\]; 1 unexpected keys: "
                        r"\['model.layers.0.extra.weight'\]"):
-        train(TrainArgs(**{**_args(corpus, corpus / "run4").__dict__, "config": None, "stage_plan": plan[1:2],
+        train(TrainArgs(**{**run_args(corpus, corpus / "run4").__dict__, "config": None, "stage_plan": plan[1:2],
                            "init": str(run / "model")}))
 
 
 def test_resume_with_another_model_config_is_refused(corpus):
     run = corpus / "run"
-    plan = _plan(steps=(4, 1, 1))[:1]
+    plan = tiny_plan(steps=(4, 1, 1))[:1]
     real_batch = _Loop.batch
 
     def dying_batch(self, index, stage, i):
@@ -235,10 +194,10 @@ def test_resume_with_another_model_config_is_refused(corpus):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_Loop, "batch", dying_batch)
         with pytest.raises(KeyboardInterrupt):
-            train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": plan}))
+            train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": plan}))
     other = ModelConfig.from_preset("tiny", vocab_size=320, hidden_size=32)
     (corpus / "other.json").write_text(json.dumps(other.to_hf()))
-    resume = {**_args(corpus, run, resume=True).__dict__, "stage_plan": plan}
+    resume = {**run_args(corpus, run, resume=True).__dict__, "stage_plan": plan}
     with pytest.raises(ValueError, match=r"another model config \(fields \['hidden_size'\] differ\)"):
         train(TrainArgs(**{**resume, "config": str(corpus / "other.json")}))
     bigger = ModelConfig.from_preset("tiny", vocab_size=640)  # checked before the data: not a tokenizer message
@@ -248,7 +207,7 @@ def test_resume_with_another_model_config_is_refused(corpus):
     with pytest.raises(ValueError, match=r"--resume: seed differs"):
         train(TrainArgs(**{**resume, "seed": 5}))
     with pytest.raises(ValueError, match=r"--resume: seed differs .*started with$"):  # a longer stage: an extension
-        train(TrainArgs(**{**resume, "seed": 5, "stage_plan": _plan(steps=(5, 1, 1))[:1]}))
+        train(TrainArgs(**{**resume, "seed": 5, "stage_plan": tiny_plan(steps=(5, 1, 1))[:1]}))
     train(TrainArgs(**resume))
     with pytest.raises(ValueError, match="already complete"):
         train(TrainArgs(**resume))
@@ -266,7 +225,7 @@ def test_nan_stops_the_run_naming_step_and_tensor_and_keeps_the_last_checkpoint(
 
     monkeypatch.setattr(_Loop, "batch", poisoned)
     with pytest.raises(TrainingDiverged, match=r"step 5: loss is not finite.*`model.layers.1.self_attn.o_proj.weight`"):
-        train(_args(corpus, run))
+        train(run_args(corpus, run))
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000004"  # end of the dense stage
     ckpt = GLM5ForCausalLM.from_pretrained(run / "checkpoints" / "step-000004")
     assert all(torch.isfinite(p).all() for p in ckpt.parameters())

@@ -135,10 +135,10 @@ def test_tokenizers_whose_boundaries_are_not_known_are_encoded_whole():
 def test_bpe_trained_on_pieces_is_the_bpe_of_whole_texts(tmp_path):
     """glm5lab's trainer counts pre-tokens: pieces give the same counts, so the same merges, byte for byte (literal
     special tokens in the text included)."""
-    from glm5lab.data.tokenizer import _untrained
+    from glm5lab.data.tokenizer import untrained_bpe
 
     texts = list(TRICKY.values())
-    cutter, _ = Cutter.of(_untrained(), size=SIZE)
+    cutter, _ = Cutter.of(untrained_bpe(), size=SIZE)
     whole = train_tokenizer(texts, 500, tmp_path / "whole")
     cut = train_tokenizer((p for t in texts for p in cutter.pieces([t])), 500, tmp_path / "cut")
     assert cut.to_str() == whole.to_str()

@@ -13,7 +13,6 @@ from glm5lab.cli import main
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.plan import NOT_CHECKED, check_run, dry_run
 from glm5lab.train.stages import Stage
-from tests.train.test_loop import corpus  # noqa: F401 (fixture)
 
 ADAM = """
 [optimizer]

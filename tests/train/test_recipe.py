@@ -10,16 +10,35 @@ import pytest
 from glm5lab import ModelConfig
 from glm5lab.cli import build_parser, default_out, main
 from glm5lab.train.loop import TrainArgs, resolve_stages, with_recipe
-from glm5lab.train.recipe import builtin_names, default_values, load_recipe, recipe_path, resolve
-from glm5lab.train.stages import Stage, default_stages
-from glm5lab.train.step import TrainHyper
+from glm5lab.train.recipe import (
+    TrainHyper, builtin_names, default_recipe, default_stages, load_recipe, recipe_path, resolve,
+)
+from glm5lab.train.stages import Stage
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def former_default_stages(*, seq_len: int = 256, batch_size: int = 8, quick: bool = False, mtp_depth: int = 3,
+                          mtp_weight: float = 0.3, use_indexer: bool = True) -> list[Stage]:
+    """The default stages as code wrote them before recipes/small.toml held them (`glm5lab.train.stages`, commit
+    3e97d7d): the reference the small recipe must keep resolving to."""
+    scale = 0.04 if quick else 1.0
+    n = lambda steps: max(2, round(steps * scale))  # noqa: E731
+    mtp = (mtp_weight,) * mtp_depth
+    stages = [Stage("dense", n(300), 3e-3, seq_len, batch_size, lr_end=3e-4, warmup_steps=n(20) // 2, mtp_weights=mtp)]
+    if use_indexer:
+        stages += [
+            Stage("indexer_warmup", n(40), 5e-3, seq_len, batch_size, lr_end=2e-4, trainable="indexer",
+                  lm_weight=0.0, mtp_weights=(0.0,) if mtp_depth else (), indexer_weight=1.0),
+            Stage("sparse_adaptation", n(80), 3e-4, seq_len, batch_size, use_dsa=True, mtp_weights=mtp,
+                  indexer_weight=1.0),
+        ]
+    return stages
+
+
 def _before(args: TrainArgs, cfg: ModelConfig) -> list[Stage]:
     """`resolve_stages` as it was before recipes (commit 6452ecd): default_stages, --stages, --steps."""
-    stages = default_stages(seq_len=args.seq_len or 256, batch_size=args.batch_size or 8, quick=args.quick,
+    stages = former_default_stages(seq_len=args.seq_len or 256, batch_size=args.batch_size or 8, quick=args.quick,
                             mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers else 0,
                             use_indexer=cfg.has_indexer_weights)
     if args.stages:
@@ -51,17 +70,36 @@ def test_small_recipe_without_mtp_or_indexer():
     cfg = ModelConfig.from_preset("small")
     for has_indexer in (True, False):
         for depth in (0, 1, 3):
-            want = default_stages(mtp_depth=depth, use_indexer=has_indexer)
+            want = former_default_stages(mtp_depth=depth, use_indexer=has_indexer)
             assert resolve(load_recipe("small"), mtp_depth=depth, has_indexer=has_indexer) == want
+            assert default_stages(mtp_depth=depth, use_indexer=has_indexer) == want
+            assert default_stages(mtp_depth=depth, use_indexer=has_indexer, quick=True) == \
+                former_default_stages(mtp_depth=depth, use_indexer=has_indexer, quick=True)
     assert cfg.has_indexer_weights
 
 
 def test_small_recipe_settings_are_the_defaults():
-    assert with_recipe(TrainArgs()).hyper == TrainHyper()
+    """The settings the code carried before recipes/small.toml held them (`TrainHyper`'s and `TrainArgs`' defaults,
+    commit 3e97d7d), now the default recipe's."""
+    assert with_recipe(TrainArgs()).hyper == TrainHyper.default() == \
+        TrainHyper(optimizer="muon-split", weight_decay=0.1, grad_clip=1.0, bias_update_rate=1.5e-2)
     filled = with_recipe(TrainArgs())
     assert (filled.preset, filled.eval_every, filled.eval_tokens, filled.checkpoint_every) == ("small", 50, 16384, 100)
-    assert default_values()["seq_len"] == 256 and default_values()["batch_size"] == 8
+    flags = default_recipe().flag_values()
+    assert (flags["seq_len"], flags["batch_size"], flags["grad_accum"], flags["steps"], flags["quick_steps"]) == \
+        (256, 8, 1, 420, 17)
+    assert TrainHyper.default(optimizer="adamw").optimizer == "adamw"
     assert with_recipe(TrainArgs(optimizer="adamw", eval_every=5)).optimizer == "adamw"  # a flag wins
+
+
+def test_a_recipe_takes_the_default_recipes_values_for_the_keys_it_leaves_out(tmp_path):
+    """The defaults are recipes/small.toml: a section key left out is small's; a stage key left out, `Stage`'s."""
+    recipe = load_recipe(_write(tmp_path, BASE + "[optimizer]\nweight_decay = 0.0\n"))
+    small = default_recipe()
+    assert recipe.optimizer == dataclasses.replace(small.optimizer, weight_decay=0.0)
+    assert (recipe.model, recipe.evaluation, recipe.checkpoint) == (small.model, small.evaluation, small.checkpoint)
+    (a,) = resolve(recipe, mtp_depth=2, has_indexer=False)
+    assert a == Stage("a", 4, 1e-3, 16, 2, mtp_weights=(0.3, 0.3))
 
 
 def test_builtin_recipes_ship_as_package_data():
@@ -74,7 +112,7 @@ def test_builtin_recipes_ship_as_package_data():
 
 def test_glm5_dsa_recipe_is_the_reports_schedule():
     recipe = load_recipe("glm5-dsa")
-    assert recipe.preset == "glm5"
+    assert recipe.model.preset == "glm5"
     cfg = ModelConfig.from_preset("glm5")
     warm, sparse = resolve(recipe, mtp_depth=cfg.mtp_depth, has_indexer=True, world_size=7)
     assert (warm.steps, warm.lr, warm.lr_end, warm.trainable, warm.use_dsa, warm.lm_weight) == \
@@ -135,6 +173,8 @@ lr_end = 1e-4
     (BASE + "[optimizer]\ngrad_clip = 'big'\n", r"\[optimizer\].grad_clip = 'big' is not allowed: a number"),
     (BASE.replace("lr = 1e-3", "lr = 1e-3\nuse_dsa = 1"), r"stages\[0\].use_dsa = 1 is not allowed: a boolean"),
     (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {stepz = 2}"), r"stages\[0\].quick key `stepz`"),
+    (BASE.replace("lr = 1e-3", "lr = 1e-3\nquick = {tokens = 64}"),  # quick sets `Stage` fields (a crash before)
+     r"stages\[0\].quick key `tokens` is not allowed: allowed keys are steps, lr, "),
     ("name = 'x'\n", r"`stages` is missing"),
     ("[[stages]\n", r"not valid TOML"),
     # issue 36 (faults 4, 5, 11): refused at load, so a dry run refuses them too
@@ -244,6 +284,7 @@ def test_default_out_names_the_recipe():
     assert default_out(parse("--recipe", "glm5-dsa")) == "runs/glm5-dsa"
     assert default_out(parse("--recipe", "glm5-dsa", "--preset", "tiny", "--lr", "1e-3")) == "runs/glm5-dsa-tiny-lr0.001"
     assert default_out(parse("--grad-accum", "4")) == "runs/small-accum4"
+    assert default_out(parse("--quick", "--steps", "420")) == "runs/small-quick-steps420"  # not --quick's folder
 
 
 def test_grad_accum_run_counts_every_micro_batch(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from glm5lab.model import moe
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
-from tests.train.test_loop import _rows, corpus  # noqa: F401  (fixture)
+from tests.train.conftest import metrics_rows
 
 BATCH, SEQ = 8, 64  # 512 tokens x top-2 over 8 experts: ~128 rows an expert, 2-3 tiles of 64 each
 
@@ -51,7 +51,7 @@ def test_two_seeded_runs_end_with_bit_identical_weights(corpus, two_threads):
     assert a.keys() == b.keys() and any(".experts." in k for k in a)
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{len(differ)} of {len(a)} tensors differ between two seeded runs, e.g. {differ[:3]}"
-    assert [r["loss"] for r in _rows(runs[0])] == [r["loss"] for r in _rows(runs[1])]
+    assert [r["loss"] for r in metrics_rows(runs[0])] == [r["loss"] for r in metrics_rows(runs[1])]
 
 
 class _RepeatedAccumulation(TorchDispatchMode):

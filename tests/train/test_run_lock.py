@@ -19,8 +19,8 @@ import pytest
 from glm5lab.cli import main
 from glm5lab.train.loop import train
 from glm5lab.train.run_lock import LOCK_FILE, RunFolderInUse, hold_run_folder
-from tests.train.test_fsdp import _free_port
-from tests.train.test_loop import _args, _plan, corpus  # noqa: F401  (fixture)
+from tests.conftest import free_port
+from tests.train.conftest import run_args, tiny_plan
 
 ONE = SimpleNamespace(is_main=True, world_size=1, rank=0)
 """A one-process run's `DistContext`, as `hold_run_folder` reads it."""
@@ -48,9 +48,9 @@ def _listing(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_a_second_start_into_a_held_folder_is_refused_naming_the_holder(corpus, capsys):  # noqa: F811
+def test_a_second_start_into_a_held_folder_is_refused_naming_the_holder(corpus, capsys):
     run = corpus / "run"
-    train(dataclasses.replace(_args(corpus, run), stage_plan=_plan()[:1]))  # a run there to --resume: 4 steps
+    train(dataclasses.replace(run_args(corpus, run), stage_plan=tiny_plan()[:1]))  # a run there to --resume: 4 steps
     holder = _hold_in_subprocess(run)
     try:
         before = _listing(run)
@@ -66,7 +66,7 @@ def test_a_second_start_into_a_held_folder_is_refused_naming_the_holder(corpus, 
             assert f"stop it (kill {holder.pid} on {info['host']})" in err[0]
             assert _listing(run) == before  # refused before anything was read or written
         with pytest.raises(RunFolderInUse):  # also from the library
-            train(_args(corpus, run, resume=True))
+            train(run_args(corpus, run, resume=True))
     finally:
         holder.kill()
         holder.wait()
@@ -138,7 +138,7 @@ def test_killing_the_torchrun_launcher_stops_its_ranks_and_frees_the_folder(tmp_
     (tmp_path / "driver.py").write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                 f"--master_port={_free_port()}", str(tmp_path / "driver.py"), str(run), str(pids)],
+                                 f"--master_port={free_port()}", str(tmp_path / "driver.py"), str(run), str(pids)],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks = []
     try:
@@ -186,11 +186,10 @@ def test_a_launcher_is_gone_when_its_store_refuses_connections(monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ranks_end_with_a_launcher_killed_during_their_start(tmp_path, corpus):  # noqa: F811
+def test_ranks_end_with_a_launcher_killed_during_their_start(tmp_path, corpus):
     """SIGKILL of torchrun while its ranks start (issue 36: 2.5 s in, both ranks retried its store for 30 minutes):
     rank 1 is in its checks (importing torch: tied to the launcher since `main` began), rank 0 has not even started
     Python (the launcher is dead before it could tie itself: it finds the launcher's store gone). Both end."""
-    from tests.train.test_fsdp import _free_port
 
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -200,7 +199,7 @@ def test_ranks_end_with_a_launcher_killed_during_their_start(tmp_path, corpus): 
     script = f'echo $$$$ > {pids}/rank$RANK.pid; [ "$RANK" = 0 ] && sleep 4; {train}'
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                 f"--master_port={_free_port()}", "--no-python", "sh", "-c", script],
+                                 f"--master_port={free_port()}", "--no-python", "sh", "-c", script],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks = []
     try:

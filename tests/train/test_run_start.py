@@ -16,8 +16,9 @@ from glm5lab.cli import build_parser, default_out, main
 from glm5lab.train.loop import (
     TrainArgs, check_data_fits, check_stage_lengths, progress_text, stage_summary, train,
 )
-from glm5lab.train.stages import Stage, default_stages
-from tests.train.test_loop import _args, _plan, _rows, corpus  # noqa: F401 (fixture)
+from glm5lab.train.recipe import default_stages
+from glm5lab.train.stages import Stage
+from tests.train.conftest import metrics_rows, run_args, tiny_plan
 
 
 @pytest.mark.parametrize("argv, out", [
@@ -90,7 +91,7 @@ def test_data_too_short_names_data_and_leaves_no_folder(corpus, capsys):
 def _tokenizer(corpus):
     """A run's tokenizer.json, so a tiny --data need not train one."""
     run = corpus / "tok-run"
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))
+    train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": tiny_plan(steps=(1, 1, 1))[:1]}))
     return run / "checkpoints" / "step-000001" / "tokenizer.json"
 
 
@@ -153,8 +154,8 @@ def test_progress_line_names_lm_loss_objective_and_validation():
 
 def test_validation_is_one_definition_headline_and_subset(corpus):
     run = corpus / "run"
-    summary = train(_args(corpus, run))
-    rows = _rows(run)
+    summary = train(run_args(corpus, run))
+    rows = metrics_rows(run)
     last = rows[-1]
     assert summary["val_subset_loss"] == last["val_loss"] and summary["val_subset_tokens"] == last["val_tokens"]
     assert last["val_tokens"] == 96  # eval_tokens: 4 windows of 24
@@ -172,8 +173,8 @@ def _corrupt(path):
 @pytest.mark.parametrize("damaged", ["trainer_state.json", "__0_0.distcp"])
 def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(corpus, capsys, damaged):
     run = corpus / "run"
-    full = train(_args(corpus, run))  # 9 steps; checkpoints every 3 steps and at stage ends: keeps 6 and 9
-    reference = [r["loss"] for r in _rows(run)]
+    full = train(run_args(corpus, run))  # 9 steps; checkpoints every 3 steps and at stage ends: keeps 6 and 9
+    reference = [r["loss"] for r in metrics_rows(run)]
     (run / "summary.json").unlink()
     latest = run / "checkpoints" / "step-000009"
     _corrupt(latest / damaged)
@@ -183,25 +184,25 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(corpus, capsys
     info = json.loads((run / "run.json").read_text())
     assert info["torch_threads"] == torch.get_num_threads()
     (run / "run.json").write_text(json.dumps({**info, "torch_threads": info["torch_threads"] + 1}))
-    summary = train(_args(corpus, run, resume=True))
+    summary = train(run_args(corpus, run, resume=True))
     err = capsys.readouterr().err
     assert f"started with {info['torch_threads'] + 1} torch threads and continues with {info['torch_threads']}" in err
     assert f"checkpoint {latest} is unusable" in err and damaged in err
     assert "resuming from step-000006, the newest checkpoint that verifies" in err
     assert "resuming " + str(run) + " from checkpoint step-000006: step 6 of 9, stage sparse_adaptation" in err
-    assert [r["loss"] for r in _rows(run)] == reference  # steps 7-9 trained again, bit for bit
+    assert [r["loss"] for r in metrics_rows(run)] == reference  # steps 7-9 trained again, bit for bit
     assert summary["val_loss"] == full["val_loss"]
 
 
 def test_resume_with_every_checkpoint_corrupt_names_each_file(corpus):
     run = corpus / "run"
-    train(_args(corpus, run))
+    train(run_args(corpus, run))
     (run / "summary.json").unlink()  # stopped before its summary: a resume would finish it
     for step in ("step-000006", "step-000009"):
         _corrupt(run / "checkpoints" / step / "rng-00000.pt")
     with pytest.raises(ResumeError, match=r"step-000009: .*rng-00000.pt cannot be read \(truncated or corrupt.*"
                        r"step-000006: .*rng-00000.pt cannot be read"):
-        train(_args(corpus, run, resume=True))
+        train(run_args(corpus, run, resume=True))
 
 
 def test_a_checkpoint_of_the_layout_before_dcp_is_refused_by_resume_and_still_read_as_weights(corpus, tmp_path):
@@ -211,7 +212,7 @@ def test_a_checkpoint_of_the_layout_before_dcp_is_refused_by_resume_and_still_re
     from glm5lab.checkpoints.export import export_checkpoint
 
     run = corpus / "run"
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(2, 1, 1))[:1]}))
+    train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": tiny_plan(steps=(2, 1, 1))[:1]}))
     (run / "summary.json").unlink()
     step = run / "checkpoints" / "step-000002"
     model = GLM5ForCausalLM.from_pretrained(step)
@@ -219,7 +220,8 @@ def test_a_checkpoint_of_the_layout_before_dcp_is_refused_by_resume_and_still_re
     model.save_pretrained(step)
     torch.save({"position": {"step": 2, "stage": 1, "in_stage": 0}}, step / "trainer_state.pt")
     with pytest.raises(ResumeError, match=r"step-000002: .*layout before DCP run checkpoints.*--init .*step-000002"):
-        train(TrainArgs(**{**_args(corpus, run, resume=True).__dict__, "stage_plan": _plan(steps=(2, 1, 1))[:1]}))
+        train(TrainArgs(**{**run_args(corpus, run, resume=True).__dict__,
+                           "stage_plan": tiny_plan(steps=(2, 1, 1))[:1]}))
     out = export_checkpoint(run, tmp_path / "hf")
     again = GLM5ForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(v, again[k]) for k, v in model.state_dict().items())
@@ -227,27 +229,27 @@ def test_a_checkpoint_of_the_layout_before_dcp_is_refused_by_resume_and_still_re
 
 def test_resume_of_a_finished_run_says_how_to_train_again(corpus):
     run = corpus / "run"
-    train(_args(corpus, run))
+    train(run_args(corpus, run))
     with pytest.raises(ValueError, match="already complete .* choose another --out DIR or remove"):
-        train(_args(corpus, run, resume=True))
+        train(run_args(corpus, run, resume=True))
     assert math.isfinite(json.loads((run / "summary.json").read_text())["val_loss"])
 
 
 def test_a_run_killed_in_its_first_save_starts_again_and_stale_temporaries_go(corpus):
     run = corpus / "run"
     (run / "checkpoints" / ".step-000003.tmp-dead").mkdir(parents=True)  # kill -9 while writing step 3
-    train(_args(corpus, run))  # no usable checkpoint: not refused, the run starts over
+    train(run_args(corpus, run))  # no usable checkpoint: not refused, the run starts over
     assert not list((run / "checkpoints").glob(".step-*")) and (run / "checkpoints" / "latest").is_file()
 
 
 @pytest.mark.parametrize("change, message", [
     ({"bias_update_rate": 0.0}, "bias_update_rate differs"),
-    ({"stage_plan": _plan(steps=(1, 1, 1), seq_len=16)[:1]}, r"stages \(seq_len \[24\] -> \[16\]\) differs"),
+    ({"stage_plan": tiny_plan(steps=(1, 1, 1), seq_len=16)[:1]}, r"stages \(seq_len \[24\] -> \[16\]\) differs"),
 ])
 def test_resume_with_other_settings_is_refused_naming_them(corpus, change, message):
     run = corpus / "run"
-    train(TrainArgs(**{**_args(corpus, run).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1]}))
+    train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": tiny_plan(steps=(1, 1, 1))[:1]}))
     (run / "summary.json").unlink()
     with pytest.raises(ValueError, match=message):
-        train(TrainArgs(**{**_args(corpus, run, resume=True).__dict__, "stage_plan": _plan(steps=(1, 1, 1))[:1],
+        train(TrainArgs(**{**run_args(corpus, run, resume=True).__dict__, "stage_plan": tiny_plan(steps=(1, 1, 1))[:1],
                            **change}))

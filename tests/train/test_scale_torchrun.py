@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from glm5lab.train.loop import TrainArgs, train
-from tests.train.test_fsdp import _free_port
-from tests.train.test_loop import _plan, _rows, corpus  # noqa: F401  (fixture)
+from tests.conftest import free_port
+from tests.train.conftest import metrics_rows, tiny_plan
 
 DRIVER = """
 import json, sys
@@ -22,7 +22,6 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.parallel import dist
 from glm5lab.train.loop import TrainArgs, train
-from tests.train.test_loop import _plan
 out, corpus = sys.argv[1], sys.argv[2]
 RUNS = json.loads(sys.argv[3])
 cfg = ModelConfig.from_hf(corpus + "/config.json")
@@ -46,7 +45,7 @@ if ctx.is_main:
     open(out + "-init.json", "w").write(json.dumps(report))
 for name, ep, compile, ac in RUNS:
     train(TrainArgs(config=corpus + "/config.json", data=corpus + "/texts", out=out + "-" + name, progress=False,
-                    eval_every=0, checkpoint_every=0, stage_plan=_plan(steps=(2, 1, 2), batch=2), ep=ep,
+                    eval_every=0, checkpoint_every=0, stage_plan=json.loads(sys.argv[4]), ep=ep,
                     compile=compile, activation_checkpointing=ac, tensorboard=True))
 dist.teardown(ctx)  # the meta-init check's group, when no run tore it down
 dist.end_process()  # leave as every multi-process run does
@@ -64,12 +63,13 @@ TOL = 1e-4
 """Relative, fp32: FSDP2 and EP reduce gradients in another order than one process (test_fsdp.py's)."""
 
 
-def _torchrun(tmp_path, corpus, name, backend, runs=RUNS):  # noqa: F811
+def _torchrun(tmp_path, corpus, name, backend, runs=RUNS):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "GLM5LAB_COMPILE_BACKEND": backend}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={_free_port()}", str(driver), str(tmp_path / name), str(corpus), json.dumps(runs)],
+                        f"--master_port={free_port()}", str(driver), str(tmp_path / name), str(corpus),
+                        json.dumps(runs), json.dumps(tiny_plan(steps=(2, 1, 2), batch=2))],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     return tmp_path / name
@@ -85,7 +85,7 @@ def _check(out, reference, runs=RUNS):
 
 
 def _check_run(run, reference, ep):
-    a, b = _rows(reference), _rows(run)
+    a, b = metrics_rows(reference), metrics_rows(run)
     assert len(a) == len(b) == 5
     for ra, rb in zip(a, b, strict=True):
         for key in ("loss", "lm_loss", "indexer_kl", "grad_norm"):
@@ -96,20 +96,20 @@ def _check_run(run, reference, ep):
     assert any((run / "tb").glob("events.out.tfevents.*"))
 
 
-def _reference(corpus, tmp_path):  # noqa: F811
+def _reference(corpus, tmp_path):
     out = tmp_path / "one"
     train(TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
-                    eval_every=0, checkpoint_every=0, stage_plan=_plan(steps=(2, 1, 2), batch=4)))
+                    eval_every=0, checkpoint_every=0, stage_plan=tiny_plan(steps=(2, 1, 2), batch=4)))
     return out
 
 
-def test_meta_init_and_checkpointed_ep_run_equal_one_process(corpus, tmp_path):  # noqa: F811
+def test_meta_init_and_checkpointed_ep_run_equal_one_process(corpus, tmp_path):
     _check(_torchrun(tmp_path, corpus, "two", "aot_eager"), _reference(corpus, tmp_path))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_blocks_with_ep_and_inductor_equal_one_process(corpus, tmp_path, backend):  # noqa: F811
+def test_compiled_blocks_with_ep_and_inductor_equal_one_process(corpus, tmp_path, backend):
     """--compile with --ep (aot_eager), and every run with inductor (what `--compile` runs): minutes here."""
     runs = SLOW_RUNS + (RUNS if backend == "inductor" else [])
     _check(_torchrun(tmp_path, corpus, "two", backend, runs), _reference(corpus, tmp_path), runs)

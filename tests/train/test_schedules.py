@@ -8,7 +8,8 @@ import pytest
 
 from glm5lab.train.extend import extend_plan
 from glm5lab.train.recipe import builtin_names, load_recipe, resolve
-from glm5lab.train.stages import Stage, default_stages
+from glm5lab.train.recipe import default_stages
+from glm5lab.train.stages import Stage
 
 
 def _old_lr_at(stage: Stage, i: int) -> float:

@@ -11,7 +11,6 @@ a cut run resumes from step 4 and trains the sparse stage (DSA top-k, indexer KL
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -24,18 +23,16 @@ from glm5lab.checkpoints.export import load_checkpoint_model
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.extend import rescale_stages
 from glm5lab.train.stages import Stage
-from tests.conftest import write_word_corpus
-from tests.train.test_loop import _plan
+from tests.conftest import free_port, write_word_corpus
+from tests.train.conftest import metrics_rows, tiny_plan
 
 DRIVER = """
-import sys
+import json, sys
 from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
-from tests.train.test_loop import _plan
-out, batch, corpus, ep, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+out, plan, corpus, ep, resume = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
 train(TrainArgs(config=corpus + "/config.json", data=corpus + "/texts", out=out, progress=False, eval_every=2,
-                eval_tokens=48, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=batch), ep=ep,
-                resume=resume))
+                eval_tokens=48, checkpoint_every=0, stage_plan=plan, ep=ep, resume=resume))
 end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
 LOSS_RTOL = 1e-5
@@ -43,19 +40,14 @@ LOSS_RTOL = 1e-5
 rounding), and 5e-9 in the validation loss. Garbage check: the steps' losses differ by 1e-2 from one to the next."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(root, out, *, procs, batch, ep=1, resume=False):
     """The driver in `procs` processes (torchrun with gloo for 2); returns its stderr."""
     root = root.root if isinstance(root, Runs) else root
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "GLM5LAB_CACHE": str(root / "cache")}
     launch = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  f"--nproc_per_node={procs}", f"--master_port={_free_port()}"]
-    done = subprocess.run(launch + [str(root / "driver.py"), str(out), str(batch), str(root), str(ep), str(int(resume))],
+                                                  f"--nproc_per_node={procs}", f"--master_port={free_port()}"]
+    plan = json.dumps(tiny_plan(steps=(3, 1, 3), batch=batch))
+    done = subprocess.run(launch + [str(root / "driver.py"), str(out), plan, str(root), str(ep), str(int(resume))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
@@ -82,10 +74,6 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return Runs(tmp_path_factory.mktemp("sharded"))
-
-
-def _rows(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _cut(run, to):
@@ -115,8 +103,8 @@ def test_resume_at_the_same_world_size_is_bit_exact(runs, tmp_path, name, ep):
     cut = _cut(runs / name, tmp_path / "cut")
     err = _run(runs, cut, procs=2, batch=2, ep=ep, resume=True)
     assert "from checkpoint step-000004: step 4 of 7" in err and "resuming at" not in err
-    assert _rows(cut) == [{**r, **{k: _rows(cut)[i][k] for k in ("tokens_per_s", "step_time_s")}}
-                          for i, r in enumerate(_rows(runs / name))]  # every logged figure but the timings
+    assert metrics_rows(cut) == [{**r, **{k: metrics_rows(cut)[i][k] for k in ("tokens_per_s", "step_time_s")}}
+                          for i, r in enumerate(metrics_rows(runs / name))]  # every logged figure but the timings
     a = load_checkpoint_model(runs / name).state_dict()
     b = load_checkpoint_model(cut).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -143,7 +131,7 @@ def test_resume_at_another_world_size_keeps_the_global_batch(runs, tmp_path, sou
     assert (f"resuming with --ep {ep} a run started with --ep {started_ep}: its experts are resharded on load"
             in err) == (ep != started_ep), err
     assert ("a run started with --ep" in err) == (ep != started_ep), err
-    ref, got = _rows(runs / source), _rows(cut)
+    ref, got = metrics_rows(runs / source), metrics_rows(cut)
     assert [r["step"] for r in got] == list(range(1, 8)) and got[:4] == ref[:4]
     for a, b in zip(ref[4:], got[4:], strict=True):
         assert b["tokens"] == a["tokens"] == 4 * 24
@@ -174,13 +162,13 @@ def test_a_corrupt_sharded_checkpoint_falls_back_to_the_one_before(runs, tmp_pat
     err = _run(runs, run, procs=1, batch=2, resume=True)
     assert f"checkpoint {run / 'checkpoints' / 'step-000007'} is unusable" in err and damage in err, err
     assert "resuming from step-000004, the newest checkpoint that verifies" in err
-    for a, b in zip(_rows(runs / "ep")[4:], _rows(run)[4:], strict=True):
+    for a, b in zip(metrics_rows(runs / "ep")[4:], metrics_rows(run)[4:], strict=True):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"])
 
 
 def _one_process_args(runs, out):
     return TrainArgs(config=str(runs.root / "config.json"), data=str(runs.root / "texts"), out=str(out), progress=False,
-                     eval_every=2, eval_tokens=48, checkpoint_every=0, stage_plan=_plan(steps=(3, 1, 3), batch=2),
+                     eval_every=2, eval_tokens=48, checkpoint_every=0, stage_plan=tiny_plan(steps=(3, 1, 3), batch=2),
                      resume=True)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 SESSION = """
 import os, sys, torch.distributed as dist
 from glm5lab.parallel.dist import session
@@ -84,7 +86,7 @@ def test_every_multiprocess_driver_leaves_through_the_shared_teardown():
             assert "destroy_process_group" not in driver, path  # one teardown, the library's
             assert re.search(r"\bsession\(|teardown\(|\btrain\(TrainArgs", driver), path
             assert "end_process(" in driver, path
-    assert {"muon_dist_driver.py", "ep_harness.py", "test_expert_parallel.py", "test_fsdp.py", "test_precision.py",
+    assert {"muon_dist_driver.py", "test_expert_parallel.py", "test_fsdp.py", "test_precision.py",
             "test_grad_accum.py", "test_scale_torchrun.py", "test_sharded_checkpoint.py"} <= set(checked)
 
 
@@ -106,14 +108,13 @@ def test_ctrl_c_under_torchrun_stops_every_rank_once_and_cleanly(tmp_path):
     import time
 
     from tests.conftest import write_word_corpus
-    from tests.train.test_fsdp import _free_port
 
     write_word_corpus(tmp_path / "texts")
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLM5LAB_CACHE": str(tmp_path / "cache")}
     with (tmp_path / "err.txt").open("w") as err:
         launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                     f"--master_port={_free_port()}", "-m", "glm5lab", "train", "--recipe", "tiny",
+                                     f"--master_port={free_port()}", "-m", "glm5lab", "train", "--recipe", "tiny",
                                      "--data", str(tmp_path / "texts"), "--steps", "60", "--threads", "1",
                                      "--no-progress", "--out", str(run)], env=env, stdout=subprocess.DEVNULL, stderr=err)
         try:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from glm5lab.train.tensorboard import check_available, scalars
-from tests.train.test_loop import _args, _rows, corpus, train_killed_at  # noqa: F401  (fixture)
 from glm5lab.train.loop import train
+from tests.train.conftest import metrics_rows, run_args, train_killed_at
 
 
 def _events(folder) -> dict[str, list[tuple[int, float]]]:
@@ -37,12 +37,12 @@ def test_scalars_of_a_record():
                                "expert_load/max_over_mean": 1.5, "ep_tokens/0": 5.0, "ep_tokens/1": 7.0}
 
 
-def test_event_log_equals_metrics_and_a_resumed_run_continues_it(corpus, monkeypatch):  # noqa: F811
+def test_event_log_equals_metrics_and_a_resumed_run_continues_it(corpus, monkeypatch):
     run = corpus / "tb-run"
-    train_killed_at(7, _args(corpus, run, tensorboard=True), monkeypatch)  # logged 1..7, checkpoint at 6
+    train_killed_at(7, run_args(corpus, run, tensorboard=True), monkeypatch)  # logged 1..7, checkpoint at 6
     assert max(step for series in _events(run / "tb").values() for step, _ in series) == 7
-    summary = train(_args(corpus, run, tensorboard=True, resume=True))  # trains 7.. again
-    rows = _rows(run)
+    summary = train(run_args(corpus, run, tensorboard=True, resume=True))  # trains 7.. again
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == list(range(1, 10))
     got, want = _events(run / "tb"), _expected(rows)
     for tag in ("loss/dense", "loss/indexer_warmup", "loss/sparse_adaptation", "lm_loss", "mtp_losses/1", "indexer_kl",
@@ -53,14 +53,14 @@ def test_event_log_equals_metrics_and_a_resumed_run_continues_it(corpus, monkeyp
     assert got == {**want, **final}  # step 7 once (the resumed run's), every value as metrics.jsonl's
 
 
-def test_one_tag_per_quantity(corpus):  # noqa: F811
+def test_one_tag_per_quantity(corpus):
     """The objective `loss` is the LM + MTP loss in a dense stage and the indexer KL alone in the warm-up (issue 36:
     one `loss` curve went from 11.7 to 6e-5 and back), and `grad_norm` the whole model's in one and the indexer's
     alone in the other (~2 against ~3e-4 under one tag): a tag per stage, each one quantity; the whole split's final
     validation has tags of its own, apart from the periodic subset's `val_loss`."""
     run = corpus / "tb-run"
-    summary = train(_args(corpus, run, tensorboard=True))
-    got, rows = _events(run / "tb"), _rows(run)
+    summary = train(run_args(corpus, run, tensorboard=True))
+    got, rows = _events(run / "tb"), metrics_rows(run)
     assert "loss" not in got and "grad_norm" not in got
     for stage in ("dense", "indexer_warmup", "sparse_adaptation"):
         for key in ("loss", "grad_norm"):

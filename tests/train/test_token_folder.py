@@ -1,7 +1,8 @@
-"""`glm5lab train --data DIR` on a token folder: the memmap-backed data path gives exactly the in-memory
-path's tokens, batches (world sizes 1 and 2, several steps, an epoch boundary), validation windows and
-scores, and unigram baseline, also for a raw folder of text, JSONL and parquet files (one reader); bad folders
-are refused in one line; a run seed other than the folder's split seed is said."""
+"""`glm5lab train --data DIR` on a token folder, and `--data TEXT` on the cached token folder of its text: the
+same tokens either way, also for a raw folder of text, JSONL and parquet files (one reader); the cache's key
+(corpus, seed, tokenizer); memmap windows give the batches (world sizes 1 and 2, several steps, an epoch boundary),
+validation windows and scores, and unigram baseline of the tokens held in memory; bad folders are refused in one
+line; a run seed other than the folder's split seed is said."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from glm5lab.data.tokenizer import train_tokenizer
+from glm5lab.data.tokenizer import load_tokenizer, train_tokenizer
 from glm5lab.data.batches import BatchStream, pack, unigram_loss
 from glm5lab.data.pipeline import prepare_data
 from glm5lab.train.evaluation import evaluate_nll
 from glm5lab.data.shards import ShardedTokens, TokenWindows, open_token_folder
 from glm5lab.train.stages import Stage
 from glm5lab.data.tokenize import ShardWriter, tokenize_corpus
-from tests.conftest import write_word_corpus
+from tests.conftest import reference_split, write_word_corpus
 
 VOCAB = 320
 SHARD = 700  # tokens per shard: windows of 17 tokens cross shard boundaries
@@ -35,21 +36,45 @@ def folders(tmp_path, monkeypatch):
     return texts, tmp_path / "tokens"
 
 
-def test_token_folder_equals_the_in_memory_path(folders):
+def test_a_text_corpus_trains_from_its_cached_token_folder(folders, tmp_path):
+    """`--data TEXT` tokenizes once into `$GLM5LAB_CACHE/tokens/` (said in one line), then reuses the folder: the
+    tokens of `glm5lab tokenize TEXT`. Another seed, another tokenizer or a changed file gets another folder; a given
+    tokenizer that is the trained one (a resumed run's) reuses the trained folder."""
     texts, tokens = folders
-    memory, lazy = prepare_data(VOCAB, str(texts), 0), prepare_data(VOCAB, str(tokens), 0)
-    assert isinstance(lazy.train_tokens, ShardedTokens) and len(lazy.train_tokens.files) > 2
-    assert lazy.tokenizer.to_str() == memory.tokenizer.to_str()
-    assert np.array_equal(np.asarray(lazy.train_tokens), memory.train_tokens)  # ids match exactly
-    assert np.array_equal(np.asarray(lazy.val_tokens), memory.val_tokens)
-    assert len(lazy.train_tokens) == len(memory.train_tokens) and len(lazy.val_tokens) == len(memory.val_tokens)
+    said = []
+    text = prepare_data(VOCAB, str(texts), 0, say=said.append)
+    assert said == [f"tokenizing {texts} (split seed 0, byte-level BPE, vocab_size {VOCAB}) once into the cache: "
+                    f"{text.train_tokens.files[0].parent}"]
+    folder = text.train_tokens.files[0].parent
+    assert folder.parent == tmp_path / "cache" / "tokens" and folder.name.startswith("texts-")
+    assert folder.name.endswith(f"-bpe{VOCAB}") and text.source == str(texts)
+    lazy = prepare_data(VOCAB, str(tokens), 0)
+    assert isinstance(text.train_tokens, ShardedTokens) and len(lazy.train_tokens.files) > 2
+    assert text.tokenizer.to_str() == lazy.tokenizer.to_str()
+    assert np.array_equal(np.asarray(text.train_tokens), np.asarray(lazy.train_tokens))  # ids match exactly
+    assert np.array_equal(np.asarray(text.val_tokens), np.asarray(lazy.val_tokens))
+    assert prepare_data(VOCAB, str(texts), 0, say=said.append).train_tokens.files[0].parent == folder and len(said) == 1
+    (checkpoint := tmp_path / "ckpt").mkdir()
+    (checkpoint / "tokenizer.json").write_text(lazy.tokenizer.to_str())
+    kept = prepare_data(VOCAB, str(texts), 0, checkpoint=checkpoint, say=said.append)
+    assert kept.train_tokens.files[0].parent == folder and len(said) == 1
+    other_seed = prepare_data(VOCAB, str(texts), 3, say=said.append).train_tokens.files[0].parent
+    train_tokenizer(["another corpus entirely, another vocabulary"] * 30, 290, tmp_path / "other")
+    other_tok = prepare_data(VOCAB, str(texts), 0, tokenizer=str(tmp_path / "other"), say=said.append)
+    (texts / "doc0.txt").write_text((texts / "doc0.txt").read_text() + " and more")
+    changed = prepare_data(VOCAB, str(texts), 0, say=said.append).train_tokens.files[0].parent
+    folders_made = {folder, other_seed, other_tok.train_tokens.files[0].parent, changed}
+    assert len(folders_made) == 4 and len(said) == 4 and other_tok.index["split"]["seed"] == 0
+    assert other_tok.tokenizer.to_str() == load_tokenizer(tmp_path / "other").to_str()
+    assert not list((tmp_path / "cache" / "tokens").glob(".*"))  # no staging folder left
 
 
 def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch):
     """Issue 36: `train --data FOLDER` reads the .parquet (and .arrow) files `tokenize FOLDER` reads, through the
     same reader: the same documents, tokenizer, train/val tokens and unigram baseline either way."""
     datasets = pytest.importorskip("datasets")
-    from glm5lab.data.pipeline import split_corpus
+    from glm5lab.data.corpus import split_documents
+    from glm5lab.data.sources import iter_documents
 
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
     raw = write_word_corpus(tmp_path / "raw", docs=5, words_per_doc=200)
@@ -57,18 +82,18 @@ def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch)
                                             for i in range(30)))
     rows = [" ".join(["the king", "the sea", "a fool"][(i + j) % 3] for j in range(30)) for i in range(70)]
     datasets.Dataset.from_dict({"text": rows}).to_parquet(str(raw / "table.parquet"))
-    _, train_docs, val_docs = split_corpus(str(raw), 0)
+    train_docs, val_docs = split_documents(list(iter_documents(raw)), seed=0)
     assert {"table.parquet", "rows.jsonl"} <= {d.name.split(":")[0] for d in val_docs}  # both reach validation
     tokenize_corpus(raw, tmp_path / "tokens", vocab_size=VOCAB, progress=False)
-    memory, lazy = prepare_data(VOCAB, str(raw), 0), prepare_data(VOCAB, str(tmp_path / "tokens"), 0)
-    assert lazy.tokenizer.to_str() == memory.tokenizer.to_str()
-    assert np.array_equal(np.asarray(lazy.train_tokens), memory.train_tokens)
-    assert np.array_equal(np.asarray(lazy.val_tokens), memory.val_tokens)
+    text, lazy = prepare_data(VOCAB, str(raw), 0), prepare_data(VOCAB, str(tmp_path / "tokens"), 0)
+    assert lazy.tokenizer.to_str() == text.tokenizer.to_str()
+    train_ids, val_ids = reference_split(lazy.tokenizer, raw)
+    for data in (lazy, text):
+        assert np.array_equal(np.asarray(data.train_tokens), train_ids)
+        assert np.array_equal(np.asarray(data.val_tokens), val_ids)
     index = open_token_folder(tmp_path / "tokens").index
     assert index["splits"]["val"]["documents"] == len(val_docs) and index["splits"]["train"]["documents"] == len(
         train_docs) == 5 + 30 + 70 - len(val_docs)
-    ref = unigram_loss(memory.train_tokens, memory.val_tokens, VOCAB)
-    assert math.isclose(unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB), ref, rel_tol=1e-12)
 
 
 def test_a_run_seed_other_than_the_folders_split_seed_is_said(folders):
@@ -86,10 +111,11 @@ def test_a_run_seed_other_than_the_folders_split_seed_is_said(folders):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_same_batches_per_rank_and_step(folders, world_size):
+    """Memmap windows (`TokenWindows`) give the batches of the same tokens held in memory."""
     texts, tokens = folders
-    memory, lazy = prepare_data(VOCAB, str(texts), 0), prepare_data(VOCAB, str(tokens), 0)
+    lazy = prepare_data(VOCAB, str(tokens), 0)
     seq_len, batch = 16, 3
-    windows_mem, windows_lazy = pack(memory.train_tokens, seq_len), pack(lazy.train_tokens, seq_len)
+    windows_mem, windows_lazy = pack(np.asarray(lazy.train_tokens), seq_len), pack(lazy.train_tokens, seq_len)
     assert isinstance(windows_lazy, TokenWindows) and windows_lazy.shape == windows_mem.shape
     for rank in range(world_size):
         a = BatchStream(windows_mem, batch, seed=5, rank=rank, world_size=world_size)
@@ -102,10 +128,11 @@ def test_same_batches_per_rank_and_step(folders, world_size):
         assert torch.equal(resumed.batch(steps[-1]), a.batch(steps[-1]))  # resumable at any step
 
 
-def test_same_validation_windows_scores_and_unigram(folders):
+def test_same_validation_windows_scores_and_unigram(folders, monkeypatch):
     texts, tokens = folders
-    memory, lazy = prepare_data(VOCAB, str(texts), 0), prepare_data(VOCAB, str(tokens), 0)
-    val_mem, val_lazy = pack(memory.val_tokens, 16), pack(lazy.val_tokens, 16)
+    lazy = prepare_data(VOCAB, str(tokens), 0)
+    train_mem, val_mem_ids = np.asarray(lazy.train_tokens), np.asarray(lazy.val_tokens)  # the tokens in memory
+    val_mem, val_lazy = pack(val_mem_ids, 16), pack(lazy.val_tokens, 16)
     assert torch.equal(val_lazy[:], val_mem) and torch.equal(val_lazy[:4], val_mem[:4])
     assert torch.equal(val_lazy[len(val_mem) - 1], val_mem[-1])
     model = _BigramModel(VOCAB)
@@ -115,7 +142,9 @@ def test_same_validation_windows_scores_and_unigram(folders):
         a = evaluate_nll(model, val_mem, stage, n_windows, byte_lengths_V=lengths)
         b = evaluate_nll(model, val_lazy, stage, n_windows, byte_lengths_V=lengths)
         assert (a.tokens, a.utf8_bytes) == (b.tokens, b.utf8_bytes) and a.nll_sum == b.nll_sum
-    ref = unigram_loss(memory.train_tokens, memory.val_tokens, VOCAB)
+    ref = unigram_loss(train_mem, val_mem_ids, VOCAB)
+    assert unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB) == ref  # one chunk each: the same sums
+    monkeypatch.setattr(ShardedTokens.chunks, "__defaults__", (50,))
     got = unigram_loss(lazy.train_tokens, lazy.val_tokens, VOCAB)
     assert math.isclose(got, ref, rel_tol=1e-12), (got, ref)  # fp64 sums in another order
     assert not math.isclose(unigram_loss(lazy.val_tokens, lazy.val_tokens, VOCAB), ref, rel_tol=1e-6)  # garbage fails

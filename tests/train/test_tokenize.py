@@ -1,7 +1,6 @@
-"""`glm5lab tokenize`: a text file read in chunks equals it read whole, the streamed split equals
-`split_documents` (fallbacks included), parquet/arrow through `datasets`, shards equal the in-memory token stream
-(long documents too, encoded in pieces), an interrupted run leaves no index and no half-written shard, and
-one-line refusals."""
+"""`glm5lab tokenize`: a text file read in chunks equals it read whole, the split's fallbacks, parquet/arrow through
+`datasets`, shards equal the documents encoded whole and joined by <|endoftext|> (long documents too, encoded in
+pieces), an interrupted run leaves no index and no half-written shard, and one-line refusals."""
 
 from __future__ import annotations
 
@@ -12,13 +11,13 @@ import numpy as np
 import pytest
 
 from glm5lab.cli import main
-from glm5lab.data.tokenizer import encode_documents, load_tokenizer, train_tokenizer
-from glm5lab.data.corpus import Document, _score, split_documents
+from glm5lab.data.tokenizer import load_tokenizer, train_tokenizer
+from glm5lab.data.corpus import Document, split_documents, split_score
 from glm5lab.data.pipeline import prepare_data
 from glm5lab.data.shards import ShardedTokens, dtype_for, open_token_folder
 from glm5lab.data.sources import TextFile, iter_documents
-from glm5lab.data.tokenize import ShardWriter, SplitAssigner, settled, tokenize_corpus
-from tests.conftest import write_word_corpus
+from glm5lab.data.tokenize import ShardWriter, tokenize_corpus
+from tests.conftest import encode_whole, reference_split, write_word_corpus
 
 VOCAB = 300
 
@@ -38,40 +37,31 @@ def test_a_text_file_read_in_chunks_equals_it_read_whole(tmp_path, monkeypatch):
     whole = path.read_text(encoding="utf-8-sig")
     for block in (1, 2, 3, 5, 64):
         monkeypatch.setattr(sources, "READ_BYTES", block)
-        doc = next(iter_documents(path, lazy=True))
+        doc = next(iter_documents(path))
         assert isinstance(doc, TextFile) and doc.text == whole
         assert max(len(c) for c in doc.chunks()) <= block + 1  # + a CR held back from the read before
         assert doc.part("p", 3, 9).text == whole[3:9]
         assert [(d.name, d.text) for d in split_documents([doc], 0.4)[0] + split_documents([doc], 0.4)[1]] == [
             (d.name, d.text) for d in sum(split_documents([Document("t.txt", whole)], 0.4), [])]
-    assert list(iter_documents(path)) == [Document("t.txt", whole)]
-
-
-@pytest.mark.parametrize("fraction", [0.05, 0.5, 0.97])
-def test_streamed_split_equals_split_documents(fraction):
-    rng = random.Random(0)
-    for trial in range(40):
-        docs = [Document(f"d{trial}-{i}", f"text {i}\n\nmore {i}") for i in range(rng.randint(1, 6))]
-        seed = rng.randint(0, 3)
-        assigner, got = SplitAssigner(seed, fraction), []
-        settled(assigner, lambda: iter(docs), lambda pairs: got.__setitem__(slice(None), list(pairs)))
-        train, val = split_documents(docs, fraction, seed)
-        assert [d for d, v in got if not v] == train and [d for d, v in got if v] == val
 
 
 @pytest.mark.parametrize("n_docs", [1, 2, 40])
-def test_shards_equal_the_in_memory_stream(tmp_path, n_docs):
+def test_shards_are_the_split_documents_encoded_whole_and_joined(tmp_path, n_docs):
     """1 document: its text is cut; 2: no document scores below 0.05 with seed 0, the lowest moves to val; 40: some
-    do, no fallback."""
+    do, no fallback. Each split decodes back to its documents, cut at <|endoftext|>."""
     texts = write_word_corpus(tmp_path / "texts", docs=n_docs, words_per_doc=300)
     index = tokenize_corpus(texts, tmp_path / "tok", vocab_size=VOCAB, shard_size=250, progress=False)
-    memory, folder = prepare_data(VOCAB, str(texts), 0), open_token_folder(tmp_path / "tok")
-    assert np.array_equal(np.asarray(folder.train), memory.train_tokens)
-    assert np.array_equal(np.asarray(folder.val), memory.val_tokens)
+    folder = open_token_folder(tmp_path / "tok")
+    tok = load_tokenizer(tmp_path / "tok")
+    train_ids, val_ids = reference_split(tok, texts)
+    assert np.array_equal(np.asarray(folder.train), train_ids)
+    assert np.array_equal(np.asarray(folder.val), val_ids)
     train_docs, val_docs = split_documents(list(iter_documents(texts)), seed=0)
+    parts = np.split(val_ids, np.flatnonzero(val_ids == tok.token_to_id("<|endoftext|>")))
+    assert [tok.decode(p.tolist()) for p in parts] == [d.text for d in val_docs]
     assert index["splits"]["train"]["documents"] == len(train_docs) and index["splits"]["val"]["documents"] == len(val_docs)
     assert index["split"]["single"] == (None if n_docs > 1 else "doc0.txt")
-    natural = any(_score(d.name, 0) < 0.05 for d in iter_documents(texts))
+    natural = any(split_score(d.name, 0) < 0.05 for d in iter_documents(texts))
     assert (index["split"]["moved"] is not None) == (n_docs > 1 and not natural) and natural == (n_docs == 40)
     assert all(s["tokens"] == 250 for s in index["splits"]["train"]["shards"][:-1]) and index["dtype"] == "uint16"
 
@@ -94,8 +84,8 @@ def test_parquet_and_arrow_through_datasets(tmp_path):
     index = tokenize_corpus(tmp_path / "pq", tmp_path / "t1", tokenizer=tmp_path / "tk", vocab_size=VOCAB,
                             text_field="body", shard_size=100, progress=False)
     folder = open_token_folder(tmp_path / "t1")
-    assert np.array_equal(np.asarray(folder.train), encode_documents(tok, train))
-    assert np.array_equal(np.asarray(folder.val), encode_documents(tok, val))
+    assert np.array_equal(np.asarray(folder.train), encode_whole(tok, train))
+    assert np.array_equal(np.asarray(folder.val), encode_whole(tok, val))
     assert index["text_field"] == "body" and index["splits"]["val"]["documents"] == len(val)
     arrow_docs = list(iter_documents(tmp_path / "arrow", "body"))
     assert [d.text for d in arrow_docs] == rows and arrow_docs[0].name == "data-00000-of-00001.arrow:0"
@@ -158,7 +148,8 @@ def test_an_interrupted_run_leaves_no_index_and_no_partial_shard(tmp_path, monke
         prepare_data(VOCAB, str(tmp_path / "tok"), 0)
     monkeypatch.setattr(ShardWriter, "_finish", real)
     tokenize_corpus(texts, tmp_path / "tok", vocab_size=VOCAB, shard_size=200, progress=False)  # a rerun cleans up
-    assert np.array_equal(np.asarray(open_token_folder(tmp_path / "tok").train), prepare_data(VOCAB, str(texts), 0).train_tokens)
+    assert np.array_equal(np.asarray(open_token_folder(tmp_path / "tok").train),
+                          reference_split(load_tokenizer(tmp_path / "tok"), texts)[0])
     assert not list((tmp_path / "tok").glob("*.tmp"))
 
 
@@ -199,19 +190,26 @@ def test_parquet_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys)
     assert "needs the `datasets` library: pip install -e .[data]" in err and err.count("\n") == 1
 
 
-def test_streamed_tokenizer_training_equals_cached_tokenizer(tmp_path, monkeypatch):
-    """The streamed trainer reads documents in pieces (here of at most 64 characters): the same tokenizer and
-    cache entry as training on the whole texts."""
-    from glm5lab.data.tokenizer import cached_tokenizer, cached_tokenizer_streamed
+def test_the_tokenizer_trained_in_pieces_is_the_one_trained_on_whole_texts(tmp_path, monkeypatch):
+    """`cached_tokenizer` feeds the trainer pieces (here of at most 64 characters): the tokenizer `train_tokenizer`
+    gives on the whole texts, byte for byte, under the cache key of the texts."""
     from glm5lab.data import pieces
+    from glm5lab.data.tokenizer import cached_tokenizer
 
-    docs = list(iter_documents(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300), lazy=True))
-    texts = [d.text for d in docs]
-    a = cached_tokenizer(texts, VOCAB, tmp_path / "a")
+    docs = list(iter_documents(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300)))
+    whole = train_tokenizer([d.text for d in docs], VOCAB, tmp_path / "whole")
     monkeypatch.setattr(pieces, "PIECE_CHARS", 64)
-    b = cached_tokenizer_streamed(lambda: iter(docs), VOCAB, tmp_path / "b")
-    assert a.to_str() == b.to_str()
-    assert [p.name for p in (tmp_path / "a").iterdir()] == [p.name for p in (tmp_path / "b").iterdir()]
+    assert cached_tokenizer(lambda: iter(docs), VOCAB, tmp_path / "cache").to_str() == whole.to_str()
+
+
+def test_a_tokenizer_without_endoftext_is_refused(tmp_path):
+    texts = write_word_corpus(tmp_path / "texts", docs=3, words_per_doc=50)
+    spec = json.loads(train_tokenizer(["the king and the sea"] * 20, VOCAB, tmp_path / "tk").to_str())
+    spec["added_tokens"] = []
+    spec["model"]["vocab"].pop("<|endoftext|>")
+    (tmp_path / "no-eot.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"no <\|endoftext\|> token, needed as the document separator"):
+        tokenize_corpus(texts, tmp_path / "tok", tokenizer=tmp_path / "no-eot.json", vocab_size=VOCAB, progress=False)
 
 
 class _Spy:
@@ -255,10 +253,9 @@ def test_a_long_document_is_encoded_in_pieces_to_the_whole_documents_tokens(tmp_
         monkeypatch.setattr(tokenize, "load_tokenizer", lambda path: spy)
         out = tmp_path / f"tok-{data.name}"
         index = tokenize_corpus(data, out, tokenizer=tmp_path / "tk", vocab_size=VOCAB, progress=False)
-        memory = prepare_data(VOCAB, str(data), 0, tokenizer=str(tmp_path / "tk"))
+        train_ids, val_ids = reference_split(tok, data)
         tokens = open_token_folder(out)
-        assert np.array_equal(np.asarray(tokens.train), memory.train_tokens)
-        assert np.array_equal(np.asarray(tokens.val), memory.val_tokens)
+        assert np.array_equal(np.asarray(tokens.train), train_ids) and np.array_equal(np.asarray(tokens.val), val_ids)
         assert 400 < spy.longest <= 500 < len(data.read_text() if data.is_file() else (folder / "long.txt").read_text())
         assert index["encoding"].startswith("pieces of at most 500 characters")
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 7
@@ -276,10 +273,9 @@ def test_a_tokenizer_that_cannot_be_cut_is_encoded_whole_and_said_so(tmp_path, m
     (tmp_path / "nfc.json").write_text(json.dumps(spec))
     index = tokenize_corpus(tmp_path / "one.txt", tmp_path / "tok", tokenizer=tmp_path / "nfc.json", vocab_size=VOCAB,
                             progress=False)
-    memory = prepare_data(VOCAB, str(tmp_path / "one.txt"), 0, tokenizer=str(tmp_path / "nfc.json"))
+    train_ids, val_ids = reference_split(load_tokenizer(tmp_path / "nfc.json"), tmp_path / "one.txt")
     tokens = open_token_folder(tmp_path / "tok")
-    assert np.array_equal(np.asarray(tokens.train), memory.train_tokens)
-    assert np.array_equal(np.asarray(tokens.val), memory.val_tokens)
+    assert np.array_equal(np.asarray(tokens.train), train_ids) and np.array_equal(np.asarray(tokens.val), val_ids)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"glm5lab tokenize: --tokenizer {tmp_path / 'nfc.json'}: its "
                                                    "normalizer (NFC) may join characters across a cut, so each "

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from glm5lab.data import tokenizer as tok_mod
 from glm5lab.data.tokenizer import (
-    EOT, cached_tokenizer, encode_documents, eot_id, load_tokenizer, train_tokenizer,
+    EOT, cached_tokenizer, eot_id, load_tokenizer, train_tokenizer,
 )
 from glm5lab.data.corpus import Document
 
@@ -81,42 +80,14 @@ def test_cached_tokenizer_trains_once_per_data_and_vocab(tmp_path, monkeypatch):
     calls = []
     real_train = tok_mod.train_tokenizer
     monkeypatch.setattr(tok_mod, "train_tokenizer", lambda *a: calls.append(a[1]) or real_train(*a))
-    first = cached_tokenizer(TEXTS, 300, tmp_path)
-    again = cached_tokenizer(iter(TEXTS), 300, tmp_path)
+    docs = lambda texts: lambda: (Document(f"d{i}", t) for i, t in enumerate(texts))  # noqa: E731
+    first = cached_tokenizer(docs(TEXTS), 300, tmp_path)
+    again = cached_tokenizer(docs(TEXTS), 300, tmp_path)
     assert again.to_str() == first.to_str() and calls == [300]
-    cached_tokenizer(TEXTS[:-1], 300, tmp_path)
-    cached_tokenizer(TEXTS, 310, tmp_path)
-    cached_tokenizer(["".join(TEXTS[:2])] + TEXTS[2:], 300, tmp_path)  # same characters, other split
+    cached_tokenizer(docs(TEXTS[:-1]), 300, tmp_path)
+    cached_tokenizer(docs(TEXTS), 310, tmp_path)
+    cached_tokenizer(docs(["".join(TEXTS[:2])] + TEXTS[2:]), 300, tmp_path)  # same characters, other split
     assert calls == [300, 300, 310, 300]
     assert len(list(tmp_path.glob("tokenizer-v*/tokenizer.json"))) == 4
 
 
-def test_encode_documents_separates_with_eot(tok):
-    docs = [Document(f"d{i}", t) for i, t in enumerate(TEXTS + [TRICKY])]
-    ids = encode_documents(tok, docs)
-    assert ids.dtype == np.int32 and ids.ndim == 1
-    expected = []
-    for d in docs:
-        expected += tok.encode(d.text, add_special_tokens=False).ids + [eot_id(tok)]
-    assert ids.tolist() == expected[:-1]
-    pieces = np.split(ids, np.flatnonzero(ids == eot_id(tok)))
-    assert [tok.decode(p.tolist()) for p in pieces] == [d.text for d in docs]
-
-
-def test_encode_documents_in_chunks(tok, monkeypatch):
-    docs = [Document(f"d{i}", f"doc {i}") for i in range(7)]
-    whole = encode_documents(tok, docs)
-    monkeypatch.setattr(tok_mod, "_ENCODE_CHUNK_DOCS", 3)
-    np.testing.assert_array_equal(encode_documents(tok, docs), whole)
-    assert (whole == eot_id(tok)).sum() == 6
-
-
-def test_encode_errors(tok, tmp_path):
-    with pytest.raises(ValueError, match="no documents"):
-        encode_documents(tok, [])
-    spec = json.loads(tok.to_str())
-    spec["added_tokens"] = []
-    spec["model"]["vocab"].pop(EOT)
-    no_eot = tok.from_str(json.dumps(spec))
-    with pytest.raises(ValueError, match=r"no <\|endoftext\|> token"):
-        encode_documents(no_eot, [Document("a", "text")])

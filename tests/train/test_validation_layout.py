@@ -14,7 +14,6 @@ import pytest
 from glm5lab.train.evaluation import subset_windows
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.stages import Stage
-from tests.train.test_loop import corpus  # noqa: F401  (fixture)
 
 SEQ = 24
 
@@ -23,7 +22,7 @@ def _plan(batch: int, grad_accum: int) -> list[dict]:
     return [Stage("dense", 3, 3e-3, SEQ, batch, warmup_steps=1, grad_accum=grad_accum, mtp_weights=(0.3,)).to_dict()]
 
 
-def _val_rows(corpus, name: str, batch: int, grad_accum: int, eval_tokens: int = 8 * SEQ) -> list[dict]:  # noqa: F811
+def _val_rows(corpus, name: str, batch: int, grad_accum: int, eval_tokens: int = 8 * SEQ) -> list[dict]:
     out = corpus / name
     train(TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
                     eval_every=3, eval_tokens=eval_tokens, checkpoint_every=0, optimizer="adamw",
@@ -32,7 +31,7 @@ def _val_rows(corpus, name: str, batch: int, grad_accum: int, eval_tokens: int =
     return [r for r in rows if r.get("val_loss") is not None]
 
 
-def test_validation_is_the_same_set_for_any_batch_layout(corpus):  # noqa: F811
+def test_validation_is_the_same_set_for_any_batch_layout(corpus):
     whole, accum = _val_rows(corpus, "b8", 8, 1), _val_rows(corpus, "b4a2", 4, 2)
     assert [r["val_tokens"] for r in whole] == [r["val_tokens"] for r in accum] == [8 * SEQ]
     assert accum[0]["val_loss"] == pytest.approx(whole[0]["val_loss"], rel=1e-5)

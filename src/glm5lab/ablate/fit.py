@@ -5,14 +5,17 @@ many small variants and keep only their numbers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from glm5lab.ablate.workbench import BatchFn
 from glm5lab.train.losses import task_losses
+from glm5lab.train.recipe import TrainHyper, default_stages
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import StepDone, TrainHyper, run_stages
+from glm5lab.train.step import StepDone, run_stages
 
-STUDY_HYPER = TrainHyper(bias_update_rate=1e-3)
+STUDY_HYPER = TrainHyper.default(bias_update_rate=1e-3)
 """The studies' step settings: `glm5lab train`'s (`TrainHyper`) but a router bias rate of 1e-3,
 the rate the studies' published numbers were trained with. It acts on MoE layers only, and the
 study models (`models.study_config`) have a dense FFN in every layer (their MTP layer too); the
@@ -43,3 +46,15 @@ def fit(model, stages: list[Stage], batches: BatchFn, *, hyper: TrainHyper = STU
         p.requires_grad_(True)
     model.eval()
     return records
+
+
+def glm5_stages(s: dict) -> list[Stage]:
+    """`default_stages` at the size's length and batch, each stage's steps (and warm-up) scaled so
+    the three total about s["steps"] (at least one each)."""
+    base = default_stages(seq_len=s["T"], batch_size=s["batch"])
+    scale = s["steps"] / sum(st.steps for st in base)
+    out = []
+    for st in base:
+        n = max(1, round(st.steps * scale))
+        out.append(dataclasses.replace(st, steps=n, warmup_steps=min(round(st.warmup_steps * scale), n - 1)))
+    return out

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5lab.ablate.workbench import Workbench
+from glm5lab.evals.bpb import bits_per_byte, target_bytes
 from glm5lab.evals.mqar import IGNORE_INDEX
 from glm5lab.evals.niah import make_niah_batch, training_pair
 from glm5lab.validate import one_of
@@ -38,6 +39,15 @@ def labelled_nll(model, ids_BT: torch.Tensor, labels_BT: torch.Tensor, *, use_ds
         total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
         count += int((labels != IGNORE_INDEX).sum())
     return total, count
+
+
+def text_score(model, val_BT: torch.Tensor, byte_lengths: torch.Tensor, *, use_dsa: bool) -> dict:
+    """Validation loss (nats/token), bits per byte and their parts over windows val_BT [N, L + 1]."""
+    labels = val_BT[:, 1:]
+    nll, tokens = labelled_nll(model, val_BT[:, :-1], labels, use_dsa=use_dsa)
+    nbytes = target_bytes(byte_lengths, labels)
+    return {"val_loss": nll / tokens, "val_bpb": bits_per_byte(nll, nbytes), "val_nll_sum": nll,
+            "val_tokens": tokens, "val_bytes": nbytes}
 
 
 @torch.no_grad()

@@ -3,7 +3,8 @@
 `study_config` is a GLM-5 in miniature with the levers the studies switch (MLA with DSA and an
 indexer on every layer, MTP) and the ones they do not (MoE) kept small: dense FFN in every
 layer, so a training step is cheap and the comparisons are about attention. `variant_config`
-turns it into the report's proxy shapes (section on MLA-256): GQA-8, MLA, MLA-256.
+turns it into the report's proxy shapes (section on MLA-256): GQA-8, MLA, MLA-256. `GPU_SHAPE` is the
+small preset scaled up, for the studies that train the whole recipe at `--scale gpu`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ VARIANTS = ("gqa-8", "mla", "mla-256")
 WIDE_FROM = 512
 """Hidden sizes from this up (the `--scale gpu` models) take GLM-5's head widths (`WIDE_HEADS`)."""
 WIDE_HEADS = dict(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=256, index_head_dim=64)
+GPU_SHAPE = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
+                 q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                 intermediate_size=2048, moe_intermediate_size=256, n_routed_experts=16, mlp_layer_types=None,
+                 mixer_types=None, index_topk=512, index_n_heads=16, index_head_dim=64,
+                 indexer_types=["full", "full", "shared", "full", "shared", "full", "shared", "full"])
+"""`ModelConfig.from_preset("small", **GPU_SHAPE)`: the small preset scaled up for `--scale gpu` in the studies
+that train the whole GLM-5 recipe (`baseline`, `optimizer`): hidden 768, 8 layers, 16 experts of 256, DSA top-512."""
 
 
 def study_config(*, hidden_size: int = 128, num_hidden_layers: int = 4, vocab_size: int = 512,

@@ -80,7 +80,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 
 def figure():
-    """A matplotlib (Agg backend) Figure and pyplot, for plot callbacks."""
+    """matplotlib.pyplot on the headless Agg backend: every PNG of the studies and of `glm5lab report`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,11 +89,13 @@ def figure():
     return plt
 
 
-def save_png(fig, path, dpi: int = 110) -> None:
-    """Lay `fig` out, write it to `path` as PNG (whatever the name: `write_result` passes a
-    temporary one) and close it."""
+def save_png(fig, path, dpi: int = 110, *, layout: bool = True, tight: bool = False):
+    """Lay `fig` out (unless not `layout`), write it to `path` as PNG (whatever the name:
+    `write_result` passes a temporary one; `tight`: cropped to its contents) and close it; returns `path`."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=dpi)
+    if layout:
+        fig.tight_layout()
+    fig.savefig(path, format="png", dpi=dpi, bbox_inches="tight" if tight else None)
     plt.close(fig)
+    return path

@@ -4,7 +4,7 @@ No report figure. Three arms on `glm5lab train`'s text, tokenizer (vocab 4096) a
 (`data.pipeline.prepare_data`; `--data` picks another corpus); not the runner's `Workbench` (no MQAR rows).
 
   GLM-5 small        `presets.small` (MLA, DSA top-64, MoE 16 experts top-2 + shared, MTP) with
-                     `glm5lab train`'s recipe: `stages.default_stages` (dense with MTP, indexer
+                     `glm5lab train`'s recipe: `recipe.default_stages` (dense with MTP, indexer
                      warm-up, sparse adaptation) with the 300/40/80 steps scaled to the size, and
                      its default optimizer "muon-split".
   dense GPT + AdamW  nanoGPT-shaped, from our `ModelConfig`: MHA (GQA layers, KV heads = heads)
@@ -45,17 +45,18 @@ import time
 import torch
 
 from glm5lab import ledger
-from glm5lab.ablate.fit import fit
-from glm5lab.ablate.measure import labelled_nll
+from glm5lab.ablate.fit import fit, glm5_stages
+from glm5lab.ablate.measure import text_score
+from glm5lab.ablate.models import GPU_SHAPE
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
 from glm5lab.ablate.workbench import SPLIT_SEED, BatchFn
 from glm5lab.config import ModelConfig
-from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
 from glm5lab.data.batches import BatchStream, pack
-from glm5lab.train.stages import Stage, default_stages
-from glm5lab.train.step import TrainHyper
+from glm5lab.evals.bpb import token_byte_lengths
+from glm5lab.train.recipe import TrainHyper
+from glm5lab.train.stages import Stage
 
 GLM5, ADAMW, MUON = "GLM-5 small", "dense GPT + AdamW", "dense GPT + Muon"
 OPTIMIZERS = {GLM5: "muon-split", ADAMW: "adamw", MUON: "muon"}
@@ -68,14 +69,9 @@ ADAMW_LR = {"small": 2e-3, "gpu": 6e-4}
 first 128 validation windows, nats/token): 1e-3 5.476, 2e-3 5.341, 3e-3 5.403, 6e-3 5.602.
 gpu: nanoGPT's value for GPT-2 small (124M). Muon is not tuned: both Muon arms keep `glm5lab
 train`'s 3e-3 (the same probe gave the dense GPT + Muon 5.058 at 1.5e-3 and 4.795 at 6e-3)."""
-TRAIN = TrainHyper()
+TRAIN = TrainHyper.default()
 """`glm5lab train`'s step settings, passed to `fit` for every arm with the arm's optimizer (the
 router bias rate only acts on MoE)."""
-GPU_SHAPE = dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=12,
-                 q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                 intermediate_size=2048, moe_intermediate_size=256, n_routed_experts=16, mlp_layer_types=None,
-                 mixer_types=None, index_topk=512, index_n_heads=16, index_head_dim=64,
-                 indexer_types=["full", "full", "shared", "full", "shared", "full", "shared", "full"])
 SIZES = {  # steps: the GLM-5 arm's total, split 300/40/80 as default_stages; val_windows None = all
     "quick": dict(model="small", T=128, batch=2, steps=5, val_windows=4, seeds=2),
     "cpu": dict(model="small", T=256, batch=8, steps=168, val_windows=None, seeds=2),
@@ -114,18 +110,6 @@ def dense_gpt_config(glm5: ModelConfig) -> ModelConfig:
     return dense_gpt(glm5, layers, ffn)
 
 
-def glm5_stages(s: dict) -> list[Stage]:
-    """`default_stages` at the size's length and batch, each stage's steps (and warm-up) scaled so
-    the three total about s["steps"] (at least one each)."""
-    base = default_stages(seq_len=s["T"], batch_size=s["batch"])
-    scale = s["steps"] / sum(st.steps for st in base)
-    out = []
-    for st in base:
-        n = max(1, round(st.steps * scale))
-        out.append(dataclasses.replace(st, steps=n, warmup_steps=min(round(st.warmup_steps * scale), n - 1)))
-    return out
-
-
 def dense_stage(glm5: list[Stage], lr: float) -> Stage:
     """One LM-only stage of the GLM-5 arm's total steps with its dense stage's schedule shape."""
     first, steps = glm5[0], sum(st.steps for st in glm5)
@@ -153,15 +137,6 @@ def text_batches(windows: torch.Tensor, batch_size: int, seed: int, stages: list
     return batch
 
 
-def score(model, val_BT: torch.Tensor, byte_lengths: torch.Tensor, *, use_dsa: bool) -> dict:
-    """Validation loss (nats/token), bits per byte and their parts over windows val_BT [N, L + 1]."""
-    labels = val_BT[:, 1:]
-    nll, tokens = labelled_nll(model, val_BT[:, :-1], labels, use_dsa=use_dsa)
-    nbytes = target_bytes(byte_lengths, labels)
-    return {"val_loss": nll / tokens, "val_bpb": bits_per_byte(nll, nbytes), "val_nll_sum": nll,
-            "val_tokens": tokens, "val_bytes": nbytes}
-
-
 def train_and_score(cfg: ModelConfig, stages: list[Stage], optimizer: str, batches: BatchFn, seed: int,
                     val_BT: torch.Tensor, byte_lengths: torch.Tensor, device) -> dict:
     """Train one arm for one seed on `device`; its raw numbers."""
@@ -171,7 +146,7 @@ def train_and_score(cfg: ModelConfig, stages: list[Stage], optimizer: str, batch
     model = GLM5ForCausalLM(cfg).to(device)
     records = fit(model, stages, batches, hyper=dataclasses.replace(TRAIN, optimizer=optimizer), seed=seed)
     t0 = time.perf_counter()
-    scores = score(model, val_BT, byte_lengths, use_dsa=stages[-1].use_dsa)
+    scores = text_score(model, val_BT, byte_lengths, use_dsa=stages[-1].use_dsa)
     seconds = sum(r["seconds"] for r in records)
     tokens = sum(st.steps * st.batch_size * st.seq_len for st in stages)
     return {**scores, "train_seconds": seconds, "train_tokens": tokens, "tokens_per_s": tokens / seconds,

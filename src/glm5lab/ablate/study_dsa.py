@@ -1,7 +1,7 @@
 """`glm5lab ablate dsa`: dense vs indexer warm-up only vs full sparse adaptation, retrieval by
 context length (the report's DSA adaptation ablation on GLM-4.7-Flash, `report_figures.DSA`).
 
-Recipe (the report's DSA section, `glm5lab.train.stages.default_stages` at study scale): one dense base is
+Recipe (the report's DSA section, `glm5lab.train.recipe.default_stages` at study scale): one dense base is
 pre-trained on mixed text + MQAR rows of length T (study_config with a "full" indexer on every layer, DSA off,
 no MTP layer). Three arms then get the same number of further steps (W + A, the same batches):
   dense:            W + A more dense steps (everything trains, LM loss), evaluated dense;

@@ -3,8 +3,8 @@ equal further training, as change versus full attention.
 
 Counterpart of the report's efficient-attention table (`report_figures.EFFICIENT`: change vs full
 attention at 128K on RULER / MRCR / HELMET / RepoQA after 190B tokens of training at 64K). Per
-seed: train the full-attention GQA base of `study_swa` (same recipe, `train_base`) at T tokens,
-search its SWA pattern (`study_swa.search_pattern`), then build five models from its weights:
+seed: train the full-attention GQA base of `study_swa` (`gqa_base.train_base`) at T tokens,
+search its SWA pattern (`gqa_base.search_pattern`), then build five models from its weights:
   full attention   the base, unchanged;
   SWA interleave   `interleave_pattern(L)` (swa, full, ...) with window w;
   searched SWA     the searched pattern, window w;
@@ -31,12 +31,12 @@ import torch
 from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate import report_figures as rf
 from glm5lab.ablate.fit import fit
+from glm5lab.ablate.gqa_base import SIZES as BASE_SIZES
+from glm5lab.ablate.gqa_base import base_config, retrieval, search_pattern, task_batches, train_base
 from glm5lab.ablate.measure import labelled_loss
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
 from glm5lab.ablate.runner import StudyArgs
-from glm5lab.ablate.study_swa import SIZES as SWA_SIZES
-from glm5lab.ablate.study_swa import base_config, retrieval, search_pattern, task_batches, train_base
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.search_swa import interleave_pattern
 from glm5lab.train.stages import Stage
@@ -46,12 +46,12 @@ TASKS = ("mqar", "niah")
 
 
 SIZES = {
-    "quick": dict(base=SWA_SIZES["quick"], steps=3, seq_len=32, lr=1e-3, val_rows=8, seeds=1),
-    "cpu": dict(base=SWA_SIZES["cpu"], steps=200, seq_len=128, lr=1e-3, val_rows=64, seeds=3),
-    "gpu": dict(base=SWA_SIZES["gpu"], steps=1000, seq_len=4096, lr=1e-3, val_rows=64, seeds=3),
-    "gpu-quick": dict(base=SWA_SIZES["gpu-quick"], steps=2, seq_len=2048, lr=1e-3, val_rows=1, seeds=1),
+    "quick": dict(base=BASE_SIZES["quick"], steps=3, seq_len=32, lr=1e-3, val_rows=8, seeds=1),
+    "cpu": dict(base=BASE_SIZES["cpu"], steps=200, seq_len=128, lr=1e-3, val_rows=64, seeds=3),
+    "gpu": dict(base=BASE_SIZES["gpu"], steps=1000, seq_len=4096, lr=1e-3, val_rows=64, seeds=3),
+    "gpu-quick": dict(base=BASE_SIZES["gpu-quick"], steps=2, seq_len=2048, lr=1e-3, val_rows=1, seeds=1),
 }
-"""base: the base's sizes (`study_swa.SIZES`; its seeds unused). Then the further training every
+"""base: the base's sizes (`gqa_base.SIZES`, the swa study's; its seeds unused). Then the further training every
 variant gets: steps at seq_len tokens per row (batch rows as the base), lr peak (10% warm-up,
 linear decay to lr / 10). val_rows: validation text rows. seeds: unless --seeds. gpu: the swa
 study's 2K base, then 1000 further steps at 4K, scored at 4K and 8K (an estimated 2-3 GPU-hours

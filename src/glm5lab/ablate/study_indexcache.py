@@ -2,7 +2,7 @@
 and attention time.
 
 Model: study_config with L layers, DSA on and a "full" indexer on every layer, no MTP layer, trained through the
-report's three stages (`glm5lab.train.stages.default_stages` at study scale: dense pre-training, indexer warm-up,
+report's three stages (`glm5lab.train.recipe.default_stages` at study scale: dense pre-training, indexer warm-up,
 sparse adaptation) on mixed text + MQAR rows of length T, so the indexers decide what every layer attends to.
 
 Then, training-free (`glm5lab.evals.search_indexcache`): the greedy search switches "full" indexers to

@@ -6,7 +6,7 @@ Model: the `small` preset (MLA, DSA with an indexer and index sharing, MoE of 16
 with the router's selection-only bias, one shared-parameter MTP layer) at `hidden` width and `layers` layers
 (`config`), the workbench's vocabulary (512: text + MQAR ids) and `index_topk` below the training length.
 Recipe: `glm5lab train`'s three stages (`default_stages`: dense with MTP depth 3, indexer warm-up, sparse
-adaptation) scaled to `steps` in total (as `study_baseline.glm5_stages`) and its step settings (`TrainHyper`:
+adaptation) scaled to `steps` in total (`fit.glm5_stages`) and its step settings (`TrainHyper`:
 weight decay 0.1, clipping 1.0, router bias rate 1.5e-2). Every stage's lr and lr_end are the default schedule's
 times one factor; an arm's "peak lr" is its dense stage's. Batches: `Workbench.mixed` (text rows and
 `task_rows` fresh MQAR rows); batch k of stage j is the same for every arm of a seed, so a longer run sees the
@@ -55,18 +55,18 @@ import time
 
 import torch
 
-from glm5lab.ablate.fit import fit
-from glm5lab.ablate.measure import mqar_accuracy
+from glm5lab.ablate.fit import fit, glm5_stages
+from glm5lab.ablate.measure import mqar_accuracy, text_score
+from glm5lab.ablate.models import GPU_SHAPE
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
-from glm5lab.ablate.study_baseline import GPU_SHAPE, glm5_stages
-from glm5lab.ablate.study_baseline import score as text_score
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.config import ModelConfig
 from glm5lab.evals.bpb import token_byte_lengths
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import TrainHyper, TrainingDiverged
+from glm5lab.train.recipe import TrainHyper, default_stages
+from glm5lab.train.step import TrainingDiverged
 
 ARMS = {"AdamW": "adamw", "Muon": "muon", "Muon Split": "muon-split", "Muon Split, K/V apart": "muon-split-kv"}
 REFERENCE = "Muon Split"
@@ -78,14 +78,14 @@ COMPARISONS = (("Muon Split", "AdamW"), ("Muon", "AdamW"), ("Muon Split", "Muon"
 first three it is the claim of the Muon / Muon Split literature; for K/V apart nothing is published."""
 METRICS = {"val_bpb": ("val bpb", -1), "mqar_accuracy": ("MQAR acc", 1), "acceptance_length": ("MTP acceptance", 1)}
 """raw key -> (label, the better side: -1 lower, +1 higher)."""
-DEFAULT_DENSE_LR = 3e-3
+DEFAULT_DENSE_LR = default_stages()[0].lr
 """`default_stages`' dense peak lr: an arm's lr / this scales every stage's lr and lr_end."""
 SWEEP_SEED = 100
 EVAL_SEED = 424_242
 DRAFT_STEPS = 3
 SWEEP_EXTENSIONS = 2
 """How many lrs the sweep may add past an edge of `lrs` while the best one lies at that edge (`next_lr`)."""
-TRAIN = TrainHyper()
+TRAIN = TrainHyper.default()
 SIZES = {
     "quick": dict(model="small", hidden=64, layers=2, T=32, topk=8, batch=4, task_rows=1, pairs=2, steps=6,
                   lrs=(2e-3, 4e-3), val_windows=4, eval_rows=8, prompts=2, prompt_len=8, max_new=6, seeds=1),

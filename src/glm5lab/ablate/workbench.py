@@ -28,7 +28,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 BatchFn = Callable[[int, Stage, int], Batch]
 """(stage index, stage, step within the stage) -> a batch; a pure function, so runs are seeded."""
 SPLIT_SEED = 0
-"""The document split of every study's corpus (`data.pipeline.split_corpus`): `glm5lab train`'s
+"""The document split of every study's corpus (`data.pipeline.prepare_data`): `glm5lab train`'s
 default --seed, so the studies hold out what a default run holds out."""
 
 
@@ -65,8 +65,8 @@ class Workbench:
                              "at least 300 needed (a byte-level BPE)")
         text = prepare_data(text_vocab, data, SPLIT_SEED)
         tasks = TaskVocab.from_range(vocab_size, text_vocab, num_keys, num_values, filler=range(text_vocab))
-        return cls(vocab_size, text.tokenizer, text.train_tokens.astype(np.int64), text.val_tokens.astype(np.int64),
-                   tasks)
+        return cls(vocab_size, text.tokenizer, np.asarray(text.train_tokens, dtype=np.int64),
+                   np.asarray(text.val_tokens, dtype=np.int64), tasks)
 
     def text_windows(self, split: str, seq_len: int) -> torch.Tensor:
         """int64 [N, seq_len + 1] non-overlapping windows of the "train" or "val" split."""

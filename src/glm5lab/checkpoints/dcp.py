@@ -73,9 +73,10 @@ def _rank_world(model) -> tuple[int, int] | None:
 def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path:
     """Write the run checkpoint `folder` (model and optimizer as laid out: sharded or not); collective when the model
     is sharded (every rank calls it). state: JSON data kept in trainer_state.json ({"position": {"step", "stage",
-    "in_stage"}, "ep"}; "format": "dcp" and "world_size" are added). Each rank writes its shards and its RNG state into a hidden temp
-    folder beside `folder`; rank 0 adds config.json, the tokenizer files (`tokenizer`: a `tokenizers.Tokenizer` or
-    None) and trainer_state.json, then (after a barrier) renames it into place, replacing an earlier `folder`.
+    "in_stage"}, "ep"}; "format": "dcp" and "world_size" are added). Each rank writes its shards and its RNG state
+    into a hidden temp folder beside `folder`; rank 0 adds config.json, the tokenizer files (`tokenizer`: a
+    `tokenizers.Tokenizer` or None) and trainer_state.json, then (after a barrier) renames it into place, replacing
+    an earlier `folder`.
     Temp folders a killed save left beside it are removed first. Returns `folder`."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -104,7 +105,8 @@ def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path
             save_config(model.config, tmp)
             if tokenizer is not None:
                 save_for_transformers(tokenizer, tmp)
-            atomic_write_text(tmp / STATE_FILE, json.dumps({"format": "dcp", **state, "world_size": world}, indent=2) + "\n")
+            record = {"format": "dcp", **state, "world_size": world}
+            atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2) + "\n")
         if placed:
             dist.barrier()
         if rank == 0:
@@ -190,9 +192,9 @@ def load(folder: Path, model, optimizer=None) -> dict | None:
     its trainer state with this rank's "rng" (the saving rank's of the same index, else rank 0's). The optimizer
     state is loaded for exactly the parameters the checkpoint has state for (one never trained so far keeps none,
     as in the run that saved it). Without an optimizer only the weights are read (no "rng"), and `folder` may also be
-    an HF folder (`--init`): its weights are read tensor by tensor into this rank's shards, and None is returned. Raises ResumeError when a file is
-    missing or a shard cannot be read (collective: every rank raises), CheckpointError for an HF folder whose
-    tensors are not the model's (listing missing and unexpected keys)."""
+    an HF folder (`--init`): its weights are read tensor by tensor into this rank's shards, and None is returned.
+    Raises ResumeError when a file is missing or a shard cannot be read (collective: every rank raises),
+    CheckpointError for an HF folder whose tensors are not the model's (listing missing and unexpected keys)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
     )

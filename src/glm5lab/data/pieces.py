@@ -1,6 +1,6 @@
 r"""A long text cut into pieces that a tokenizer encodes, one by one, to exactly the tokens of the whole text:
-how `glm5lab tokenize` keeps its memory bounded whatever one document's size (the whole-text encoding,
-`glm5lab.data.tokenizer.encode_documents`, is the reference; tests/train/test_pieces.py pins the two equal).
+how `glm5lab tokenize` keeps its memory bounded whatever one document's size (the whole-text encoding is the
+reference; tests/train/test_pieces.py pins the two equal).
 
 A `tokenizers` tokenizer encodes in stages: its added tokens (`<|endoftext|>`, ...) are matched first
 (leftmost-longest) and split off, the rest is cut into pre-tokens by a regex, and the model encodes each

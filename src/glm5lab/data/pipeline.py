@@ -1,33 +1,33 @@
-"""From a corpus to token arrays: split, tokenizer, encoding (`glm5lab train` and the ablation studies' one
-data path); and back from a trained checkpoint to its run's held-out text (`held_out_prompts`)."""
+"""From a corpus to the token folder a run trains from (`glm5lab train` and the ablation studies' one data path:
+a text corpus is tokenized once into the cache, `glm5lab.data.tokenize.cached_token_folder`); and back from a
+trained checkpoint to its run's held-out text (`held_out_prompts`)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer
 
-from glm5lab.data.tokenizer import TOKENIZER_FILE, cached_tokenizer, encode_documents, load_tokenizer
-from glm5lab.data.corpus import cache_root, fetch_default_corpus, split_documents
-from glm5lab.data.shards import ShardedTokens, is_token_folder, open_token_folder, read_index, tokenizer_sha256
-from glm5lab.data.sources import iter_documents
+from glm5lab.data.shards import ShardedTokens, is_token_folder, open_token_folder, tokenizer_sha256
+from glm5lab.data.tokenize import cached_token_folder
+from glm5lab.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from glm5lab.validate import refuse
 
 
 @dataclass
 class TrainingData:
-    """A run's tokenizer and token streams: in-memory int32 arrays (a text corpus), or `ShardedTokens` read on
-    demand from a token folder (`token_folder_data`)."""
+    """A run's tokenizer and token streams, `ShardedTokens` read on demand from a token folder (`glm5lab tokenize`'s,
+    or the cached one of a text corpus); `source` the corpus or folder given; `index` the folder's index.json."""
 
     tokenizer: Tokenizer
-    train_tokens: np.ndarray | ShardedTokens
-    val_tokens: np.ndarray | ShardedTokens
+    train_tokens: ShardedTokens
+    val_tokens: ShardedTokens
     source: str
+    index: dict
 
 
 def _stderr(message: str) -> None:
@@ -36,25 +36,22 @@ def _stderr(message: str) -> None:
 
 def prepare_data(vocab_size: int, data: str | None, seed: int, *, tokenizer: str | None = None,
                  checkpoint: Path | None = None, say: Callable[[str], None] = _stderr) -> TrainingData:
-    """Documents from `data` (a corpus `glm5lab.data.sources` reads: a text, JSONL, parquet or arrow file or a
-    folder of them, the files and rules `glm5lab tokenize` reads; None: the Shakespeare corpus, fetched and
-    cached), split by document with `seed` (`split_corpus`), tokenized by `tokenizer` (a
-    tokenizer.json or a checkpoint folder holding one), else by a byte-level BPE trained on the training split
-    at `vocab_size` and cached beside the data. A run that continues from a `checkpoint` folder (resume,
-    `--init`) keeps the tokenizer.json saved there, so its weights keep the vocabulary they were trained with: a
-    `tokenizer` that is another is refused (`given_tokenizer`, checked before any text is read).
-    Raises ValueError when the tokenizer's vocabulary does not fit `vocab_size`.
-
-    `data` may be a token folder (`glm5lab tokenize`): then `token_folder_data`, memmap-backed splits, whose
-    split seed, when it is not `seed`, is said in one line through `say`."""
+    """The token folder a run trains from. `data` a token folder (`glm5lab tokenize`): `token_folder_data`,
+    whose split seed, when it is not `seed`, is said in one line through `say`. Else a text corpus
+    `glm5lab.data.sources` reads (a text, JSONL, parquet or arrow file or a folder of them; None: the Shakespeare
+    corpus, fetched and cached), split by document with `seed` and tokenized by `tokenizer` (a tokenizer.json or a
+    folder holding one), else by a byte-level BPE trained on the training split at `vocab_size` and cached: its
+    token folder in the cache (`cached_token_folder`: tokenized on first use, said in one line through `say`). A
+    run that continues from a `checkpoint` folder (resume, `--init`) keeps the tokenizer.json saved there, so its
+    weights keep the vocabulary they were trained with: a `tokenizer` that is another is refused
+    (`given_tokenizer`, checked before any text is read). Raises ValueError when the tokenizer's vocabulary does
+    not fit `vocab_size`, and as `token_folder_data` / `cached_token_folder`."""
     if data is not None and is_token_folder(data):
         return token_folder_data(vocab_size, data, tokenizer=tokenizer, checkpoint=checkpoint, seed=seed, say=say)
-    tok = given_tokenizer(vocab_size, tokenizer, checkpoint)
-    source, train_docs, val_docs = split_corpus(data, seed)
-    if tok is None:
-        tok = cached_tokenizer((d.text for d in train_docs), vocab_size, cache_root() / "tokenizers")
-        _check_vocab(tok, vocab_size)
-    return TrainingData(tok, encode_documents(tok, train_docs), encode_documents(tok, val_docs), str(source))
+    folder = cached_token_folder(data, seed, tokenizer=given_tokenizer(vocab_size, tokenizer, checkpoint),
+                                 vocab_size=vocab_size, say=say)
+    tokens = token_folder_data(vocab_size, folder)
+    return replace(tokens, source=tokens.index["source"])
 
 
 def given_tokenizer(vocab_size: int, tokenizer: str | None, checkpoint: Path | None) -> Tokenizer | None:
@@ -73,7 +70,9 @@ def given_tokenizer(vocab_size: int, tokenizer: str | None, checkpoint: Path | N
         tok = load_tokenizer(saved)
     else:
         return None
-    _check_vocab(tok, vocab_size)
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
+                         f"{vocab_size}: use a model config with vocab_size >= the tokenizer's")
     return tok
 
 
@@ -95,12 +94,6 @@ def check_kept_tokenizer(checkpoint: Path | None, sha256: str, other: str, fix: 
 def _saved_tokenizer(checkpoint: Path | None) -> Path | None:
     saved = Path(checkpoint) / TOKENIZER_FILE if checkpoint is not None else None
     return saved if saved is not None and saved.is_file() else None
-
-
-def _check_vocab(tok: Tokenizer, vocab_size: int) -> None:
-    if tok.get_vocab_size() > vocab_size:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is "
-                         f"{vocab_size}: use a model config with vocab_size >= the tokenizer's")
 
 
 def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None, checkpoint: Path | None = None,
@@ -136,17 +129,7 @@ def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None, 
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"token folder {folder}: its tokenizer has {tok.get_vocab_size()} tokens but the model's "
                          f"vocab_size is {vocab_size}: use a model config with vocab_size >= the tokenizer's")
-    return TrainingData(tok, tokens.train, tokens.val, str(folder))
-
-
-def split_corpus(data, seed: int) -> tuple[Path, list, list]:
-    """(source, train documents, validation documents): the corpus at `data` (None: the default
-    corpus, fetched and cached) split by document with `seed` (`split_documents`). The one
-    definition of a held-out split: training, its validation loss, `held_out_prompts` and the
-    ablation studies (`glm5lab.ablate.workbench`, seed 0)."""
-    source = Path(data) if data else fetch_default_corpus()
-    train_docs, val_docs = split_documents(list(iter_documents(source)), seed=seed)
-    return source, train_docs, val_docs
+    return TrainingData(tok, tokens.train, tokens.val, str(folder), tokens.index)
 
 
 def run_json_of(folder) -> dict | None:
@@ -162,13 +145,14 @@ def run_json_of(folder) -> dict | None:
 def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
                      split_seed: int | None = None) -> tuple[list[list[int]], dict]:
     """`count` prompts of `length` tokens of held-out text for a trained checkpoint: the validation split of
-    its run (`split_corpus` with the corpus and seed of the run's run.json, `run_json_of`; `data` /
+    its run (`prepare_data` with the corpus and seed of the run's run.json, `run_json_of`; `data` /
     `split_seed` override them; without a run.json, the default corpus and seed 0), encoded with the
-    checkpoint's tokenizer.json, cut into non-overlapping windows of `length` tokens (`pack`), of which
-    `count` are taken evenly spaced over the split (first and last included). Returns (prompts, info: corpus,
-    split_seed, val_documents, val_tokens, windows, rows taken, run_json found). Raises ValueError when the
-    checkpoint has no tokenizer.json or the split holds fewer than `count` windows. A token folder as the corpus
-    gives its own validation split (read on demand; refused when the checkpoint's tokenizer is another)."""
+    checkpoint's tokenizer.json (a text corpus: its cached token folder), cut into non-overlapping windows of
+    `length` tokens (`pack`), of which `count` are taken evenly spaced over the split (first and last included).
+    Returns (prompts, info: corpus, split_seed, val_documents, val_tokens, windows, rows taken, run_json found).
+    Raises ValueError when the checkpoint has no tokenizer.json or the split holds fewer than `count` windows. A
+    token folder as the corpus gives its own validation split and seed (refused when the checkpoint's tokenizer is
+    another)."""
     import torch
 
     from glm5lab.data.batches import pack
@@ -177,23 +161,16 @@ def held_out_prompts(checkpoint, count: int, length: int, *, data=None,
     run = run_json_of(checkpoint) or {}
     run_args = run.get("args", {})
     seed = split_seed if split_seed is not None else run_args.get("seed", 0)
-    tok_path = checkpoint / "tokenizer.json"
-    if not tok_path.is_file():
+    if not (checkpoint / TOKENIZER_FILE).is_file():
         raise ValueError(f"{checkpoint} has no tokenizer.json: cannot encode held-out text for it")
-    corpus = data or run_args.get("data")
-    if corpus is not None and is_token_folder(corpus):  # the folder's split; refused if another tokenizer's
-        source, val = corpus, token_folder_data(1 << 62, corpus, checkpoint=checkpoint).val_tokens
-        index = read_index(Path(corpus))
-        n_docs, seed = index["splits"]["val"]["documents"], index.get("split", {}).get("seed", seed)
-    else:
-        source, _, val_docs = split_corpus(corpus, seed)
-        val, n_docs = encode_documents(load_tokenizer(tok_path), val_docs), len(val_docs)
-    windows = pack(val, length - 1)
+    data = prepare_data(1 << 62, data or run_args.get("data"), seed, checkpoint=checkpoint)
+    windows = pack(data.val_tokens, length - 1)
     n = windows.shape[0]
     if n < count:
         raise ValueError(f"the validation split holds {n} windows of {length} tokens; fewer than the {count} "
                          "prompts asked for")
     rows = torch.linspace(0, n - 1, count).round().long()
-    info = {"corpus": str(source), "split_seed": seed, "val_documents": n_docs, "val_tokens": len(val),
+    info = {"corpus": data.source, "split_seed": data.index["split"]["seed"],
+            "val_documents": data.index["splits"]["val"]["documents"], "val_tokens": len(data.val_tokens),
             "windows": n, "rows": rows.tolist(), "run_json": bool(run)}
     return [windows[r].tolist() for r in rows], info

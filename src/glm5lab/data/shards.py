@@ -3,9 +3,8 @@
 A token folder (written by `glm5lab tokenize`, `glm5lab.data.tokenize`) holds, per split S in
 ("train", "val"), shards `S-000000.bin`, `S-000001.bin`, ...: raw little-endian arrays of `dtype`
 (uint16 when every id of the tokenizer is < 65536, else uint32), `shard_size` tokens each but
-the last. Concatenated in order they are the split's token stream, exactly
-`glm5lab.data.tokenizer.encode_documents(tokenizer, split_documents)`: documents joined by
-`<|endoftext|>`. Beside them `tokenizer.json` and `index.json` (`INDEX_FILE`, written last and
+the last. Concatenated in order they are the split's token stream: its documents (`split_documents`)
+encoded whole, joined by `<|endoftext|>`. Beside them `tokenizer.json` and `index.json` (`INDEX_FILE`, written last and
 atomically: a folder without it is not a token folder):
 
     {"format": "glm5lab-tokens", "version": 1, "dtype": "uint16", "vocab_size": V,

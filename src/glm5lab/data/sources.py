@@ -1,5 +1,5 @@
-"""The one corpus reader: the documents of a file or folder, streamed one at a time, for `glm5lab train --data`
-(which holds them in memory) and `glm5lab tokenize` (which does not).
+"""The one corpus reader: the documents of a file or folder, streamed one at a time, for `glm5lab tokenize` and the
+token folder `glm5lab train --data` caches for a text corpus (`glm5lab.data.tokenize`).
 
 What is read (`SUFFIXES`): a .txt/.md file is one document (UTF-8, a leading BOM dropped, newlines normalised to
 "\\n", as `Path.read_text` gives it); a .jsonl file one per non-blank line (string field `text_field`), named
@@ -18,8 +18,8 @@ file that cannot be read, a JSONL line that is not an object with a non-blank st
 non-blank string text, a table without the column (the message names `glm5lab tokenize --text-field`).
 
 `open_corpus` lists the files once (the notices are said once); `Corpus.documents()` reads them, again on each
-call (tokenize reads a corpus two to four times). With `lazy=True` a text file comes as a `TextFile`, read in
-chunks on demand, so a document of any size is never held whole; otherwise as a `Document` holding its text.
+call (tokenize reads a corpus two to four times). A text file comes as a `TextFile`, read in chunks on demand, so
+a document of any size is never held whole.
 A JSONL line or a table row is parsed whole: its document is always held in memory (docs/data.md, "Long
 documents").
 """
@@ -86,11 +86,11 @@ class Corpus:
     files: tuple[tuple[Path, str], ...]
     text_field: str = "text"
 
-    def documents(self, lazy: bool = False) -> Iterator[Document | TextFile]:
-        """Yield the documents in order (reading the files again on each call); text files as `TextFile`s when
-        `lazy`, else as `Document`s. Raises ValueError as the module says."""
+    def documents(self) -> Iterator[Document | TextFile]:
+        """Yield the documents in order (reading the files again on each call); text files as `TextFile`s. Raises
+        ValueError as the module says."""
         for path, name in self.files:
-            yield from _file_documents(path, name, self, lazy)
+            yield from _file_documents(path, name, self)
 
 
 def open_corpus(path, text_field: str = "text") -> Corpus:
@@ -113,9 +113,9 @@ def open_corpus(path, text_field: str = "text") -> Corpus:
     return Corpus(path, ((path, path.name),), text_field)
 
 
-def iter_documents(path, text_field: str = "text", *, lazy: bool = False) -> Iterator[Document | TextFile]:
-    """`open_corpus(path, text_field).documents(lazy)`: the corpus's documents in order (errors as both say)."""
-    yield from open_corpus(path, text_field).documents(lazy)
+def iter_documents(path, text_field: str = "text") -> Iterator[Document | TextFile]:
+    """`open_corpus(path, text_field).documents()`: the corpus's documents in order (errors as both say)."""
+    yield from open_corpus(path, text_field).documents()
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -219,15 +219,14 @@ def _table_empty(path: Path) -> bool:
         raise ValueError(f"{path}: not a readable {path.suffix.lower()[1:]} file ({e})") from None
 
 
-def _file_documents(path: Path, name: str, corpus: Corpus, lazy: bool) -> Iterator[Document | TextFile]:
+def _file_documents(path: Path, name: str, corpus: Corpus) -> Iterator[Document | TextFile]:
     suffix = path.suffix.lower()
     if suffix in TABLE_SUFFIXES:
         yield from _table_documents(path, name, corpus)
     elif suffix == ".jsonl":
         yield from _jsonl_documents(path, name, corpus)
     else:
-        doc = TextFile(name, path)
-        yield doc if lazy else Document(name, doc.text)
+        yield TextFile(name, path)
 
 
 def _jsonl_documents(path: Path, name: str, corpus: Corpus) -> Iterator[Document]:

@@ -5,15 +5,13 @@ of at most `PIECE_CHARS` characters where the tokenizer's own pre-tokens end (`g
 tokens as encoding the document whole), encoded a batch of pieces at a time and appended to the open shard of
 their split, so memory grows neither with the corpus nor with its largest document. A tokenizer whose boundaries
 `Cutter` does not know (`Cutter.of` says why, in one line once a document is longer than a piece) has its
-documents encoded whole. The split is `split_documents`'s, by
-document (score = SHA-256 of `seed:name` < val_fraction), decided per document while streaming; its
-fallbacks need the whole corpus seen (no validation document: the lowest-score one moves to validation; no
-training document: the highest-score one moves back; one document: its text is cut at a paragraph
-boundary), so a pass that ends in one of them is run again with that assignment fixed (only tiny corpora; a
-corpus of text files, named without reading them, is settled first, so one long file is encoded once).
-Each split's stream is `encode_documents(tokenizer, docs)` of its documents, in input order: the same
-tokens `glm5lab train --data DATA` builds in memory. Without `--tokenizer` the byte-level BPE is trained on
-the training split at `vocab_size` and cached as `prepare_data` does (`cached_tokenizer_streamed`, fed pieces).
+documents encoded whole. The split is `glm5lab.data.corpus.SplitAssigner`'s, decided per document while
+streaming; a pass that ends in one of its fallbacks is run again with it fixed (only tiny corpora; a corpus of text
+files, named without reading them, is settled first, so one long file is encoded once).
+Each split's stream is its documents' tokens in input order, `<|endoftext|>` between two documents (the one
+place that joins them). Without `--tokenizer` the byte-level BPE is trained on the training split at
+`vocab_size` and cached (`cached_tokenizer`, fed pieces). `glm5lab train --data TEXT` trains from the token
+folder `cached_token_folder` writes the same way into glm5lab's cache.
 
 Atomicity: a shard is written as `NAME.tmp` and renamed when full; `tokenizer.json` then `index.json` last,
 each atomically; a folder without `index.json` is not a token folder.
@@ -21,98 +19,33 @@ each atomically; a folder without `index.json` is not a token folder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 import glm5lab
 from glm5lab.io_utils import atomic_write_text
-from glm5lab.data.tokenizer import cached_tokenizer_streamed, eot_id, load_tokenizer
-from glm5lab.data.corpus import _score, _split_one, cache_root, fetch_default_corpus
+from glm5lab.data.tokenizer import BPE_RECIPE, cached_tokenizer, eot_id, load_tokenizer
+from glm5lab.data.corpus import VAL_FRACTION, SplitAssigner, cache_root, fetch_default_corpus, settled
 from glm5lab.data.pieces import PIECE_CHARS, Cutter
 from glm5lab.data.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
                                   tokenizer_sha256)
 from glm5lab.data.sources import TEXT_SUFFIXES, open_corpus
 from glm5lab.validate import int_at_least
 
-VAL_FRACTION = 0.05  # split_documents' default, the one `glm5lab train` uses
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens per shard: 200 MB of uint16
 BATCH_DOCS = 256  # pieces (documents, or parts of a long one) per encode_batch_fast call
 BATCH_CHARS = 1 << 20  # ... or fewer, once their text passes 1 M characters (the batch's Encodings take ~100 B a token)
 _OWN_FILE = re.compile(r"^(index\.json|tokenizer\.json|(train|val)-\d{6}\.bin(\.tmp)?|\.(index|tokenizer)\.json\..+\.tmp)$")
-
-
-@dataclass
-class SplitAssigner:
-    """Which split a streamed document goes to: `split_documents(docs, VAL_FRACTION, seed)` one document at a
-    time. `sides(docs)` yields (document, is_val) and records what the fallbacks need; after a whole pass,
-    `settle()` fixes the fallback the pass ran into and returns True when the pass must be run again."""
-
-    seed: int
-    val_fraction: float = VAL_FRACTION
-    moved: str | None = None  # the document a fallback moved across (None: none did)
-    to_val: bool = True  # the direction of `moved`
-    single: object | None = None  # the one document (`Document` or `TextFile`) of a one-document corpus
-    _seen: dict = field(default_factory=dict)
-    _parts: tuple | None = None  # `_split_one(single)`, found once (a long text file is read three times for it)
-
-    def sides(self, docs: Iterator) -> Iterator[tuple[object, bool]]:
-        if self.single is not None:
-            self._parts = self._parts or _split_one(self.single, self.val_fraction)
-            (train,), (val,) = self._parts
-            yield train, False
-            yield val, True
-            return
-        seen = self._seen = {"count": 0, "val": 0, "min": None, "max": None, "first": None}
-        for doc in docs:
-            u = _score(doc.name, self.seed)
-            is_val = self.to_val if doc.name == self.moved else u < self.val_fraction
-            seen["count"] += 1
-            seen["val"] += is_val
-            seen["first"] = seen["first"] or doc
-            if seen["min"] is None or u < seen["min"][0]:
-                seen["min"] = (u, doc.name)
-            if seen["max"] is None or u > seen["max"][0]:
-                seen["max"] = (u, doc.name)
-            yield doc, is_val
-
-    def settle(self) -> bool:
-        """After a complete pass of `sides`: fix a fallback if the pass needs one; True when it did (run the
-        pass again). Raises ValueError for a corpus without documents."""
-        seen = self._seen
-        if self.single is not None or self.moved is not None:
-            return False
-        if seen.get("count", 0) == 0:
-            raise ValueError("the corpus holds no documents")
-        if seen["count"] == 1:
-            self.single = seen["first"]
-        elif seen["val"] == 0:
-            self.moved, self.to_val = seen["min"][1], True
-        elif seen["val"] == seen["count"]:
-            self.moved, self.to_val = seen["max"][1], False
-        else:
-            return False
-        return True
-
-    def record(self) -> dict:
-        """The split rule as index.json keeps it."""
-        return {"by": "document", "val_fraction": self.val_fraction, "seed": self.seed, "moved": self.moved,
-                "moved_to": None if self.moved is None else ("val" if self.to_val else "train"),
-                "single": None if self.single is None else self.single.name}
-
-
-def settled(assigner: SplitAssigner, docs: Callable[[], Iterator], consume) -> None:
-    """Run `consume(assigner.sides(docs()))` until a pass needs no fallback (at most twice)."""
-    consume(assigner.sides(docs()))
-    if assigner.settle():
-        consume(assigner.sides(docs()))
 
 
 class ShardWriter:
@@ -186,24 +119,77 @@ def tokenize_corpus(data, out, *, tokenizer=None, vocab_size: int, text_field: s
     created = not Path(out).exists()
     out = _prepare_out(Path(out))
     try:
-        return _tokenize_into(out, corpus, source, tokenizer, vocab_size, text_field, shard_size, seed, progress)
+        tok = load_tokenizer(Path(tokenizer)) if tokenizer else None
+        return _tokenize_into(out, corpus, tok, f"--tokenizer {tokenizer}", vocab_size=vocab_size,
+                              shard_size=shard_size, seed=seed, progress=progress)
     except Exception:
         if created:  # a failed tokenize leaves no folder it made (an interrupted one leaves its whole shards)
             _remove_own(out)
         raise
 
 
-def _tokenize_into(out: Path, corpus, source: Path, tokenizer, vocab_size: int, text_field: str, shard_size: int,
+def cached_token_folder(data, seed: int, *, tokenizer=None, vocab_size: int, say: Callable[[str], None]) -> Path:
+    """The token folder of text corpus `data` (a path as `open_corpus` reads; None: the default corpus) split with
+    `seed` and tokenized by `tokenizer` (a `tokenizers.Tokenizer`; None: the byte-level BPE trained on the training
+    split at `vocab_size`, from the tokenizer cache), tokenized on first use into glm5lab's cache:
+    `cache_root()/tokens/<corpus name>-<corpus_key>-<tokenizer>/`, <tokenizer> being `bpe<vocab_size>` (trained)
+    or the first 16 hex digits of `tokenizer_sha256`. A given tokenizer also takes the folder of a trained one that
+    is the same tokenizer (a run that continues a checkpoint keeps its run's folder). So a changed file, seed or
+    tokenizer gets another folder; none is rewritten in place. A fill says so in one line through `say`, writes a
+    temporary sibling and renames it into place (an interrupted fill leaves no folder under the final name).
+    Errors as `tokenize_corpus`."""
+    source = Path(data) if data else fetch_default_corpus()
+    corpus = open_corpus(source)
+    root, stem = cache_root() / "tokens", f"{source.resolve().name}-{corpus_key(corpus, seed)}"
+    sha = tokenizer_sha256(tokenizer) if tokenizer is not None else None
+    folder = root / f"{stem}-{sha[:16] if sha else f'bpe{vocab_size}'}"
+    if (folder / INDEX_FILE).is_file():
+        return folder
+    for other in sorted(root.glob(f"{stem}-bpe*")) if sha else ():
+        if (other / INDEX_FILE).is_file() and json.loads((other / INDEX_FILE).read_text())["tokenizer_sha256"] == sha:
+            return other
+    root.mkdir(parents=True, exist_ok=True)
+    what = f"tokenizer {sha[:12]}" if sha else f"byte-level BPE, vocab_size {vocab_size}"
+    say(f"tokenizing {source} (split seed {seed}, {what}) once into the cache: {folder}")
+    with tempfile.TemporaryDirectory(prefix=f".{folder.name}.", dir=root) as tmp:
+        staging = Path(tmp) / "tokens"
+        staging.mkdir()
+        _tokenize_into(staging, corpus, tokenizer, what, vocab_size=vocab_size, seed=seed, progress=False)
+        try:
+            os.rename(staging, folder)
+        except OSError:
+            if not (folder / INDEX_FILE).is_file():  # not a concurrent fill (another rank) that finished first
+                raise
+    return folder
+
+
+def corpus_key(corpus, seed: int) -> str:
+    """SHA-256 (16 hex digits) of what a cached token folder's tokens depend on but the tokenizer: the token format
+    and BPE recipe versions, the split rule (`VAL_FRACTION`, `seed`), the text field, and each file's name and
+    bytes, in the corpus's (an `open_corpus`) order."""
+    h = hashlib.sha256(f"glm5lab-tokens-{VERSION}:bpe-{BPE_RECIPE}:{VAL_FRACTION}:{seed}:{corpus.text_field}".encode())
+    for path, name in corpus.files:
+        h.update(f"\0{name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _tokenize_into(out: Path, corpus, tok, name: str, *, vocab_size: int, shard_size: int = DEFAULT_SHARD_SIZE,
                    seed: int, progress: bool) -> dict:
-    """`tokenize_corpus` once `out` is ready (`_prepare_out`)."""
-    docs = lambda: corpus.documents(lazy=True)  # noqa: E731
+    """Write the token folder of `corpus` (an `open_corpus`) into the ready folder `out`, split with `seed`,
+    tokenized by `tok` (a `tokenizers.Tokenizer`, `name` saying which; None: the byte-level BPE at `vocab_size`,
+    `_trained_tokenizer`). Returns the index."""
+    docs = lambda: corpus.documents()  # noqa: E731
     assigner = SplitAssigner(seed)
-    tok = load_tokenizer(Path(tokenizer)) if tokenizer else _trained_tokenizer(assigner, docs, vocab_size)
+    trained = tok is None
+    tok = _trained_tokenizer(assigner, docs, vocab_size) if trained else tok
     cutter, why = Cutter.of(tok)
     n_ids = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     dtype = dtype_for(n_ids)
     writers = {split: ShardWriter(out, split, dtype, shard_size) for split in SPLITS}
-    whole = _WholeNote(f"--tokenizer {tokenizer}", why)
+    whole = _WholeNote(name, why)
 
     def write(pairs):
         for w in writers.values():
@@ -215,9 +201,9 @@ def _tokenize_into(out: Path, corpus, source: Path, tokenizer, vocab_size: int, 
     settled(assigner, docs, write)
     encoding = (f"pieces of at most {PIECE_CHARS} characters, cut where the whole text's pre-tokens end "
                 "(glm5lab.data.pieces)" if cutter else f"whole documents ({why})")
-    return finish_folder(out, tok, writers, split=assigner.record(), source=str(source), text_field=text_field,
-                         tokenizer_source=str(tokenizer) if tokenizer else f"trained: byte-level BPE, vocab_size "
-                         f"{vocab_size}", encoding=encoding)
+    return finish_folder(out, tok, writers, split=assigner.record(), source=str(corpus.path),
+                         text_field=corpus.text_field, tokenizer_source=f"trained: byte-level BPE, vocab_size "
+                         f"{vocab_size}" if trained else name.removeprefix("--tokenizer "), encoding=encoding)
 
 
 def _remove_own(out: Path) -> None:
@@ -251,7 +237,7 @@ def _trained_tokenizer(assigner: SplitAssigner, docs, vocab_size: int):
     """`cached_tokenizer` on the training split's documents, streamed (the split settled first)."""
     settled(assigner, docs, lambda pairs: sum(1 for _ in pairs))
     train_docs = lambda: (d for d, is_val in assigner.sides(docs()) if not is_val)  # noqa: E731
-    return cached_tokenizer_streamed(train_docs, vocab_size, cache_root() / "tokenizers")
+    return cached_tokenizer(train_docs, vocab_size, cache_root() / "tokenizers")
 
 
 @dataclass
@@ -283,14 +269,14 @@ def _pieces(pairs, cutter: Cutter | None, whole: _WholeNote) -> Iterator[tuple[b
 
 def _encode_into(tok, pieces, writers: dict, progress: bool) -> None:
     """Encode (is_val, starts a document, text) pieces a batch at a time and append each to its split's writer,
-    `<|endoftext|>` before every document but the first of its split (`encode_documents`' join)."""
+    `<|endoftext|>` before every document but the first of its split: the documents joined."""
     from tqdm import tqdm
 
     sep = np.array([eot_id(tok)], dtype=np.int64)
     bar = tqdm(unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True, desc="tokenize")
     start, chars = time.perf_counter(), 0
     try:
-        for batch in _batches(pieces):
+        for batch in piece_batches(pieces):
             encs = tok.encode_batch_fast([text for _, _, text in batch], add_special_tokens=False)
             for split in SPLITS:
                 parts, w = [], writers[split]
@@ -311,7 +297,9 @@ def _encode_into(tok, pieces, writers: dict, progress: bool) -> None:
         bar.close()
 
 
-def _batches(pieces) -> Iterator[list]:
+def piece_batches(pieces) -> Iterator[list]:
+    """Lists of consecutive (is_val, starts a document, text) pieces, each `BATCH_DOCS` long or past `BATCH_CHARS`
+    characters (the last: what is left): what one `encode_batch_fast` call encodes."""
     batch, chars = [], 0
     for piece in pieces:
         batch.append(piece)

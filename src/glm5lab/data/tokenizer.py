@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizers (HF `tokenizers`): train, cache, load, and encode a corpus.
+"""Byte-level BPE tokenizers (HF `tokenizers`): train, cache and load (`glm5lab.data.tokenize` encodes a corpus).
 
 The trained tokenizer is GPT-2 style: ByteLevel pre-tokenizer (GPT-2 split regex, no prefix
 space) and decoder, the 256 byte symbols always in the vocabulary (so any text round-trips), and
@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from glm5lab.io_utils import atomic_write
 
-if TYPE_CHECKING:  # only a type here: the tokenizer needs no training code
-    from glm5lab.data.corpus import Document
-
 EOT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 MIN_VOCAB_SIZE = 257  # 256 byte symbols + EOT
-_CACHE_FORMAT = 1  # bump when train_tokenizer's recipe changes, so old cache entries are not reused
-_ENCODE_CHUNK_DOCS = 256
+BPE_RECIPE = 1  # bump when train_tokenizer's recipe changes, so old cache entries are not reused
 
 
 def _json_path(path: Path) -> Path:
@@ -45,7 +39,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size = {vocab_size} is too small: byte-level BPE needs at least "
                          f"{MIN_VOCAB_SIZE} (256 bytes + {EOT})")
-    tokenizer = _untrained()
+    tokenizer = untrained_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
@@ -53,8 +47,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
     return tokenizer
 
 
-def _untrained() -> Tokenizer:
-    """The recipe before training: an empty BPE with the ByteLevel pre-tokenizer (GPT-2 pattern) and decoder."""
+def untrained_bpe() -> Tokenizer:
+    """glm5lab's byte-level BPE before training: an empty BPE with the ByteLevel pre-tokenizer (GPT-2 pattern) and
+    decoder."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -75,46 +70,30 @@ def load_tokenizer(path: Path) -> Tokenizer:
         raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
 
 
-def cached_tokenizer(train_texts: Iterable[str], vocab_size: int, cache_dir: Path) -> Tokenizer:
-    """Load the tokenizer trained on `train_texts` at `vocab_size` from `cache_dir`, training and
-    saving it first if absent.
+def cached_tokenizer(train_docs: Callable[[], Iterable], vocab_size: int, cache_dir: Path) -> Tokenizer:
+    """Load the tokenizer trained on the training documents at `vocab_size` from `cache_dir`, training and saving it
+    first if absent. `train_docs()` returns a fresh iterator over the same documents each call (`Document`s or
+    `glm5lab.data.sources.TextFile`s; only their `chunks()` are read, twice for the cache key, once more to train on
+    a miss), so no text is held whole, and the trainer is fed `glm5lab.data.pieces` pieces of at most
+    `PIECE_CHARS` characters: the whole texts' pre-tokens, so their counts and merges.
 
-    The entry is `cache_dir/tokenizer-v<vocab_size>-<key>/tokenizer.json`, `key` a SHA-256 of the
-    texts (length-prefixed, in order) and the recipe version, so other data or another vocab size
-    never reuses a stale tokenizer. Errors as `train_tokenizer`.
-    """
-    texts = list(train_texts)
-    folder = Path(cache_dir) / f"tokenizer-v{vocab_size}-{_texts_key(texts)}"
-    if (folder / TOKENIZER_FILE).is_file():
-        return load_tokenizer(folder)
-    return train_tokenizer(texts, vocab_size, folder)
-
-
-def cached_tokenizer_streamed(train_docs: Callable[[], Iterable], vocab_size: int, cache_dir: Path) -> Tokenizer:
-    """`cached_tokenizer` for a corpus read as a stream: `train_docs()` returns a fresh iterator over the same
-    documents each call (`Document`s or `glm5lab.data.sources.TextFile`s; only their `chunks()` are read, twice
-    for the cache key, once more to train on a cache miss), so no text is held whole, and the trainer is fed
-    `glm5lab.data.pieces` pieces of at most `PIECE_CHARS` characters: the same pre-tokens, so the same counts
-    and merges. The same texts give the same cache entry and tokenizer as `cached_tokenizer`."""
+    The entry is `cache_dir/tokenizer-v<vocab_size>-<key>/tokenizer.json`, `key` a SHA-256 of the texts
+    (length-prefixed, in order) and the recipe version (`BPE_RECIPE`), so other data or another vocab size never
+    reuses a stale tokenizer. Errors as `train_tokenizer`."""
     from glm5lab.data.pieces import Cutter
 
     folder = Path(cache_dir) / f"tokenizer-v{vocab_size}-{_texts_key(d.chunks for d in train_docs())}"
     if (folder / TOKENIZER_FILE).is_file():
         return load_tokenizer(folder)
-    cutter, _ = Cutter.of(_untrained())
+    cutter, _ = Cutter.of(untrained_bpe())
     return train_tokenizer((p for d in train_docs() for p in cutter.pieces(d.chunks())), vocab_size, folder)
 
 
-def _texts_key(texts: Iterable) -> str:
+def _texts_key(texts: Iterable[Callable[[], Iterable[str]]]) -> str:
     """SHA-256 (16 hex digits) of the recipe version and the texts in order, each length-prefixed (UTF-8 bytes); a
-    text is a str, or a function returning its chunks (called twice: for the length, then the bytes)."""
-    h = hashlib.sha256(f"glm5lab-bpe-{_CACHE_FORMAT}".encode())
+    text is a function returning its chunks (called twice: for the length, then the bytes)."""
+    h = hashlib.sha256(f"glm5lab-bpe-{BPE_RECIPE}".encode())
     for text in texts:
-        if isinstance(text, str):
-            data = text.encode("utf-8")
-            h.update(len(data).to_bytes(8, "little"))
-            h.update(data)
-            continue
         h.update(sum(len(c.encode("utf-8")) for c in text()).to_bytes(8, "little"))
         for c in text():
             h.update(c.encode("utf-8"))
@@ -127,25 +106,6 @@ def eot_id(tokenizer: Tokenizer) -> int:
     if token_id is None:
         raise ValueError(f"tokenizer has no {EOT} token, needed as the document separator")
     return token_id
-
-
-def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray:
-    """Token ids of all documents concatenated, `<|endoftext|>` between consecutive documents.
-
-    Returns a 1-D numpy int32 array of length sum(len(ids_i)) + len(docs) - 1. Documents are encoded without the
-    tokenizer's own special tokens (no BOS from a post-processor); a literal "<|endoftext|>" inside a text becomes
-    the special token. Uses `encode_batch_fast` (batched, multi-threaded, no offsets: 2x `encode_batch`;
-    tokenizers >= 0.21). Raises ValueError if `docs` is empty or the tokenizer has no `<|endoftext|>`.
-    """
-    if not docs:
-        raise ValueError("no documents to encode")
-    sep = np.array([eot_id(tokenizer)], dtype=np.int32)
-    parts = []
-    for start in range(0, len(docs), _ENCODE_CHUNK_DOCS):
-        chunk = [d.text for d in docs[start:start + _ENCODE_CHUNK_DOCS]]
-        for enc in tokenizer.encode_batch_fast(chunk, add_special_tokens=False):
-            parts += [sep, np.asarray(enc.ids, dtype=np.int32)]
-    return np.concatenate(parts[1:])
 
 
 def save_for_transformers(tokenizer: Tokenizer, folder: Path) -> None:

@@ -15,7 +15,7 @@ Keys of one example are distinct sequences; values of one example are distinct s
 asked key's needle(s) appear once and every expected value occurs exactly once in the prompt.
 
 Haystack: `haystack=None` gives noise (uniform ids from vocab.filler; RULER's "noise" haystack is a repeated
-sentence instead); a 1-D id array (e.g. the validation split from `glm5lab.data.tokenizer.encode_documents`) gives
+sentence instead); a 1-D id array (e.g. a validation split, `glm5lab.data.pipeline.prepare_data`) gives
 a window of it starting at a uniform random offset, in which every reserved id (marker, key, value) is
 replaced by a random filler id so no needle or answer can occur by accident. Needles go between haystack
 tokens, not at sentence boundaries (RULER's essay haystack does that).

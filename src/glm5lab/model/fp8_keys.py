@@ -33,8 +33,6 @@ k_scale_dtype=torch.float32)`; the option's name and values follow vLLM's `kv_ca
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from glm5lab.validate import refuse
@@ -95,26 +93,3 @@ def write_quantized(buffers: dict, name: str, rows_B1, slots_BT, new_BT: torch.T
     scales[rows_B1, slots_BT] = scale_BT
     return dequantize(buf[:, :extent], scales[:, :extent], new_BT.dtype)
 
-
-@contextlib.contextmanager
-def fp8_key_reference(model):
-    """Within this context every lightning indexer of `model` hands out its keys through
-    `fp8_roundtrip`: an uncached forward then scores exactly the keys an fp8 index cache holds. The reference
-    twin of the fp8 cache (`KVCache(index_cache_dtype="fp8")`): cached decoding with it equals an uncached
-    forward under this context. Not for a cached forward (its keys would be rounded twice)."""
-    from glm5lab.model.dsa import LightningIndexer
-
-    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
-    for ix in indexers:
-        ix.keys = _rounded(ix.keys)  # an instance attribute: shadows the method until deleted
-    try:
-        yield model
-    finally:
-        for ix in indexers:
-            del ix.keys
-
-
-def _rounded(keys):
-    def rounded_keys(x_BTD, cos_TR2, sin_TR2):
-        return fp8_roundtrip(keys(x_BTD, cos_TR2, sin_TR2))
-    return rounded_keys

@@ -46,8 +46,8 @@ EXPERT_IMPLS = ("auto", "grouped", "grouped_mm", "gathered", "loop")
 GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1
 """`auto` runs a sync-free kernel (`Experts.kernel`) for decode-sized forwards (`Step.decode_sized`:
 padding every hit expert to a 64-row tile would compute at least 4x the rows needed) or at most
-this many rows per expert; else `experts_grouped`. The measurements: BENCHMARKS.md ("MoE
-decode path")."""
+this many rows per expert; else `experts_grouped`. The measurements: BENCHMARKS.md ("Kernel
+choices")."""
 
 
 def _topk_by_position(x: torch.Tensor, k: int) -> torch.Tensor:

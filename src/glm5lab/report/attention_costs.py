@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glm5lab.ablate.results import markdown_table
-from glm5lab.report.long_context import read_benchmark_json
+from glm5lab.ablate.results import figure, markdown_table, save_png
+from glm5lab.report.long_context import fmt, read_benchmark_json
 
 RESULT = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "attention_costs.json"
 """Where the benchmark records the comparison in a source checkout (absent in an installed package)."""
@@ -31,10 +31,6 @@ def load_record(path: Path | None = None) -> dict | None:
     return None
 
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def longest_rows(record: dict) -> list[list[str]]:
     """One row per mixer at the longest recorded T: prefill s and decode ms (wall / CPU), state MiB
     (measured / ledger), prefill peak MiB, all per layer ('-' where not run); the uncached dense
@@ -46,11 +42,11 @@ def longest_rows(record: dict) -> list[list[str]]:
         rows.append([spec["label"], _pair(pre, "per_layer_s", "cpu_per_layer_s", 1, ".3f"),
                      _pair(dec, "per_layer_s", "cpu_per_layer_s", 1e3, ".2f"),
                      f"{st['measured_per_layer'] / 2**20:.2f} / {st['ledger_per_layer'] / 2**20:.2f}",
-                     _fmt(pre and pre.get("peak_bytes") and pre["peak_bytes"] / 2**20, ".0f")])
+                     fmt(pre and pre.get("peak_bytes") and pre["peak_bytes"] / 2**20, ".0f")])
     ref = p.get("dense_reference")
     if ref:
         rows.append(["dense MLA, uncached SDPA forward", _pair(ref, "s", "cpu_s", 1, ".3f"), "-", "-",
-                     _fmt(ref.get("peak_bytes") and ref["peak_bytes"] / 2**20, ".0f")])
+                     fmt(ref.get("peak_bytes") and ref["peak_bytes"] / 2**20, ".0f")])
     return rows
 
 
@@ -107,10 +103,9 @@ def plot(record: dict, path: Path) -> Path:
     the prefill panel). Returns `path`."""
     from matplotlib.ticker import FuncFormatter
 
-    from glm5lab.report.long_context import _context_axis, _two_five
-    from glm5lab.report.plots import _plt, _save
+    from glm5lab.report.plots import context_axis, two_five_labels
 
-    plt = _plt()
+    plt = figure()
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.4))
     panels = (("prefill", "prefill of T tokens: CPU seconds per layer"),
               ("decode", "one decode step at T cached tokens: CPU ms per layer"),
@@ -129,12 +124,12 @@ def plot(record: dict, path: Path) -> Path:
                     label="dense MLA, uncached SDPA forward")
         ax.set(yscale="log", title=title)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(_two_five))
+        ax.yaxis.set_minor_formatter(FuncFormatter(two_five_labels))
         ax.tick_params(axis="y", which="minor", labelsize=7)
-        _context_axis(ax)
+        context_axis(ax)
         ax.legend(fontsize=7)
     env = record.get("env", {})
     fig.suptitle(f"Token mixers on one stack (bench-preset widths), {env.get('device')} {record.get('dtype')}, "
                  f"{env.get('torch_threads')} thread(s), times in CPU seconds; SWA window {record.get('window')}",
                  fontsize=10)
-    return _save(fig, plt, Path(path))
+    return save_png(fig, Path(path), tight=True)

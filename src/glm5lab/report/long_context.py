@@ -18,12 +18,12 @@ retention 1/4 up to 1.82x faster prefill and 1.48x faster decode than every laye
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from matplotlib.ticker import FuncFormatter
 
-from glm5lab.ablate.results import markdown_table
+from glm5lab.ablate.results import figure, markdown_table, save_png
+from glm5lab.report.plots import context_axis, two_five_labels
 
 RESULT = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "long_context.json"
 """Where the benchmark records the curve in a source checkout (absent in an installed package)."""
@@ -60,7 +60,8 @@ def _ratio(a, b):
     return None if not a or not b else a / b
 
 
-def _fmt(x, spec: str) -> str:
+def fmt(x, spec: str) -> str:
+    """x formatted by `spec`, or '-' for None (a table cell)."""
     return "-" if x is None else format(x, spec)
 
 
@@ -73,8 +74,8 @@ def curve_rows(record: dict) -> list[list[str]]:
         p, d = e["prefill"], e["decode"]
         pd, ps, dd, ds = p["dense"]["s"], p["dsa"]["s"], d["dense"]["s"], d["dsa"]["s"]
         sp = ic.get(e["T"])
-        rows.append([str(e["T"]), _fmt(pd, ".3f"), _fmt(ps, ".3f"), _fmt(_ratio(pd, ps), ".2f") + "x",
-                     _fmt(dd and dd * 1e3, ".2f"), _fmt(ds and ds * 1e3, ".2f"), _fmt(_ratio(dd, ds), ".2f") + "x",
+        rows.append([str(e["T"]), fmt(pd, ".3f"), fmt(ps, ".3f"), fmt(_ratio(pd, ps), ".2f") + "x",
+                     fmt(dd and dd * 1e3, ".2f"), fmt(ds and ds * 1e3, ".2f"), fmt(_ratio(dd, ds), ".2f") + "x",
                      "-" if sp is None else f"{sp['prefill']['retain_1_4']:.2f}x / {sp['decode']['retain_1_4']:.2f}x"])
     return rows
 
@@ -135,9 +136,7 @@ def plot(record: dict, path: Path) -> Path:
     """Three panels: prefill and decode seconds per layer vs context (log-log), and how many
     times cheaper DSA is than dense (and IndexCache 1/4 than all-full DSA) vs context, with the
     published points of `PUBLISHED`. Returns `path`."""
-    from glm5lab.report.plots import _plt, _save
-
-    plt = _plt()
+    plt = figure()
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.2), gridspec_kw={"width_ratios": [1, 1, 1.15]})
     styles = {"dense MLA": "o-", "DSA": "s-", "DSA, 4-layer all-full": "s:", "DSA, IndexCache 1/2": "^--",
               "DSA, IndexCache 1/4": "v--"}
@@ -149,20 +148,14 @@ def plot(record: dict, path: Path) -> Path:
         ax.set(yscale="log", ylabel="seconds per layer", title=title)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         lo, hi = ax.get_ylim()
-        ax.yaxis.set_minor_formatter(FuncFormatter(_two_five if hi / lo > 10 else lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(two_five_labels if hi / lo > 10 else lambda y, _: f"{y:g}"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
-        _context_axis(ax)
+        context_axis(ax)
         ax.legend(fontsize=8)
     _ratio_panel(axes[2], record)
     fig.suptitle(f"Long-context attention cost, one bench-preset layer, {record.get('env', {}).get('device')} "
                  f"{record.get('dtype')}, {record.get('env', {}).get('torch_threads')} thread(s)", fontsize=10)
-    return _save(fig, plt, Path(path))
-
-
-def _two_five(y: float, _pos) -> str:
-    """Label the minor log ticks at 2 and 5 x a power of ten only."""
-    lead = y / 10 ** math.floor(math.log10(y)) if y > 0 else 0
-    return f"{y:g}" if round(lead, 6) in (2.0, 5.0) else ""
+    return save_png(fig, Path(path), tight=True)
 
 
 def _ratio_panel(ax, record: dict) -> None:
@@ -195,15 +188,5 @@ def _ratio_panel(ax, record: dict) -> None:
     ax.set(ylabel="x cheaper (time ratio; > 1: cheaper)", title="how many times cheaper")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
-    _context_axis(ax, right=262144)
+    context_axis(ax, right=262144)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-
-
-def _context_axis(ax, right: int | None = None) -> None:
-    """log2 context axis labelled 512, 1K, 2K, ... (K = 1024 tokens)."""
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context T (tokens; K = 1024)")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"))
-    if right:
-        ax.set_xlim(right=right)
-    ax.grid(alpha=0.3, which="both")

@@ -8,28 +8,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from matplotlib.ticker import FixedLocator, MaxNLocator, NullFormatter, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, NullLocator
 
+from glm5lab.ablate.results import figure, save_png
 from glm5lab.train.plot import (KL, LM, MTP, VAL, WHOLE, as_floats, beside, draw_losses, mark_stages, mtp_mean,
                                 plain_ticks, smoothed, smoothing_steps, stage_mean, stage_spans, subset_label,
                                 trailing_mean, whole_label)
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, plt, path: Path, layout: bool = True) -> Path:
-    if layout:
-        fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
@@ -39,7 +23,7 @@ def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
     dots (the whole-split final figure in the last panel), the indexer KL on the right; for a stage without LM
     objective (summary.json's `reported` is indexer_kl, the indexer warm-up) the KL on the left and the LM
     loss it still logs on the right. One legend below all panels."""
-    plt = _plt()
+    plt = figure()
     summary = summary or {}
     reported = {st["stage"]: st.get("reported") for st in summary.get("stages", [])}
     spans = stage_spans(metrics)
@@ -55,7 +39,7 @@ def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
         _stage_panel(fig.add_subplot(grid[1, i]), rows, k, summary if i == len(spans) - 1 else {}, kl_objective)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    return _save(fig, plt, path, layout=False)
+    return save_png(fig, path, layout=False, tight=True)
 
 
 def _stage_panel(ax, rows: list[dict], k: int, summary: dict, kl_objective: bool) -> None:
@@ -102,7 +86,7 @@ def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None)
     rows = [r for r in metrics if r.get("expert_load")]
     if not rows:
         return None
-    plt = _plt()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(9, 4.2))
     colors = plt.get_cmap("viridis")
     n = len(rows[0]["expert_load"])
@@ -117,7 +101,7 @@ def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None)
     ax.grid(alpha=0.3)
     mark_stages(ax, stage_spans(rows), title="expert load imbalance per MoE layer")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
-    return _save(fig, plt, path)
+    return save_png(fig, path, tight=True)
 
 
 def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
@@ -129,7 +113,7 @@ def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
     rows = [r for r in metrics if r.get("ep_tokens")]
     if not rows:
         return None
-    plt = _plt()
+    plt = figure()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in rows]
     left.plot(steps, [r["ep_imbalance"] for r in rows], linewidth=0.9, label=f"EP ranks ({len(rows[0]['ep_tokens'])})")
@@ -144,7 +128,7 @@ def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
     right.set(xlabel="step", ylabel="all-to-all bytes per training token")
     right.grid(alpha=0.3)
     mark_stages(right, stage_spans(rows), title="all-to-all bytes (dispatch + combine, forward + backward)")
-    return _save(fig, plt, path)
+    return save_png(fig, path, tight=True)
 
 
 def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
@@ -155,7 +139,7 @@ def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
     val = [r for r in metrics if r.get("val_loss") is not None]
     if not val:
         return None
-    plt = _plt()
+    plt = figure()
     summary = summary or {}
     fig, ax = plt.subplots(figsize=(8, 4.2))
     ppl = [_exp(r["val_loss"]) for r in val]
@@ -176,7 +160,7 @@ def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
     ax.grid(alpha=0.3)
     mark_stages(ax, stage_spans(metrics), title="validation perplexity")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
-    return _save(fig, plt, path)
+    return save_png(fig, path, tight=True)
 
 
 def _exp(loss: float) -> float:
@@ -202,7 +186,7 @@ def compare(runs: list[tuple[str, list[dict], dict]], path: Path) -> Path:
     loss as a trailing mean, validation-subset dots, the whole-split final figure as a diamond;
     the stage boundaries, named, of the longest run (and, in its colour, of any run whose stages
     end at other steps). runs: (label, metrics rows, summary) each."""
-    plt = _plt()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(9.5, 5))
     colors = plt.get_cmap("tab10")
     spans = [stage_spans(rows) for _, rows, _ in runs]
@@ -229,7 +213,7 @@ def compare(runs: list[tuple[str, list[dict], dict]], path: Path) -> Path:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
-    return _save(fig, plt, path)
+    return save_png(fig, path, tight=True)
 
 
 def retrieval(rows: list[dict], path: Path) -> Path | None:
@@ -237,7 +221,7 @@ def retrieval(rows: list[dict], path: Path) -> Path | None:
     done = [r for r in rows if "accuracy" in r]
     if not done:
         return None
-    plt = _plt()
+    plt = figure()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     lengths = [r["context_length"] for r in done]
     ax.plot(lengths, [100 * r["accuracy"] for r in done], "o-")
@@ -246,14 +230,14 @@ def retrieval(rows: list[dict], path: Path) -> Path | None:
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.grid(alpha=0.3)
-    return _save(fig, plt, path)
+    return save_png(fig, path, tight=True)
 
 
 def acceptance(result: dict | None, path: Path) -> Path | None:
     """Accepted fraction per draft position (None without an MTP measurement)."""
     if not result or "acceptance_rate" not in result:
         return None
-    plt = _plt()
+    plt = figure()
     rates = result["acceptance_rate"]
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.bar(range(1, len(rates) + 1), rates)
@@ -261,4 +245,20 @@ def acceptance(result: dict | None, path: Path) -> Path | None:
            title=f"MTP acceptance: mean length {result['acceptance_length']:.2f}")
     ax.set_xticks(range(1, len(rates) + 1))
     ax.grid(alpha=0.3, axis="y")
-    return _save(fig, plt, path)
+    return save_png(fig, path, tight=True)
+
+
+def two_five_labels(y: float, _pos) -> str:
+    """A minor-tick formatter for log axes: label 2 and 5 x a power of ten only."""
+    lead = y / 10 ** math.floor(math.log10(y)) if y > 0 else 0
+    return f"{y:g}" if round(lead, 6) in (2.0, 5.0) else ""
+
+
+def context_axis(ax, right: int | None = None) -> None:
+    """log2 context axis labelled 512, 1K, 2K, ... (K = 1024 tokens), up to `right` when given."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context T (tokens; K = 1024)")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1024:g}K" if x >= 1024 else f"{x:g}"))
+    if right:
+        ax.set_xlim(right=right)
+    ax.grid(alpha=0.3, which="both")

@@ -164,10 +164,10 @@ def _load(rec, pngs, names: list[str]) -> str:
     return ("## Expert load\n\n" + _load_caption(rec)
             + "\n\nExpert assignments (tokens x top-k; the MTP layer's over its depths) at the last step, per MoE "
             "layer:\n\n" + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean"], rows)
-            + _img(pngs, "load", "expert load imbalance over time") + _expert_parallel(rec, pngs))
+            + _img(pngs, "load", "expert load imbalance over time") + expert_parallel_section(rec, pngs))
 
 
-def _expert_parallel(rec, pngs) -> str:
+def expert_parallel_section(rec, pngs) -> str:
     """For an expert-parallel run (`--ep N`): what the all-to-alls moved and how evenly the EP ranks were
     loaded, from metrics.jsonl's ep_tokens / ep_imbalance / a2a_bytes; empty otherwise."""
     rows = [r for r in rec.metrics if r.get("ep_tokens")]
@@ -204,7 +204,7 @@ def _ablations(rec) -> str:
     if not rec.ablations:
         return ("## Ablations\n\nNone found beside the run (RUN_DIR/ablate/* or ../ablate/*); run "
                 "`glm5lab ablate STUDY`.\n")
-    out = ["## Ablations\n", _ablation_summary(rec.ablations)]
+    out = ["## Ablations\n", ablation_summary(rec.ablations)]
     for key, info in rec.ablations.items():
         table = info["table"].split("\n", 1)[1] if info["table"].startswith("# ") else info["table"]
         png = f"\n![{key}]({info['png']})\n" if info.get("png") else ""
@@ -213,7 +213,7 @@ def _ablations(rec) -> str:
     return "".join(out)
 
 
-def _ablation_summary(ablations: dict) -> str:
+def ablation_summary(ablations: dict) -> str:
     """The README's summary table (`glm5lab.ablate.summary.summary_table`) of the default-size
     studies found; empty when there are none or one cannot be read."""
     from glm5lab.ablate.summary import summary_table

@@ -42,21 +42,22 @@ from glm5lab.parallel.expert_parallel import pop_ep_metrics
 from glm5lab.train.extend import continue_position, extend_plan, record_extension
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.plan import check_run
-from glm5lab.train.recipe import DEFAULT_RECIPE, default_values, load_recipe, resolve
+from glm5lab.train.recipe import DEFAULT_RECIPE, TrainHyper, default_recipe, load_recipe, resolve
 from glm5lab.checkpoints.export import export_checkpoint
 from glm5lab.checkpoints.resume import first_complete, resume_checkpoint
 from glm5lab.train.run_lock import hold_run_folder
 from glm5lab.train.stages import Stage
-from glm5lab.train.step import StepDone, TrainHyper, run_stages
+from glm5lab.train.step import StepDone, run_stages
 from glm5lab.validate import finite, int_at_least
 
 
 @dataclass
 class TrainArgs:
-    """Everything a run needs; saved as `run.json` in the run folder. optimizer, weight_decay,
-    grad_clip and bias_update_rate are the step's `TrainHyper` (`hyper`). A field left None comes from the recipe
-    (`recipe`, default `small`: `with_recipe`, which `train` applies first); seq_len, batch_size, grad_accum, steps
-    and lr, when given, override every stage's (`glm5lab.train.recipe.resolve`)."""
+    """Everything a run needs, `glm5lab train`'s flags on top of its recipe (`glm5lab.train.recipe`, the config
+    tree and its defaults); saved as `run.json` in the run folder. A field left None comes from the recipe
+    (`recipe`, default `small`: `with_recipe`, which `train` applies first): optimizer, weight_decay, grad_clip and
+    bias_update_rate (the step's `TrainHyper`: `hyper`), the cadence, the model; seq_len, batch_size, grad_accum,
+    steps and lr, when given, override every stage's (`glm5lab.train.recipe.resolve`)."""
 
     preset: str | None = None
     config: str | None = None
@@ -102,9 +103,8 @@ class TrainArgs:
 
     @property
     def hyper(self) -> TrainHyper:
-        """The step's settings of this run (a field still None: `TrainHyper`'s default)."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainHyper)}
-        return TrainHyper(**{k: v for k, v in values.items() if v is not None})
+        """The step's settings of this run (its fields, once `with_recipe` has filled them)."""
+        return TrainHyper(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainHyper)})
 
 
 def with_recipe(args: TrainArgs) -> TrainArgs:
@@ -114,7 +114,7 @@ def with_recipe(args: TrainArgs) -> TrainArgs:
     recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
     filled = {k: v for k, v in recipe.settings().items() if getattr(args, k) is None}
     if not (args.preset or args.config or args.init):
-        model = {"config": recipe.config} if recipe.config else {"preset": recipe.preset or "small"}
+        model = {"config": recipe.model.config} if recipe.model.config else {"preset": recipe.model.preset}
         filled.update(model)
     return dataclasses.replace(args, **filled)
 
@@ -135,7 +135,9 @@ def model_config(args: TrainArgs) -> ModelConfig:
     """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset. Raises ConfigError
     (unknown field or preset, bad value). Whether it fits this machine's memory is `train`'s check (`_check_fits`)."""
     source = args.init or args.config
-    return ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset or "small")
+    if source:
+        return ModelConfig.from_hf(source)
+    return ModelConfig.from_preset(args.preset or default_recipe().model.preset)
 
 
 def build_model(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> tuple[GLM5ForCausalLM, object]:
@@ -406,7 +408,7 @@ def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
     # another process count or --ep is allowed: the checkpoint is resharded and the global batch kept (`rescale_stages`)
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
-    old = {"stages": saved_stages, **{k: saved["args"].get(k, default_values().get(k, getattr(TrainArgs, k))) for k in keys}}
+    old = {"stages": saved_stages, **{k: saved["args"].get(k, default_recipe().settings().get(k, getattr(TrainArgs, k))) for k in keys}}
     new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
     for k in ("data", "init"):  # paths: `d1`, `d1/`, `./d1` name one folder
         if None not in (old[k], new[k]) and Path(old[k]).resolve() == Path(new[k]).resolve():

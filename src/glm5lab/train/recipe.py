@@ -1,117 +1,183 @@
-"""Recipes as files: a TOML file (read with `tomllib`) holds a run's optimizer, stages, evaluation and checkpoint
-cadence and, optionally, its model; `resolve` turns it into the `Stage` list a run trains (docs/recipes.md).
+"""The run's configuration, one typed tree read from TOML recipes (docs/recipes.md); `resolve` turns a recipe into
+the `Stage` list a run trains, for a world size, a model and the flags (`glm5lab train`'s `TrainArgs`).
 
-    name = "small"
-    [model]       preset = "small"                      (or config = "path/config.json", relative to the file)
-    [optimizer]   name = "muon-split"  weight_decay = 0.1  grad_clip = 1.0  bias_update_rate = 1.5e-2
-    [evaluation]  eval_every = 50  eval_tokens = 16384
-    [checkpoint]  checkpoint_every = 100
-    [defaults]    any stage key but name and quick: the value of every stage that does not set it
-    [[stages]]    name, steps | tokens, lr, lr_end, warmup_steps, decay_steps, schedule, decay_ratio, seq_len,
-                  batch_size (per rank), grad_accum | global_batch, mtp_weights | mtp_weight, trainable, use_dsa,
-                  indexer_weight, lm_weight, only_with_indexer, quick = {steps = .., warmup_steps = ..}
+    Recipe                          a file: name, description
+      .model       Model            [model]       preset, config (a path relative to the file; wins over preset)
+      .optimizer   TrainHyper       [optimizer]   name, weight_decay, grad_clip, bias_update_rate
+      .evaluation  Evaluation       [evaluation]  eval_every, eval_tokens
+      .checkpoint  Checkpointing    [checkpoint]  checkpoint_every
+      .stages      StageSpec, ...   [[stages]]    `Stage`'s fields, [defaults] under them, and tokens | global_batch |
+                                                  mtp_weight | only_with_indexer | quick (how they resolve)
 
-`tokens` resolves to ceil(tokens / (seq_len x batch_size x grad_accum x world size)) steps; `global_batch`
-(sequences per optimizer step, all ranks) to grad_accum = global_batch / (batch_size x world size), which must
-divide exactly. `mtp_weight` is one weight for each of the model's MTP depths (default 0.3; none when the model
-has no MTP layer). A stage with `only_with_indexer = true` is left out for a model without DSA indexer weights.
-`--quick` applies a stage's `quick` table (else steps and warm-up divided by 25, at least 2 steps). `schedule`
-("linear", the default; "cosine"; "wsd" with `decay_ratio`) shapes the lr from lr to lr_end (`Stage.lr_at`).
-
-Refused as plans no run can mean (`check_plan_order`): two stages of one name, and an indexer warm-up (a stage
-with trainable = "indexer") after a stage that trained with use_dsa = true, in the file or by `--stages`.
-
-Built-in recipes ship as package data (`glm5lab/recipes/*.toml`; `recipes/` at the repository root links there);
-`--recipe NAME` takes one of them, `--recipe FILE.toml` any file. Errors are one line naming the key, its table
-(`stages[1]`), the value and what is allowed (with a "did you mean"), raised as ValueError.
+The defaults are recipes/small.toml, the default run (`default_recipe`), and nowhere else: a recipe that leaves
+out a key of [model], [optimizer], [evaluation] or [checkpoint] takes small's; a stage key left out takes
+`Stage`'s default. A table's keys are its dataclass's fields, checked by name and annotated type, so an unknown
+key or a wrong type is one line naming the file, the table (`stages[1]`), the key or value and what is allowed
+(the allowed keys, "did you mean"), raised as ValueError; then the stage rules `Stage` itself checks, and a stage
+order no run can mean (`check_plan_order`). Built-in recipes ship as package data (`glm5lab/recipes/*.toml`;
+`recipes/` at the repository root links there): `--recipe NAME` takes one, `--recipe FILE.toml` any file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from glm5lab.train.stages import Stage, check_objective, check_schedule, check_values
+from glm5lab.train.stages import MTP_WEIGHT, Stage, check_objective, check_schedule, check_values
 from glm5lab.validate import finite, int_at_least, refuse
 
 DEFAULT_RECIPE = "small"
 QUICK_DIVISOR = 25
-"""--quick on a stage without a `quick` table: steps // 25 (0.04 x, as `default_stages`), at least 2."""
+"""--quick on a stage without a `quick` table: steps // 25, at least 2."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """[model]: the model when no --preset/--config/--init is given: `config` (an HF config.json) when set, else
+    the preset."""
+
+    preset: str | None = None
+    config: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainHyper:
+    """[optimizer], the step's settings (`glm5lab.train.step.optimizer_step`). optimizer (TOML key `name`):
+    "adamw", "muon", "muon-split" or "muon-split-kv" (`glm5lab.optim.groups`). weight_decay: on the rows the group
+    table decays. grad_clip: the largest global gradient norm, 0 = no clipping. bias_update_rate: the router bias
+    step per update, b_e += rate * sign(mean load - load_e) (`glm5lab.train.balance`), 0 = off. `default` gives
+    the default run's (recipes/small.toml)."""
+
+    optimizer: str = field(metadata={"key": "name"})
+    weight_decay: float
+    grad_clip: float
+    bias_update_rate: float
+
+    @classmethod
+    def default(cls, **changes) -> TrainHyper:
+        """The default run's settings (recipes/small.toml's [optimizer]) with `changes` (field=value)."""
+        return dataclasses.replace(default_recipe().optimizer, **changes)
+
+    def build_optimizer(self, model, lr: float):
+        """This optimizer over every parameter of `model` (frozen ones too: stages change which
+        train) at `lr`. Raises ValueError for an unknown optimizer name."""
+        from glm5lab.optim import build_optimizer
+
+        return build_optimizer(model, self.optimizer, lr=lr, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """[evaluation]. eval_every: validation every N steps and at each stage end (0: only the final one);
+    eval_tokens: held-out targets each periodic validation scores, the first ceil(eval_tokens / seq_len) windows."""
+
+    eval_every: int
+    eval_tokens: int
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """[checkpoint]. checkpoint_every: a checkpoint every N steps, and at each stage end."""
+
+    checkpoint_every: int
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One `[[stages]]` table as written (before the world size, the model and the flags are known)."""
+    """One [[stages]] table as written, its recipe's [defaults] under it. fields: the `Stage` fields it sets;
+    tokens (instead of steps): ceil(tokens / (seq_len x batch_size x grad_accum x processes)) steps;
+    global_batch (instead of grad_accum): sequences per optimizer step, all processes, grad_accum = global_batch /
+    (batch_size x processes); mtp_weight (instead of mtp_weights): one weight for each of the model's MTP depths
+    (`MTP_WEIGHT` when neither is given; none when the model has no MTP layer); only_with_indexer: left out for a
+    model without DSA indexer weights; quick: the `Stage` fields --quick sets (else steps and warm-up / 25)."""
 
-    name: str
-    lr: float
-    seq_len: int
-    batch_size: int
-    steps: int | None = None
+    fields: dict
     tokens: int | None = None
-    grad_accum: int | None = None
     global_batch: int | None = None
-    lr_end: float | None = None
-    warmup_steps: int = 0
-    decay_steps: int | None = None
-    schedule: str = "linear"
-    decay_ratio: float | None = None
-    use_dsa: bool = False
-    trainable: str = "all"
-    lm_weight: float = 1.0
-    mtp_weights: tuple[float, ...] | None = None
     mtp_weight: float | None = None
-    indexer_weight: float = 0.0
     only_with_indexer: bool = False
     quick: dict = field(default_factory=dict)
+
+    name = property(lambda self: self.fields["name"])
+    trainable = property(lambda self: self.fields.get("trainable", STAGE_DEFAULTS["trainable"]))
+    use_dsa = property(lambda self: self.fields.get("use_dsa", STAGE_DEFAULTS["use_dsa"]))
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """A recipe file, typed. source: the file it was read from; optimizer etc. are `TrainArgs`/`TrainHyper`
-    names; preset/config: the model (None: the run's --preset/--config/--init, else the `small` preset)."""
+    """A recipe file, typed (the module's docstring draws the tree). source: the file it was read from."""
 
     name: str
-    source: str
+    description: str
+    model: Model
+    optimizer: TrainHyper
+    evaluation: Evaluation
+    checkpoint: Checkpointing
+    defaults: dict
+    """[defaults]: any stage key but name and quick, the value of every stage that does not set it."""
     stages: tuple[StageSpec, ...]
-    optimizer: str = "muon-split"
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    bias_update_rate: float = 1.5e-2
-    eval_every: int = 50
-    eval_tokens: int = 16384
-    checkpoint_every: int = 100
-    preset: str | None = None
-    config: str | None = None
-    description: str = ""
+    source: str = field(default="", metadata={"key": None})
 
     def settings(self) -> dict:
-        """The run settings (not stages) by `TrainArgs` name."""
-        names = ("optimizer", "weight_decay", "grad_clip", "bias_update_rate", "eval_every", "eval_tokens",
-                 "checkpoint_every")
-        return {k: getattr(self, k) for k in names}
+        """The run settings (not stages) by `TrainArgs` name: optimizer, weight_decay, grad_clip, bias_update_rate,
+        eval_every, eval_tokens, checkpoint_every."""
+        return {**dataclasses.asdict(self.optimizer), **dataclasses.asdict(self.evaluation),
+                **dataclasses.asdict(self.checkpoint)}
+
+    def flag_values(self) -> dict:
+        """`glm5lab train`'s flags as this recipe sets them, by `TrainArgs` name: `settings`, the preset, the first
+        stage's seq_len, batch_size and grad_accum, and steps (the total on a model with MTP and an indexer, as the
+        `small` preset; "quick_steps" with --quick)."""
+        stages = resolve(self, mtp_depth=1, has_indexer=True)
+        return {**self.settings(), "preset": self.model.preset, "seq_len": stages[0].seq_len,
+                "batch_size": stages[0].batch_size, "grad_accum": stages[0].grad_accum,
+                "steps": sum(s.steps for s in stages),
+                "quick_steps": sum(s.steps for s in resolve(self, mtp_depth=1, has_indexer=True, quick=True))}
 
 
-# key -> (type, what to say); float accepts a TOML integer too
-_NUM, _INT, _STR, _BOOL = ("a number", (int, float)), ("an integer", int), ("a string", str), ("a boolean", bool)
-_TABLE = ("a table", dict)
-TOP_KEYS = {"name": _STR, "description": _STR, "model": _TABLE, "optimizer": _TABLE, "evaluation": _TABLE,
-            "checkpoint": _TABLE, "defaults": _TABLE, "stages": ("an array of tables ([[stages]])", list)}
-MODEL_KEYS = {"preset": _STR, "config": _STR}
-OPTIMIZER_KEYS = {"name": _STR, "weight_decay": _NUM, "grad_clip": _NUM, "bias_update_rate": _NUM}
-EVALUATION_KEYS = {"eval_every": _INT, "eval_tokens": _INT}
-CHECKPOINT_KEYS = {"checkpoint_every": _INT}
-STAGE_KEYS = {"name": _STR, "steps": _INT, "tokens": _INT, "lr": _NUM, "lr_end": _NUM, "warmup_steps": _INT,
-              "decay_steps": _INT, "schedule": _STR, "decay_ratio": _NUM, "seq_len": _INT, "batch_size": _INT,
-              "grad_accum": _INT, "global_batch": _INT,
-              "mtp_weights": ("an array of numbers", list), "mtp_weight": _NUM, "trainable": _STR, "use_dsa": _BOOL,
-              "indexer_weight": _NUM, "lm_weight": _NUM, "only_with_indexer": _BOOL, "quick": _TABLE}
-QUICK_KEYS = {k: v for k, v in STAGE_KEYS.items() if k not in ("name", "quick", "only_with_indexer")}
+STAGE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Stage) if f.default is not dataclasses.MISSING}
+"""`Stage`'s defaults: the value of a stage key a recipe leaves out."""
+KINDS = {"str": ("a string", str), "int": ("an integer", int), "float": ("a number", (int, float)),
+         "bool": ("a boolean", bool), "dict": ("a table", dict), "tuple[float, ...]": ("an array of numbers", list),
+         "tuple[StageSpec, ...]": ("an array of tables ([[stages]])", list)}
+"""A field's annotation (`X | None`: X's) -> what its TOML value must be, in words, and the Python types it reads
+as (a float field takes a TOML integer too; a bool is never a number). A dataclass of the tree: a table."""
+
+
+def keys_of(cls) -> dict[str, tuple[str, str]]:
+    """The TOML keys of a table read into the dataclass `cls`: key -> (field name, kind: a `KINDS` key), in field
+    order; a field's metadata "key" renames it (None: not a key)."""
+    keys = {f.metadata.get("key", f.name): (f.name, f.type.removesuffix(" | None")) for f in dataclasses.fields(cls)}
+    return {key: value for key, value in keys.items() if key is not None}
+
+
+STAGE_KEYS = {**keys_of(Stage), **{k: v for k, v in keys_of(StageSpec).items() if k != "fields"}}
+"""The keys of a [[stages]] table: `Stage`'s fields, then how they resolve (`StageSpec`)."""
+DEFAULTS_KEYS = {k: v for k, v in STAGE_KEYS.items() if k not in ("name", "quick")}
+QUICK_KEYS = {k: v for k, v in keys_of(Stage).items() if k != "name"}
+TOP_KEYS = keys_of(Recipe)
+
+
+@functools.cache
+def default_recipe() -> Recipe:
+    """The default run's configuration: recipes/small.toml, read once."""
+    return load_recipe(DEFAULT_RECIPE)
+
+
+def default_stages(*, seq_len: int | None = None, batch_size: int | None = None, quick: bool = False,
+                   mtp_depth: int = 3, use_indexer: bool = True) -> list[Stage]:
+    """The `small` recipe's stages resolved (`resolve`): dense pre-training, then, on a model with an indexer
+    (`use_indexer`), indexer warm-up and sparse adaptation; seq_len and batch_size as --seq-len and --batch-size,
+    `quick` as --quick (17 steps in all). Sized so `glm5lab train` on the `small` preset takes about 12 minutes on
+    2 CPU cores (BENCHMARKS.md)."""
+    return resolve(default_recipe(), mtp_depth=mtp_depth, has_indexer=use_indexer, quick=quick, seq_len=seq_len,
+                   batch_size=batch_size)
 
 
 def builtin_names() -> list[str]:
@@ -136,8 +202,9 @@ def recipe_path(name_or_file: str) -> Path:
 
 
 def load_recipe(name_or_file: str = DEFAULT_RECIPE) -> Recipe:
-    """Read and check a recipe (`recipe_path`). Raises ValueError, one line: a TOML syntax error, an unknown key
-    (with the allowed ones), a value of the wrong type, steps and tokens both or neither, and so on."""
+    """Read and check a recipe (`recipe_path`); keys it leaves out are the default recipe's (module docstring).
+    Raises ValueError, one line: a TOML syntax error, an unknown key (with the allowed ones), a value of the wrong
+    type, steps and tokens both or neither, a stage value or order no run can mean, an unknown optimizer."""
     path = recipe_path(name_or_file)
     try:
         data = tomllib.loads(path.read_text())
@@ -147,40 +214,51 @@ def load_recipe(name_or_file: str = DEFAULT_RECIPE) -> Recipe:
     _check_table(data, TOP_KEYS, where, "")
     if not data.get("stages"):
         raise ValueError(f"{where}: `stages` is missing: the recipe needs at least one [[stages]] table")
-    sub = {name: data.get(name, {}) for name in ("model", "optimizer", "evaluation", "checkpoint", "defaults")}
-    _check_evaluation(sub["evaluation"], where)
-    for name, keys in (("model", MODEL_KEYS), ("optimizer", OPTIMIZER_KEYS), ("evaluation", EVALUATION_KEYS),
-                       ("checkpoint", CHECKPOINT_KEYS)):
-        _check_table(sub[name], keys, where, f"[{name}]")
-    defaults_keys = {k: v for k, v in STAGE_KEYS.items() if k not in ("name", "quick")}
-    _check_table(sub["defaults"], defaults_keys, where, "[defaults]")
-    _check_counts(sub["defaults"], where, "[defaults]")
+    _check_evaluation(data.get("evaluation", {}), where)
+    base = None if path.resolve() == recipe_path(DEFAULT_RECIPE).resolve() else default_recipe()
+    sections = {name: _section(cls, data.get(name, {}), base and getattr(base, name), where, f"[{name}]")
+                for name, cls in (("model", Model), ("optimizer", TrainHyper), ("evaluation", Evaluation),
+                                  ("checkpoint", Checkpointing))}
+    config = data.get("model", {}).get("config")
+    if config is not None and not Path(config).is_absolute():
+        sections["model"] = dataclasses.replace(sections["model"], config=str(path.parent / config))
+    defaults = data.get("defaults", {})
+    _check_table(defaults, DEFAULTS_KEYS, where, "[defaults]")
+    _check_counts(defaults, where, "[defaults]")
     for i, table in enumerate(data["stages"]):
         _check_table(table, STAGE_KEYS, where, f"stages[{i}]")
-    stages = tuple(_stage_spec({**sub["defaults"], **table}, where, f"stages[{i}]")
-                   for i, table in enumerate(data["stages"]))
+    stages = tuple(_stage_spec({**defaults, **table}, where, f"stages[{i}]") for i, table in enumerate(data["stages"]))
     check_plan_order(stages, where, [f"stages[{i}] ({s.name!r})" for i, s in enumerate(stages)])
-    config = sub["model"].get("config")
-    if config is not None and not Path(config).is_absolute():
-        config = str(path.parent / config)
-    opt = sub["optimizer"]
-    _check_optimizer_name(opt.get("name", Recipe.optimizer), where)
-    return Recipe(name=data.get("name", path.stem), source=str(path), stages=stages, description=data.get("description", ""),
-                  optimizer=opt.get("name", Recipe.optimizer), preset=sub["model"].get("preset"), config=config,
-                  **{k: v for k, v in opt.items() if k != "name"}, **sub["evaluation"], **sub["checkpoint"])
+    _check_optimizer_name(sections["optimizer"].optimizer, where)
+    return Recipe(name=data.get("name", path.stem), description=data.get("description", ""), defaults=defaults,
+                  stages=stages, source=str(path), **sections)
+
+
+def _section(cls, table: dict, base, where: str, name: str):
+    """The dataclass `cls` (`Model`, `TrainHyper`, ...) of one table `name`, its keys checked; the keys it leaves
+    out are `base`'s (the default recipe's; None while reading the default recipe itself, which sets them all)."""
+    keys = keys_of(cls)
+    _check_table(table, keys, where, name)
+    values = {**(dataclasses.asdict(base) if base is not None else {}), **{keys[k][0]: v for k, v in table.items()}}
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    missing = [key for key, (name_, _) in keys.items() if name_ in required and name_ not in values]
+    if missing:
+        raise ValueError(f"{where}: {name} has no `{missing[0]}`: the default recipe sets every key of its tables "
+                         "(they are every other recipe's defaults)")
+    return cls(**values)
 
 
 def _check_table(table, keys: dict, where: str, name: str) -> None:
-    """Unknown keys and wrong types of one table, one line each."""
+    """Unknown keys and wrong types of one table (`keys`: `keys_of` a dataclass), one line each."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: `{name}` must be a table, got {table!r}")
     for key, value in table.items():
         if key not in keys:
             raise ValueError(f"{where}: {name + ' ' if name else ''}key `{key}` is not allowed: allowed keys are "
                              f"{', '.join(keys)}{_did_you_mean(key, list(keys))}")
-        kind, types = keys[key]
-        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in _tuple(types))
-        if ok and key == "mtp_weights":
+        kind, types = KINDS.get(keys[key][1], ("a table", dict))
+        ok = isinstance(value, types) and (types is bool or not isinstance(value, bool))
+        if ok and kind == "an array of numbers":
             ok = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in value)
         if not ok:
             label = f"{name}.{key}" if name else key
@@ -242,17 +320,13 @@ def check_plan_order(stages, where: str, labels: list[str]) -> None:
                              "stages that select keys with the indexer; put it before them")
 
 
-def _tuple(types) -> tuple:
-    return types if isinstance(types, tuple) else (types,)
-
-
 def _did_you_mean(word: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1)
     return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def _stage_spec(table: dict, where: str, name: str) -> StageSpec:
-    _check_table(table, STAGE_KEYS, where, name)
+    """One stage's table ([defaults] under it) checked and split into `Stage` fields and the rest."""
     label = f"{name} ({table['name']!r})" if "name" in table else name
     for pair in (("steps", "tokens"), ("grad_accum", "global_batch"), ("mtp_weights", "mtp_weight")):
         if all(k in table for k in pair):
@@ -263,24 +337,26 @@ def _stage_spec(table: dict, where: str, name: str) -> StageSpec:
     if missing:
         raise ValueError(f"{where}: {label} has no `{missing[0]}` (required: name, lr, seq_len, batch_size, "
                          "and steps or tokens; seq_len and batch_size may come from [defaults])")
-    _check_table(table.get("quick", {}), QUICK_KEYS, where, f"{name}.quick")
-    _check_counts(table, where, name)
-    _check_counts(table.get("quick", {}), where, f"{name}.quick")
     quick = table.get("quick", {})
+    _check_table(quick, QUICK_KEYS, where, f"{name}.quick")
+    _check_counts(table, where, name)
+    _check_counts(quick, where, f"{name}.quick")
     _check_stage_values({**table, **quick}, lambda key: f"{where}: {name}{'.quick' * (key in quick)}.{key}")
-    values = {**table, "mtp_weights": tuple(table["mtp_weights"]) if "mtp_weights" in table else None}
-    return StageSpec(**values)
+    fields = keys_of(Stage)
+    how = {k: v for k, v in table.items() if k not in fields}
+    return StageSpec({k: v for k, v in table.items() if k in fields}, **how)
 
 
 def _check_stage_values(table: dict, key) -> None:
     """The stage rules `Stage` checks too (`check_values`, `check_schedule`, `check_objective`), on a stage's table
-    as written (its `quick` values over it): so a recipe is refused at load, naming its file and key. An MTP weight
-    left unset counts as the default 0.3 (whether the model has an MTP layer is `check_run`'s check)."""
+    as written (its `quick` values over it, the rest at `Stage`'s defaults): so a recipe is refused at load, naming
+    its file and key. An MTP weight left unset counts as `MTP_WEIGHT` (whether the model has an MTP layer is
+    `check_run`'s check)."""
+    values = {**STAGE_DEFAULTS, **table}
     check_values(key, table)
-    check_schedule(key, table.get("schedule", "linear"), table.get("lr_end"), table.get("decay_ratio"))
-    mtp = table.get("mtp_weights", [table.get("mtp_weight", 0.3)])
-    check_objective(key, table.get("trainable", "all"), table.get("lm_weight", 1.0), mtp,
-                    table.get("indexer_weight", 0.0))
+    check_schedule(key, values["schedule"], values["lr_end"], values["decay_ratio"])
+    mtp = table.get("mtp_weights", [table.get("mtp_weight", MTP_WEIGHT)])
+    check_objective(key, values["trainable"], values["lm_weight"], mtp, values["indexer_weight"])
 
 
 def resolve(recipe: Recipe, *, mtp_depth: int, has_indexer: bool, world_size: int = 1, quick: bool = False,
@@ -319,30 +395,26 @@ def resolve(recipe: Recipe, *, mtp_depth: int, has_indexer: bool, world_size: in
 def _stage(spec: StageSpec, recipe: Recipe, mtp_depth: int, world_size: int, quick: bool, seq_len, batch_size,
            grad_accum) -> Stage:
     where = f"recipe {recipe.source}: stage {spec.name!r}"
-    spec = dataclasses.replace(spec, seq_len=spec.seq_len if seq_len is None else seq_len,
-                               batch_size=spec.batch_size if batch_size is None else batch_size)
-    accum = grad_accum if grad_accum is not None else spec.grad_accum or 1
+    flags = {"seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum}
+    values = {**STAGE_DEFAULTS, **spec.fields, **{k: v for k, v in flags.items() if v is not None}}
     if spec.global_batch is not None and grad_accum is None:
-        per_step = spec.batch_size * world_size
+        per_step = values["batch_size"] * world_size
         if spec.global_batch % per_step:
             raise ValueError(f"{where}: global_batch = {spec.global_batch} is not allowed with batch_size "
-                             f"{spec.batch_size} x {world_size} process(es): a multiple of {per_step} (grad_accum "
-                             "= global_batch / (batch_size x processes)); change batch_size or the process count")
-        accum = spec.global_batch // per_step
-    n = spec.steps if spec.steps is not None else \
-        math.ceil(spec.tokens / (spec.seq_len * spec.batch_size * accum * world_size))
-    weights = spec.mtp_weights if spec.mtp_weights is not None else (
-        (0.3 if spec.mtp_weight is None else spec.mtp_weight),) * mtp_depth
-    values = dict(name=spec.name, steps=n, lr=float(spec.lr), seq_len=spec.seq_len, batch_size=spec.batch_size,
-                  lr_end=None if spec.lr_end is None else float(spec.lr_end), warmup_steps=spec.warmup_steps,
-                  decay_steps=spec.decay_steps, schedule=spec.schedule,
-                  decay_ratio=None if spec.decay_ratio is None else float(spec.decay_ratio), use_dsa=spec.use_dsa,
-                  trainable=spec.trainable,
-                  lm_weight=float(spec.lm_weight), mtp_weights=tuple(float(w) for w in weights) if mtp_depth else (),
-                  indexer_weight=float(spec.indexer_weight), grad_accum=accum)
+                             f"{values['batch_size']} x {world_size} process(es): a multiple of {per_step} "
+                             "(grad_accum = global_batch / (batch_size x processes)); change batch_size or the "
+                             "process count")
+        values["grad_accum"] = spec.global_batch // per_step
+    if spec.tokens is not None:
+        values["steps"] = math.ceil(spec.tokens / (values["seq_len"] * values["batch_size"] * values["grad_accum"]
+                                                   * world_size))
+    weight = MTP_WEIGHT if spec.mtp_weight is None else spec.mtp_weight
+    values["mtp_weights"] = spec.fields.get("mtp_weights", (weight,) * mtp_depth) if mtp_depth else ()
     if quick:
-        values = {**values, **_quick(spec, values)}
-    return Stage(**values)
+        values.update(_quick(spec, values))
+    values["mtp_weights"] = tuple(float(w) for w in values["mtp_weights"])
+    floats = {name for name, kind in keys_of(Stage).values() if kind == "float"}  # a TOML `lr = 1` too
+    return Stage(**{k: float(v) if k in floats and v is not None else v for k, v in values.items()})
 
 
 def _quick(spec: StageSpec, values: dict) -> dict:
@@ -366,12 +438,3 @@ def split_steps(stages: list[Stage], total: int) -> list[Stage]:
     sizes[0] += total - sum(sizes)
     return [Stage.from_dict({**s.to_dict(), "steps": n, "warmup_steps": min(s.warmup_steps, n - 1)})
             for s, n in zip(stages, sizes, strict=True)]
-
-
-def default_values() -> dict:
-    """`glm5lab train`'s defaults by `TrainArgs` name, from the default recipe (`small`): its settings, preset,
-    and its first stage's seq_len, batch_size and grad_accum."""
-    recipe = load_recipe(DEFAULT_RECIPE)
-    first = recipe.stages[0]
-    return {**recipe.settings(), "preset": recipe.preset, "seq_len": first.seq_len, "batch_size": first.batch_size,
-            "grad_accum": first.grad_accum or 1}

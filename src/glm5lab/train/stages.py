@@ -5,7 +5,8 @@ GLM-5 (report, DSA section) adapts a dense model late in mid-training in two sta
     indexer frozen, dense attention, loss = KL(head-summed attention || indexer softmax);
 (2) sparse adaptation: 20B tokens at a constant lr 1e-5; top-k on, the whole model trains, the
     indexer keeps its KL on the selected keys with its input detached.
-`default_stages` prepends a dense pre-training stage and scales all three to a 2-core CPU.
+The default run (recipes/small.toml, `glm5lab.train.recipe.default_stages`) prepends a dense pre-training stage
+and scales all three to a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from glm5lab.validate import finite, int_at_least, one_of, refuse
 
 TRAINABLE = ("all", "indexer")
+MTP_WEIGHT = 0.3
+"""Each MTP depth's loss weight when a stage (or a recipe's stage) does not set it."""
 SCHEDULES = ("linear", "cosine", "wsd")
 """How a stage's lr goes from `lr` to `lr_end` after its warm-up (`Stage.lr_at`)."""
 
@@ -38,7 +41,7 @@ class Stage:
     use_dsa: bool = False
     trainable: str = "all"
     lm_weight: float = 1.0
-    mtp_weights: tuple[float, ...] = (0.3, 0.3, 0.3)
+    mtp_weights: tuple[float, ...] = (MTP_WEIGHT,) * 3
     indexer_weight: float = 0.0
     grad_accum: int = 1
     """Micro-batches of `batch_size` sequences per optimizer step and process (gradient accumulation)."""
@@ -198,23 +201,3 @@ def check_schedule(key, schedule, lr_end, decay_ratio) -> None:
     if decay_ratio is not None and (isinstance(decay_ratio, bool) or not isinstance(decay_ratio, (int, float))
                                     or not 0 < decay_ratio <= 1):
         refuse(key("decay_ratio"), decay_ratio, "a number in (0, 1]: the fraction of the stage's steps that decay")
-
-
-def default_stages(*, seq_len: int = 256, batch_size: int = 8, quick: bool = False, mtp_depth: int = 3,
-                   mtp_weight: float = 0.3, use_indexer: bool = True) -> list[Stage]:
-    """Dense pre-training, then (when the model has an indexer) indexer warm-up and sparse
-    adaptation. The warm-up runs MTP depth 1 at weight 0 so the MTP layer's indexer is warmed up
-    too. Sized so `glm5lab train` on the `small` preset takes about 12 minutes on 2 CPU
-    cores (BENCHMARKS.md); `quick` is a 17-step smoke run of the same three stages (its time: `glm5lab train -h`)."""
-    scale = 0.04 if quick else 1.0
-    n = lambda steps: max(2, round(steps * scale))  # noqa: E731
-    mtp = (mtp_weight,) * mtp_depth
-    stages = [Stage("dense", n(300), 3e-3, seq_len, batch_size, lr_end=3e-4, warmup_steps=n(20) // 2, mtp_weights=mtp)]
-    if use_indexer:
-        stages += [
-            Stage("indexer_warmup", n(40), 5e-3, seq_len, batch_size, lr_end=2e-4, trainable="indexer",
-                  lm_weight=0.0, mtp_weights=(0.0,) if mtp_depth else (), indexer_weight=1.0),
-            Stage("sparse_adaptation", n(80), 3e-4, seq_len, batch_size, use_dsa=True, mtp_weights=mtp,
-                  indexer_weight=1.0),
-        ]
-    return stages

@@ -4,7 +4,7 @@ summary) and `glm5lab ablate` (`ablate.fit`: one record per step) both run, and 
 `run_stages`: per stage, which parameters train (`set_trainable`); per step, the stage's lr (`Stage.lr_at`),
 the batch, the losses, backward, the non-finite check and clipping, the optimizer step and the aux-loss-free
 router bias update (`optimizer_step`); a stage's `grad_accum` micro-batches per step accumulate their gradients
-first (`forward_backward`). `TrainHyper` holds the settings and the only copy of their defaults.
+first (`forward_backward`). Its settings are `glm5lab.train.recipe.TrainHyper`, the recipe's [optimizer].
 """
 
 from __future__ import annotations
@@ -17,33 +17,15 @@ from typing import Any
 
 import torch
 
-from glm5lab.optim import build_optimizer, indexer_parameter_names
+from glm5lab.optim import indexer_parameter_names
 from glm5lab.train.balance import update_router_bias
 from glm5lab.train.losses import StepLosses
+from glm5lab.train.recipe import TrainHyper
 from glm5lab.train.stages import Stage
 
 
 class TrainingDiverged(RuntimeError):
     """A loss or gradient became NaN/inf; the message names the step and the tensor."""
-
-
-@dataclass(frozen=True)
-class TrainHyper:
-    """The step's settings; their defaults are `glm5lab train`'s (`TrainArgs` takes them from here).
-    optimizer: "adamw", "muon", "muon-split" or "muon-split-kv" (`glm5lab.optim.groups`). weight_decay: on the
-    rows the group table decays. grad_clip: the largest global gradient norm, 0 = no clipping. bias_update_rate:
-    the router bias step per update, b_e += rate * sign(mean load - load_e) (`glm5lab.train.balance`), 0 = off;
-    1.5e-2 was chosen for the default 420-step run (BENCHMARKS.md)."""
-
-    optimizer: str = "muon-split"
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    bias_update_rate: float = 1.5e-2
-
-    def build_optimizer(self, model, lr: float):
-        """This optimizer over every parameter of `model` (frozen ones too: stages change which
-        train) at `lr`. Raises ValueError for an unknown optimizer name."""
-        return build_optimizer(model, self.optimizer, lr=lr, weight_decay=self.weight_decay)
 
 
 @dataclass
