@@ -7,11 +7,11 @@ The script launches itself under `python -m torch.distributed.run --standalone -
 shards it as `glm5lab train` does (`glm5lab.parallel.dist.shard_model`, FSDP2, `--ep` experts by expert),
 builds Muon Split and trains one step (batch 1 x 64 tokens a rank, the dense stage's losses) so the
 optimizer holds its state. Then, on every rank, twice:
-- `sharded`: `glm5lab.checkpoints.dcp.save_sharded_checkpoint` (what a distributed run now
-  writes: each rank its own shards, nothing gathered);
+- `sharded`: `glm5lab.checkpoints.dcp.save` (what a run now writes: each rank its own shards,
+  nothing gathered);
 - `full gather`: what a distributed run wrote before issue 27 (`dist.full_model` +
-  `dist.optimizer_state` with full_state_dict, gathered to CPU on every rank, then rank 0 writes the
-  HF folder + trainer_state.pt: `glm5lab.checkpoints.folder.save_checkpoint`).
+  `get_optimizer_state_dict` with full_state_dict, gathered to CPU on every rank, then rank 0 writes the
+  HF folder (`save_pretrained`) + trainer_state.pt (`torch.save`)).
 Per rank and save: RSS before (VmRSS of /proc/self/status, after `gc.collect` and glibc's `malloc_trim(0)`,
 which returns freed heap pages, so that a save cannot hide its allocations in memory freed earlier), the peak during it
 (VmHWM, reset just before the save by writing 5 to /proc/self/clear_refs) and its rise = peak - before;
@@ -64,12 +64,12 @@ def _local_bytes(model, optimizer) -> int:
 def worker(args) -> None:
     import torch
     import torch.distributed as tdist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     from glm5lab import GLM5ForCausalLM, ModelConfig
-    from glm5lab.checkpoints.folder import rng_state, save_checkpoint
+    from glm5lab.checkpoints.dcp import rng_state, save
     from glm5lab.parallel import dist
     from glm5lab.train.losses import stage_losses
-    from glm5lab.checkpoints.dcp import save_sharded_checkpoint
     from glm5lab.train.recipe import TrainHyper, default_stages
     from glm5lab.train.step import optimizer_step
 
@@ -89,18 +89,21 @@ def worker(args) -> None:
     position = {"step": 1, "stage": 0, "in_stage": 1}
 
     def sharded():
-        save_sharded_checkpoint(run / "sharded", 1, model, optimizer, None, position, ctx, ep=args.ep)
+        save(run / "sharded" / "step-000001", model, optimizer, {"position": position, "ep": args.ep})
 
     def full_gather():
-        state = {"optimizer": dist.optimizer_state(model, optimizer, ctx), "rng": rng_state(), "position": position}
+        full_state = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=full_state), "rng": rng_state(),
+                 "position": position}
         full = dist.full_model(model, ctx)
         if ctx.is_main:
-            save_checkpoint(run / "full", 1, full, None, state)
+            full.save_pretrained(run / "full")
+            torch.save(state, run / "full" / "trainer_state.pt")
         dist.barrier(ctx)
 
     row = {"rank": ctx.rank, "own_shard": own}
     row["sharded"] = _measure(sharded)
-    row["shard_file"] = (run / "sharded" / "checkpoints" / "step-000001" / f"__{ctx.rank}_0.distcp").stat().st_size
+    row["shard_file"] = (run / "sharded" / "step-000001" / f"__{ctx.rank}_0.distcp").stat().st_size
     row["full_gather"] = _measure(full_gather)
     rows = [None] * ctx.world_size
     tdist.all_gather_object(rows, row)

@@ -1,6 +1,7 @@
-"""`glm5lab export`: a single-process (HF) checkpoint or run folder -> an HF safetensors folder with the tensors
-`save_pretrained` writes, sharded by --max-shard-size; refusals in one line. The sharded (DCP) source, with
-transformers' logits, is tested with the distributed runs (`tests/train/test_sharded_checkpoint.py`)."""
+"""`glm5lab export`: a one-process run checkpoint or run folder -> an HF safetensors folder with the tensors
+`save_pretrained` writes, sharded by --max-shard-size; refusals in one line. A distributed run's checkpoint, with
+transformers' logits, is tested with the distributed runs (`tests/train/test_sharded_checkpoint.py`), an HF step
+folder of the former layout in `tests/train/test_run_start.py`."""
 
 import json
 
@@ -9,18 +10,22 @@ import torch
 
 from glm5lab import GLM5ForCausalLM
 from glm5lab.cli import main
+from glm5lab.checkpoints.dcp import save
 from glm5lab.checkpoints.export import export_checkpoint, load_checkpoint_model, parse_size
 from glm5lab.hf import read_checkpoint
-from glm5lab.data.tokenizer import load_tokenizer, save_for_transformers, train_tokenizer
+from glm5lab.data.tokenizer import load_tokenizer, train_tokenizer
 
 
 @pytest.fixture
 def run(tiny_model, tmp_path):
-    """A run folder as one process leaves it: RUN/checkpoints/step-000002 (HF + tokenizer) and `latest`."""
+    """A run folder as one process leaves it: RUN/checkpoints/step-000002 (a run checkpoint + tokenizer) and `latest`;
+    tmp_path/saved: the model's `save_pretrained`."""
     step = tmp_path / "run" / "checkpoints" / "step-000002"
-    tiny_model.save_pretrained(step)
-    save_for_transformers(train_tokenizer(["the king and the queen of denmark"] * 20, 300, tmp_path / "tok.json"), step)
+    tokenizer = train_tokenizer(["the king and the queen of denmark"] * 20, 300, tmp_path / "tok.json")
+    save(step, tiny_model, torch.optim.AdamW(tiny_model.parameters()),
+         {"position": {"step": 2, "stage": 1, "in_stage": 0}, "ep": 1}, tokenizer=tokenizer)
     (step.parent / "latest").write_text("step-000002\n")
+    tiny_model.save_pretrained(tmp_path / "saved")
     return tmp_path / "run"
 
 
@@ -33,7 +38,7 @@ def test_export_of_a_run_folder_writes_the_save_pretrained_tensors_in_shards(run
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= \
         {p.name for p in out.iterdir()}
     assert load_tokenizer(out).to_str() == load_tokenizer(run / "checkpoints" / "step-000002").to_str()
-    ours, theirs = read_checkpoint(out), read_checkpoint(run / "checkpoints" / "step-000002")
+    ours, theirs = read_checkpoint(out), read_checkpoint(tmp_path / "saved")
     assert ours.keys() == theirs.keys() == index["weight_map"].keys()
     assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in ours)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in ours.values())
@@ -41,7 +46,8 @@ def test_export_of_a_run_folder_writes_the_save_pretrained_tensors_in_shards(run
     assert all(torch.equal(v, tiny_model.state_dict()[k]) for k, v in loaded.items())
     assert load_checkpoint_model(run).state_dict().keys() == loaded.keys()
     export_checkpoint(run, out)  # again over the earlier export, default 5GB: one shard, the old ones gone
-    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]  # as save_pretrained
+    assert not (out / "model.safetensors.index.json").exists()
 
 
 def test_refusals_are_one_line_naming_the_argument(run, tmp_path, capsys):

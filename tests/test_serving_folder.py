@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoints.folder import save_checkpoint
+from glm5lab.checkpoints.dcp import save
+from glm5lab.checkpoints.export import export_checkpoint
 from glm5lab.hf import INDEX_NAME
 from glm5lab.data.tokenizer import EOT, train_tokenizer
 
@@ -35,10 +36,13 @@ def _model(**changes) -> GLM5ForCausalLM:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A training checkpoint folder as `glm5lab train` writes it (save_pretrained + tokenizer.json)."""
+    """The HF folder a finished `glm5lab train` run leaves (RUN/model: its last checkpoint exported)."""
     root = tmp_path_factory.mktemp("serve")
     tokenizer = train_tokenizer(TEXTS, 300, root / "tok")
-    return save_checkpoint(root / "run", 1, _model(), tokenizer, {"step": 1})
+    model = _model()
+    step = save(root / "run" / "checkpoints" / "step-000001", model, torch.optim.AdamW(model.parameters()),
+                {"position": {"step": 1, "stage": 1, "in_stage": 0}, "ep": 1}, tokenizer=tokenizer)
+    return export_checkpoint(step, root / "run" / "model")
 
 
 def stored_keys(folder) -> dict[str, tuple[int, ...]]:

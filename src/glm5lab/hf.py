@@ -32,10 +32,12 @@ from glm5lab.hf_config import save_config
 from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
 from glm5lab.validate import int_at_least
 
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
-_CKPT_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+_CKPTEXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+"""Our stacked expert weight [E, ...] (group 1: the experts module, group 2: the projection)."""
 INDEX_NAME = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+"""The name of one file of a sharded checkpoint (model-0000i-of-0000n.safetensors)."""
 _MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
 
@@ -48,28 +50,55 @@ class MissingMTPWeights(CheckpointError):
     (e.g. a folder written by transformers, which does not save the MTP layer)."""
 
 
-def _mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
+def mtp_prefixes(cfg: ModelConfig) -> tuple[str, str]:
+    """(our MTP layer's state-dict prefix, the checkpoint's: layer N = num_hidden_layers)."""
     return "model.mtp_layers.0.", f"model.layers.{cfg.num_hidden_layers}."
 
 
-def to_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict -> checkpoint tensors (contiguous, split per expert, MTP renamed + copies)."""
-    out = {}
-    for key, t in state.items():
-        out.update(checkpoint_tensors(key, t, cfg))
-    if cfg.num_nextn_predict_layers:
-        for name, main_key in mtp_copies(cfg).items():
-            out[name] = state[main_key].clone()
-    return out
+def plan_checkpoint(cfg: ModelConfig, shapes: dict[str, torch.Tensor]) -> tuple[dict, dict[str, str]]:
+    """(checkpoint name -> meta tensor, checkpoint name -> the key of our state dict `shapes` (meta tensors) it comes
+    from): experts split, the MTP layer renamed with its copies of the embedding and head, a tied head left out."""
+    tensors, source = {}, {}
+    for key, t in shapes.items():
+        for name, piece in checkpoint_tensors(key, t.to("meta"), cfg).items():
+            tensors[name], source[name] = piece, key
+    for name, key in mtp_copies(cfg).items():
+        tensors[name], source[name] = shapes[key].to("meta"), key
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors, source
+
+
+def write_weights(out: Path, cfg: ModelConfig, shapes: dict[str, torch.Tensor], read, max_shard_bytes: int) -> None:
+    """Write into folder `out` config.json and the checkpoint tensors of our state dict (`shapes`: key -> tensor,
+    meta or not; read(keys) -> those keys' tensors), one file of at most `max_shard_bytes` at a time (read just
+    before it is written): model.safetensors when they fit in one, else model-0000i-of-0000n.safetensors + index."""
+    tensors, source = plan_checkpoint(cfg, shapes)
+    shards = shard_tensors(tensors, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for file, shard in zip(names, shards, strict=True):
+        loaded = read(sorted({source[name] for name in shard}))
+        ready = {}
+        for key, t in loaded.items():
+            ready.update(checkpoint_tensors(key, t, cfg))
+        data = {name: (ready[name] if name in ready else loaded[source[name]].clone()) for name in shard}
+        atomic_write(out / file, lambda tmp, data=data: save_file(data, tmp, metadata={"format": "pt"}))
+        del loaded, ready, data
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {name: file for file, shard in zip(names, shards, strict=True) for name in shard}}
+        atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    save_config(cfg, out)
 
 
 def checkpoint_tensors(key: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """One entry of our state dict -> its checkpoint tensors (contiguous): the same name, or the MTP
     layer's renamed, or a stacked expert weight [E, ...] split into E tensors. The MTP copies of the
     embedding and head are not included (`mtp_copies`). Works on meta tensors (names and shapes only)."""
-    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
+    ours_mtp, ckpt_mtp = mtp_prefixes(cfg)
     name = ckpt_mtp + key[len(ours_mtp):] if key.startswith(ours_mtp) else key
-    m = _EXPERT_RE.match(name)
+    m = EXPERT_RE.match(name)
     if m:
         return {f"{m.group(1)}.{e}.{m.group(2)}.weight": t[e].contiguous() for e in range(t.shape[0])}
     return {name: t.contiguous()}
@@ -78,46 +107,13 @@ def checkpoint_tensors(key: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str,
 def mtp_copies(cfg: ModelConfig) -> dict[str, str]:
     """{checkpoint name: our state-dict key} of the copies of the embedding and output head that the MTP
     layer carries in the checkpoint (DeepSeek-V3 layout); {} for a model without MTP layer."""
-    ckpt_mtp = _mtp_prefixes(cfg)[1]
+    ckpt_mtp = mtp_prefixes(cfg)[1]
     return {ckpt_mtp + suffix: main for suffix, main in _MTP_SHARED.items()} if cfg.num_nextn_predict_layers else {}
 
 
-def from_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, *, keep_mtp: bool) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> our state dict. Experts are stacked in index order; MTP keys are renamed (or dropped
-    when `keep_mtp` is False). Raises CheckpointError when an expert index is missing, an expert's shape or dtype
-    differs from expert 0's, or the MTP copies of the embedding/head differ from the main ones."""
-    ours_mtp, ckpt_mtp = _mtp_prefixes(cfg)
-    experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
-    out = {}
-    for ckpt_name, t in tensors.items():
-        name = ckpt_name
-        if name.startswith(ckpt_mtp):
-            if not keep_mtp:
-                continue
-            rest = name[len(ckpt_mtp):]
-            if rest in _MTP_SHARED:
-                main_key = _MTP_SHARED[rest]
-                if cfg.tie_word_embeddings:
-                    main_key = "model.embed_tokens.weight"
-                _check_shared_copy(name, t, tensors.get(main_key))
-                continue
-            name = ours_mtp + rest
-        m = _CKPT_EXPERT_RE.match(name)
-        if m:
-            experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = (ckpt_name, t)
-        else:
-            out[name] = t
-    for key, per_expert in experts.items():
-        out[key] = _stack_experts(key, per_expert)
-    return out
-
-
 def _stack_experts(key: str, per_expert: dict[int, tuple[str, torch.Tensor]]) -> torch.Tensor:
-    """[E, ...] from {expert index: (checkpoint key, tensor)}; CheckpointError for a missing
-    index, or a shape or dtype that differs from expert 0's (listing each checkpoint key)."""
-    missing = sorted(set(range(max(per_expert) + 1)) - set(per_expert))
-    if missing:
-        raise CheckpointError(f"{key}: experts {missing} are missing from the checkpoint")
+    """[E, ...] from {expert index: (checkpoint key, tensor)}; CheckpointError for a shape or dtype that
+    differs from expert 0's (listing each checkpoint key)."""
     ref = per_expert[0][1]
     bad = [f"{name}: {tuple(t.shape)} {t.dtype} vs expert 0's {tuple(ref.shape)} {ref.dtype}"
            for name, t in (per_expert[e] for e in sorted(per_expert)) if t.shape != ref.shape or t.dtype != ref.dtype]
@@ -132,7 +128,10 @@ def _check_shared_copy(name, t, main):
                               "embedding and output head with the main model")
 
 
-def _checkpoint_files(folder: Path) -> list[Path]:
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in `folder`: those its index names, else model.safetensors, else
+    every *.safetensors. Raises CheckpointError (both an index and model.safetensors; a corrupt index),
+    FileNotFoundError (no weights)."""
     index, single = folder / INDEX_NAME, folder / "model.safetensors"
     if index.is_file() and single.is_file():
         raise CheckpointError(f"{folder} holds both {single.name} and {index.name}: which one is the "
@@ -171,27 +170,66 @@ def read_checkpoint(folder) -> dict[str, torch.Tensor]:
     those `model.safetensors.index.json` names, else `model.safetensors`, else every `*.safetensors`. Raises
     FileNotFoundError (no weights, or a shard the index names is missing), CheckpointError (unreadable shard;
     corrupt index or one naming a file outside the folder; both `model.safetensors` and an index present)."""
-    tensors = {}
-    for path in _checkpoint_files(Path(folder)):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
+    reader = CheckpointTensors(folder)
+    return {key: reader.read(key) for key in reader.where}
+
+
+class CheckpointTensors:
+    """Our state-dict name -> the HF checkpoint's CPU tensor (dtype as stored), read from `folder`'s safetensors
+    files (`checkpoint_files`) on access, one tensor at a time (the MTP layer renamed, routed experts stacked, a tied
+    head read from the embedding; `cfg` needed): how a sharded model is loaded without any process holding the whole
+    checkpoint. `read(key)` reads by the checkpoint's own name; `check(model_state)` refuses a checkpoint whose
+    tensors are not those of that state before anything is read. Raises FileNotFoundError, CheckpointError
+    (an unreadable file) as `read_checkpoint`."""
+
+    def __init__(self, folder, cfg: ModelConfig | None = None):
+        self.folder, self.cfg = Path(folder), cfg
+        self.where, self.files = {}, {}  # checkpoint key -> its file; file -> its open handle
+        for path in checkpoint_files(self.folder):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
+            try:
+                self.files[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises several error types for a corrupt file
+                raise CheckpointError(f"cannot read {path}: {e}") from None
+            self.where.update(dict.fromkeys(self.files[path].keys(), path))
+
+    def check(self, state: dict[str, torch.Tensor], *, ignore: str | None = None) -> None:
+        """CheckpointError listing the missing and unexpected checkpoint keys against our (meta) `state`; keys under
+        the prefix `ignore` are not compared (an MTP layer not loaded)."""
+        expected = set(plan_checkpoint(self.cfg, state)[0])
+        have = {k for k in self.where if not (ignore and k.startswith(ignore))}
+        missing, unexpected = sorted(expected - have), sorted(have - expected)
+        if missing or unexpected:
+            parts = [f"{len(missing)} missing keys: {missing}"] if missing else []
+            parts += [f"{len(unexpected)} unexpected keys: {unexpected}"] if unexpected else []
+            raise CheckpointError(f"{self.folder}: checkpoint does not match the model config; " + "; ".join(parts))
+
+    def read(self, key: str) -> torch.Tensor:
+        """The checkpoint's tensor `key` (its own name). Raises CheckpointError when it has none or cannot read it."""
+        if key not in self.where:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {key}; it does not match the "
+                                  "model config")
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+            return self.files[self.where[key]].get_tensor(key)
         except Exception as e:  # safetensors raises several error types for a corrupt file
-            raise CheckpointError(f"cannot read {path}: {e}") from None
-    return tensors
+            raise CheckpointError(f"cannot read {self.where[key]}: {e}") from None
 
-
-def _has_mtp_weights(tensors, cfg: ModelConfig) -> bool:
-    prefix = _mtp_prefixes(cfg)[1]
-    return any(k.startswith(prefix) for k in tensors)
+    def __getitem__(self, name: str) -> torch.Tensor:
+        ours_mtp, ckpt_mtp = mtp_prefixes(self.cfg)
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        key = ckpt_mtp + name[len(ours_mtp):] if name.startswith(ours_mtp) else name
+        m = EXPERT_RE.match(key)
+        if m is None:
+            return self.read(key)
+        names = [f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(self.cfg.n_routed_experts)]
+        return _stack_experts(key, {e: (n, self.read(n)) for e, n in enumerate(names)})
 
 
 def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = None):
-    """Build `cls(config)` from an HF-layout folder and load its weights exactly. A distributed run's sharded
-    checkpoint folder (trainer_state.json, DCP shards) is read too (`glm5lab.checkpoints.dcp`).
+    """Build `cls(config)` from an HF-layout folder and load its weights exactly. A run checkpoint folder
+    (trainer_state.json, DCP shards) is read too (`glm5lab.checkpoints.dcp.load_model`).
 
     mtp: None = load the MTP layer if the checkpoint has one (if config.json declares one but the weights lack
     it, e.g. a folder written by transformers, the model is built without it and a warning says so); True =
@@ -205,30 +243,37 @@ def load_pretrained(cls, path, *, dtype=None, device=None, mtp: bool | None = No
         olds = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
         hint = f" (an interrupted save left the previous checkpoint at {olds[0]}: rename it back)" if olds else ""
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist{hint}")
-    if (folder / "trainer_state.json").is_file():  # a distributed run's sharded (DCP) checkpoint
-        from glm5lab.checkpoints.dcp import load_sharded_model
+    if (folder / "trainer_state.json").is_file():  # a run checkpoint (DCP)
+        from glm5lab.checkpoints.dcp import load_model
 
-        return load_sharded_model(cls, folder, dtype=dtype, device=device, mtp=mtp)
+        return _place(load_model(cls, folder, mtp=mtp), dtype, device)
     cfg = ModelConfig.from_hf(folder)
-    tensors = read_checkpoint(folder)
-    if cfg.num_nextn_predict_layers and not _has_mtp_weights(tensors, cfg):
+    reader = CheckpointTensors(folder, cfg)
+    ckpt_mtp = mtp_prefixes(cfg)[1]
+    if cfg.num_nextn_predict_layers and not any(k.startswith(ckpt_mtp) for k in reader.where):
         if mtp is True:
-            raise MissingMTPWeights(f"mtp=True but {folder} has no MTP weights ({_mtp_prefixes(cfg)[1]}*)")
+            raise MissingMTPWeights(f"mtp=True but {folder} has no MTP weights ({ckpt_mtp}*)")
         if mtp is None:
             warnings.warn(f"{folder}: config.json declares an MTP layer but the checkpoint has no "
                           "weights for it (transformers does not save it); loading without MTP", stacklevel=3)
         cfg = cfg.replace(num_nextn_predict_layers=0)
     elif mtp is False:
         cfg = cfg.replace(num_nextn_predict_layers=0)
-    state = from_checkpoint(tensors, cfg, keep_mtp=mtp is not False)
-    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in state:
-        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    reader.cfg = cfg
     with torch.device("meta"):
         model = cls(cfg)
+    reader.check(model.state_dict(), ignore=None if cfg.num_nextn_predict_layers else ckpt_mtp)
+    state = {key: reader[key] for key in model.state_dict()}  # experts stacked, the MTP layer renamed
+    for name, key in mtp_copies(cfg).items():
+        _check_shared_copy(name, reader.read(name), state[key])
     try:
         load_state_exact(model, state)
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}") from None
+    return _place(model, dtype, device)
+
+
+def _place(model, dtype, device):
     if dtype is not None:
         model.to(dtype)
     if device is not None:
@@ -265,7 +310,7 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     GlmMoeDsaForCausalLM and the serving stacks read. Returns `Path(path)`.
 
     Written into a fresh hidden sibling, then swapped in (`glm5lab.io_utils.replace_folder`, which
-    states the crash guarantees): other files in `path` (tokenizer.json, trainer_state.pt, ...) are
+    states the crash guarantees): other files in `path` (tokenizer.json, ...) are
     carried over; its old weights, index and config.json are dropped, so no stale shard survives.
     Raises ValueError (`max_shard_bytes` < 1, weights on the meta device) before writing anything."""
     int_at_least("max_shard_bytes", max_shard_bytes, 1)
@@ -275,11 +320,10 @@ def save_pretrained(model, path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
         raise ValueError(f"cannot save a model with weights on the meta device ({len(on_meta)} tensors, e.g. "
                          f"{on_meta[0]}): materialise them first (e.g. `model.to_empty(device='cpu')`, then load or "
                          "`reset_parameters()`)")
-    tensors = to_checkpoint({k: v.detach().cpu() for k, v in state.items()}, model.config)
-    if model.config.tie_word_embeddings:
-        del tensors["lm_head.weight"]
-    replace_folder(Path(path), lambda tmp: _write_checkpoint(tmp, tensors, model.config, max_shard_bytes),
-                   replaces=_is_checkpoint_file)
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    read = lambda keys: {k: state[k] for k in keys}  # noqa: E731
+    replace_folder(Path(path), lambda tmp: write_weights(tmp, model.config, state, read, max_shard_bytes),
+                   replaces=is_weights_file)
     return Path(path)
 
 
@@ -311,25 +355,13 @@ def load_transformers_twin(folder, *, dtype: torch.dtype = torch.float32, device
     return (model if device is None else model.to(device)).eval()
 
 
-def _is_checkpoint_file(name: str) -> bool:
+def is_weights_file(name: str) -> bool:
     """Files a save replaces: config.json, the weights (single or sharded) and the index."""
-    return name in ("config.json", "model.safetensors", INDEX_NAME) or bool(_SHARD_RE.match(name))
+    return name in ("config.json", "model.safetensors", INDEX_NAME) or bool(SHARD_RE.match(name))
 
 
-def _write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_shard_bytes: int) -> None:
-    shards = _shard(tensors, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for name, shard in zip(names, shards, strict=True):
-        atomic_write(folder / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata={"format": "pt"}))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s}}
-        atomic_write_text(folder / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    save_config(cfg, folder)
-
-
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+def shard_tensors(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """`tensors` split, in name order, into files of at most `max_bytes` (a larger tensor gets one of its own)."""
     shards, size = [{}], 0
     for key in sorted(tensors):
         nbytes = tensors[key].numel() * tensors[key].element_size()

@@ -239,8 +239,9 @@ def test_ep_refusals():
 def test_ep_run_resumes_bit_exactly_and_a_checkpoint_starts_one(tmp_path, monkeypatch):
     """`glm5lab train --ep 2` under torchrun, stopped after step 2 of a dense stage (the DSA indexer has no
     gradient there, so no optimizer state) and resumed: the final weights equal the uninterrupted run's
-    bit for bit. Then `--init` of that checkpoint starts an EP run whose first step (loss, gradient norm)
-    equals one process's from the same checkpoint on the same global batch."""
+    bit for bit. Then `--init` of the finished run's HF folder (RUN/model, read tensor by tensor into each rank's
+    shards) starts an EP run whose first step (loss, gradient norm) equals one process's `--init` of the same
+    weights' run checkpoint (DCP) on the same global batch."""
     import shutil
     import subprocess
     import sys
@@ -271,9 +272,9 @@ def test_ep_run_resumes_bit_exactly_and_a_checkpoint_starts_one(tmp_path, monkey
             for run in (tmp_path / "whole", cut))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    init = str(tmp_path / "whole" / "checkpoints" / "step-000003")
-    train(tmp_path / "init-ep", model=("--init", init), steps="1")
+    train(tmp_path / "init-ep", model=("--init", str(tmp_path / "whole" / "model")), steps="1")
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
+    init = str(tmp_path / "whole" / "checkpoints" / "step-000003")
     train_here(TrainArgs(init=init, data=str(corpus), out=str(tmp_path / "init-one"), stages=["dense"], steps=1,
                          seq_len=24, batch_size=4, eval_every=0, checkpoint_every=1, progress=False))
     ep_row, one_row = (json.loads((tmp_path / run / "metrics.jsonl").read_text()) for run in ("init-ep", "init-one"))

@@ -1,7 +1,7 @@
 """A run stopped between its last training step and summary.json (issue 24): at every point of
 the final save (the model files, the trainer state, the rename into place, the `latest` pointer,
-the pruning of older checkpoints) and of the finish (the final evaluation, loss.png, the summary
-write), `--resume` does what is left and ends exactly as the uninterrupted run: the same
+the pruning of older checkpoints) and of the finish (the final evaluation, loss.png, the export to
+RUN/model, the summary write), `--resume` does what is left and ends exactly as the uninterrupted run: the same
 metrics.jsonl losses, the same summary.json (the subset's final figure restored from
 metrics.jsonl), the same final weights bit for bit, the same checkpoint folders, a loss.png."""
 
@@ -11,6 +11,9 @@ import shutil
 import pytest
 import torch
 
+import torch.distributed.checkpoint as torch_dcp
+
+import glm5lab.checkpoints.dcp as dcp_module
 import glm5lab.checkpoints.folder as checkpoint_module
 import glm5lab.train.loop as loop_module
 import glm5lab.train.plot as plot_module
@@ -33,10 +36,9 @@ def _kill_at(point: str, monkeypatch) -> None:
 
     final_tmp = lambda path, *a, **kw: f".{FINAL}.tmp" in str(path)  # noqa: E731
     if point == "model files":
-        monkeypatch.setattr(GLM5ForCausalLM, "save_pretrained",
-                            when(lambda self, path, **kw: final_tmp(path), GLM5ForCausalLM.save_pretrained))
+        monkeypatch.setattr(torch_dcp, "save", when(lambda state, **kw: final_tmp(kw["checkpoint_id"]), torch_dcp.save))
     elif point == "trainer state":
-        monkeypatch.setattr(checkpoint_module, "atomic_write", when(final_tmp, checkpoint_module.atomic_write))
+        monkeypatch.setattr(dcp_module, "atomic_write_text", when(final_tmp, dcp_module.atomic_write_text))
     elif point == "latest pointer":  # the folder is renamed into place, `latest` still names step 6
         monkeypatch.setattr(checkpoint_module, "atomic_write_text",
                             when(lambda path, text: FINAL in text, checkpoint_module.atomic_write_text))
@@ -44,7 +46,7 @@ def _kill_at(point: str, monkeypatch) -> None:
         def half_prune(run_dir, keep=2):
             victim = sorted((run_dir / "checkpoints").glob("step-*"))[0]
             if (run_dir / "checkpoints" / "latest").read_text().strip() == FINAL and victim.name != FINAL:
-                (victim / "model.safetensors").unlink()
+                (victim / "__0_0.distcp").unlink()
                 stop()
             real_prune(run_dir, keep=keep)
         real_prune = checkpoint_module.prune_checkpoints
@@ -57,6 +59,12 @@ def _kill_at(point: str, monkeypatch) -> None:
             out.write_bytes(b"\x89PNG half")
             stop()
         monkeypatch.setattr(plot_module, "plot_losses", half_plot)
+    elif point == "model folder":  # RUN/model half written
+        def half_export(folder, out, **kw):
+            out.mkdir()
+            (out / "config.json").write_text("{")
+            stop()
+        monkeypatch.setattr(loop_module, "export_checkpoint", half_export)
     elif point == "summary":
         monkeypatch.setattr(loop_module, "atomic_write_text",
                             when(lambda path, text: path.name == "summary.json", loop_module.atomic_write_text))
@@ -69,7 +77,7 @@ def _state(run):
 
 
 @pytest.mark.parametrize("point", ["model files", "trainer state", "latest pointer", "pruning", "final evaluation",
-                                   "loss.png", "summary"])
+                                   "loss.png", "model folder", "summary"])
 def test_a_run_stopped_before_its_summary_is_finished_by_resume_bit_identically(corpus, monkeypatch, capsys,
                                                                                  point):
     full, killed = corpus / "full", corpus / "killed"
@@ -83,7 +91,7 @@ def test_a_run_stopped_before_its_summary_is_finished_by_resume_bit_identically(
         train(run_args(corpus, killed))
     capsys.readouterr()
     summary = train(run_args(corpus, killed, resume=True))
-    if point in ("final evaluation", "loss.png", "summary", "pruning"):  # nothing left to train
+    if point in ("final evaluation", "loss.png", "model folder", "summary", "pruning"):  # nothing left to train
         assert "training ended at step 9 of 9; what is left: the final evaluation" in capsys.readouterr().err
     expected = json.loads((full / "summary.json").read_text())
     assert json.loads((killed / "summary.json").read_text()) == {**expected, "run_dir": str(killed)}
@@ -92,6 +100,8 @@ def test_a_run_stopped_before_its_summary_is_finished_by_resume_bit_identically(
     assert picked(killed) == picked(full)
     a, b = _state(full), _state(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    served = GLM5ForCausalLM.from_pretrained(killed / "model").state_dict()  # the HF folder: the same weights
+    assert served.keys() == a.keys() and all(torch.equal(a[k], served[k]) for k in a)
     listing = lambda run: sorted(p.name for p in (run / "checkpoints").iterdir())  # noqa: E731
     assert listing(killed) == listing(full)
     assert (killed / "loss.png").stat().st_size > 10_000

@@ -41,7 +41,10 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     umask = os.umask(0)
     os.umask(umask)
     assert (latest.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
-    assert ((latest / "model.safetensors").stat().st_mode & 0o777) == 0o666 & ~umask
+    assert ((latest / "__0_0.distcp").stat().st_mode & 0o777) == 0o666 & ~umask
+    served = GLM5ForCausalLM.from_pretrained(run / "model")  # the finished run's HF folder: the last checkpoint's
+    assert (run / "model" / "tokenizer.json").is_file() and not (run / "model" / "trainer_state.json").exists()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in served.state_dict().items())
 
 
 def assert_bits_per_byte_recomputed(run, args: TrainArgs, summary: dict) -> None:
@@ -109,7 +112,7 @@ def test_warmup_trains_only_the_indexer(corpus):
     train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": plan[:1], "checkpoint_every": 0}))
     dense = GLM5ForCausalLM.from_pretrained(run / "checkpoints" / "step-000002").state_dict()
     run2 = corpus / "run2"
-    train(TrainArgs(**{**run_args(corpus, run2).__dict__, "init": str(run / "checkpoints" / "step-000002"),
+    train(TrainArgs(**{**run_args(corpus, run2).__dict__, "init": str(run / "model"),  # the HF folder, tensor by tensor
                        "config": None, "stage_plan": plan[1:2]}))
     warm = GLM5ForCausalLM.from_pretrained(run2 / "checkpoints" / "step-000002").state_dict()
     tok = lambda r: (r / "checkpoints" / "step-000002" / "tokenizer.json").read_bytes()  # noqa: E731
@@ -164,6 +167,18 @@ def test_init_keeps_the_checkpoint_tokenizer_on_other_data(corpus):
     train(TrainArgs(**{**run_args(corpus, run3).__dict__, "config": None, "stage_plan": plan[1:2], "init": str(run)}))
     info = json.loads((run3 / "run.json").read_text())
     assert info["args"]["init"] == str(run / "checkpoints" / "step-000002")
+    from safetensors.torch import load_file, save_file
+
+    from glm5lab.hf import CheckpointError
+
+    weights = run / "model" / "model.safetensors"  # an HF folder whose tensors are not its config's: refused
+    tensors = load_file(weights)
+    tensors["model.layers.0.extra.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, weights)
+    with pytest.raises(CheckpointError, match=r"1 missing keys: \['model.norm.weight'\]; 1 unexpected keys: "
+                       r"\['model.layers.0.extra.weight'\]"):
+        train(TrainArgs(**{**run_args(corpus, corpus / "run4").__dict__, "config": None, "stage_plan": plan[1:2],
+                           "init": str(run / "model")}))
 
 
 def test_resume_with_another_model_config_is_refused(corpus):

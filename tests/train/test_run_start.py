@@ -4,6 +4,7 @@ verifies, the resume and progress lines, the smoothed stage figures and the one 
 
 import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -169,7 +170,7 @@ def _corrupt(path):
     path.write_bytes(data[: len(data) // 3])
 
 
-@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
+@pytest.mark.parametrize("damaged", ["trainer_state.json", "__0_0.distcp"])
 def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(corpus, capsys, damaged):
     run = corpus / "run"
     full = train(run_args(corpus, run))  # 9 steps; checkpoints every 3 steps and at stage ends: keeps 6 and 9
@@ -178,8 +179,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(corpus, capsys
     latest = run / "checkpoints" / "step-000009"
     _corrupt(latest / damaged)
     (run / "checkpoints" / "latest").write_text("step-000009\n")
-    with open(run / "checkpoints" / "step-000006" / "trainer_state.pt", "rb") as f:
-        position = torch.load(f, weights_only=False)["position"]
+    position = json.loads((run / "checkpoints" / "step-000006" / "trainer_state.json").read_text())["position"]
     assert position["step"] == 6
     info = json.loads((run / "run.json").read_text())
     assert info["torch_threads"] == torch.get_num_threads()
@@ -199,10 +199,32 @@ def test_resume_with_every_checkpoint_corrupt_names_each_file(corpus):
     train(run_args(corpus, run))
     (run / "summary.json").unlink()  # stopped before its summary: a resume would finish it
     for step in ("step-000006", "step-000009"):
-        _corrupt(run / "checkpoints" / step / "trainer_state.pt")
-    with pytest.raises(ResumeError, match=r"step-000009: .*trainer_state.pt cannot be read \(truncated or corrupt.*"
-                       r"step-000006: .*trainer_state.pt cannot be read"):
+        _corrupt(run / "checkpoints" / step / "rng-00000.pt")
+    with pytest.raises(ResumeError, match=r"step-000009: .*rng-00000.pt cannot be read \(truncated or corrupt.*"
+                       r"step-000006: .*rng-00000.pt cannot be read"):
         train(run_args(corpus, run, resume=True))
+
+
+def test_a_checkpoint_of_the_layout_before_dcp_is_refused_by_resume_and_still_read_as_weights(corpus, tmp_path):
+    """A step folder of the former one-process layout (an HF folder with trainer_state.pt): --resume refuses it
+    naming what still reads it; export and from_pretrained read it as the HF folder it is."""
+    from glm5lab import GLM5ForCausalLM
+    from glm5lab.checkpoints.export import export_checkpoint
+
+    run = corpus / "run"
+    train(TrainArgs(**{**run_args(corpus, run).__dict__, "stage_plan": tiny_plan(steps=(2, 1, 1))[:1]}))
+    (run / "summary.json").unlink()
+    step = run / "checkpoints" / "step-000002"
+    model = GLM5ForCausalLM.from_pretrained(step)
+    shutil.rmtree(step)
+    model.save_pretrained(step)
+    torch.save({"position": {"step": 2, "stage": 1, "in_stage": 0}}, step / "trainer_state.pt")
+    with pytest.raises(ResumeError, match=r"step-000002: .*layout before DCP run checkpoints.*--init .*step-000002"):
+        train(TrainArgs(**{**run_args(corpus, run, resume=True).__dict__,
+                           "stage_plan": tiny_plan(steps=(2, 1, 1))[:1]}))
+    out = export_checkpoint(run, tmp_path / "hf")
+    again = GLM5ForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in model.state_dict().items())
 
 
 def test_resume_of_a_finished_run_says_how_to_train_again(corpus):

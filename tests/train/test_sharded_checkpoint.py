@@ -21,7 +21,7 @@ from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoints.folder import ResumeError
 from glm5lab.checkpoints.export import load_checkpoint_model
 from glm5lab.train.loop import TrainArgs, train
-from glm5lab.checkpoints.resume import rescale_stages
+from glm5lab.train.extend import rescale_stages
 from glm5lab.train.stages import Stage
 from tests.conftest import free_port, write_word_corpus
 from tests.train.conftest import metrics_rows, tiny_plan

@@ -166,4 +166,4 @@ def test_sigterm_ends_a_one_process_run_as_ctrl_c_does(tmp_path):
                                     "continue with the same arguments plus --resume"), err[-3000:]
     assert not (run / "run.lock").exists()
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
-    assert (latest / "trainer_state.pt").is_file()
+    assert (latest / "trainer_state.json").is_file()

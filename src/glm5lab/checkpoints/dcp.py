@@ -1,20 +1,18 @@
-"""Sharded checkpoints of a distributed run, with `torch.distributed.checkpoint` (DCP).
+"""A run's checkpoint: `save(folder, model, optimizer, state)` and `load(folder, model, optimizer=None)`, one format
+(`torch.distributed.checkpoint`, DCP) for every process count and `--ep`, one process too (no process group).
 
-    RUN/checkpoints/step-000300/   .metadata, __R_0.distcp      DCP: each rank's shards of the model and the
-                                                                optimizer state (FQN-keyed, DTensors as trained)
+    RUN/checkpoints/step-000300/   .metadata, __R_0.distcp      each rank's shards of the model and the optimizer
+                                                                state (FQN-keyed, DTensors as trained)
                                    rng-0000R.pt                 each rank's RNG states
-                                   trainer_state.json           position (step, stage, in_stage), world size,
-                                                                --ep, format "dcp"
+                                   trainer_state.json           position (step, stage, in_stage), world size, --ep
                                    config.json, tokenizer.json  (+ tokenizer_config.json, generation_config.json)
-    RUN/checkpoints/latest         name of the newest complete checkpoint
 
-Every rank writes its own shards (`dcp.save` of `get_state_dict(model, optimizer)`): nothing is gathered to
-one rank. The folder is assembled under a hidden temp name, which rank 0 renames into place once every rank
-is done (a barrier), then `latest` is rewritten atomically: the layout rules of `glm5lab.checkpoints.folder` (keep 2,
-`resume_candidates`, `check_complete`). Loading reshards: DCP reads whatever slice of each tensor the loading
-rank holds, for any world size and `--ep`; one process reads it without a process group. `glm5lab.checkpoints.export`
-turns such a folder into an HF safetensors folder. A single-process run keeps HF checkpoints
-(`glm5lab.checkpoints.folder.save_checkpoint`).
+Every rank writes its own shards (`dcp.save` of `get_state_dict(model, optimizer)`): nothing is gathered to one
+rank. The folder is assembled under a hidden temp name, which rank 0 renames into place once every rank is done.
+Loading reshards: DCP reads whatever slice of each tensor the loading rank holds, for any world size and `--ep`; an
+unsharded model is read by its process alone. `load` of an HF folder (`--init`, weights only) reads it tensor by
+tensor into this rank's shards (`glm5lab.hf.CheckpointTensors`). `glm5lab.checkpoints.export` turns a run checkpoint
+into an HF folder; `GLM5ForCausalLM.from_pretrained` reads one whole (`load_model`).
 Source: torch.distributed.checkpoint docs (save/load, state_dict.get_state_dict); torchtitan's CheckpointManager.
 """
 
@@ -24,95 +22,130 @@ import json
 import os
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
-from glm5lab.checkpoints.folder import ResumeError, prune_checkpoints, rng_state
+from glm5lab.checkpoints.folder import ResumeError
 from glm5lab.io_utils import atomic_write, atomic_write_text
 
-SHARDED_STATE = "trainer_state.json"
-"""The file that marks a sharded (DCP) checkpoint folder; an HF one holds trainer_state.pt instead."""
+STATE_FILE = "trainer_state.json"
+"""The file that marks a run checkpoint (an HF folder has none)."""
 DCP_METADATA = ".metadata"
 
 
-def is_sharded(folder: Path) -> bool:
-    """Whether `folder` is a sharded (DCP) checkpoint (it holds trainer_state.json)."""
-    return (Path(folder) / SHARDED_STATE).is_file()
+def is_run_checkpoint(folder: Path) -> bool:
+    """Whether `folder` is a run checkpoint (it holds trainer_state.json), not an HF folder."""
+    return (Path(folder) / STATE_FILE).is_file()
 
 
 def rng_file(rank: int) -> str:
-    """The name of rank `rank`'s RNG file in a sharded checkpoint folder (rng-00000.pt, ...)."""
+    """The name of rank `rank`'s RNG file in a checkpoint folder (rng-00000.pt, ...)."""
     return f"rng-{rank:05d}.pt"
 
 
-def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer, position: dict, ctx, *,
-                            ep: int = 1, keep: int = 2) -> Path:
-    """Write checkpoint RUN/checkpoints/step-{step:06d} as DCP shards; collective (every rank calls it).
+def rng_state() -> dict:
+    """This process's RNG states: torch's CPU generator and (with CUDA) every device's."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
-    model: the FSDP2 (and expert-parallel) model; optimizer: its optimizer (state laid out like the
-    parameters); position: {"step", "stage", "in_stage"} where a resume continues; ep: the run's --ep
-    (recorded). Each rank writes its shards and its RNG state into a hidden temp folder; rank 0 adds
-    config.json, the tokenizer files and trainer_state.json, then (after a barrier) renames the folder into
-    place, points `latest` at it and keeps the newest `keep`. Returns the final folder."""
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank_world(model) -> tuple[int, int] | None:
+    """(rank, world size) when `model` is sharded (DTensor parameters: every rank takes part), else None."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path:
+    """Write the run checkpoint `folder` (model and optimizer as laid out: sharded or not); collective when the model
+    is sharded (every rank calls it). state: JSON data kept in trainer_state.json ({"position": {"step", "stage",
+    "in_stage"}, "ep"}; "format": "dcp" and "world_size" are added). Each rank writes its shards and its RNG state
+    into a hidden temp folder beside `folder`; rank 0 adds config.json, the tokenizer files (`tokenizer`: a
+    `tokenizers.Tokenizer` or None) and trainer_state.json, then (after a barrier) renames it into place, replacing
+    an earlier `folder`.
+    Temp folders a killed save left beside it are removed first. Returns `folder`."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from glm5lab.hf_config import save_config
     from glm5lab.data.tokenizer import save_for_transformers
+    from glm5lab.hf_config import save_config
 
-    root = Path(run_dir) / "checkpoints"
-    final = root / f"step-{step:06d}"
-    name = [f".{final.name}.tmp-{secrets.token_hex(4)}"]
-    if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step-*.tmp-*"):  # left by a save that was killed midway
+    folder, placed = Path(folder), _rank_world(model)
+    rank, world = placed or (0, 1)
+    name = [f".{folder.name}.tmp-{secrets.token_hex(4)}"]
+    if rank == 0:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        for stale in folder.parent.glob(".*.tmp-*"):  # left by a save that was killed midway (one writer per run)
             shutil.rmtree(stale, ignore_errors=True)
-    dist.broadcast_object_list(name, src=0)  # one temp folder for every rank
-    tmp = root / name[0]
+    if placed:
+        dist.broadcast_object_list(name, src=0)  # one temp folder for every rank
+    tmp = folder.parent / name[0]
     try:
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-        atomic_write(tmp / rng_file(ctx.rank), lambda path: torch.save(rng_state(), path))
-        if ctx.is_main:
+        with warnings.catch_warnings():  # one process: torch's note that it assumes so is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp, no_dist=not placed)
+        atomic_write(tmp / rng_file(rank), lambda path: torch.save(rng_state(), path))
+        if rank == 0:
             save_config(model.config, tmp)
             if tokenizer is not None:
                 save_for_transformers(tokenizer, tmp)
-            state = {"format": "dcp", "world_size": ctx.world_size, "ep": ep, "position": position}
-            atomic_write_text(tmp / SHARDED_STATE, json.dumps(state, indent=2) + "\n")
-        dist.barrier()
-        if ctx.is_main:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_text(root / "latest", final.name + "\n")
-            prune_checkpoints(run_dir, keep=keep)
+            record = {"format": "dcp", **state, "world_size": world}
+            atomic_write_text(tmp / STATE_FILE, json.dumps(record, indent=2) + "\n")
+        if placed:
+            dist.barrier()
+        if rank == 0:
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
     except BaseException:
-        if ctx.is_main:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    dist.barrier()
-    return final
+    if placed:
+        dist.barrier()
+    return folder
 
 
-def check_sharded_complete(folder: Path) -> dict:
-    """The trainer state of a sharded checkpoint after checking that its files are there: config.json,
-    trainer_state.json, DCP's .metadata, every shard file the metadata names (as long as it says), an RNG file
-    per saving rank. Raises ResumeError naming what is missing, truncated or unreadable."""
+def check_complete(folder: Path) -> dict:
+    """The trainer state of the run checkpoint `folder` after checking that its files are there: config.json,
+    trainer_state.json, DCP's .metadata, every shard file the metadata names (as long as it says), an RNG file per
+    saving rank. Raises ResumeError naming what is missing, truncated or unreadable (a folder of the layout before
+    DCP run checkpoints, an HF folder with trainer_state.pt, is refused naming what still reads it)."""
     folder = Path(folder)
-    missing = [f for f in ("config.json", SHARDED_STATE, DCP_METADATA) if not (folder / f).is_file()]
+    if not folder.is_dir():
+        raise ResumeError(f"checkpoint folder {folder} does not exist")
+    if (folder / "trainer_state.pt").is_file() and not (folder / STATE_FILE).is_file():
+        raise ResumeError(f"checkpoint {folder} has the layout before DCP run checkpoints (an HF folder with "
+                          "trainer_state.pt), which --resume no longer reads; its weights still load: "
+                          f"--init {folder} starts a new run from them, `glm5lab export` and from_pretrained read it")
+    missing = [f for f in ("config.json", STATE_FILE, DCP_METADATA) if not (folder / f).is_file()]
     if missing:
         raise ResumeError(f"checkpoint {folder} is incomplete (missing {', '.join(missing)})")
     try:
-        state = json.loads((folder / SHARDED_STATE).read_text(encoding="utf-8"))
+        state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
         position, world = state["position"], int(state["world_size"])
         {position[k] for k in ("step", "stage", "in_stage")}
     except (ValueError, KeyError, TypeError) as e:
-        raise ResumeError(f"{folder / SHARDED_STATE} cannot be read (truncated or corrupt: {type(e).__name__} "
+        raise ResumeError(f"{folder / STATE_FILE} cannot be read (truncated or corrupt: {type(e).__name__} "
                           f"{e})") from None
     ends = {}  # shard file -> the bytes its metadata says it holds
-    for item in _read_metadata(folder).storage_data.values():
+    for item in read_metadata(folder).storage_data.values():
         ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
     missing = [f for f in sorted(ends) + [rng_file(r) for r in range(world)] if not (folder / f).is_file()]
     if missing:
@@ -124,7 +157,9 @@ def check_sharded_complete(folder: Path) -> dict:
     return state
 
 
-def _read_metadata(folder: Path):
+def read_metadata(folder: Path):
+    """DCP's metadata of the checkpoint in `folder` (every saved key, its size, dtype and storage). Raises
+    ResumeError when .metadata cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -136,53 +171,57 @@ def _read_metadata(folder: Path):
 
 def read_dcp(target: dict, folder: Path, *, no_dist: bool) -> None:
     """`dcp.load(target, checkpoint_id=folder)` (in place); no_dist: one process, no process group (torch's
-    warning that it assumes so is silenced: that is the intent)."""
-    import warnings
-
+    warning that it assumes so is silenced: that is the intent). Raises ResumeError naming the first failure
+    (a shard DCP cannot read)."""
     import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, checkpoint_id=folder, no_dist=no_dist)
-
-
-def saved_keys(folder: Path) -> set[str]:
-    """The flattened keys DCP saved in `folder` ("model.<fqn>", "optimizer.state.<fqn>.<name>", ...)."""
-    return set(_read_metadata(folder).state_dict_metadata)
-
-
-def load_sharded_checkpoint(folder: Path, model, optimizer, ctx) -> dict:
-    """Load a sharded checkpoint's model and optimizer state into `model` and `optimizer` (as built,
-    sharded and initialised by this run: any world size and --ep; one process reads it without a process
-    group) and return its trainer state with this rank's "rng" (the saving rank's of the same index, else
-    rank 0's). Call after `dist.shard_model` and building the optimizer. The optimizer state is loaded for
-    exactly the parameters the checkpoint has state for (one never trained so far keeps none, as in the run
-    that saved it). Raises ResumeError when a file is missing or a shard cannot be read (collective: every
-    rank raises)."""
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
-    )
 
-    state = check_sharded_complete(folder)
-    keys = saved_keys(folder)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    optim_state["state"] = {fqn: {k: v for k, v in entry.items() if f"optimizer.state.{fqn}.{k}" in keys}
-                            for fqn, entry in optim_state["state"].items()}
-    optim_state["state"] = {fqn: entry for fqn, entry in optim_state["state"].items() if entry}
-    target = {"model": model_state, "optimizer": optim_state}
     try:
-        read_dcp(target, folder, no_dist=ctx.world_size == 1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(target, checkpoint_id=folder, no_dist=no_dist)
     except (CheckpointException, RuntimeError, OSError, ValueError) as e:
         first = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
         reason = " ".join(f"{type(first).__name__}: {first}".split())[:300]
         raise ResumeError(f"checkpoint {folder} cannot be read (truncated or corrupt: {reason})") from None
+
+
+def load(folder: Path, model, optimizer=None) -> dict | None:
+    """Load the checkpoint `folder` into `model` (and `optimizer`) as this run built and laid them out (sharded by
+    `dist.shard_model` at any world size and --ep, or one process's; allocated: values are overwritten) and return
+    its trainer state with this rank's "rng" (the saving rank's of the same index, else rank 0's). The optimizer
+    state is loaded for exactly the parameters the checkpoint has state for (one never trained so far keeps none,
+    as in the run that saved it). Without an optimizer only the weights are read (no "rng"), and `folder` may also be
+    an HF folder (`--init`): its weights are read tensor by tensor into this rank's shards, and None is returned.
+    Raises ResumeError when a file is missing or a shard cannot be read (collective: every rank raises),
+    CheckpointError for an HF folder whose tensors are not the model's (listing missing and unexpected keys)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    if optimizer is None and not is_run_checkpoint(folder) and (Path(folder) / "config.json").is_file():
+        return _load_hf(folder, model)
+    state = check_complete(folder)
+    placed = _rank_world(model)
+    if optimizer is None:
+        target = {"model": get_model_state_dict(model)}
+    else:
+        keys = set(read_metadata(folder).state_dict_metadata)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        optim_state["state"] = {fqn: {k: v for k, v in entry.items() if f"optimizer.state.{fqn}.{k}" in keys}
+                                for fqn, entry in optim_state["state"].items()}
+        optim_state["state"] = {fqn: entry for fqn, entry in optim_state["state"].items() if entry}
+        target = {"model": model_state, "optimizer": optim_state}
+    read_dcp(target, folder, no_dist=placed is None)
     set_model_state_dict(model, target["model"])
+    if optimizer is None:
+        return state
     # torch's load_state_dict replaces the optimizer's whole state: the state get_state_dict made up for a fresh
     # optimizer (a zero-gradient step at lr 0) does not survive. strict=False: a parameter that never had a
     # gradient (the indexer during the dense stage) has no state, in the checkpoint as in the run that saved it
     set_optimizer_state_dict(model, optimizer, target["optimizer"], options=StateDictOptions(strict=False))
-    rng = Path(folder) / rng_file(ctx.rank if ctx.rank < state["world_size"] else 0)
+    rank = placed[0] if placed else 0
+    rng = Path(folder) / rng_file(rank if rank < state["world_size"] else 0)
     try:
         state["rng"] = torch.load(rng, map_location="cpu", weights_only=False)
     except Exception as e:  # torch raises several error types for a damaged file
@@ -190,45 +229,50 @@ def load_sharded_checkpoint(folder: Path, model, optimizer, ctx) -> dict:
     return state
 
 
+@torch.no_grad()
+def _load_hf(folder: Path, model) -> None:
+    """Copy into every parameter and buffer of `model` this rank's part of the HF folder's tensor, read one at a
+    time (no rank holds the whole model), cast to the parameter's dtype."""
+    from torch.distributed.tensor import DTensor
 
-def load_sharded_weights(folder: Path, model, ctx) -> None:
-    """Load only the model weights of the sharded checkpoint in `folder` into `model` as this run laid it out
-    (sharded by `dist.shard_model` and materialised, any world size and --ep; one process without a process
-    group): `glm5lab train --init` of a distributed run's checkpoint under torchrun. Raises ResumeError when a
-    file is missing or a shard cannot be read."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from glm5lab.hf import CheckpointError, CheckpointTensors
+    from glm5lab.parallel.dist import local_part
 
-    check_sharded_complete(folder)
-    target = {"model": get_model_state_dict(model)}
-    try:
-        read_dcp(target, folder, no_dist=ctx.world_size == 1)
-    except (CheckpointException, RuntimeError, OSError, ValueError) as e:
-        raise ResumeError(f"checkpoint {folder} cannot be read (truncated or corrupt: {type(e).__name__})") from None
-    set_model_state_dict(model, target["model"])
+    tensors = CheckpointTensors(folder, model.config)
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    tensors.check({name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in named})
+    for name, t in named:
+        full = tensors[name]
+        if tuple(full.shape) != tuple(t.shape):
+            raise CheckpointError(f"{folder}: {name}: checkpoint {tuple(full.shape)} vs model {tuple(t.shape)}")
+        if isinstance(t, DTensor):
+            t.to_local().copy_(local_part(t, full, ctx=None))
+        else:
+            t.copy_(full)
 
-def load_sharded_model(cls, folder: Path, *, dtype=None, device=None, mtp: bool | None = None):
-    """`cls(config)` with the weights of the sharded checkpoint in `folder`, whole, in one process (no process
-    group): what `GLM5ForCausalLM.from_pretrained` returns for such a folder. Built on the meta device, then
-    materialised and filled by `dcp.load` (each tensor reassembled from every rank's shards). mtp: False = the
-    model without its MTP layer (its weights are not read); None or True = with it, as the config says. dtype,
-    device: as `from_pretrained`. Raises ResumeError when a file is missing or truncated, ConfigError for a bad
-    config.json."""
+
+def allocate(model, device) -> None:
+    """Allocate the (possibly sharded) meta `model` on `device` without initialising it (`to_empty`; in one process a
+    tied head tied again, which `to_empty` undoes; sharded, as `dist.materialize` leaves it): for a model whose every
+    value is loaded next."""
+    model.to_empty(device=device)
+    if model.config.tie_word_embeddings and _rank_world(model) is None:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_model(cls, folder: Path, *, mtp: bool | None = None):
+    """`cls(config)` with the weights of the run checkpoint in `folder`, whole, in one process (no process group):
+    what `GLM5ForCausalLM.from_pretrained` returns for such a folder, fp32 on the CPU. mtp: False = the model
+    without its MTP layer (its weights are not read); None or True = with it, as the config says. Raises
+    ResumeError when a file is missing or truncated, ConfigError for a bad config.json."""
     from glm5lab.config import ModelConfig
 
-    check_sharded_complete(folder)
+    check_complete(folder)
     cfg = ModelConfig.from_hf(folder)
     if mtp is False:
         cfg = cfg.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = cls(cfg)
-    model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    state = model.state_dict()
-    read_dcp({"model": state}, folder, no_dist=True)
-    if dtype is not None:
-        model.to(dtype)
-    if device is not None:
-        model.to(device)
+    allocate(model, "cpu")
+    load(folder, model)
     return model

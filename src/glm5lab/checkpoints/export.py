@@ -1,19 +1,19 @@
 """`glm5lab export CHECKPOINT --out DIR`: a training checkpoint -> the HF safetensors folder that
 transformers, vLLM and SGLang read.
 
-CHECKPOINT is a run folder (its `latest` checkpoint), a step folder, sharded (DCP, from a distributed run:
-`glm5lab.checkpoints.dcp`) or HF (a single process). DIR receives config.json, the tokenizer files
-(`glm5lab.data.tokenizer.save_for_transformers`), `model-0000i-of-0000n.safetensors` shards of at most
-`max_shard_bytes` (a tensor larger than that gets a shard of its own) and `model.safetensors.index.json`,
-with the names and layout `save_pretrained` writes (`glm5lab.hf.checkpoint_tensors`, `mtp_copies`: experts
-one tensor each, the MTP layer as layer N with its copies of the embedding and head). From a DCP checkpoint
+CHECKPOINT is a run folder (its `latest` checkpoint), a step folder (`glm5lab.checkpoints.dcp`), or an HF folder
+(a step folder of the layout before DCP run checkpoints too). A run writes its final checkpoint's export to
+RUN/model/ when it finishes (`glm5lab.train.loop`). DIR receives config.json, the tokenizer files
+(`glm5lab.data.tokenizer.save_for_transformers`) and the weights as `save_pretrained` writes them, through the
+same writer (`glm5lab.hf.write_weights`: model.safetensors, or `model-0000i-of-0000n.safetensors` files of at
+most `max_shard_bytes` and `model.safetensors.index.json`; experts one tensor each, the MTP layer as layer N
+with its copies of the embedding and head). From a DCP checkpoint
 the tensors are read shard by shard (`dcp.load` of only the entries one output shard needs), so the process
 holds about one output shard, never the whole model. The folder is written beside DIR and swapped in whole.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,10 +21,9 @@ import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoints.folder import latest_pointer
-from glm5lab.hf import _SHARD_RE, INDEX_NAME, _shard, checkpoint_tensors, mtp_copies
-from glm5lab.hf_config import save_config
-from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
-from glm5lab.checkpoints.dcp import _read_metadata, is_sharded, read_dcp
+from glm5lab.hf import is_weights_file, write_weights
+from glm5lab.io_utils import replace_folder
+from glm5lab.checkpoints.dcp import is_run_checkpoint, read_dcp, read_metadata
 from glm5lab.validate import int_at_least, refuse
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -33,7 +32,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 def resolve_checkpoint(path) -> Path:
     """The checkpoint folder `path` names: a run folder -> the folder its checkpoints/latest names; a
-    step folder (DCP or HF) -> itself. Raises ValueError in one line when it is neither."""
+    step folder (a run checkpoint or an HF folder) -> itself. Raises ValueError in one line when it is neither."""
     folder = Path(path)
     if not folder.is_dir():
         refuse("CHECKPOINT", str(path), "a run folder or a checkpoint folder (it does not exist)")
@@ -42,21 +41,21 @@ def resolve_checkpoint(path) -> Path:
         folder = latest
     if not is_checkpoint(folder):
         refuse("CHECKPOINT", str(path), "a run folder (with checkpoints/latest) or a checkpoint folder (config.json "
-               "with *.safetensors weights, or a sharded checkpoint's trainer_state.json and .metadata); it is "
+               "with *.safetensors weights, or a run checkpoint's trainer_state.json and .metadata); it is "
                "neither")
     return folder
 
 
 def is_checkpoint(folder: Path) -> bool:
-    """Whether `folder` holds a checkpoint: config.json plus DCP shards or safetensors weights."""
+    """Whether `folder` holds a checkpoint: config.json plus DCP shards (a run checkpoint) or safetensors weights."""
     folder = Path(folder)
-    has_weights = (folder / ".metadata").is_file() if is_sharded(folder) else any(folder.glob("*.safetensors"))
+    has_weights = (folder / ".metadata").is_file() if is_run_checkpoint(folder) else any(folder.glob("*.safetensors"))
     return (folder / "config.json").is_file() and has_weights
 
 
 def load_checkpoint_model(path) -> GLM5ForCausalLM:
-    """The model of a checkpoint (a run folder, a step folder; DCP or HF), in one process, fp32 on CPU, eval
-    mode. A DCP checkpoint is resharded to whole tensors while loading (no process group needed). Raises
+    """The model of a checkpoint (a run folder, a step folder, an HF folder), in one process, on CPU (fp32 from a run
+    checkpoint), eval mode: resharded to whole tensors while loading (no process group needed). Raises
     ValueError when `path` is no checkpoint, ConfigError / CheckpointError for a bad one."""
     return GLM5ForCausalLM.from_pretrained(resolve_checkpoint(path)).eval()
 
@@ -72,21 +71,20 @@ def export_checkpoint(path, out, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYT
         refuse("--out", str(out), "a new or empty folder, or an earlier export (it holds other files, which an "
                "export would replace)")
     cfg = ModelConfig.from_hf(folder)
-    shapes, read = _dcp_source(folder) if is_sharded(folder) else _hf_source(folder)
+    shapes, read = _dcp_source(folder) if is_run_checkpoint(folder) else _hf_source(folder)
     replace_folder(out, lambda tmp: _write(tmp, folder, cfg, shapes, read, max_shard_bytes), replaces=lambda _: True)
     return out
 
 
 def _is_export_file(path: Path) -> bool:
     """Whether `path` is a file an export writes (so an earlier export may be replaced, and nothing else)."""
-    names = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", INDEX_NAME,
-             "model.safetensors")
-    return path.is_file() and (path.name in names or bool(_SHARD_RE.match(path.name)))
+    names = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    return path.is_file() and (path.name in names or is_weights_file(path.name))
 
 
 def _dcp_source(folder: Path) -> tuple[dict[str, torch.Tensor], Callable[[list[str]], dict]]:
     """(our state-dict entries as meta tensors, read(keys) -> those entries' tensors) of a DCP checkpoint."""
-    meta = {k[len("model."):]: v for k, v in _read_metadata(folder).state_dict_metadata.items()
+    meta = {k[len("model."):]: v for k, v in read_metadata(folder).state_dict_metadata.items()
             if k.startswith("model.") and hasattr(v, "size")}
     shapes = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype, device="meta") for k, v in meta.items()}
 
@@ -98,44 +96,15 @@ def _dcp_source(folder: Path) -> tuple[dict[str, torch.Tensor], Callable[[list[s
 
 
 def _hf_source(folder: Path) -> tuple[dict[str, torch.Tensor], Callable[[list[str]], dict]]:
-    """The same for an HF checkpoint (one process's: it fits one process, so it is read whole)."""
+    """The same for an HF folder (read whole)."""
     state = GLM5ForCausalLM.from_pretrained(folder).state_dict()
-    return {k: v.to("meta") for k, v in state.items()}, lambda keys: {k: state[k] for k in keys}
-
-
-def _plan(cfg: ModelConfig, shapes: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(checkpoint name -> meta tensor, checkpoint name -> the state-dict key it comes from)."""
-    tensors, source = {}, {}
-    for key, t in shapes.items():
-        for name, piece in checkpoint_tensors(key, t, cfg).items():
-            tensors[name], source[name] = piece, key
-    for name, key in mtp_copies(cfg).items():
-        tensors[name], source[name] = shapes[key], key
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    return tensors, source
+    return state, lambda keys: {k: state[k] for k in keys}
 
 
 def _write(out: Path, folder: Path, cfg: ModelConfig, shapes, read, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-
     from glm5lab.data.tokenizer import load_tokenizer, save_for_transformers
 
-    tensors, source = _plan(cfg, shapes)
-    shards = _shard(tensors, max_shard_bytes)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file, shard in zip(names, shards, strict=True):
-        loaded = read(sorted({source[name] for name in shard}))
-        ready = {}
-        for key, t in loaded.items():
-            ready.update(checkpoint_tensors(key, t, cfg))
-        data = {name: (ready[name] if name in ready else loaded[source[name]].clone()) for name in shard}
-        atomic_write(out / file, lambda tmp, data=data: save_file(data, tmp, metadata={"format": "pt"}))
-        del loaded, ready, data
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": {name: file for file, shard in zip(names, shards, strict=True) for name in shard}}
-    atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    save_config(cfg, out)
+    write_weights(out, cfg, shapes, read, max_shard_bytes)
     if (folder / "tokenizer.json").is_file():
         save_for_transformers(load_tokenizer(folder / "tokenizer.json"), out)
 

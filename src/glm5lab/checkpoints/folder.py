@@ -1,30 +1,18 @@
-"""Training checkpoints: an HF-layout model folder plus the trainer's state, written atomically.
+"""A run's checkpoint folders: which exist, which is the latest, which a resume may use, which are pruned.
 
-    RUN/checkpoints/step-000300/   config.json, model.safetensors, tokenizer.json (HF layout:
-                                   `GLM5ForCausalLM.from_pretrained` and transformers read it)
-                                   trainer_state.pt (optimizer state, RNG states, step, stage,
-                                   position in the stage's batch stream)
+    RUN/checkpoints/step-000300/   one checkpoint (`glm5lab.checkpoints.dcp`: every process count, one too)
     RUN/checkpoints/latest         name of the newest complete checkpoint
 
-A checkpoint is assembled in a hidden temp folder and renamed into place, then `latest` is
-rewritten atomically: a run killed at any moment leaves every earlier checkpoint intact. This is a
-single process's checkpoint; a distributed run writes sharded ones in the same layout
-(`glm5lab.checkpoints.dcp`), and `glm5lab.checkpoints.resume` reads either at any process count.
+A checkpoint is assembled in a hidden temp folder and renamed into place (`dcp.save`), then `latest` is rewritten
+atomically (`mark_latest`): a run killed at any moment leaves every earlier checkpoint intact.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import secrets
 from pathlib import Path
 
-import torch
-
-from glm5lab.io_utils import atomic_write, atomic_write_text
-from glm5lab.data.tokenizer import save_for_transformers
-
-STATE_FILE = "trainer_state.pt"
+from glm5lab.io_utils import atomic_write_text
 
 
 class ResumeError(ValueError):
@@ -32,30 +20,11 @@ class ResumeError(ValueError):
     `glm5lab train` prints it as one `error:` line and exits with 2)."""
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, *, keep: int = 2) -> Path:
-    """Write checkpoint `step-{step:06d}` (model, tokenizer, trainer state) and point `latest`
-    at it; keep the newest `keep` checkpoints. Returns its folder."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
-    for stale in root.glob(".step-*.tmp-*"):  # left by a save that was killed midway (one writer per run)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".{final.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()  # not mkdtemp: the checkpoint folder keeps the usual (umask) permissions
-    try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            save_for_transformers(tokenizer, tmp)
-        atomic_write(tmp / STATE_FILE, lambda path: torch.save(state, path))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    atomic_write_text(root / "latest", final.name + "\n")
-    prune_checkpoints(run_dir, keep=keep)
-    return final
+def mark_latest(folder: Path, *, keep: int = 2) -> None:
+    """Point RUN/checkpoints/latest at the checkpoint `folder` (RUN/checkpoints/step-*) atomically, then keep the
+    newest `keep` checkpoints (`prune_checkpoints`)."""
+    atomic_write_text(Path(folder).parent / "latest", Path(folder).name + "\n")
+    prune_checkpoints(Path(folder).parent.parent, keep=keep)
 
 
 def prune_checkpoints(run_dir: Path, *, keep: int = 2) -> None:
@@ -72,16 +41,6 @@ def latest_pointer(run_dir: Path) -> Path | None:
     run has no `latest` file. No checks: callers word their own errors."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
     return pointer.parent / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
-
-
-def latest_checkpoint(run_dir: Path) -> Path:
-    """The folder `latest` points to. Raises ResumeError when there is none or it is incomplete."""
-    folder = latest_pointer(run_dir)
-    if folder is None:
-        raise ResumeError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} (no `latest` file); "
-                          "start without --resume")
-    check_complete(folder)
-    return folder
 
 
 def resume_candidates(run_dir: Path) -> list[Path]:
@@ -105,38 +64,3 @@ def has_checkpoint(run_dir: Path) -> bool:
     step-* folder; the temporary folder of a save killed midway does not count)."""
     root = Path(run_dir) / "checkpoints"
     return (root / "latest").is_file() or any(p.is_dir() for p in root.glob("step-*"))
-
-
-def check_complete(folder: Path) -> None:
-    """Raise ResumeError when the checkpoint folder is missing or lacks config.json or the trainer state."""
-    if not Path(folder).is_dir():
-        raise ResumeError(f"checkpoint folder {folder} does not exist")
-    missing = [f for f in ("config.json", STATE_FILE) if not (Path(folder) / f).is_file()]
-    if missing:
-        raise ResumeError(f"checkpoint {folder} is incomplete (missing {', '.join(missing)})")
-
-
-def load_trainer_state(folder: Path) -> dict:
-    """The trainer state (optimizer, RNG, position) saved in `folder`. Raises ResumeError naming
-    the file when it cannot be read (truncated or corrupt), FileNotFoundError when it is missing."""
-    path = Path(folder) / STATE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises RuntimeError/EOFError/UnpicklingError... for a damaged file
-        reason = str(e).split(". ")[0].strip() or type(e).__name__
-        raise ResumeError(f"{path} cannot be read (truncated or corrupt: {reason})") from None
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

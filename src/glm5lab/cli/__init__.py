@@ -261,8 +261,8 @@ def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (default: the small preset on the Shakespeare corpus)",
                        description="Train with Muon Split, the MTP loss and the DSA stages (dense, indexer "
                        "warm-up, sparse adaptation), as a recipe declares them (--recipe; default recipes/small.toml); writes "
-                       "metrics.jsonl, checkpoints (HF layout in one process; sharded, one part per process, "
-                       "under torchrun: docs/checkpoints.md), loss.png and summary.json into --out. Under "
+                       "metrics.jsonl, checkpoints (DCP: one part per process, docs/checkpoints.md), loss.png, "
+                       "model/ (the last checkpoint as an HF folder) and summary.json into --out. Under "
                        "torchrun the model is built on the meta device and sharded with FSDP2 (--ep: and by "
                        "expert).")
     src = p.add_mutually_exclusive_group()

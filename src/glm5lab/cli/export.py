@@ -1,5 +1,5 @@
 """`glm5lab export CHECKPOINT --out DIR [--max-shard-size 5GB]`: a training checkpoint (a run folder's latest,
-a step folder; sharded DCP or single-process HF) as the HF safetensors folder transformers, vLLM and SGLang
+a step folder, an HF folder) as the HF safetensors folder transformers, vLLM and SGLang
 read (`glm5lab.checkpoints.export`)."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as an HF safetensors folder (transformers, vLLM, "
                        "SGLang)", description="Write CHECKPOINT (a run folder: its latest checkpoint; or a step "
-                       "folder, sharded by a torchrun run or HF from one process) as an HF folder: config.json, "
-                       "tokenizer files, model-0000i-of-0000n.safetensors shards and model.safetensors.index.json, "
-                       "read tensor by tensor from a sharded checkpoint (docs/checkpoints.md).")
+                       "folder) as an HF folder: config.json, tokenizer files and the weights as save_pretrained "
+                       "writes them (model.safetensors, or model-0000i-of-0000n.safetensors shards and "
+                       "model.safetensors.index.json), read one file's worth at a time (docs/checkpoints.md).")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a run folder (e.g. runs/small) or a checkpoint folder "
                    "(runs/small/checkpoints/step-000420)")
     p.add_argument("--out", metavar="DIR", required=True, help="the folder to write (new, empty, or an earlier export, "

@@ -169,7 +169,7 @@ def resolve_model_dir(path: str) -> tuple[Path, bool]:
             raise FileNotFoundError(f"--model {path}: checkpoints/latest points to {ckpt}, which has no "
                                     "config.json (deleted or incomplete checkpoint)")
         return ckpt, True
-    sharded = (folder / "trainer_state.json").is_file()  # a distributed run's checkpoint (docs/checkpoints.md)
+    sharded = (folder / "trainer_state.json").is_file()  # a run checkpoint (DCP; docs/checkpoints.md)
     if (folder / "config.json").is_file() and (sharded or any(folder.glob("*.safetensors"))):
         return folder, False
     if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():

@@ -195,17 +195,6 @@ def mean_over_ranks(values: dict, ctx: DistContext) -> dict:
     return out
 
 
-def optimizer_state(model, optimizer, ctx: DistContext) -> dict:
-    """The optimizer state to checkpoint: plain `state_dict()` in one process; under FSDP2 the
-    full (unsharded, CPU) state keyed by parameter name, gathered (the save before sharded checkpoints,
-    kept for `benchmarks/sharded_checkpoint.py`'s comparison)."""
-    if ctx.world_size == 1:
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def barrier(ctx: DistContext) -> None:
     if ctx.world_size > 1:
         dist.barrier()

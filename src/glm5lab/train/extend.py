@@ -1,5 +1,5 @@
-"""Runs that can be extended: `glm5lab train --resume` with more steps continues a run (finished or not) past its
-plan instead of refusing it as another plan.
+"""A resumed run's plan: extended (`glm5lab train --resume` with more steps continues a run, finished or not, past
+its plan instead of refusing it as another plan) or rescaled to another process count, and the notices of a resume.
 
 The new steps are appended to the last stage; everything already trained is kept: weights, optimizer state, RNG
 and data position (a stage's batch is a pure function of its step, so step k of the longer stage is the batch the
@@ -8,6 +8,11 @@ its lr reaches lr_end where it did and holds it on the appended steps (a constan
 More steps are asked either by `--steps N` above the run's total (on --resume, --steps is the new total; the
 stages keep the run's own split) or by a plan whose last stage is longer (a recipe, `stage_plan`). A shorter plan
 or any other change is not an extension (`extend_plan` returns None; the caller refuses it).
+
+At another process count the global batch is kept: a run of S processes with a per-process batch B resumed at W
+processes trains with B * S / W per process when that divides, else with the gradient accumulation scaled
+(`rescale_stages`); one notice line says which. Another world size changes the order of the gradient reductions,
+so the continuation equals an uninterrupted run's within fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -74,3 +79,73 @@ def record_extension(run_dir: Path, args: dict, stages: list[Stage], from_steps:
     info.update(args=args, stages=[s.to_dict() for s in stages])
     atomic_write_text(path, json.dumps(info, indent=2) + "\n")
     (run_dir / "summary.json").unlink(missing_ok=True)
+
+
+def started_world_size(run_dir: Path) -> int:
+    """The process count the run in `run_dir` started with (its run.json; 1 when not recorded)."""
+    return json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1)
+
+
+def ep_note(run_dir: Path, ep: int) -> str | None:
+    """The notice line when a resume runs another `--ep` than the run in `run_dir` started with (its run.json;
+    1 when not recorded): the experts are resharded on load. None when it is the same."""
+    started = json.loads((Path(run_dir) / "run.json").read_text())["args"].get("ep") or 1
+    if started == ep:
+        return None
+    return f"resuming with --ep {ep} a run started with --ep {started}: its experts are resharded on load"
+
+
+def eval_tokens_note(run_dir: Path, eval_tokens: int) -> str | None:
+    """The notice line when a resume's --eval-tokens is not the one in the run's run.json (or run.json has none: a
+    run started before eval_tokens, whose periodic validation scored eval_batches x batch windows): from the
+    step it resumes at, the periodic validation scores another subset of the held-out split, so val_loss before
+    and after that step do not compare. None when it is the same."""
+    started = json.loads((Path(run_dir) / "run.json").read_text())["args"].get("eval_tokens")
+    if started == eval_tokens:
+        return None
+    was = "its run.json has none (started before --eval-tokens)" if started is None else f"it started with {started:,}"
+    return (f"resuming with --eval-tokens {eval_tokens:,} a run whose periodic validation scored another subset "
+            f"({was}): from the step it resumes at, val_loss is measured on the first {eval_tokens:,} held-out "
+            "targets, and does not compare with the values before it")
+
+
+def rescale_stages(stages: list[Stage], started: int, world_size: int) -> tuple[list[Stage], str | None]:
+    """The stages of a run that started with `started` processes, for `world_size` processes, keeping each
+    stage's global batch (batch_size x grad_accum x processes): the per-process batch_size scaled when
+    batch_size x started divides by world_size, else grad_accum when grad_accum x started does. Returns
+    (stages, the notice line to show, or None when the count is unchanged). Raises ValueError when neither
+    divides (naming the stage, its batch and the process counts)."""
+    if started == world_size:
+        return stages, None
+    out = []
+    for s in stages:
+        if s.batch_size * started % world_size == 0:
+            out.append(dataclasses.replace(s, batch_size=s.batch_size * started // world_size))
+        elif s.grad_accum * started % world_size == 0:
+            out.append(dataclasses.replace(s, grad_accum=s.grad_accum * started // world_size))
+        else:
+            raise ValueError(f"--resume: stage {s.name!r} has a global batch of {started} processes x batch "
+                             f"{s.batch_size} x grad_accum {s.grad_accum}, which {_procs(world_size)} cannot "
+                             f"keep (neither batch_size x {started} nor grad_accum x {started} divides by "
+                             f"{world_size}); resume with a process count that divides it")
+    return out, f"resuming at {_procs(world_size)} a run of {started}: {_changes(stages, out)} keeps the global batch " \
+                f"of {_globals(stages, started)}"
+
+
+def _changes(old: list[Stage], new: list[Stage]) -> str:
+    parts = []
+    for field, label in (("batch_size", "batch per process"), ("grad_accum", "gradient accumulation")):
+        a, b = [getattr(s, field) for s in old], [getattr(s, field) for s in new]
+        if a != b:
+            same = len(set(a)) == 1 and len(set(b)) == 1
+            parts.append(f"{label} {a[0]} -> {b[0]}" if same else f"{label} {a} -> {b}")
+    return ", ".join(parts)
+
+
+def _globals(stages: list[Stage], started: int) -> str:
+    sizes = sorted({s.batch_size * s.grad_accum * started for s in stages})
+    return str(sizes[0]) if len(sizes) == 1 else str(sizes)
+
+
+def _procs(n: int) -> str:
+    return f"{n} process{'es' * (n > 1)}"

@@ -6,10 +6,12 @@ the run folder, resume (a stage's batch is a pure function of the stage and step
 object per step in `metrics.jsonl`, periodic validation, checkpoints, the progress bar and `summary.json`.
 Multi-process: run the same script under `torchrun`; the model is sharded with FSDP2 (`glm5lab.parallel.dist`) and
 each rank reads its slice of every global batch and writes its own shards of each checkpoint
-(`glm5lab.checkpoints.dcp`; a resume may change the process count: `glm5lab.checkpoints.resume`); `ep`
+(`glm5lab.checkpoints.dcp`, the one format at every process count; a resume may change the process count:
+`glm5lab.checkpoints.resume`); a finished run exports its last checkpoint to RUN/model/, the HF folder; `ep`
 (`--ep N`) adds expert parallelism (`glm5lab.parallel.expert_parallel`) and its figures to `metrics.jsonl`. Under
 torchrun each rank builds the model on the meta device and allocates and initialises only its shards
-(`dist.build_meta`, `dist.materialize`: the values of one process's seeded init). `compile=True` (`--compile`)
+(`dist.build_meta`, `dist.materialize`: the values of one process's seeded init); a run that starts from weights
+(--resume, --init) skips the random init (`build_model`). `compile=True` (`--compile`)
 runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`: one graph per stage in one
 process, each block under torchrun); the rest of the step stays eager. `activation_checkpointing` recomputes each
 block in the backward; `tensorboard` also logs the metrics to `tb/`.
@@ -27,9 +29,8 @@ from pathlib import Path
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
-from glm5lab.checkpoints.folder import (
-    has_checkpoint, latest_pointer, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
-)
+from glm5lab.checkpoints.dcp import allocate, load, save, set_rng_state
+from glm5lab.checkpoints.folder import has_checkpoint, latest_pointer, mark_latest, prune_checkpoints
 from glm5lab.console import is_main_process, say
 from glm5lab.environment import git_commit
 from glm5lab.io_utils import atomic_write_text
@@ -42,9 +43,9 @@ from glm5lab.train.extend import continue_position, extend_plan, record_extensio
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.plan import check_run
 from glm5lab.train.recipe import DEFAULT_RECIPE, TrainHyper, default_recipe, load_recipe, resolve
+from glm5lab.checkpoints.export import export_checkpoint
 from glm5lab.checkpoints.resume import first_complete, resume_checkpoint
 from glm5lab.train.run_lock import hold_run_folder
-from glm5lab.checkpoints.dcp import save_sharded_checkpoint
 from glm5lab.train.stages import Stage
 from glm5lab.train.step import StepDone, run_stages
 from glm5lab.validate import finite, int_at_least
@@ -139,13 +140,18 @@ def model_config(args: TrainArgs) -> ModelConfig:
     return ModelConfig.from_preset(args.preset or default_recipe().model.preset)
 
 
-def build_model(args: TrainArgs, cfg: ModelConfig | None = None) -> GLM5ForCausalLM:
-    """Random init from `cfg` (default `model_config(args)`; seeded), or the weights of `args.init`."""
-    cfg = cfg or model_config(args)
-    if args.init:
-        return GLM5ForCausalLM.from_pretrained(args.init)
+def build_model(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> tuple[GLM5ForCausalLM, object]:
+    """(model, record) before sharding. A run that starts from weights (--resume, --init) builds it on the meta
+    device, allocated after sharding and loaded (no random init it would overwrite; record None). A fresh run: one
+    process builds the seeded init on the CPU (record None); under torchrun on the meta device, with the `record`
+    that `dist.materialize` gives each rank's shards those values from."""
+    if args.resume or args.init:
+        with torch.device("meta"):
+            return GLM5ForCausalLM(cfg), None
+    if world_size > 1:
+        return dist.build_meta(cfg, args.seed)
     torch.manual_seed(args.seed)
-    return GLM5ForCausalLM(cfg)
+    return GLM5ForCausalLM(cfg), None
 
 
 def _check_fits(cfg: ModelConfig, world_size: int = 1, local_world_size: int = 1) -> None:
@@ -214,7 +220,7 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     say = _notice if ctx.is_main else lambda message: None
     for line in plan.notices:  # nothing changes silently
         say(line)
-    model, record = (build_model(args, cfg), None) if ctx.world_size == 1 else dist.build_meta(cfg, args.seed)
+    model, record = build_model(args, cfg, ctx.world_size)
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
         model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint, say=say)
@@ -223,11 +229,15 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)
     _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
-    if record is not None:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
-        _materialize(model, ctx, record, Path(args.init) if args.init else None)  # --resume loads below
+    if record is not None:  # a fresh run under torchrun: allocate and initialise this rank's shards
+        dist.materialize(model, ctx, record)
+    elif args.resume or args.init:  # allocate this rank's shards for the weights loaded next
+        allocate(model, ctx.device)
+    if args.init:  # an HF folder tensor by tensor, a run checkpoint through DCP: this rank's shards only
+        load(Path(args.init), model)
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
-    resumed = resume_checkpoint(run_dir, model, optimizer, ctx, report=say) if args.resume else None
+    resumed = resume_checkpoint(run_dir, model, optimizer, report=say) if args.resume else None
     if resumed is not None:
         start = continue_position(resumed["position"], stages) if extended else resumed["position"]
         if start["stage"] < len(stages):  # else trained to the end, stopped before summary.json: finish it
@@ -267,20 +277,6 @@ def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
         from glm5lab.parallel.activation_checkpoint import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
-
-
-def _materialize(model, ctx, record, weights: Path | None) -> None:
-    """The sharded meta model's shards on the device: the seeded init's values (`dist.materialize`), then, from
-    `weights` (--init's checkpoint folder): an HF folder tensor by tensor
-    (`glm5lab.checkpoints.sharded_load`), a sharded one through DCP (`load_sharded_weights`)."""
-    from glm5lab.checkpoints.dcp import is_sharded, load_sharded_weights
-    from glm5lab.checkpoints.sharded_load import CheckpointTensors, load_into_shards
-
-    dist.materialize(model, ctx, record)
-    if weights is not None and is_sharded(weights):  # a distributed run's checkpoint: DCP reshards it
-        load_sharded_weights(weights, model, ctx)
-    elif weights is not None:
-        load_into_shards(model, CheckpointTensors(weights, model.config), ctx)
 
 
 def _notice(message: str) -> None:
@@ -590,16 +586,10 @@ class _Loop:
         if in_stage == stage.steps:
             stage_index, in_stage = stage_index + 1, 0
         position = {"step": self.step, "stage": stage_index, "in_stage": in_stage}
-        if self.ctx.world_size > 1:  # each rank writes its own shards: nothing is gathered
-            save_sharded_checkpoint(self.run_dir, self.step, self.model, self.opt, self.data.tokenizer, position,
-                                    self.ctx, ep=self.args.ep)
-            return
-        state = {"optimizer": dist.optimizer_state(self.model, self.opt, self.ctx), "rng": rng_state(),
-                 "position": position}
-        model = dist.full_model(self.model, self.ctx)
+        folder = self.run_dir / "checkpoints" / f"step-{self.step:06d}"  # each rank writes its own shards
+        save(folder, self.model, self.opt, {"position": position, "ep": self.args.ep}, tokenizer=self.data.tokenizer)
         if self.ctx.is_main:
-            save_checkpoint(self.run_dir, self.step, model, self.data.tokenizer, state)
-        dist.barrier(self.ctx)
+            mark_latest(folder)
 
     def stage_summaries(self) -> list[dict]:
         """Per stage, from the whole metrics.jsonl (so a resumed run reports its full history):
@@ -610,8 +600,9 @@ class _Loop:
 
     def finish(self) -> dict:
         """Evaluate the whole validation split (val_loss, perplexity, bits per byte under the run's
-        tokenizer; the periodic subset's final figure beside it as val_subset_loss), write loss.png
-        and then summary.json atomically (main rank). A run stopped anywhere before summary.json
+        tokenizer; the periodic subset's final figure beside it as val_subset_loss), write loss.png, export
+        the last checkpoint to RUN/model/ (the HF folder transformers and vLLM load) and then summary.json
+        atomically (main rank). A run stopped anywhere before summary.json
         exists is finished by --resume, bit-identically."""
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
@@ -631,6 +622,7 @@ class _Loop:
                 self.tb.write_final(summary)
                 self.tb.close()
             prune_checkpoints(self.run_dir)  # again: a stop during the last save's pruning left some
+            export_checkpoint(latest_pointer(self.run_dir), self.run_dir / "model")  # the HF folder to serve
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 

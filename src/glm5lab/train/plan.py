@@ -72,9 +72,8 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     from glm5lab.checkpoints.folder import resume_candidates
     from glm5lab.train import loop
     from glm5lab.parallel.expert_parallel import check_ep
-    from glm5lab.checkpoints.resume import (
-        ep_note, eval_tokens_note, first_complete, rescale_stages, started_world_size,
-    )
+    from glm5lab.checkpoints.resume import first_complete
+    from glm5lab.train.extend import ep_note, eval_tokens_note, rescale_stages, started_world_size
     from glm5lab.train.run_lock import refuse_if_held
 
     refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
