@@ -51,6 +51,7 @@ def _listing(folder: Path) -> dict:
 def test_a_second_start_into_a_held_folder_is_refused_naming_the_holder(corpus, capsys):
     run = corpus / "run"
     train(dataclasses.replace(run_args(corpus, run), stage_plan=tiny_plan()[:1]))  # a run there to --resume: 4 steps
+    capsys.readouterr()  # that run's own lines (the corpus tokenized into the cache)
     holder = _hold_in_subprocess(run)
     try:
         before = _listing(run)
