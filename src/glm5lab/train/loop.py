@@ -8,8 +8,8 @@ Multi-process: run the same script under `torchrun`; the model is sharded with F
 each rank reads its slice of every global batch and writes its own shards of each checkpoint
 (`glm5lab.checkpoints.dcp`; a resume may change the process count: `glm5lab.checkpoints.resume`); `ep`
 (`--ep N`) adds expert parallelism (`glm5lab.parallel.expert_parallel`) and its figures to `metrics.jsonl`. Under
-torchrun each rank builds the model on the meta device and allocates and initialises only its shards
-(`dist.build_meta`, `dist.materialize`: the values of one process's seeded init). `compile=True` (`--compile`)
+torchrun each rank builds the model on the meta device and allocates and draws only its shards (`dist.build_meta`,
+`dist.materialize`: seeded by `seed` and the rank, not one process's values). `compile=True` (`--compile`)
 runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`: one graph per stage in one
 process, each block under torchrun); the rest of the step stays eager. `activation_checkpointing` recomputes each
 block in the backward; `tensorboard` also logs the metrics to `tb/`.
@@ -214,7 +214,7 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     say = _notice if ctx.is_main else lambda message: None
     for line in plan.notices:  # nothing changes silently
         say(line)
-    model, record = (build_model(args, cfg), None) if ctx.world_size == 1 else dist.build_meta(cfg, args.seed)
+    model = build_model(args, cfg) if ctx.world_size == 1 else dist.build_meta(cfg)
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
         model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint, say=say)
@@ -223,8 +223,8 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)
     _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
-    if record is not None:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
-        _materialize(model, ctx, record, Path(args.init) if args.init else None)  # --resume loads below
+    if ctx.world_size > 1:  # under torchrun: allocate and initialise this rank's shards, then load weights into them
+        _materialize(model, ctx, args.seed, Path(args.init) if args.init else None)  # --resume loads below
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
     start = {"step": 0, "stage": 0, "in_stage": 0}
     resumed = resume_checkpoint(run_dir, model, optimizer, ctx, report=say) if args.resume else None
@@ -269,14 +269,14 @@ def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
         apply_activation_checkpointing(model)
 
 
-def _materialize(model, ctx, record, weights: Path | None) -> None:
-    """The sharded meta model's shards on the device: the seeded init's values (`dist.materialize`), then, from
+def _materialize(model, ctx, seed: int, weights: Path | None) -> None:
+    """The sharded meta model's shards on the device: drawn from `seed` (`dist.materialize`), then, from
     `weights` (--init's checkpoint folder): an HF folder tensor by tensor
     (`glm5lab.checkpoints.sharded_load`), a sharded one through DCP (`load_sharded_weights`)."""
     from glm5lab.checkpoints.dcp import is_sharded, load_sharded_weights
     from glm5lab.checkpoints.sharded_load import CheckpointTensors, load_into_shards
 
-    dist.materialize(model, ctx, record)
+    dist.materialize(model, ctx, seed)
     if weights is not None and is_sharded(weights):  # a distributed run's checkpoint: DCP reshards it
         load_sharded_weights(weights, model, ctx)
     elif weights is not None:
