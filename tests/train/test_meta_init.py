@@ -1,9 +1,9 @@
 """Meta-device build + per-shard init (`dist.build_meta`, `dist.materialize`, `GLM5ForCausalLM.reset_parameters`):
 each rank draws only its own shards, from the distributions of one process's `torch.manual_seed(s);
-GLM5ForCausalLM(cfg)` (norms, biases and buffers exactly; weights by mean and std; GDN decays in their ranges) with a
-generator seeded by (seed, rank): the same values for the same seed and rank, others for another rank or seed, never
-the global generator. Not one process's values (docs/scaling.md). Sharded under torchrun (2 processes, with and
-without --ep): `test_scale_torchrun.py`."""
+GLM5ForCausalLM(cfg)` (no tensor left as allocated; norms, biases and buffers exactly; weights by mean and std; GDN
+decays in their ranges) with a generator seeded by (seed, rank): the same values for the same seed and rank, others
+for another rank or seed, never the global generator. Not one process's values (docs/scaling.md). Sharded under
+torchrun (2 processes, with and without --ep): `test_scale_torchrun.py`."""
 
 import math
 
@@ -18,7 +18,10 @@ from tests.train.conftest import init_differences
 
 MIXED = dict(attention_types=["mla", "mla", "gqa", "gqa"], mixer_types=["full", "gdn", "full", "simple_gdn"],
              num_key_value_heads=2)
-CONFIGS = [pytest.param({}, id="tiny"), pytest.param({**MIXED, "tie_word_embeddings": True}, id="mixed-tied")]
+GQA_BIAS = dict(attention_types=["gqa"] * 4, index_n_heads=0, index_head_dim=0, use_dsa=False, q_lora_rank=0,
+                kv_lora_rank=0, use_qk_norm=True, attention_bias=True)
+CONFIGS = [pytest.param({}, id="tiny"), pytest.param({**MIXED, "tie_word_embeddings": True}, id="mixed-tied"),
+           pytest.param(GQA_BIAS, id="gqa-qk-norm-bias")]
 
 
 def _seeded(cfg, seed=7) -> dict:
