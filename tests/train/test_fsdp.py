@@ -1,7 +1,7 @@
 """FSDP2 data parallelism: `torchrun --nproc_per_node=2` (gloo, CPU) trains to the same losses as
-one process with the same global batch (gradient averaging, rank-sliced batches, gathered Muon
-updates, sharded checkpoints); so does `--ep 2` (expert parallelism), whose checkpoint loads in one
-process and whose metrics.jsonl rows carry the all-to-all figures."""
+one process with the same global batch, both from one checkpoint (`shared_init`; gradient averaging,
+rank-sliced batches, gathered Muon updates, sharded checkpoints); so does `--ep 2` (expert parallelism),
+whose checkpoint loads in one process and whose metrics.jsonl rows carry the all-to-all figures."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import sys
 from glm5lab import GLM5ForCausalLM
 from glm5lab.checkpoints.export import load_checkpoint_model
 from tests.conftest import free_port
-from tests.train.conftest import logged_losses, tiny_plan
+from tests.train.conftest import logged_losses, shared_init, tiny_plan
 
 DRIVER = """
 import json, sys
@@ -19,13 +19,14 @@ from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
 out, plan = sys.argv[1], json.loads(sys.argv[2])
 ep = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
+train(TrainArgs(init=sys.argv[3] + "/init", data=sys.argv[3] + "/texts", out=out, progress=False,
                 eval_every=2, eval_tokens=96, checkpoint_every=0, stage_plan=plan, ep=ep))
 end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
 
 
 def test_two_fsdp_processes_match_one_process(corpus, tmp_path):
+    shared_init(corpus)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}

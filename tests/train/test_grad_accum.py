@@ -20,7 +20,7 @@ from glm5lab.train.stages import Stage
 from glm5lab.train.recipe import TrainHyper
 from glm5lab.train.step import run_stages, split_batch
 from tests.conftest import assert_close, free_port
-from tests.train.conftest import logged_losses, tiny_plan
+from tests.train.conftest import logged_losses, shared_init, tiny_plan
 
 B, A, T = 2, 3, 12
 OFFSET = (0, 2, 3)  # first step of each stage in `windows` (stages of 2, 1, 2 steps)
@@ -115,7 +115,7 @@ import json, sys
 from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
 out, plan = sys.argv[1], json.loads(sys.argv[2])
-train(TrainArgs(config=sys.argv[3] + "/config.json", data=sys.argv[3] + "/texts", out=out, progress=False,
+train(TrainArgs(init=sys.argv[3] + "/init", data=sys.argv[3] + "/texts", out=out, progress=False,
                 eval_every=0, checkpoint_every=0, stage_plan=plan))
 end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
@@ -137,6 +137,7 @@ def test_fsdp_accumulation_matches_one_process(tmp_path, monkeypatch):
     write_word_corpus(tmp_path / "texts")
     cfg = ModelConfig.from_preset("tiny", vocab_size=320)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    shared_init(tmp_path)  # both start from it: a fresh run under torchrun draws its own shards
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}

@@ -1,9 +1,9 @@
-"""Under torchrun (2 processes, gloo on CPU): every rank builds the model on the meta device and initialises only
-its own shards, with the values of one process's seeded init (FSDP2 alone and with --ep 2), each rank holding
-half the parameter elements; and a run with --activation-checkpointing and --ep 2 trains to one process's losses,
-gradient norms and router loads; under `-m slow`, so do runs with --compile (per block; aot_eager and inductor),
-alone and with --ep 2. (tests/train/test_fsdp.py and test_expert_parallel.py compare plain FSDP2 and EP runs, also built this
-way, with one process.)"""
+"""Under torchrun (2 processes, gloo on CPU): every rank builds the model on the meta device and draws only its own
+shards, as one process's seeded init draws them but from its own generator (FSDP2 alone and with --ep 2), each rank
+holding half the parameter elements; and a run with --activation-checkpointing and --ep 2 trains from a shared
+checkpoint to one process's losses, gradient norms and router loads; under `-m slow`, so do runs with --compile (per
+block; aot_eager and inductor), alone and with --ep 2. (tests/train/test_fsdp.py and test_expert_parallel.py compare
+plain FSDP2 and EP runs, also built this way, with one process.)"""
 
 import json
 import os
@@ -11,43 +11,41 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.train.loop import TrainArgs, train
 from tests.conftest import free_port
-from tests.train.conftest import metrics_rows, tiny_plan
+from tests.train.conftest import init_differences, metrics_rows, shared_init, tiny_plan
 
 DRIVER = """
 import json, sys
 import torch
-from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab import ModelConfig
 from glm5lab.parallel import dist
 from glm5lab.train.loop import TrainArgs, train
 out, corpus = sys.argv[1], sys.argv[2]
 RUNS = json.loads(sys.argv[3])
 cfg = ModelConfig.from_hf(corpus + "/config.json")
 ctx = dist.setup()
-report = {}
+counts = {}
 for ep in (1, 2):
-    model, record = dist.build_meta(cfg, 0)
+    model = dist.build_meta(cfg)
     assert all(t.is_meta for t in model.state_dict().values())  # the build allocates nothing
     dist.shard_model(model, ctx, ep=ep)
-    dist.materialize(model, ctx, record)
-    local = sum(p.to_local().numel() for p in model.parameters())
-    total = sum(p.numel() for p in model.parameters())
+    dist.materialize(model, ctx, 0)
+    counts[ep] = {"local": sum(p.to_local().numel() for p in model.parameters()),
+                  "total": sum(p.numel() for p in model.parameters())}
     full = dist.full_model(model, ctx)
     if ctx.is_main:
-        torch.manual_seed(0)
-        want = GLM5ForCausalLM(cfg).state_dict()
-        got = full.state_dict()
-        report[ep] = {"local": local, "total": total, "keys": sorted(got) == sorted(want),
-                      "differ": [k for k in want if not torch.equal(got[k], want[k])]}
+        torch.save(full.state_dict(), f"{out}-init-{ep}.pt")
 if ctx.is_main:
-    open(out + "-init.json", "w").write(json.dumps(report))
+    open(out + "-init.json", "w").write(json.dumps(counts))
 for name, ep, compile, ac in RUNS:
-    train(TrainArgs(config=corpus + "/config.json", data=corpus + "/texts", out=out + "-" + name, progress=False,
+    train(TrainArgs(init=corpus + "/init", data=corpus + "/texts", out=out + "-" + name, progress=False,
                     eval_every=0, checkpoint_every=0, stage_plan=json.loads(sys.argv[4]), ep=ep,
                     compile=compile, activation_checkpointing=ac, tensorboard=True))
-dist.teardown(ctx)  # the meta-init check's group, when no run tore it down
+dist.teardown(ctx)  # the init check's group, when no run tore it down
 dist.end_process()  # leave as every multi-process run does
 """
 
@@ -64,6 +62,7 @@ TOL = 1e-4
 
 
 def _torchrun(tmp_path, corpus, name, backend, runs=RUNS):
+    shared_init(corpus)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "GLM5LAB_COMPILE_BACKEND": backend}
@@ -76,10 +75,14 @@ def _torchrun(tmp_path, corpus, name, backend, runs=RUNS):
 
 
 def _check(out, reference, runs=RUNS):
-    init = json.loads(out.with_name(out.name + "-init.json").read_text())
-    for ep, r in init.items():
-        assert r["keys"] and r["differ"] == [], (ep, r["differ"])
+    torch.manual_seed(0)
+    want = GLM5ForCausalLM(ModelConfig.from_hf(out.parent / "config.json")).state_dict()
+    for ep, r in json.loads(out.with_name(out.name + "-init.json").read_text()).items():
         assert abs(r["local"] - r["total"] / 2) <= 0.01 * r["total"], (ep, r)  # each rank: half the elements
+        got = torch.load(out.with_name(f"{out.name}-init-{ep}.pt"))
+        assert init_differences(got, want) == [], ep
+        halves = [k for k, w in want.items() if w.shape[0] % 2 == 0 and not bool((w == w.flatten()[0]).all())]
+        assert halves and not any(torch.equal(*got[k].chunk(2)) for k in halves), ep  # each rank its own draws
     for name, ep, _, _ in runs:
         _check_run(out.with_name(f"{out.name}-{name}"), reference, ep)
 
@@ -98,12 +101,12 @@ def _check_run(run, reference, ep):
 
 def _reference(corpus, tmp_path):
     out = tmp_path / "one"
-    train(TrainArgs(config=str(corpus / "config.json"), data=str(corpus / "texts"), out=str(out), progress=False,
+    train(TrainArgs(init=shared_init(corpus), data=str(corpus / "texts"), out=str(out), progress=False,
                     eval_every=0, checkpoint_every=0, stage_plan=tiny_plan(steps=(2, 1, 2), batch=4)))
     return out
 
 
-def test_meta_init_and_checkpointed_ep_run_equal_one_process(corpus, tmp_path):
+def test_sharded_init_and_checkpointed_ep_run_equal_one_process(corpus, tmp_path):
     _check(_torchrun(tmp_path, corpus, "two", "aot_eager"), _reference(corpus, tmp_path))
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5lab.config import ModelConfig
+from glm5lab.model.local import local
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import LayerStep
 from glm5lab.validate import int_at_least, one_of
@@ -103,10 +104,16 @@ class GatedDeltaNet(nn.Module):
         self.b_proj = nn.Linear(D, H, bias=False)
         self.a_proj = nn.Linear(D, H, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(H))
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(0.01, 16).log())
+        self.dt_bias, self.A_log = nn.Parameter(torch.empty(H)), nn.Parameter(torch.empty(H))
+        self.reset_decay()
         self.norm = RMSNormGated(V, eps=cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
+
+    @torch.no_grad()
+    def reset_decay(self, generator: torch.Generator | None = None) -> None:
+        """dt_bias 1, A_log = log U(0.01, 16), as Qwen3-Next, on each tensor's local part, from `generator`."""
+        local(self.dt_bias).fill_(1.0)
+        local(self.A_log).uniform_(0.01, 16, generator=generator).log_()
 
     def new_state(self, batch_size: int, *, dtype: torch.dtype = torch.float32, device=None) -> RecurrentState:
         """The state before the first token, for a `KVCache` (or a one-layer `LayerStep`): zero
@@ -172,10 +179,17 @@ class SimpleGDN(nn.Module):
             nn.init.zeros_(self.b_proj.weight)
         else:
             self.a_proj = self.b_proj = None
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
-        dt = torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))       # softplus(dt_bias) = dt
-        self.b_bias = nn.Parameter(torch.zeros(H))
+        self.A_log, self.dt_bias, self.b_bias = (nn.Parameter(torch.empty(H)) for _ in range(3))
+        self.reset_decay()
+
+    @torch.no_grad()
+    def reset_decay(self, generator: torch.Generator | None = None) -> None:
+        """A_log = log U(1, 16); dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]; b_bias 0; on each
+        tensor's local part, from `generator`."""
+        local(self.A_log).uniform_(1, 16, generator=generator).log_()
+        dt = torch.empty_like(local(self.dt_bias)).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp()
+        local(self.dt_bias).copy_(dt + torch.log(-torch.expm1(-dt)))       # softplus(dt_bias) = dt
+        local(self.b_bias).zero_()
 
     @classmethod
     def from_gqa(cls, layer, *, decay: str = "learned", chunk_size: int = 64) -> SimpleGDN:

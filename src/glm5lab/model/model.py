@@ -9,6 +9,7 @@ compile and activation checkpointing are applied from outside.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.block import DecoderLayer
 from glm5lab.model.cache import KVCache
+from glm5lab.model.gdn_layer import GatedDeltaNet, RMSNormGated, SimpleGDN
+from glm5lab.model.local import local
 from glm5lab.model.mla import ATTN_IMPLS
 from glm5lab.model.moe import EXPERT_IMPLS, Experts, Router
 from glm5lab.model.mtp import MTPLayer, mtp_unroll
@@ -64,26 +67,38 @@ class GLM5ForCausalLM(nn.Module):
         self.layer_specs = tuple(layer.spec for layer in self.model.layers)
         """The `LayerSpec`s the main layers were built from (what `KVCache.for_model` allocates for)."""
         self.mtp_specs = tuple(layer.spec for layer in self.model.mtp_layers)
-        self.reset_parameters()
+        self.reset_parameters(constructing=True)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: torch.Generator | None = None, *, constructing: bool = False) -> None:
+        """Draw every parameter and buffer afresh: normal(0, initializer_range) for linear, embedding, expert and
+        router weights; norms 1; biases and the router bias 0; the short convolution as torch's `Conv1d` init; the
+        GDN layers' decays (`reset_decay`). Each tensor's local part is written (a sharded DTensor's own shard:
+        `glm5lab.parallel.dist.materialize`), in module order, from `generator` (None: the device's global one).
+        constructing: the constructor's call, after the modules drew their own (convolution, decays: left as
+        drawn), so that `torch.manual_seed(s); GLM5ForCausalLM(cfg)` is the seeded init."""
         std = self.config.initializer_range
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
+                local(m.weight).normal_(0.0, std, generator=generator)
                 if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
-            elif isinstance(m, (RMSNorm, nn.LayerNorm)):
-                m.weight.fill_(1.0)
+                    local(m.bias).zero_()
+            elif isinstance(m, (RMSNorm, RMSNormGated, nn.LayerNorm)):
+                local(m.weight).fill_(1.0)
                 if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
+                    local(m.bias).zero_()
             elif isinstance(m, Experts):
                 for p in (m.gate_proj, m.up_proj, m.down_proj):
-                    p.normal_(0.0, std)
+                    local(p).normal_(0.0, std, generator=generator)
             elif isinstance(m, Router):
-                m.weight.normal_(0.0, std)
-                m.e_score_correction_bias.zero_()
+                local(m.weight).normal_(0.0, std, generator=generator)
+                local(m.e_score_correction_bias).zero_()
+            elif isinstance(m, nn.Conv1d) and not constructing:  # kaiming_uniform(a=sqrt(5)): bound 1/sqrt(fan_in)
+                bound = 1 / math.sqrt(math.prod(m.weight.shape[1:]))
+                for p in (q for q in (m.weight, m.bias) if q is not None):
+                    local(p).uniform_(-bound, bound, generator=generator)
+            elif isinstance(m, (GatedDeltaNet, SimpleGDN)) and not constructing:
+                m.reset_decay(generator)
 
     def forward(self, input_ids: torch.Tensor, *, mtp_depth: int = 0, attn_impl: str = "auto",
                 moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,

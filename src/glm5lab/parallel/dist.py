@@ -6,15 +6,14 @@ Each rank reads its slice of every global batch (`BatchStream(rank=, world_size=
 with batch B see what one process with batch N*B sees. A single process skips all of it. With
 `--ep N` (`shard_model(..., ep=N)`) the routed experts are also split by expert over groups of N
 ranks and tokens reach them by all-to-all (`glm5lab.parallel.expert_parallel`). Under torchrun the model is built on
-the meta device (`build_meta`), sharded, then allocated and initialised shard by shard (`materialize`): no rank
-holds the whole model, and the values equal one process's seeded init (`glm5lab.parallel.meta_init`).
+the meta device (`build_meta`), sharded, then allocated and each rank draws its own shards (`materialize`): no rank
+holds or draws the whole model.
 Source: torch.distributed.fsdp.fully_shard (FSDP2) documentation; torchtitan's parallelize step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import sys
@@ -127,24 +126,25 @@ def _on_meta(model) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def build_meta(cfg, seed: int):
-    """(model, record): `torch.manual_seed(seed); GLM5ForCausalLM(cfg)` built on the meta device (no
-    memory), with what `materialize` needs to give each rank's shards the values of that seeded CPU build
-    (`glm5lab.parallel.meta_init`). The CPU generator ends where the CPU build leaves it."""
+def build_meta(cfg):
+    """`GLM5ForCausalLM(cfg)` on the meta device: shapes, no memory, no draws. Shard it (`shard_model`), then
+    `materialize` it."""
     from glm5lab import GLM5ForCausalLM
-    from glm5lab.parallel.meta_init import record_build
 
-    return record_build(lambda: GLM5ForCausalLM(cfg), seed)
+    with torch.device("meta"):
+        return GLM5ForCausalLM(cfg)
 
 
-def materialize(model, ctx: DistContext, record) -> None:
-    """Allocate the (sharded) meta model on `ctx.device` (`to_empty`) and fill each parameter and
-    buffer with this rank's part of the seeded CPU build's value (`build_meta`'s record): one parameter's
-    full value on the CPU at a time, sliced by its DTensor placements (FSDP2's Shard(0) over the world;
-    experts Shard(0) on "ep", then FSDP2 on "dp"). Call after `shard_model`, before loading any weights."""
+def materialize(model, ctx: DistContext, seed: int) -> None:
+    """Allocate the (sharded) meta model on `ctx.device` (`to_empty`) and draw each rank's own shards from the
+    init's distributions (`GLM5ForCausalLM.reset_parameters`) with a generator on `ctx.device` seeded by (seed,
+    rank): a rank's init costs its shard, not the model. The values are reproducible for one seed, process layout
+    (world size, --ep) and device type, but they are not one process's `torch.manual_seed(seed)` init (docs/scaling.md:
+    runs compared across process counts start from one checkpoint). Call after `shard_model`, before loading any
+    weights."""
     model.to_empty(device=ctx.device)
-    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    record.materialize([(record.named[name], t) for name, t in tensors], functools.partial(local_part, ctx=ctx))
+    generator = torch.Generator(ctx.device).manual_seed((seed * 2**20 + ctx.rank) % 2**63)
+    model.reset_parameters(generator)
 
 
 def local_part(target: torch.Tensor, full: torch.Tensor, *, ctx: DistContext) -> torch.Tensor:

@@ -9,8 +9,8 @@ each rank reads its slice of every global batch and writes its own shards of eac
 (`glm5lab.checkpoints.dcp`, the one format at every process count; a resume may change the process count:
 `glm5lab.checkpoints.resume`); a finished run exports its last checkpoint to RUN/model/, the HF folder; `ep`
 (`--ep N`) adds expert parallelism (`glm5lab.parallel.expert_parallel`) and its figures to `metrics.jsonl`. Under
-torchrun each rank builds the model on the meta device and allocates and initialises only its shards
-(`dist.build_meta`, `dist.materialize`: the values of one process's seeded init); a run that starts from weights
+torchrun each rank builds the model on the meta device and allocates and draws only its shards (`dist.build_meta`,
+`dist.materialize`: seeded by `seed` and the rank, not one process's values); a run that starts from weights
 (--resume, --init) skips the random init (`build_model`). `compile=True` (`--compile`)
 runs the losses' forward and backward through torch.compile (`glm5lab.train.compile`: one graph per stage in one
 process, each block under torchrun); the rest of the step stays eager. `activation_checkpointing` recomputes each
@@ -140,18 +140,14 @@ def model_config(args: TrainArgs) -> ModelConfig:
     return ModelConfig.from_preset(args.preset or default_recipe().model.preset)
 
 
-def build_model(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> tuple[GLM5ForCausalLM, object]:
-    """(model, record) before sharding. A run that starts from weights (--resume, --init) builds it on the meta
-    device, allocated after sharding and loaded (no random init it would overwrite; record None). A fresh run: one
-    process builds the seeded init on the CPU (record None); under torchrun on the meta device, with the `record`
-    that `dist.materialize` gives each rank's shards those values from."""
-    if args.resume or args.init:
-        with torch.device("meta"):
-            return GLM5ForCausalLM(cfg), None
-    if world_size > 1:
-        return dist.build_meta(cfg, args.seed)
+def build_model(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> GLM5ForCausalLM:
+    """The model before sharding. On the meta device (no memory, no draws) for a run that starts from weights
+    (--resume, --init: allocated after sharding and loaded) and for a fresh run under torchrun (`dist.materialize`
+    draws each rank's shards); else one process's seeded init on the CPU."""
+    if args.resume or args.init or world_size > 1:
+        return dist.build_meta(cfg)
     torch.manual_seed(args.seed)
-    return GLM5ForCausalLM(cfg), None
+    return GLM5ForCausalLM(cfg)
 
 
 def _check_fits(cfg: ModelConfig, world_size: int = 1, local_world_size: int = 1) -> None:
@@ -220,7 +216,7 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     say = _notice if ctx.is_main else lambda message: None
     for line in plan.notices:  # nothing changes silently
         say(line)
-    model, record = build_model(args, cfg, ctx.world_size)
+    model = build_model(args, cfg, ctx.world_size)
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
         model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint, say=say)
@@ -229,10 +225,10 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)
     _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
     shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
-    if record is not None:  # a fresh run under torchrun: allocate and initialise this rank's shards
-        dist.materialize(model, ctx, record)
-    elif args.resume or args.init:  # allocate this rank's shards for the weights loaded next
+    if args.resume or args.init:  # allocate this rank's shards for the weights loaded next (no random init)
         allocate(model, ctx.device)
+    elif ctx.world_size > 1:  # a fresh run under torchrun: allocate and draw this rank's shards
+        dist.materialize(model, ctx, args.seed)
     if args.init:  # an HF folder tensor by tensor, a run checkpoint through DCP: this rank's shards only
         load(Path(args.init), model)
     optimizer = args.hyper.build_optimizer(model, stages[0].lr)
