@@ -11,7 +11,8 @@ import torch
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoints.folder import ResumeError
 from glm5lab.train.balance import update_router_bias
-from glm5lab.train.loop import TrainArgs, _Loop, resolve_stages, train
+from glm5lab.train.args import resolve_stages
+from glm5lab.train.loop import TrainArgs, _Loop, train
 from glm5lab.train.step import TrainingDiverged, clip_and_check
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.recipe import default_stages

@@ -9,7 +9,7 @@ import pytest
 
 from glm5lab import ModelConfig
 from glm5lab.cli import build_parser, default_out, main
-from glm5lab.train.loop import TrainArgs, resolve_stages, with_recipe
+from glm5lab.train.args import TrainArgs, resolve_stages, with_recipe
 from glm5lab.train.recipe import (
     TrainHyper, builtin_names, default_recipe, default_stages, load_recipe, recipe_path, resolve,
 )

@@ -13,9 +13,8 @@ import torch
 from glm5lab import ModelConfig
 from glm5lab.checkpoints.folder import ResumeError
 from glm5lab.cli import build_parser, default_out, main
-from glm5lab.train.loop import (
-    TrainArgs, check_data_fits, check_stage_lengths, progress_text, stage_summary, train,
-)
+from glm5lab.train.loop import TrainArgs, progress_text, stage_summary, train
+from glm5lab.train.plan import check_data_fits, check_stage_lengths
 from glm5lab.train.recipe import default_stages
 from glm5lab.train.stages import Stage
 from tests.train.conftest import metrics_rows, run_args, tiny_plan

@@ -19,18 +19,17 @@ block in the backward; `tensorboard` also logs the metrics to `tb/`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.checkpoints.dcp import allocate, load, save, set_rng_state
-from glm5lab.checkpoints.folder import has_checkpoint, latest_pointer, mark_latest, prune_checkpoints
+from glm5lab.checkpoints.folder import latest_pointer, mark_latest, prune_checkpoints
 from glm5lab.console import is_main_process, say
 from glm5lab.environment import git_commit
 from glm5lab.io_utils import atomic_write_text
@@ -39,105 +38,16 @@ from glm5lab.data.batches import BatchStream, pack, unigram_loss
 from glm5lab.data.pipeline import TrainingData, prepare_data
 from glm5lab.train.evaluation import evaluate_nll, run_byte_lengths, subset_windows, summary_fields
 from glm5lab.parallel.expert_parallel import pop_ep_metrics
-from glm5lab.train.extend import continue_position, extend_plan, record_extension
+from glm5lab.train.extend import continue_position, record_extension
 from glm5lab.train.losses import stage_losses
-from glm5lab.train.plan import check_run
-from glm5lab.train.recipe import DEFAULT_RECIPE, TrainHyper, default_recipe, load_recipe, resolve
+from glm5lab.train.args import TrainArgs
+from glm5lab.train.plan import check_data_fits, check_eval_subset, check_fits, check_run
+from glm5lab.train.recipe import DEFAULT_RECIPE, load_recipe
 from glm5lab.checkpoints.export import export_checkpoint
 from glm5lab.checkpoints.resume import first_complete, resume_checkpoint
 from glm5lab.train.run_lock import hold_run_folder
-from glm5lab.train.stages import Stage
+from glm5lab.train.stages import Stage, objective_name
 from glm5lab.train.step import StepDone, run_stages
-from glm5lab.validate import finite, int_at_least
-
-
-@dataclass
-class TrainArgs:
-    """Everything a run needs, `glm5lab train`'s flags on top of its recipe (`glm5lab.train.recipe`, the config
-    tree and its defaults); saved as `run.json` in the run folder. A field left None comes from the recipe
-    (`recipe`, default `small`: `with_recipe`, which `train` applies first): optimizer, weight_decay, grad_clip and
-    bias_update_rate (the step's `TrainHyper`: `hyper`), the cadence, the model; seq_len, batch_size, grad_accum,
-    steps and lr, when given, override every stage's (`glm5lab.train.recipe.resolve`)."""
-
-    preset: str | None = None
-    config: str | None = None
-    data: str | None = None
-    tokenizer: str | None = None
-    init: str | None = None
-    out: str = "runs/small"
-    steps: int | None = None
-    stages: list[str] | None = None
-    optimizer: str | None = None
-    quick: bool = False
-    resume: bool = False
-    seed: int = 0
-    seq_len: int | None = None
-    batch_size: int | None = None
-    weight_decay: float | None = None
-    grad_clip: float | None = None
-    bias_update_rate: float | None = None
-    eval_every: int | None = None
-    eval_tokens: int | None = None
-    """Targets the periodic validation scores (`--eval-tokens`; recipe [evaluation] eval_tokens): the first
-    ceil(eval_tokens / seq_len) held-out windows, whatever the batch size, accumulation or process count."""
-    checkpoint_every: int | None = None
-    progress: bool = True
-    compile: bool = False
-    """torch.compile the training step's forward and backward (`glm5lab.train.compile`): in one process one
-    graph per stage (`CompiledLosses`); under torchrun each block on its own, inside FSDP2 (`compile_blocks`)."""
-    ep: int = 1
-    """Expert-parallel size (`--ep`, under torchrun): routed experts split by expert over groups of `ep` ranks
-    (`glm5lab.parallel.expert_parallel`); it divides the process count and n_routed_experts."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder block and the MTP layer in the backward (`--activation-checkpointing`;
-    `glm5lab.parallel.activation_checkpoint`); losses and gradients equal a run without it."""
-    tensorboard: bool = False
-    """Also write metrics.jsonl's scalars to the run folder's tb/ (`--tensorboard`; `glm5lab.train.tensorboard`)."""
-    stage_plan: list[dict] = field(default_factory=list)
-    recipe: str | None = None
-    """`--recipe`: a recipe file or built-in name (`glm5lab.train.recipe`); None = `small`, the default run."""
-    lr: float | None = None
-    """`--lr`: every stage's lr and lr_end scaled by lr / the first stage's lr (the recipe's shape kept)."""
-    grad_accum: int | None = None
-    """`--grad-accum`: every stage's micro-batches per optimizer step (wins over a recipe's global_batch)."""
-
-    @property
-    def hyper(self) -> TrainHyper:
-        """The step's settings of this run (its fields, once `with_recipe` has filled them)."""
-        return TrainHyper(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainHyper)})
-
-
-def with_recipe(args: TrainArgs) -> TrainArgs:
-    """`args` with every field left None that the recipe sets filled from it (optimizer, weight decay, clipping,
-    router bias rate, evaluation and checkpoint cadence, and the model when no --preset/--config/--init is given;
-    seq_len and batch_size stay None: stage values). Raises ValueError (`load_recipe`)."""
-    recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
-    filled = {k: v for k, v in recipe.settings().items() if getattr(args, k) is None}
-    if not (args.preset or args.config or args.init):
-        model = {"config": recipe.model.config} if recipe.model.config else {"preset": recipe.model.preset}
-        filled.update(model)
-    return dataclasses.replace(args, **filled)
-
-
-def resolve_stages(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> list[Stage]:
-    """The stage plan: explicit `stage_plan` dicts, else the recipe's (`args.recipe`, default `small`, whose
-    stages are `default_stages`) resolved for this model and process count with the flags on top
-    (`glm5lab.train.recipe.resolve`: seq_len, batch_size, grad_accum, quick, stages, steps, lr)."""
-    if args.stage_plan:
-        return [Stage.from_dict(d) for d in args.stage_plan]
-    return resolve(load_recipe(args.recipe or DEFAULT_RECIPE), mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers
-                   else 0, has_indexer=cfg.has_indexer_weights, world_size=world_size, quick=args.quick,
-                   names=args.stages, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
-                   grad_accum=args.grad_accum, lr=args.lr)
-
-
-def model_config(args: TrainArgs) -> ModelConfig:
-    """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset. Raises ConfigError
-    (unknown field or preset, bad value). Whether it fits this machine's memory is `train`'s check (`_check_fits`)."""
-    source = args.init or args.config
-    if source:
-        return ModelConfig.from_hf(source)
-    return ModelConfig.from_preset(args.preset or default_recipe().model.preset)
 
 
 def build_model(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> GLM5ForCausalLM:
@@ -148,23 +58,6 @@ def build_model(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> GLM5F
         return dist.build_meta(cfg)
     torch.manual_seed(args.seed)
     return GLM5ForCausalLM(cfg)
-
-
-def _check_fits(cfg: ModelConfig, world_size: int = 1, local_world_size: int = 1) -> None:
-    """fp32 training holds weights, gradients and two optimizer states: about 16 bytes a parameter, split over
-    the `world_size` ranks (FSDP2 shards all four; under torchrun each rank builds on the meta device and
-    allocates only its shards); this host holds `local_world_size` of them (LOCAL_WORLD_SIZE). Raises
-    ValueError when this host's share exceeds its physical memory."""
-    from glm5lab.ledger import count
-
-    params = count(cfg, embeddings=True, mtp=True)
-    need = 16 * params * local_world_size // world_size
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        share = "" if world_size == 1 else f", {local_world_size} of {world_size} shards on this host"
-        raise ValueError(f"this model needs about {need / 2**30:,.0f} GiB to train in fp32 (16 bytes x "
-                         f"{params:,} parameters{share}) but this machine has {have / 2**30:,.0f} GiB: use a smaller "
-                         "preset (small, tiny) or shard it over more machines with torchrun")
 
 
 class MetricsLog:
@@ -195,7 +88,7 @@ def train(args: TrainArgs) -> dict:
 
     Everything that can be refused is checked before the run writes into its folder: first what needs neither
     weights nor text (`glm5lab.train.plan.check_run`, which `--dry-run` runs too; it starts with whether another
-    run holds the folder: `glm5lab.train.run_lock.refuse_if_held`), then this machine's memory (`_check_fits`) and the
+    run holds the folder: `glm5lab.train.run_lock.refuse_if_held`), then this machine's memory (`glm5lab.train.plan.check_fits`) and the
     data; the run holds its folder while it runs (every rank; released when a process dies), and a start that fails
     removes the folder the lock made, so it leaves no folder behind. Raises RunFolderInUse (a ValueError naming the
     run that holds --out), ValueError (bad arguments, data too short for a stage, a resume with another plan),
@@ -203,7 +96,7 @@ def train(args: TrainArgs) -> dict:
     TrainingDiverged (`glm5lab.train.step`)."""
     plan = check_run(args, dist.world_size(), probe=is_main_process())
     args = plan.args
-    _check_fits(plan.cfg, dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    check_fits(plan.cfg, dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     ctx = dist.setup()
     run_dir = Path(args.out)
     with dist.session(ctx), hold_run_folder(run_dir, ctx, create=not args.resume):  # one run at a time in a folder
@@ -264,7 +157,7 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
 def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
     """What is applied to each block before sharding: under torchrun, compiling each block (`--compile`; one
     process compiles the whole step instead: `CompiledLosses`), or activation checkpointing
-    (`--activation-checkpointing`; the two together are refused under torchrun: `_check_args`)."""
+    (`--activation-checkpointing`; the two together are refused under torchrun: `plan.check_args`)."""
     if args.compile and ctx.world_size > 1:
         from glm5lab.parallel.compile import compile_blocks
 
@@ -302,186 +195,6 @@ def resume_message(run_dir: Path, folder: Path, start: dict, stages: list[Stage]
     stage = stages[start["stage"]]
     return (f"resuming {run_dir} from checkpoint {folder.name}: step {start['step']} of {total}, stage "
             f"{stage.name} (stage {start['stage'] + 1} of {len(stages)}) at its step {start['in_stage']} of {stage.steps}")
-
-
-def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
-    """Refuse a stage whose seq_len cannot carry its MTP depth (depth j at position t predicts token
-    t + j + 1, so depth D needs at least D + 1 input tokens; `task_losses` would silently drop the
-    deeper depths) or that is longer than the model's positions (`max_position_embeddings`);
-    `warn(message)` when a DSA stage's seq_len is not above index_topk (top-k then keeps every key:
-    attention is exactly dense, DSA is not exercised). Raises ValueError."""
-    for stage in stages:
-        if stage.seq_len > cfg.max_position_embeddings:
-            raise ValueError(f"--seq-len {stage.seq_len} (stage {stage.name!r}) is longer than the model's "
-                             f"max_position_embeddings {cfg.max_position_embeddings}: use --seq-len <= "
-                             f"{cfg.max_position_embeddings}, or a model config with more positions")
-        depth = stage.mtp_depth if cfg.num_nextn_predict_layers else 0
-        if stage.seq_len < depth + 1:
-            raise ValueError(f"--seq-len {stage.seq_len} is too short for stage {stage.name!r}, which trains MTP "
-                             f"depth {depth} (depth j predicts the token j + 1 ahead): it needs --seq-len >= {depth + 1}")
-        if stage.use_dsa and cfg.use_dsa and stage.seq_len <= cfg.index_topk:
-            warn(f"warning: --seq-len {stage.seq_len} is not above the model's index_topk {cfg.index_topk}: in stage "
-                 f"{stage.name!r} DSA selects every key (attention stays dense); use --seq-len > {cfg.index_topk} "
-                 "to train sparse attention")
-
-
-def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
-    """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's global batch
-    (batch_size x grad_accum x world_size), or whose held-out split holds no window. The message names --data (`named`;
-    else the default corpus), the token counts and what to change. Raises ValueError."""
-    where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
-    for stage in stages:
-        width, batch = stage.seq_len + 1, stage.batch_size * stage.grad_accum * world_size
-        if len(data.train_tokens) // width < batch:
-            raise ValueError(f"{where}: its training split holds {len(data.train_tokens):,} tokens, "
-                             f"{len(data.train_tokens) // width} windows of --seq-len {stage.seq_len} + 1; stage "
-                             f"{stage.name!r} needs a batch of {batch} windows ({batch * width:,} tokens): give more "
-                             "text, or a smaller --seq-len or --batch-size")
-        if len(data.val_tokens) < width:
-            raise ValueError(f"{where}: its held-out split (about 5% of the text, by document) holds "
-                             f"{len(data.val_tokens):,} tokens, fewer than one window of --seq-len {stage.seq_len} "
-                             f"+ 1 = {width} tokens: give more text (at least about {20 * width:,} tokens in all), "
-                             "or a smaller --seq-len")
-
-
-def check_eval_subset(data: TrainingData, stages: list[Stage], eval_tokens: int, warn) -> None:
-    """`warn(message)` once when a stage's periodic validation asks for more windows (`subset_windows`) than the
-    held-out split holds: it then scores every window, fewer targets than eval_tokens."""
-    for stage in stages:
-        have, want = len(data.val_tokens) // (stage.seq_len + 1), subset_windows(eval_tokens, stage.seq_len)
-        if have < want:
-            warn(f"the held-out split holds {have} windows of --seq-len {stage.seq_len} + 1 ({have * stage.seq_len:,} "
-                 f"targets), fewer than eval_tokens {eval_tokens:,} asks for ({want} windows): the periodic "
-                 f"validation of stage {stage.name!r} scores all {have}")
-            return
-
-
-def _check_args(args: TrainArgs, world_size: int) -> None:
-    """The flags' own checks (`world_size`: the run's process count, torchrun's or --dry-run's --nproc)."""
-    for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
-        finite(f"--{name.replace('_', '-')}", getattr(args, name))
-    int_at_least("--eval-tokens", args.eval_tokens, 1)
-    if args.data is not None:
-        data, out = Path(args.data).resolve(), Path(args.out).resolve()
-        if out == data or data in out.parents:
-            raise ValueError(f"--out {args.out} is inside --data {args.data}: the run's files (metrics.jsonl, "
-                             "checkpoints) would be read as text by the next run on that data; choose an --out "
-                             "outside it")
-    if args.stages and len(set(args.stages)) != len(args.stages):
-        raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
-    if args.compile and args.activation_checkpointing and world_size > 1:
-        raise ValueError(f"--compile with --activation-checkpointing is not supported with {world_size} "
-                         "processes (torchrun): the backward's recomputation of a compiled block can meet another "
-                         "graph than its forward ran; use one of the two (docs/scaling.md)")
-    if args.tensorboard:
-        from glm5lab.train.tensorboard import check_available
-
-        check_available()
-
-
-def _init_folder(path: Path) -> str:
-    """--init accepts a checkpoint folder or a run folder (its checkpoints/latest is used)."""
-    latest = latest_pointer(path)
-    return str(latest if latest is not None and not any(path.glob("*.safetensors")) else path)
-
-
-def _check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
-                     model_config: ModelConfig) -> tuple[list[Stage], int]:
-    """A resumed run must continue the plan it started with: same model config (checked first, before
-    any data is read), stages (as resolved for the process count the run started with), data, seed and
-    optimizer. Another process count or --ep is not refused: the checkpoint is resharded on load and
-    `rescale_stages` keeps each stage's global batch. The one change of plan allowed is more steps
-    (`glm5lab.train.extend.extend_plan`). Returns (the plan to train, steps added: 0 unless extended)."""
-    saved_cfg = run_dir / "config.json"
-    if saved_cfg.is_file():
-        ours = model_config.to_dict()
-        theirs = ModelConfig.from_hf(saved_cfg).to_dict()
-        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
-        if diff:
-            raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
-                             f"{diff[:8]} differ); resume with the run's own --preset/--config")
-    saved = json.loads((run_dir / "run.json").read_text())
-    # another process count or --ep is allowed: the checkpoint is resharded and the global batch kept (`rescale_stages`)
-    keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
-    saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
-    old = {"stages": saved_stages, **{k: saved["args"].get(k, default_recipe().settings().get(k, getattr(TrainArgs, k))) for k in keys}}
-    new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
-    for k in ("data", "init"):  # paths: `d1`, `d1/`, `./d1` name one folder
-        if None not in (old[k], new[k]) and Path(old[k]).resolve() == Path(new[k]).resolve():
-            new[k] = old[k]
-    done = sum(d["steps"] for d in saved_stages)
-    asked = args.steps is not None and not args.stage_plan  # on --resume, --steps is the new total
-    if asked and args.steps < done:
-        raise ValueError(f"--resume: --steps {args.steps} is fewer than the {done} steps of the run in {run_dir}: a "
-                         f"run is extended (--steps above {done}), never shortened")
-    longer = extend_plan([Stage.from_dict(d) for d in saved_stages], stages, args.steps)
-    free = ("steps", "decay_steps", "warmup_steps") if asked else ()  # what --steps changes: not a difference
-    differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k], free)})" for k in old
-              if old[k] != new[k] and not (k == "stages" and longer is not None)]
-    if differ:
-        verb = "differs" if len(differ) == 1 else "differ"
-        raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
-                         f"{_resume_fix(saved, extended=bool(free) or longer is not None)}")
-    return longer if longer is not None else (stages, 0)
-
-
-def _resume_fix(saved: dict, extended: bool) -> str:
-    """What to resume with, after the differences: the arguments the run started with, or those of its last
-    extension (run.json's "extensions"; `glm5lab.train.extend.record_extension` rewrote its args then)."""
-    more = "" if extended else " (or more --steps, to extend it)"
-    if not saved.get("extensions"):
-        return f"resume with the arguments the run started with{more}"
-    args, to = saved["args"], saved["extensions"][-1]["to_steps"]
-    how = f"--steps {args['steps']}" if args.get("steps") is not None else f"--recipe {args.get('recipe') or 'small'}"
-    return f"the run was extended to {to} steps: resume with the arguments of that extension ({how}){more}"
-
-
-def _check_not_finished(run_dir: Path, extended: int) -> None:
-    """Refuse --resume of a finished run (summary.json) that does not ask for more steps."""
-    if (run_dir / "summary.json").is_file() and not extended:
-        raise ValueError(f"--resume: the run in {run_dir} is already complete (its summary is summary.json): "
-                         f"nothing to continue (give more --steps, or a recipe with a longer last stage, to extend "
-                         f"it). To train again, choose another --out DIR or remove {run_dir}")
-
-
-def _stage_diff(old: list[dict], new: list[dict], free: tuple[str, ...] = ()) -> str:
-    """Which stage fields differ between two plans, in words (e.g. `seq_len 256 -> 128` for
-    --seq-len, `steps ...` for --steps/--quick), but for the `free` fields (those --steps sets on --resume)."""
-    if [st["name"] for st in old] != [st["name"] for st in new]:
-        return f"{[st['name'] for st in old]} -> {[st['name'] for st in new]}: --stages"
-    fields = sorted({k for a, b in zip(old, new, strict=True) for k in a if a.get(k) != b.get(k) and k not in free})
-    return ", ".join(f"{k} {[a.get(k) for a in old]} -> {[b.get(k) for b in new]}" for k in fields)
-
-
-def _check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
-    """Refuse an --out that is a file, cannot be created, or (without --resume) holds a run; the folder itself is
-    made by the run lock (`hold_run_folder`: removed again when the start fails) and written by `_write_run_files`
-    once everything else has been checked. probe: whether this process tries the creation (the main rank only: ranks
-    creating and removing the same folder at once would race)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--out {run_dir} is a file, not a folder")
-    if resume:  # a finished run (summary.json) is refused after the plan comparison unless it is extended
-        return
-    if has_checkpoint(run_dir):
-        done = (run_dir / "summary.json").is_file()
-        what = "a finished run (summary.json)" if done else "a run"
-        cont = "" if done else "continue it with --resume and the arguments it started with, "
-        raise FileExistsError(f"{run_dir} already holds {what}: {cont}train into another folder with --out DIR, "
-                              f"or remove this one (rm -r {run_dir}) to start again")
-    if probe:
-        _check_creatable(run_dir)
-
-
-def _check_creatable(run_dir: Path) -> None:
-    """Raise ValueError when the folder cannot be created; it is created to find out, then the
-    folders this made are removed again (nothing is left behind by a start that fails later)."""
-    missing = [p for p in (run_dir.absolute(), *run_dir.absolute().parents) if not p.exists()]
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None
-    for folder in missing:  # deepest first
-        folder.rmdir()
 
 
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
@@ -645,13 +358,6 @@ def stage_summary(stage: Stage, rows: list[dict], world_size: int = 1) -> dict:
     return {"stage": stage.name, "steps": stage.steps, "use_dsa": stage.use_dsa, "trainable": stage.trainable,
             "tokens": tokens, "reported": key,
             "smooth_steps": k, "first": mean(seen[:k]), "last": mean(seen[-k:]), "val_end": end[-1] if end else None}
-
-
-def objective_name(stage: Stage) -> str:
-    """The stage's training objective in words: LM, + MTP (weighted depths), + indexer KL."""
-    parts = (["LM"] if stage.lm_weight else []) + (["MTP"] if any(stage.mtp_weights) else []) \
-        + (["KL"] if stage.indexer_weight else [])
-    return "+".join(parts) or "none"
 
 
 def progress_text(record: dict, stage: Stage, last_val: tuple | None) -> str:

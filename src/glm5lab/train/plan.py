@@ -12,11 +12,20 @@ what a dry run does not check (`NOT_CHECKED`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from glm5lab.train.stages import Stage, check_objective
+from glm5lab import ModelConfig
+from glm5lab.checkpoints.folder import has_checkpoint, latest_pointer
+from glm5lab.data.pipeline import TrainingData
+from glm5lab.train.args import TrainArgs, model_config, resolve_stages, with_recipe
+from glm5lab.train.evaluation import subset_windows
+from glm5lab.train.extend import extend_plan
+from glm5lab.train.recipe import default_recipe
+from glm5lab.train.stages import Stage, check_objective, objective_name
+from glm5lab.validate import finite, int_at_least
 
 LR_POINTS = 5
 """lr values printed per stage, at evenly spaced steps (besides start, warm-up end, a WSD decay's start, and end)."""
@@ -49,9 +58,9 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
       0. another run holding --out (`glm5lab.train.run_lock.refuse_if_held`: before any check reads the folder,
          so a start into a folder a run trains in is told so, rather than what its checkpoints would refuse);
       1. the recipe (`with_recipe`: keys, values, schedules, stage order, optimizer name) and the flags
-         (`_check_args`: numbers, --out inside --data, --stages, --compile with --activation-checkpointing under
+         (`check_args`: numbers, --out inside --data, --stages, --compile with --activation-checkpointing under
          torchrun, --tensorboard installed); --init's folder;
-      2. --out: a file, one holding a run without --resume, one that cannot be created (`_check_run_dir`; with
+      2. --out: a file, one holding a run without --resume, one that cannot be created (`check_run_dir`; with
          `probe`, created and removed again: the main rank only);
       3. the model config (a preset, config.json or --init's), --ep (`check_ep`), the stages (`resolve_stages`:
          --seq-len, --batch-size, --grad-accum, --steps, --stages, --lr), their lengths (`check_stage_lengths`)
@@ -70,32 +79,31 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
     ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
     from glm5lab.checkpoints.folder import resume_candidates
-    from glm5lab.train import loop
     from glm5lab.parallel.expert_parallel import check_ep
     from glm5lab.checkpoints.resume import first_complete
     from glm5lab.train.extend import ep_note, eval_tokens_note, rescale_stages, started_world_size
     from glm5lab.train.run_lock import refuse_if_held
 
     refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
-    args = loop.with_recipe(args)
-    loop._check_args(args, world_size)
+    args = with_recipe(args)
+    check_args(args, world_size)
     if args.init:
-        args = dataclasses.replace(args, init=loop._init_folder(Path(args.init)))
+        args = dataclasses.replace(args, init=init_folder(Path(args.init)))
     run_dir = Path(args.out)
-    loop._check_run_dir(run_dir, args.resume, probe=probe)
-    cfg = loop.model_config(args)
+    check_run_dir(run_dir, args.resume, probe=probe)
+    cfg = model_config(args)
     check_ep(args.ep, world_size, cfg)
-    stages = loop.resolve_stages(args, cfg, world_size)
+    stages = resolve_stages(args, cfg, world_size)
     notices = []
-    loop.check_stage_lengths(stages, cfg, warn=notices.append)
+    check_stage_lengths(stages, cfg, warn=notices.append)
     check_objectives(stages, cfg)
     extended = 0
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
         started = started_world_size(run_dir)  # the plan is compared as the run resolved it, then rescaled
-        planned = stages if started == world_size else loop.resolve_stages(args, cfg, started)
-        planned, extended = loop._check_same_plan(run_dir, args, planned, cfg)
-        loop._check_not_finished(run_dir, extended)
+        planned = stages if started == world_size else resolve_stages(args, cfg, started)
+        planned, extended = check_same_plan(run_dir, args, planned, cfg)
+        check_not_finished(run_dir, extended)
         stages, note = rescale_stages(planned, started, world_size)  # the same global batch
         subset = eval_tokens_note(run_dir, args.eval_tokens) if args.eval_every else None  # periodic validation on
         notices += [line for line in (note, ep_note(run_dir, args.ep), subset) if line]  # nothing changes silently
@@ -137,7 +145,6 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
     counts against each stage's global batch (`check_data_fits`). Returns the token folder's `TrainingData`, else
     None (a text corpus: the run reads it)."""
     from glm5lab.data.pipeline import given_tokenizer, token_folder_data
-    from glm5lab.train.loop import check_data_fits
     from glm5lab.data.shards import is_token_folder
     from glm5lab.data.sources import iter_documents
 
@@ -198,7 +205,6 @@ def stage_tokens(stage: Stage, world: int) -> int:
 
 def stage_lines(stage: Stage, world: int, first_step: int) -> list[str]:
     """A stage's lines of the plan: size, objective, lr curve (`lr_points` and `schedule_text`)."""
-    from glm5lab.train.loop import objective_name
 
     sequences = stage.batch_size * stage.grad_accum * world
     n = stage.steps
@@ -243,3 +249,200 @@ def schedule_text(stage: Stage) -> str:
 def _gib(nbytes: int) -> str:
     """Bytes in GiB, or in MiB below 1 GiB (a tiny model's figures would read 0.0 GiB)."""
     return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
+
+
+def check_fits(cfg: ModelConfig, world_size: int = 1, local_world_size: int = 1) -> None:
+    """fp32 training holds weights, gradients and two optimizer states: about 16 bytes a parameter, split over
+    the `world_size` ranks (FSDP2 shards all four; under torchrun each rank builds on the meta device and
+    allocates only its shards); this host holds `local_world_size` of them (LOCAL_WORLD_SIZE). Raises
+    ValueError when this host's share exceeds its physical memory."""
+    from glm5lab.ledger import count
+
+    params = count(cfg, embeddings=True, mtp=True)
+    need = 16 * params * local_world_size // world_size
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        share = "" if world_size == 1 else f", {local_world_size} of {world_size} shards on this host"
+        raise ValueError(f"this model needs about {need / 2**30:,.0f} GiB to train in fp32 (16 bytes x "
+                         f"{params:,} parameters{share}) but this machine has {have / 2**30:,.0f} GiB: use a smaller "
+                         "preset (small, tiny) or shard it over more machines with torchrun")
+
+
+def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
+    """Refuse a stage whose seq_len cannot carry its MTP depth (depth j at position t predicts token
+    t + j + 1, so depth D needs at least D + 1 input tokens; `task_losses` would silently drop the
+    deeper depths) or that is longer than the model's positions (`max_position_embeddings`);
+    `warn(message)` when a DSA stage's seq_len is not above index_topk (top-k then keeps every key:
+    attention is exactly dense, DSA is not exercised). Raises ValueError."""
+    for stage in stages:
+        if stage.seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"--seq-len {stage.seq_len} (stage {stage.name!r}) is longer than the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}: use --seq-len <= "
+                             f"{cfg.max_position_embeddings}, or a model config with more positions")
+        depth = stage.mtp_depth if cfg.num_nextn_predict_layers else 0
+        if stage.seq_len < depth + 1:
+            raise ValueError(f"--seq-len {stage.seq_len} is too short for stage {stage.name!r}, which trains MTP "
+                             f"depth {depth} (depth j predicts the token j + 1 ahead): it needs --seq-len >= {depth + 1}")
+        if stage.use_dsa and cfg.use_dsa and stage.seq_len <= cfg.index_topk:
+            warn(f"warning: --seq-len {stage.seq_len} is not above the model's index_topk {cfg.index_topk}: in stage "
+                 f"{stage.name!r} DSA selects every key (attention stays dense); use --seq-len > {cfg.index_topk} "
+                 "to train sparse attention")
+
+
+def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
+    """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's global batch
+    (batch_size x grad_accum x world_size), or whose held-out split holds no window. The message names --data (`named`;
+    else the default corpus), the token counts and what to change. Raises ValueError."""
+    where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
+    for stage in stages:
+        width, batch = stage.seq_len + 1, stage.batch_size * stage.grad_accum * world_size
+        if len(data.train_tokens) // width < batch:
+            raise ValueError(f"{where}: its training split holds {len(data.train_tokens):,} tokens, "
+                             f"{len(data.train_tokens) // width} windows of --seq-len {stage.seq_len} + 1; stage "
+                             f"{stage.name!r} needs a batch of {batch} windows ({batch * width:,} tokens): give more "
+                             "text, or a smaller --seq-len or --batch-size")
+        if len(data.val_tokens) < width:
+            raise ValueError(f"{where}: its held-out split (about 5% of the text, by document) holds "
+                             f"{len(data.val_tokens):,} tokens, fewer than one window of --seq-len {stage.seq_len} "
+                             f"+ 1 = {width} tokens: give more text (at least about {20 * width:,} tokens in all), "
+                             "or a smaller --seq-len")
+
+
+def check_eval_subset(data: TrainingData, stages: list[Stage], eval_tokens: int, warn) -> None:
+    """`warn(message)` once when a stage's periodic validation asks for more windows (`subset_windows`) than the
+    held-out split holds: it then scores every window, fewer targets than eval_tokens."""
+    for stage in stages:
+        have, want = len(data.val_tokens) // (stage.seq_len + 1), subset_windows(eval_tokens, stage.seq_len)
+        if have < want:
+            warn(f"the held-out split holds {have} windows of --seq-len {stage.seq_len} + 1 ({have * stage.seq_len:,} "
+                 f"targets), fewer than eval_tokens {eval_tokens:,} asks for ({want} windows): the periodic "
+                 f"validation of stage {stage.name!r} scores all {have}")
+            return
+
+
+def check_args(args: TrainArgs, world_size: int) -> None:
+    """The flags' own checks (`world_size`: the run's process count, torchrun's or --dry-run's --nproc)."""
+    for name in ("bias_update_rate", "eval_every", "checkpoint_every", "grad_clip", "weight_decay"):
+        finite(f"--{name.replace('_', '-')}", getattr(args, name))
+    int_at_least("--eval-tokens", args.eval_tokens, 1)
+    if args.data is not None:
+        data, out = Path(args.data).resolve(), Path(args.out).resolve()
+        if out == data or data in out.parents:
+            raise ValueError(f"--out {args.out} is inside --data {args.data}: the run's files (metrics.jsonl, "
+                             "checkpoints) would be read as text by the next run on that data; choose an --out "
+                             "outside it")
+    if args.stages and len(set(args.stages)) != len(args.stages):
+        raise ValueError(f"--stages {','.join(args.stages)}: each stage at most once")
+    if args.compile and args.activation_checkpointing and world_size > 1:
+        raise ValueError(f"--compile with --activation-checkpointing is not supported with {world_size} "
+                         "processes (torchrun): the backward's recomputation of a compiled block can meet another "
+                         "graph than its forward ran; use one of the two (docs/scaling.md)")
+    if args.tensorboard:
+        from glm5lab.train.tensorboard import check_available
+
+        check_available()
+
+
+def init_folder(path: Path) -> str:
+    """--init accepts a checkpoint folder or a run folder (its checkpoints/latest is used)."""
+    latest = latest_pointer(path)
+    return str(latest if latest is not None and not any(path.glob("*.safetensors")) else path)
+
+
+def check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
+                     model_config: ModelConfig) -> tuple[list[Stage], int]:
+    """A resumed run must continue the plan it started with: same model config (checked first, before
+    any data is read), stages (as resolved for the process count the run started with), data, seed and
+    optimizer. Another process count or --ep is not refused: the checkpoint is resharded on load and
+    `rescale_stages` keeps each stage's global batch. The one change of plan allowed is more steps
+    (`glm5lab.train.extend.extend_plan`). Returns (the plan to train, steps added: 0 unless extended)."""
+    saved_cfg = run_dir / "config.json"
+    if saved_cfg.is_file():
+        ours = model_config.to_dict()
+        theirs = ModelConfig.from_hf(saved_cfg).to_dict()
+        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+        if diff:
+            raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
+                             f"{diff[:8]} differ); resume with the run's own --preset/--config")
+    saved = json.loads((run_dir / "run.json").read_text())
+    # another process count or --ep is allowed: the checkpoint is resharded and the global batch kept (`rescale_stages`)
+    keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
+    saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
+    old = {"stages": saved_stages, **{k: saved["args"].get(k, default_recipe().settings().get(k, getattr(TrainArgs, k))) for k in keys}}
+    new = json.loads(json.dumps({"stages": [s.to_dict() for s in stages], **{k: getattr(args, k) for k in keys}}))
+    for k in ("data", "init"):  # paths: `d1`, `d1/`, `./d1` name one folder
+        if None not in (old[k], new[k]) and Path(old[k]).resolve() == Path(new[k]).resolve():
+            new[k] = old[k]
+    done = sum(d["steps"] for d in saved_stages)
+    asked = args.steps is not None and not args.stage_plan  # on --resume, --steps is the new total
+    if asked and args.steps < done:
+        raise ValueError(f"--resume: --steps {args.steps} is fewer than the {done} steps of the run in {run_dir}: a "
+                         f"run is extended (--steps above {done}), never shortened")
+    longer = extend_plan([Stage.from_dict(d) for d in saved_stages], stages, args.steps)
+    free = ("steps", "decay_steps", "warmup_steps") if asked else ()  # what --steps changes: not a difference
+    differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k], free)})" for k in old
+              if old[k] != new[k] and not (k == "stages" and longer is not None)]
+    if differ:
+        verb = "differs" if len(differ) == 1 else "differ"
+        raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
+                         f"{_resume_fix(saved, extended=bool(free) or longer is not None)}")
+    return longer if longer is not None else (stages, 0)
+
+
+def _resume_fix(saved: dict, extended: bool) -> str:
+    """What to resume with, after the differences: the arguments the run started with, or those of its last
+    extension (run.json's "extensions"; `glm5lab.train.extend.record_extension` rewrote its args then)."""
+    more = "" if extended else " (or more --steps, to extend it)"
+    if not saved.get("extensions"):
+        return f"resume with the arguments the run started with{more}"
+    args, to = saved["args"], saved["extensions"][-1]["to_steps"]
+    how = f"--steps {args['steps']}" if args.get("steps") is not None else f"--recipe {args.get('recipe') or 'small'}"
+    return f"the run was extended to {to} steps: resume with the arguments of that extension ({how}){more}"
+
+
+def check_not_finished(run_dir: Path, extended: int) -> None:
+    """Refuse --resume of a finished run (summary.json) that does not ask for more steps."""
+    if (run_dir / "summary.json").is_file() and not extended:
+        raise ValueError(f"--resume: the run in {run_dir} is already complete (its summary is summary.json): "
+                         f"nothing to continue (give more --steps, or a recipe with a longer last stage, to extend "
+                         f"it). To train again, choose another --out DIR or remove {run_dir}")
+
+
+def _stage_diff(old: list[dict], new: list[dict], free: tuple[str, ...] = ()) -> str:
+    """Which stage fields differ between two plans, in words (e.g. `seq_len 256 -> 128` for
+    --seq-len, `steps ...` for --steps/--quick), but for the `free` fields (those --steps sets on --resume)."""
+    if [st["name"] for st in old] != [st["name"] for st in new]:
+        return f"{[st['name'] for st in old]} -> {[st['name'] for st in new]}: --stages"
+    fields = sorted({k for a, b in zip(old, new, strict=True) for k in a if a.get(k) != b.get(k) and k not in free})
+    return ", ".join(f"{k} {[a.get(k) for a in old]} -> {[b.get(k) for b in new]}" for k in fields)
+
+
+def check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
+    """Refuse an --out that is a file, cannot be created, or (without --resume) holds a run; the folder itself is
+    made by the run lock (`hold_run_folder`: removed again when the start fails) and written by `_write_run_files`
+    once everything else has been checked. probe: whether this process tries the creation (the main rank only: ranks
+    creating and removing the same folder at once would race)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file, not a folder")
+    if resume:  # a finished run (summary.json) is refused after the plan comparison unless it is extended
+        return
+    if has_checkpoint(run_dir):
+        done = (run_dir / "summary.json").is_file()
+        what = "a finished run (summary.json)" if done else "a run"
+        cont = "" if done else "continue it with --resume and the arguments it started with, "
+        raise FileExistsError(f"{run_dir} already holds {what}: {cont}train into another folder with --out DIR, "
+                              f"or remove this one (rm -r {run_dir}) to start again")
+    if probe:
+        _check_creatable(run_dir)
+
+
+def _check_creatable(run_dir: Path) -> None:
+    """Raise ValueError when the folder cannot be created; it is created to find out, then the
+    folders this made are removed again (nothing is left behind by a start that fails later)."""
+    missing = [p for p in (run_dir.absolute(), *run_dir.absolute().parents) if not p.exists()]
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None
+    for folder in missing:  # deepest first
+        folder.rmdir()

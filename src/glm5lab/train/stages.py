@@ -201,3 +201,10 @@ def check_schedule(key, schedule, lr_end, decay_ratio) -> None:
     if decay_ratio is not None and (isinstance(decay_ratio, bool) or not isinstance(decay_ratio, (int, float))
                                     or not 0 < decay_ratio <= 1):
         refuse(key("decay_ratio"), decay_ratio, "a number in (0, 1]: the fraction of the stage's steps that decay")
+
+
+def objective_name(stage: Stage) -> str:
+    """The stage's training objective in words: LM, + MTP (weighted depths), + indexer KL."""
+    parts = (["LM"] if stage.lm_weight else []) + (["MTP"] if any(stage.mtp_weights) else []) \
+        + (["KL"] if stage.indexer_weight else [])
+    return "+".join(parts) or "none"
