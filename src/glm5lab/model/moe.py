@@ -33,10 +33,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.dispatch import LocalDispatcher
+from glm5lab.model.local import local
 from glm5lab.model.mlp import MLP
 from glm5lab.model.precision import KeepFP32, compute_dtype, fp32_compute
 from glm5lab.model.step import LayerStep
@@ -204,7 +204,7 @@ class Experts(nn.Module):
         """(gate, up, down) of the experts this process computes: all E, or under expert parallelism
         (`glm5lab.parallel.expert_parallel`: the weights are DTensors sharded by expert) this rank's E/ep,
         whose rows the dispatcher delivers (`to_local` is differentiable: gradients reach the shard)."""
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj, self.down_proj))
+        return tuple(local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
 
 
 class MoE(nn.Module):

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, required
 
+from glm5lab.model.local import local
 from glm5lab.parallel import muon_dist
 from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, check_sections, muon_split, newton_schulz
 from glm5lab.validate import int_at_least, one_of
@@ -119,9 +120,9 @@ class MuonAdamW(Optimizer):
                                        g.get("sections")) for p, g, u in muon])
         for (p, group, _), ortho in zip(muon, directions, strict=True):
             lr, shape = group["lr"], block_shape(p, group["kind"], group["heads"])
-            p_ = _local(p)
+            p_ = local(p)
             p_.mul_(1 - lr * group["weight_decay"])
-            p_.add_(_local(ortho), alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape))
+            p_.add_(local(ortho), alpha=-adjust_lr(lr, group["adjust_lr_fn"], shape))
         return loss
 
 
@@ -162,10 +163,10 @@ def _momentum_update(p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
     buf = state["momentum_buffer"]
-    _local(buf).lerp_(_local(grad), 1 - momentum)
+    local(buf).lerp_(local(grad), 1 - momentum)
     if not group["nesterov"]:
         return buf
-    update = _local(grad).lerp(_local(buf), momentum)
+    update = local(grad).lerp(local(buf), momentum)
     return muon_dist.like(grad, update) if isinstance(grad, DTensor) else update
 
 
@@ -239,11 +240,6 @@ def _orthogonalized(items: list[tuple]) -> list[torch.Tensor]:
     return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (under no_grad the very tensor it holds: in-place ops update it), else t."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:
     """torch.optim.AdamW's single-tensor path (amsgrad off), operation for operation."""
     grad, (beta1, beta2), lr = p.grad, group["betas"], group["lr"]
@@ -257,7 +253,7 @@ def _adamw_update(p: torch.Tensor, state: dict, group: dict) -> None:
     step = state["step"].item()
     # elementwise on the local shards: p, grad and both moments share one layout (FSDP2), and each
     # op on a DTensor would go through DTensor's dispatch (benchmarks/expert_parallel.py measured it)
-    p, grad, exp_avg, exp_avg_sq = (_local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
+    p, grad, exp_avg, exp_avg_sq = (local(t) for t in (p, grad, state["exp_avg"], state["exp_avg_sq"]))
     p.mul_(1 - lr * group["weight_decay"])
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
