@@ -48,13 +48,37 @@ def fit(model, stages: list[Stage], batches: BatchFn, *, hyper: TrainHyper = STU
     return records
 
 
-def glm5_stages(s: dict) -> list[Stage]:
-    """`default_stages` at the size's length and batch, each stage's steps (and warm-up) scaled so
-    the three total about s["steps"] (at least one each)."""
-    base = default_stages(seq_len=s["T"], batch_size=s["batch"])
-    scale = s["steps"] / sum(st.steps for st in base)
+def scaled(stages: list[Stage], scale: float) -> list[Stage]:
+    """`stages` with every stage's steps times `scale`, rounded (at least 1), and its warm-up likewise (below
+    its steps)."""
     out = []
-    for st in base:
+    for st in stages:
         n = max(1, round(st.steps * scale))
         out.append(dataclasses.replace(st, steps=n, warmup_steps=min(round(st.warmup_steps * scale), n - 1)))
     return out
+
+
+def glm5_stages(s: dict) -> list[Stage]:
+    """`default_stages` at the size's length and batch, `scaled` so the three total about s["steps"]."""
+    base = default_stages(seq_len=s["T"], batch_size=s["batch"])
+    return scaled(base, s["steps"] / sum(st.steps for st in base))
+
+
+def decay_stage(name: str, steps: int, lr: float, seq_len: int, batch_size: int, warmup_steps: int,
+                mtp_weights: tuple[float, ...] = ()) -> Stage:
+    """One stage of linear warm-up over `warmup_steps`, then a linear decay of the lr to lr / 10; LM loss (plus
+    `mtp_weights`, none by default)."""
+    return Stage(name, steps, lr, seq_len, batch_size, lr_end=lr / 10, warmup_steps=warmup_steps,
+                 mtp_weights=mtp_weights)
+
+
+def dsa_stages(s: dict) -> list[Stage]:
+    """The report's DSA recipe at study size `s` (T, batch, base_steps, lr, W, A, adapt_lr): dense pre-training
+    (`decay_stage`, 5% warm-up), indexer warm-up (W steps, lr 5e-3 -> 2e-4 as the report, only the indexers
+    train on their KL, LM weight 0, dense), sparse adaptation (A steps at constant adapt_lr, DSA on, everything
+    trains, LM loss + indexer KL on the selected keys); no MTP loss."""
+    T, B = s["T"], s["batch"]
+    return [decay_stage("dense", s["base_steps"], s["lr"], T, B, s["base_steps"] // 20),
+            Stage("indexer_warmup", s["W"], 5e-3, T, B, lr_end=2e-4, trainable="indexer", lm_weight=0.0,
+                  mtp_weights=(), indexer_weight=1.0),
+            Stage("sparse_adaptation", s["A"], s["adapt_lr"], T, B, use_dsa=True, mtp_weights=(), indexer_weight=1.0)]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from glm5lab import GLM5ForCausalLM
-from glm5lab.ablate.fit import fit
+from glm5lab.ablate.fit import decay_stage, fit
 from glm5lab.ablate.measure import mqar_accuracy, niah_accuracy
-from glm5lab.ablate.models import study_config, variant_config
+from glm5lab.ablate.models import seeded_model, study_config, variant_config
 from glm5lab.ablate.workbench import BatchFn, Workbench
 from glm5lab.evals.niah import make_niah_batch, training_pair
 from glm5lab.evals.search_swa import mqar_scorer, niah_scorer, search_swa
@@ -70,16 +70,14 @@ def task_batches(bench: Workbench, sz: dict, seq_len: int, *, seed: int) -> Batc
 
 def base_stage(sz: dict) -> Stage:
     """The base training Stage at size `sz` (warm-up 5%, linear decay to lr / 10)."""
-    return Stage("base", sz["steps"], sz["lr"], sz["seq_len"], sz["batch"], lr_end=sz["lr"] / 10,
-                 warmup_steps=max(1, sz["steps"] // 20), mtp_weights=())
+    return decay_stage("base", sz["steps"], sz["lr"], sz["seq_len"], sz["batch"], max(1, sz["steps"] // 20))
 
 
 def train_base(bench: Workbench, sz: dict, *, seed: int, device="cpu") -> tuple[GLM5ForCausalLM, list[dict]]:
     """A freshly initialised (torch seed `seed`, on the CPU, then moved to `device`) base trained
     by `fit` (muon-split) on `task_batches(.., sz["seq_len"], seed=seed)`; returns (model in eval
     mode, per-step records)."""
-    torch.manual_seed(seed)
-    model = GLM5ForCausalLM(base_config(sz)).to(device)
+    model = seeded_model(base_config(sz), seed, device)
     records = fit(model, [base_stage(sz)], task_batches(bench, sz, sz["seq_len"], seed=seed), seed=seed)
     return model, records
 

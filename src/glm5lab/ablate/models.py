@@ -64,3 +64,24 @@ def variant_config(base: ModelConfig, variant: str) -> ModelConfig:
         return base.replace(**dense, attention_types=["gqa"] * n, num_key_value_heads=max(1, h // 4), q_lora_rank=0,
                             kv_lora_rank=0)
     raise ValueError(f"variant = {variant!r} is not allowed: one of {VARIANTS}")
+
+
+def seeded_model(cfg: ModelConfig, seed: int, device="cpu"):
+    """A fresh `GLM5ForCausalLM(cfg)` initialised after `torch.manual_seed(seed)` on the CPU (so every device
+    starts from the same weights), then moved to `device`: how every study starts an arm."""
+    import torch
+
+    from glm5lab import GLM5ForCausalLM
+
+    torch.manual_seed(seed)
+    return GLM5ForCausalLM(cfg).to(device)
+
+
+def meta_model(cfg: ModelConfig):
+    """`GLM5ForCausalLM(cfg)` on the meta device: its parameter shapes and names, no memory."""
+    import torch
+
+    from glm5lab import GLM5ForCausalLM
+
+    with torch.device("meta"):
+        return GLM5ForCausalLM(cfg)

@@ -47,7 +47,7 @@ import torch
 from glm5lab import ledger
 from glm5lab.ablate.fit import fit, glm5_stages
 from glm5lab.ablate.measure import text_score
-from glm5lab.ablate.models import GPU_SHAPE
+from glm5lab.ablate.models import GPU_SHAPE, seeded_model
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
@@ -140,10 +140,7 @@ def text_batches(windows: torch.Tensor, batch_size: int, seed: int, stages: list
 def train_and_score(cfg: ModelConfig, stages: list[Stage], optimizer: str, batches: BatchFn, seed: int,
                     val_BT: torch.Tensor, byte_lengths: torch.Tensor, device) -> dict:
     """Train one arm for one seed on `device`; its raw numbers."""
-    from glm5lab import GLM5ForCausalLM
-
-    torch.manual_seed(seed)
-    model = GLM5ForCausalLM(cfg).to(device)
+    model = seeded_model(cfg, seed, device)
     records = fit(model, stages, batches, hyper=dataclasses.replace(TRAIN, optimizer=optimizer), seed=seed)
     t0 = time.perf_counter()
     scores = text_score(model, val_BT, byte_lengths, use_dsa=stages[-1].use_dsa)

@@ -23,12 +23,11 @@ by two one-sided tests at +-RECOVERY_MARGIN points (`compare_equivalent`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
-import torch
-
-from glm5lab.ablate.fit import fit
+from glm5lab.ablate.fit import dsa_stages, fit
 from glm5lab.ablate.measure import mqar_accuracy
-from glm5lab.ablate.models import study_config
+from glm5lab.ablate.models import seeded_model, study_config
 from glm5lab.ablate.report_figures import CONTEXTS, DSA, DSA_128K
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_equivalent, compare_text, interval
@@ -64,31 +63,20 @@ def config(s: dict):
 
 
 def stages(s: dict) -> dict[str, list[Stage]]:
-    """The base's stage and each arm's further stages (see the module doc). Warm-up: lr 5e-3 ->
-    2e-4 as the report; sparse adaptation and the dense continuation share one constant lr."""
-    T, B, W, A = s["T"], s["batch"], s["W"], s["A"]
-    warm = dict(lr=5e-3, lr_end=2e-4, seq_len=T, batch_size=B, trainable="indexer", lm_weight=0.0, mtp_weights=(),
-                indexer_weight=1.0)
-    return {
-        "base": [Stage("dense", s["base_steps"], s["lr"], T, B, lr_end=s["lr"] / 10,
-                       warmup_steps=s["base_steps"] // 20, mtp_weights=())],
-        "dense": [Stage("dense_continued", W + A, s["adapt_lr"], T, B, mtp_weights=())],
-        "warm-up only": [Stage("indexer_warmup", W + A, **warm)],
-        "full adaptation": [Stage("indexer_warmup", W, **warm),
-                            Stage("sparse_adaptation", A, s["adapt_lr"], T, B, use_dsa=True, mtp_weights=(),
-                                  indexer_weight=1.0)],
-    }
+    """The base's stage and each arm's further stages (see the module doc), from `fit.dsa_stages`; sparse
+    adaptation and the dense continuation share one constant lr."""
+    dense, warm, sparse = dsa_stages(s)
+    return {"base": [dense], "dense": [Stage("dense_continued", s["W"] + s["A"], s["adapt_lr"], s["T"], s["batch"],
+                                             mtp_weights=())],
+            "warm-up only": [dataclasses.replace(warm, steps=s["W"] + s["A"])], "full adaptation": [warm, sparse]}
 
 
 def train_arms(bench: Workbench, s: dict, seed: int, say, device="cpu") -> tuple[dict, dict]:
     """Train the base (built on the CPU, trained on `device`) and the three arms for one seed. Returns ({row: model} with the base as
     "base (before)", {row: last step's losses})."""
-    from glm5lab import GLM5ForCausalLM
-
     plan = stages(s)
     batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=seed)
-    torch.manual_seed(seed)
-    base = GLM5ForCausalLM(config(s)).to(device)
+    base = seeded_model(config(s), seed, device)
     logs = {"base (before)": _last(fit(base, plan["base"], batches, seed=seed))}
     say(f"seed {seed}: base trained, {s['base_steps']} dense steps, last {logs['base (before)']}")
     further = lambda si, stage, i: batches(1 + si, stage, i)  # noqa: E731  (batches the base never saw)

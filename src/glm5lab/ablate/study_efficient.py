@@ -30,7 +30,7 @@ import torch
 
 from glm5lab import GLM5ForCausalLM
 from glm5lab.ablate import report_figures as rf
-from glm5lab.ablate.fit import fit
+from glm5lab.ablate.fit import decay_stage, fit
 from glm5lab.ablate.gqa_base import SIZES as BASE_SIZES
 from glm5lab.ablate.gqa_base import base_config, retrieval, search_pattern, task_batches, train_base
 from glm5lab.ablate.measure import labelled_loss
@@ -38,8 +38,8 @@ from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
-from glm5lab.evals.search_swa import interleave_pattern
 from glm5lab.train.stages import Stage
+from glm5lab.evals.search_swa import interleave_pattern
 
 VARIANTS = ("full attention", "SWA interleave", "searched SWA", "Gated DeltaNet", "SimpleGDN")
 TASKS = ("mqar", "niah")
@@ -98,8 +98,7 @@ def _loaded(cfg, state: dict, *, strict: bool, new_in: list[int] = ()) -> GLM5Fo
 
 def further_stage(sz: dict, fz: dict) -> Stage:
     """The further-training Stage every variant gets (10% warm-up, decay to lr / 10)."""
-    return Stage("further", fz["steps"], fz["lr"], fz["seq_len"], sz["batch"], lr_end=fz["lr"] / 10,
-                 warmup_steps=max(1, fz["steps"] // 10), mtp_weights=())
+    return decay_stage("further", fz["steps"], fz["lr"], fz["seq_len"], sz["batch"], max(1, fz["steps"] // 10))
 
 
 def score(model, bench: Workbench, sz: dict, fz: dict, *, seed: int) -> dict:

@@ -28,9 +28,9 @@ import statistics
 
 import torch
 
-from glm5lab.ablate.fit import fit
+from glm5lab.ablate.fit import dsa_stages, fit
 from glm5lab.ablate.measure import mqar_accuracy
-from glm5lab.ablate.models import study_config
+from glm5lab.ablate.models import seeded_model, study_config
 from glm5lab.ablate.report_figures import DSA_ATTENTION_SPEEDUP, INDEXCACHE
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
@@ -38,7 +38,6 @@ from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.search_indexcache import attention_time, calibration_loss, search_indexcache, with_indexer_pattern
 from glm5lab.evals.variants import model_variant
-from glm5lab.train.stages import Stage
 
 RETENTIONS = (1.0, 0.5, 0.25)
 METHODS = ("searched", "uniform")
@@ -67,25 +66,11 @@ def config(s: dict):
                         max_position_embeddings=s["T"] * max(s["long"], 4))
 
 
-def stages(s: dict) -> list[Stage]:
-    """Dense pre-training, indexer warm-up (lr 5e-3 -> 2e-4, indexers only, LM weight 0, dense),
-    sparse adaptation (DSA on, everything trains, indexer KL on the selected keys)."""
-    T, B = s["T"], s["batch"]
-    return [Stage("dense", s["base_steps"], s["lr"], T, B, lr_end=s["lr"] / 10, warmup_steps=s["base_steps"] // 20,
-                  mtp_weights=()),
-            Stage("indexer_warmup", s["W"], 5e-3, T, B, lr_end=2e-4, trainable="indexer", lm_weight=0.0,
-                  mtp_weights=(), indexer_weight=1.0),
-            Stage("sparse_adaptation", s["A"], s["adapt_lr"], T, B, use_dsa=True, mtp_weights=(), indexer_weight=1.0)]
-
-
 def train(bench: Workbench, s: dict, seed: int, device="cpu"):
     """The DSA model of one seed (built on the CPU, trained on `device`) and its last step's losses."""
-    from glm5lab import GLM5ForCausalLM
-
-    torch.manual_seed(seed)
-    model = GLM5ForCausalLM(config(s)).to(device)
+    model = seeded_model(config(s), seed, device)
     batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=seed)
-    last = fit(model, stages(s), batches, seed=seed)[-1]
+    last = fit(model, dsa_stages(s), batches, seed=seed)[-1]
     return model, {"lm_loss": round(last["lm_loss"], 4), "indexer_kl": round(last["indexer_kl"], 6)}
 
 
@@ -145,7 +130,7 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
         args.say(f"seed {seed}: searched patterns "
                  + ", ".join(x["pattern"] for x in raw[str(seed)]["rows"] if x["method"] == "searched"))
     settings = {"scale": args.size_key, "device": str(args.device), "size": s, "steps": _steps(s), "tokens": _steps(s) * s["T"] * s["batch"],
-                "stages": [st.to_dict() for st in stages(s)], "retentions": RETENTIONS,
+                "stages": [st.to_dict() for st in dsa_stages(s)], "retentions": RETENTIONS,
                 "calibration": {"data": "held-out text windows", "rows": s["calib_rows"], "length": s["T"] + 1,
                                 "window": s["T"] - s["topk"], "heldout_rows": s["calib_rows"]},
                 "mqar": {"rows": s["eval_rows"], "num_kv_pairs": s["pairs"], "lengths": [s["T"], 4 * s["T"]]},

@@ -25,11 +25,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-import torch
-
-from glm5lab.ablate.fit import STUDY_HYPER, fit
+from glm5lab.ablate.fit import STUDY_HYPER, decay_stage, fit
 from glm5lab.ablate.measure import labelled_loss, mqar_accuracy
-from glm5lab.ablate.models import study_config, variant_config
+from glm5lab.ablate.models import meta_model, seeded_model, study_config, variant_config
 from glm5lab.ablate.report_figures import MLA, MLA_BENCHMARKS, mean
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval
@@ -79,27 +77,21 @@ def cache_values(cfg) -> int:
 
 def same_groups_for_gqa(cfg) -> bool:
     """True when "muon-split" and "muon" give `cfg` the same parameter-group table (no split matrix)."""
-    from glm5lab import GLM5ForCausalLM
     from glm5lab.optim.groups import param_group_table
 
-    with torch.device("meta"):
-        model = GLM5ForCausalLM(cfg)
+    model = meta_model(cfg)
     return param_group_table(model, "muon-split") == param_group_table(model, "muon")
 
 
 def stage(s: dict) -> Stage:
     """The one training stage: linear warm-up (5%), then lr -> lr/10; LM loss only."""
-    return Stage("train", s["steps"], s["lr"], s["T"], s["batch"], lr_end=s["lr"] / 10,
-                 warmup_steps=s["steps"] // 20, mtp_weights=())
+    return decay_stage("train", s["steps"], s["lr"], s["T"], s["batch"], s["steps"] // 20)
 
 
 def train_and_score(bench: Workbench, cfg, optimizer: str, s: dict, seed: int, device="cpu") -> dict:
     """Train one variant for one seed (built on the CPU, trained on `device`) and score it;
     returns its raw numbers."""
-    from glm5lab import GLM5ForCausalLM
-
-    torch.manual_seed(seed)
-    model = GLM5ForCausalLM(cfg).to(device)
+    model = seeded_model(cfg, seed, device)
     batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=seed)
     records = fit(model, [stage(s)], batches, hyper=dataclasses.replace(STUDY_HYPER, optimizer=optimizer), seed=seed)
     val_ids, val_labels = bench.val_text(s["T"], s["val_rows"])
@@ -121,7 +113,7 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
             raw[row][str(seed)] = r
             args.say(f"seed {seed}: {row} val loss {r['val_loss']:.3f}, MQAR {r['mqar_accuracy']:.3f} "
                      f"({r['train_seconds']:.0f} s)")
-    params = {row: sum(p.numel() for p in _meta_model(cfg).parameters()) for row, cfg in cfgs.items()}
+    params = {row: sum(p.numel() for p in meta_model(cfg).parameters()) for row, cfg in cfgs.items()}
     tokens = s["steps"] * s["batch"] * s["T"]
     settings = {"scale": args.size_key, "device": str(args.device), "size": s, "steps": s["steps"], "tokens_per_variant": tokens,
                 "text_tokens_per_variant": s["steps"] * (s["batch"] - s["task_rows"]) * s["T"],
@@ -133,13 +125,6 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                 "models": {row: cfg.to_hf() for row, cfg in cfgs.items()}}
     return StudyResult("mla", table(raw, params, cfgs), raw, settings, seeds, lambda path: plot(raw, path),
                        notes(raw, settings))
-
-
-def _meta_model(cfg):
-    from glm5lab import GLM5ForCausalLM
-
-    with torch.device("meta"):
-        return GLM5ForCausalLM(cfg)
 
 
 def _scores(raw: dict, row: str, key: str) -> list[float]:

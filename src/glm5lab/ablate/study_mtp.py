@@ -27,8 +27,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from glm5lab.ablate.fit import STUDY_HYPER, fit
-from glm5lab.ablate.models import study_config, variant_config
+from glm5lab.ablate.fit import STUDY_HYPER, decay_stage, fit
+from glm5lab.ablate.models import seeded_model, study_config, variant_config
 from glm5lab.ablate.report_figures import MTP
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval
@@ -66,8 +66,8 @@ def config(s: dict, depth: int):
 def stage(s: dict, depth: int) -> Stage:
     """One stage: linear warm-up (5%), then lr -> lr/10; CE + 0.3 x CE of each of `depth` MTP depths."""
     one_of("depth", depth, DEPTHS)
-    return Stage(f"mtp_depth_{depth}", s["steps"], s["lr"], s["T"], s["batch"], lr_end=s["lr"] / 10,
-                 warmup_steps=s["steps"] // 20, mtp_weights=(MTP_WEIGHT,) * depth)
+    return decay_stage(f"mtp_depth_{depth}", s["steps"], s["lr"], s["T"], s["batch"], s["steps"] // 20,
+                       (MTP_WEIGHT,) * depth)
 
 
 def prompts(bench: Workbench, s: dict) -> list[list[int]]:
@@ -98,13 +98,10 @@ def acceptance(model, rows: list[list[int]], s: dict, k: int, temperature: float
 def run_seed(bench: Workbench, s: dict, seed: int, say, device="cpu") -> dict:
     """Train depth 1 and depth 3 from one init (on the CPU, then moved to `device`) on the same
     batches; score both."""
-    from glm5lab import GLM5ForCausalLM
-
     batches = bench.mixed(s["T"], s["batch"], task_rows=0, num_kv_pairs=1, seed=seed)
     rows, out = prompts(bench, s), {}
     for depth in DEPTHS:
-        torch.manual_seed(seed)
-        model = GLM5ForCausalLM(config(s, depth)).to(device)
+        model = seeded_model(config(s, depth), seed, device)
         records = fit(model, [stage(s, depth)], batches, seed=seed)
         res = {"acceptance_length": {mode: {str(k): acceptance(model, rows, s, k, t) for k in DRAFT_STEPS}
                                      for mode, t in MODES.items()},

@@ -55,9 +55,9 @@ import time
 
 import torch
 
-from glm5lab.ablate.fit import fit, glm5_stages
+from glm5lab.ablate.fit import fit, glm5_stages, scaled
 from glm5lab.ablate.measure import mqar_accuracy, text_score
-from glm5lab.ablate.models import GPU_SHAPE
+from glm5lab.ablate.models import GPU_SHAPE, meta_model, seeded_model
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_text, interval
@@ -121,13 +121,9 @@ def config(s: dict, vocab_size: int) -> ModelConfig:
 def stages(s: dict, lr: float, scale: float = 1.0) -> list[Stage]:
     """`glm5_stages(s)` with every lr and lr_end times lr / DEFAULT_DENSE_LR, and (scale != 1) every stage's
     steps and warm-up times `scale`, rounded (at least 1 step; warm-up below the steps)."""
-    out = []
-    for st in glm5_stages(s):
-        f = lr / DEFAULT_DENSE_LR
-        steps = max(1, round(st.steps * scale))
-        out.append(dataclasses.replace(st, lr=st.lr * f, lr_end=None if st.lr_end is None else st.lr_end * f,
-                                       steps=steps, warmup_steps=min(round(st.warmup_steps * scale), steps - 1)))
-    return out
+    f = lr / DEFAULT_DENSE_LR
+    return scaled([dataclasses.replace(st, lr=st.lr * f, lr_end=None if st.lr_end is None else st.lr_end * f)
+                   for st in glm5_stages(s)], scale)
 
 
 def _tokens(plan: list[Stage]) -> int:
@@ -141,14 +137,12 @@ def step_costs(cfg: ModelConfig, bench: Workbench, s: dict, device) -> dict:
     "expert_share": {arm: the routed experts' share of a full step's Newton-Schulz FLOPs}."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from glm5lab import GLM5ForCausalLM
     from glm5lab.optim import indexer_parameter_names
     from glm5lab.optim.flops import optimizer_flops
     from glm5lab.train.losses import task_losses
     from glm5lab.train.step import set_trainable
 
-    torch.manual_seed(SWEEP_SEED)
-    model = GLM5ForCausalLM(cfg).to(device)
+    model = seeded_model(cfg, SWEEP_SEED, device)
     plan = stages(s, DEFAULT_DENSE_LR)
     batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=SWEEP_SEED)
     indexer = indexer_parameter_names(model)
@@ -202,10 +196,7 @@ class OptimizerClock:
 def train(cfg: ModelConfig, bench: Workbench, s: dict, arm: str, plan: list[Stage], seed: int, device):
     """Train one arm on `plan` from seed `seed`; (model in eval mode, {"train_seconds", "optimizer_seconds",
     "steps", "tokens", "last_train_loss"})."""
-    from glm5lab import GLM5ForCausalLM
-
-    torch.manual_seed(seed)
-    model = GLM5ForCausalLM(cfg).to(device)
+    model = seeded_model(cfg, seed, device)
     hyper = dataclasses.replace(TRAIN, optimizer=ARMS[arm])
     optimizer = hyper.build_optimizer(model, plan[0].lr)
     clock = OptimizerClock(optimizer)
@@ -333,12 +324,11 @@ def at_scale(preset: str = "glm5", context: int = 4096, share: float = 0.01) -> 
     """What Newton-Schulz costs at a preset's shape (meta device, no memory): NS FLOPs per step under each Muon
     optimizer, training FLOPs per token (3 x the ledger's forward at `context`, main model and MTP at depth 3),
     and the tokens per step at which NS is `share` of the step's FLOPs."""
-    from glm5lab import GLM5ForCausalLM, ledger
+    from glm5lab import ledger
     from glm5lab.optim.flops import optimizer_flops
 
     cfg = ModelConfig.from_preset(preset)
-    with torch.device("meta"):
-        model = GLM5ForCausalLM(cfg)
+    model = meta_model(cfg)
     f = ledger.flops(cfg, context=context)
     per_token = 3 * (f["prefill"]["total"] + 3 * f.get("mtp_prefill", {}).get("total", 0.0))
     ns = {opt: optimizer_flops(model, opt)["newton_schulz"] for opt in ARMS.values() if opt != "adamw"}
