@@ -7,6 +7,7 @@ import math
 import pytest
 
 from glm5lab.ablate import study_mtp
+from glm5lab.ablate.measure import val_prompts
 from glm5lab.ablate.runner import StudyArgs, run_study
 
 
@@ -43,6 +44,6 @@ def test_stages_differ_only_in_unroll_depth():
 
 def test_prompts_are_validation_text(bench):
     s = study_mtp.SIZES["quick"]
-    rows = study_mtp.prompts(bench, s)
+    rows = val_prompts(bench, s)
     assert len(rows) == s["prompts"] and all(len(r) == s["prompt_len"] for r in rows)
     assert rows[0] == bench.val_tokens[:s["prompt_len"]].tolist()

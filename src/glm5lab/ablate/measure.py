@@ -73,6 +73,25 @@ def mqar_accuracy(model, bench: Workbench, n: int, seq_len: int, num_kv_pairs: i
     return answer_accuracy(model, ids, labels, use_dsa=use_dsa, batch=batch)
 
 
+def val_prompts(bench: Workbench, s: dict) -> list[list[int]]:
+    """The first s["prompt_len"] tokens of the first s["prompts"] validation windows of s["prompt_len"] +
+    s["max_new"] tokens: the held-out prompts `mtp_acceptance` decodes from."""
+    w = bench.text_windows("val", s["prompt_len"] + s["max_new"])[:s["prompts"]]
+    return w[:, :s["prompt_len"]].tolist()
+
+
+def mtp_acceptance(model, prompts: list[list[int]], max_new: int, draft_steps: int, *, temperature: float = 0.0,
+                   seed: int | None = None) -> float:
+    """Mean acceptance length (tokens per verification forward = 1 + accepted drafts) of `glm5lab.generate` with
+    MTP speculative decoding, `draft_steps` drafts per round, `max_new` new tokens after each prompt (greedy at
+    temperature 0, else sampled with `seed`)."""
+    from glm5lab import generate
+
+    out = generate(model, prompts, max_new, temperature=temperature, seed=seed, speculative="mtp",
+                   draft_steps=draft_steps)
+    return float(out.stats.acceptance_length)
+
+
 def niah_accuracy(model, bench: Workbench, n: int, context_length: int, variant: str = "single", *, seed: int,
                   use_dsa: bool | None = None, haystack: str = "noise", batch: int = 4, **kwargs) -> float:
     """NIAH exact match (every expected value, teacher forced; see the module docstring) on n

@@ -158,6 +158,21 @@ def _t(confidence: float, dof: float) -> float:
     return float(_scipy_stats.t.ppf(1 - (1 - confidence) / 2, dof))
 
 
+def per_seed(runs: dict, key: str) -> dict:
+    """{seed: run[key]} of one arm's raw numbers `runs` ({seed: {key: value, ...}}): what `compare` pairs."""
+    return {seed: r[key] for seed, r in runs.items()}
+
+
+def seed_values(runs: dict, key: str) -> list[float]:
+    """[run[key] for each seed] of one arm's raw numbers `runs` ({seed: {key: value, ...}}), in seed order."""
+    return [r[key] for r in runs.values()]
+
+
+def seed_mean(runs: dict, key: str) -> float:
+    """The mean over seeds of `seed_values(runs, key)`."""
+    return statistics.fmean(seed_values(runs, key))
+
+
 def compare(a_by_seed: dict, b_by_seed: dict, report_sign: int) -> dict:
     """Arm a against arm b over the seeds both ran (dict keys: seed -> value): the paired
     interval of a - b, its verdict against the report's sign (+1 / -1: the report found a - b

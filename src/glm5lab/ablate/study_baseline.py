@@ -50,7 +50,7 @@ from glm5lab.ablate.measure import text_score
 from glm5lab.ablate.models import GPU_SHAPE, seeded_model
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
-from glm5lab.ablate.stats import compare, compare_text, interval
+from glm5lab.ablate.stats import compare, compare_text, interval, per_seed, seed_mean, seed_values
 from glm5lab.ablate.workbench import SPLIT_SEED, BatchFn
 from glm5lab.config import ModelConfig
 from glm5lab.data.batches import BatchStream, pack
@@ -187,17 +187,9 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
                        notes(raw, settings))
 
 
-def _values(raw: dict, arm: str, key: str) -> list[float]:
-    return [r[key] for r in raw[arm].values()]
-
-
-def _by_seed(raw: dict, arm: str, key: str) -> dict:
-    return {seed: r[key] for seed, r in raw[arm].items()}
-
-
 def bpb_comparisons(raw: dict) -> dict:
     """(a, b) -> compare(a's bpb, b's bpb) paired by seed; report_sign -1: the expectation tested is a < b."""
-    return {(a, b): compare(_by_seed(raw, a, "val_bpb"), _by_seed(raw, b, "val_bpb"), report_sign=-1)
+    return {(a, b): compare(per_seed(raw[a], "val_bpb"), per_seed(raw[b], "val_bpb"), report_sign=-1)
             for a, b in COMPARISONS}
 
 
@@ -221,7 +213,7 @@ def table(raw: dict, settings: dict) -> str:
         rows.append([arm, f"{opt} ({settings['stages'][arm][0]['lr']:g})",
                      f"{m['num_hidden_layers']} x {m['hidden_size']}", *(_millions(p[c]) for c in SHOWN),
                      next(iter(raw[arm].values()))["train_tokens"],
-                     *(interval(_values(raw, arm, k)).text(digits) for k, digits in
+                     *(interval(seed_values(raw[arm], k)).text(digits) for k, digits in
                        (("val_bpb", 3), ("val_loss", 3), ("train_seconds", 0), ("tokens_per_s", 0)))])
     cmp_rows = [[f"{a} vs {b}", compare_text(c), speed_ratio(raw, a, b).text(2)]
                 for (a, b), c in bpb_comparisons(raw).items()]
@@ -266,7 +258,7 @@ def notes(raw: dict, settings: dict) -> list[str]:
 def readme_row(info: dict) -> dict:
     """The README's line for this study from a parsed results.json (no training)."""
     raw = info["raw"]
-    mean = {arm: {k: statistics.fmean(_values(raw, arm, k)) for k in ("val_bpb", "tokens_per_s")} for arm in raw}
+    mean = {arm: {k: seed_mean(raw[arm], k) for k in ("val_bpb", "tokens_per_s")} for arm in raw}
     cmps = bpb_comparisons(raw)
     ours = ", ".join(f"{arm} {mean[arm]['val_bpb']:.3f}" for arm in OPTIMIZERS)
     speed = " / ".join(f"{mean[arm]['tokens_per_s']:.0f}" for arm in OPTIMIZERS)
@@ -282,7 +274,7 @@ def plot(raw: dict, path) -> None:
     arms, x = list(OPTIMIZERS), range(len(OPTIMIZERS))
     panels = ((axes[0], "val_bpb", "validation bits per byte"), (axes[1], "tokens_per_s", "training tok/s"))
     for ax, key, label in panels:
-        vals = [_values(raw, arm, key) for arm in arms]
+        vals = [seed_values(raw[arm], key) for arm in arms]
         ax.bar(x, [statistics.fmean(v) for v in vals], color="tab:blue", alpha=0.6, label="mean")
         for i, v in enumerate(vals):
             ax.plot([i] * len(v), v, "k.", label="seeds" if i == 0 else None)

@@ -30,7 +30,7 @@ from glm5lab.ablate.measure import labelled_loss, mqar_accuracy
 from glm5lab.ablate.models import meta_model, seeded_model, study_config, variant_config
 from glm5lab.ablate.report_figures import MLA, MLA_BENCHMARKS, mean
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
-from glm5lab.ablate.stats import compare, compare_text, interval
+from glm5lab.ablate.stats import compare, compare_text, interval, per_seed, seed_mean, seed_values
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.train.stages import Stage
@@ -127,18 +127,6 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                        notes(raw, settings))
 
 
-def _scores(raw: dict, row: str, key: str) -> list[float]:
-    return [r[key] for r in raw[row].values()]
-
-
-def _mean(raw: dict, row: str, key: str) -> float:
-    return statistics.fmean(_scores(raw, row, key))
-
-
-def _by_seed(raw: dict, row: str, key: str) -> dict:
-    return {seed: r[key] for seed, r in raw[row].items()}
-
-
 def comparisons(raw: dict) -> dict:
     """{variant: {"report": its mean - MLA's, "loss": compare(...), "mqar": compare(...)}} for every variant but
     MLA: paired by seed against MLA (`glm5lab.ablate.stats.compare`), judged against the report's side (a better
@@ -150,7 +138,7 @@ def comparisons(raw: dict) -> dict:
         d_rep = mean(MLA[row]) - mean(MLA["MLA"])
         sign = 0 if d_rep == 0 else (1 if d_rep > 0 else -1)
         out[row] = {"report": d_rep,
-                    **{name: compare(_by_seed(raw, row, key), _by_seed(raw, "MLA", key), side) if sign else None
+                    **{name: compare(per_seed(raw[row], key), per_seed(raw["MLA"], key), side) if sign else None
                        for name, key, side in (("loss", "val_loss", -sign), ("mqar", "mqar_accuracy", sign))}}
     return out
 
@@ -170,8 +158,8 @@ def table(raw: dict, params: dict, cfgs: dict) -> str:
         else:
             c = cmps[row]
             cmp = [f"{c['report']:+.2f}", *["-" if c[k] is None else compare_text(c[k]) for k in ("loss", "mqar")]]
-        rows.append([row, opt, interval(_scores(raw, row, "val_loss")).text(),
-                     interval(_scores(raw, row, "mqar_accuracy")).text(), params[row], cache_values(cfgs[row]),
+        rows.append([row, opt, interval(seed_values(raw[row], "val_loss")).text(),
+                     interval(seed_values(raw[row], "mqar_accuracy")).text(), params[row], cache_values(cfgs[row]),
                      *[f"{v:.1f}" for v in rep], f"{mean(rep):.2f}", *cmp])
     return ("Validation text loss and MQAR per-query accuracy (mean ± sd [95% t-interval] over seeds) beside the "
             "report's proxy ablation (accuracy %). Verdicts: reproduced / opposite when the paired 95% interval of "
@@ -188,8 +176,8 @@ def notes(raw: dict, settings: dict) -> list[str]:
     """The orderings of the means beside the report's (described, not judged), Muon Split's verdict,
     the GQA optimizer choice, the scale caveat."""
     rep = ranking({row: mean(MLA[row]) for row in VARIANTS}, higher_is_better=True)
-    by_loss = ranking({row: _mean(raw, row, "val_loss") for row in VARIANTS}, higher_is_better=False)
-    by_acc = ranking({row: _mean(raw, row, "mqar_accuracy") for row in VARIANTS}, higher_is_better=True)
+    by_loss = ranking({row: seed_mean(raw[row], "val_loss") for row in VARIANTS}, higher_is_better=False)
+    by_acc = ranking({row: seed_mean(raw[row], "mqar_accuracy") for row in VARIANTS}, higher_is_better=True)
     out = [f"Report ordering by mean benchmark accuracy: {' > '.join(rep)}."]
     for name, order in (("validation loss", by_loss), ("MQAR accuracy", by_acc)):
         out.append(f"Our ordering of the means by {name}: {' > '.join(order)} (Spearman rho {spearman(order, rep):+.2f} "
@@ -226,7 +214,7 @@ def plot(raw: dict, path) -> None:
     rows, x = list(VARIANTS), range(len(VARIANTS))
     for ax, key, label in ((axes[0], "val_loss", "validation loss (nats/token)"),
                            (axes[1], "mqar_accuracy", "MQAR per-query accuracy")):
-        vals = [_scores(raw, row, key) for row in rows]
+        vals = [seed_values(raw[row], key) for row in rows]
         sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
         ax.bar(x, [statistics.fmean(v) for v in vals], yerr=sd, capsize=4, color="tab:blue", alpha=0.6,
                label="ours, mean ± sd")
@@ -251,10 +239,10 @@ def readme_row(info: dict) -> dict:
     our validation loss and MQAR means, every variant's verdict vs MLA on validation loss."""
     raw = info["raw"]
     rep = ranking({row: mean(MLA[row]) for row in VARIANTS}, higher_is_better=True)
-    loss = ranking({row: _mean(raw, row, "val_loss") for row in VARIANTS}, higher_is_better=False)
+    loss = ranking({row: seed_mean(raw[row], "val_loss") for row in VARIANTS}, higher_is_better=False)
     cmps = comparisons(raw)
     return {"paper": "mean of 7 benchmarks: " + ", ".join(f"{r} {mean(MLA[r]):.1f}" for r in rep),
-            "ours": "validation loss (nats): " + ", ".join(f"{r} {_mean(raw, r, 'val_loss'):.3f}" for r in loss)
-                    + "; MQAR accuracy: " + ", ".join(f"{r} {_mean(raw, r, 'mqar_accuracy'):.2f}" for r in VARIANTS),
+            "ours": "validation loss (nats): " + ", ".join(f"{r} {seed_mean(raw[r], 'val_loss'):.3f}" for r in loss)
+                    + "; MQAR accuracy: " + ", ".join(f"{r} {seed_mean(raw[r], 'mqar_accuracy'):.2f}" for r in VARIANTS),
             "verdict": "; ".join(f"{r} vs MLA (loss): {compare_text(c['loss'])}" for r, c in cmps.items()
                                  if c["loss"] is not None)}

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5lab.ablate.fit import STUDY_HYPER, decay_stage, fit
+from glm5lab.ablate.measure import mtp_acceptance, val_prompts
 from glm5lab.ablate.models import seeded_model, study_config, variant_config
 from glm5lab.ablate.report_figures import MTP
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
@@ -70,12 +71,6 @@ def stage(s: dict, depth: int) -> Stage:
                        (MTP_WEIGHT,) * depth)
 
 
-def prompts(bench: Workbench, s: dict) -> list[list[int]]:
-    """The first `prompt_len` tokens of the first `prompts` validation windows."""
-    w = bench.text_windows("val", s["prompt_len"] + s["max_new"])[:s["prompts"]]
-    return w[:, :s["prompt_len"]].tolist()
-
-
 @torch.no_grad()
 def mtp_depth_losses(model, bench: Workbench, s: dict, max_depth: int = max(DRAFT_STEPS)) -> list[float]:
     """Teacher-forced validation CE (nats) of the main head (entry 0) and MTP depths 1..max_depth."""
@@ -86,25 +81,17 @@ def mtp_depth_losses(model, bench: Workbench, s: dict, max_depth: int = max(DRAF
     return [float(F.cross_entropy(lg.flatten(0, 1), labels[:, j:].flatten())) for j, lg in enumerate(heads)]
 
 
-def acceptance(model, rows: list[list[int]], s: dict, k: int, temperature: float) -> float:
-    """Mean acceptance length of `generate` with k MTP draft steps over the prompts."""
-    from glm5lab import generate
-
-    out = generate(model, rows, s["max_new"], temperature=temperature, seed=SAMPLE_SEED, speculative="mtp",
-                   draft_steps=k)
-    return float(out.stats.acceptance_length)
-
-
 def run_seed(bench: Workbench, s: dict, seed: int, say, device="cpu") -> dict:
     """Train depth 1 and depth 3 from one init (on the CPU, then moved to `device`) on the same
     batches; score both."""
     batches = bench.mixed(s["T"], s["batch"], task_rows=0, num_kv_pairs=1, seed=seed)
-    rows, out = prompts(bench, s), {}
+    rows, out = val_prompts(bench, s), {}
     for depth in DEPTHS:
         model = seeded_model(config(s, depth), seed, device)
         records = fit(model, [stage(s, depth)], batches, seed=seed)
-        res = {"acceptance_length": {mode: {str(k): acceptance(model, rows, s, k, t) for k in DRAFT_STEPS}
-                                     for mode, t in MODES.items()},
+        acc = {mode: {str(k): mtp_acceptance(model, rows, s["max_new"], k, temperature=t, seed=SAMPLE_SEED)
+                      for k in DRAFT_STEPS} for mode, t in MODES.items()}
+        res = {"acceptance_length": acc,
                "val_ce_by_depth": mtp_depth_losses(model, bench, s),
                "last_train_lm_loss": records[-1]["lm_loss"], "train_seconds": sum(r["seconds"] for r in records)}
         out[str(depth)] = res
@@ -129,10 +116,6 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
 
 def _acc(raw: dict, depth: int, mode: str, k: int) -> list[float]:
     return [raw[seed][str(depth)]["acceptance_length"][mode][str(k)] for seed in raw]
-
-
-def _m(values: list[float]) -> float:
-    return statistics.fmean(values)
 
 
 def comparison(raw: dict, mode: str) -> dict:
@@ -172,7 +155,7 @@ def notes(raw: dict) -> list[str]:
     extrapolation caveat."""
     out = []
     for mode in MODES:
-        a1, a3 = _m(_acc(raw, 1, mode, 4)), _m(_acc(raw, 3, mode, 4))
+        a1, a3 = statistics.fmean(_acc(raw, 1, mode, 4)), statistics.fmean(_acc(raw, 3, mode, 4))
         out.append(f"{mode}, k=4: depth 3 {a3:.2f} vs depth 1 {a1:.2f}, paired difference "
                    f"{compare_text(comparison(raw, mode), 2)} (the report: GLM-5 2.76 > DeepSeek-V3.2 2.55).")
     out.append("Drafting chains the one shared MTP layer k times: draft steps beyond the training depth (k >= 2 for "
@@ -194,8 +177,8 @@ def plot(raw: dict, path) -> None:
         for depth, color in zip(DEPTHS, ("tab:blue", "tab:green"), strict=True):
             vals = [_acc(raw, depth, mode, k) for k in DRAFT_STEPS]
             sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
-            ax.errorbar(DRAFT_STEPS, [_m(v) for v in vals], yerr=sd, capsize=3, marker="o", linestyle=style,
-                        color=color, label=f"ours: training depth {depth}, {mode}")
+            ax.errorbar(DRAFT_STEPS, [statistics.fmean(v) for v in vals], yerr=sd, capsize=3, marker="o",
+                        linestyle=style, color=color, label=f"ours: training depth {depth}, {mode}")
     ax.plot([4], [MTP["GLM-5"]], "r*", markersize=12, label="report: GLM-5 (2.76)")
     ax.plot([4], [MTP["DeepSeek-V3.2"]], "kx", markersize=10, label="report: DeepSeek-V3.2 (2.55)")
     ax.plot(DRAFT_STEPS, [k + 1 for k in DRAFT_STEPS], ":", color="grey", label="upper bound k + 1")
@@ -209,8 +192,8 @@ def readme_row(info: dict) -> dict:
     """The summary row (`glm5lab.ablate.summary`) from a parsed results.json: acceptance at 4 draft
     steps per training depth and mode, and the depth-3-vs-1 verdicts."""
     raw = info["raw"]
-    ours = "; ".join(f"{mode}: depth 3 {_m(_acc(raw, 3, mode, 4)):.2f}, depth 1 {_m(_acc(raw, 1, mode, 4)):.2f}"
-                     for mode in MODES)
+    ours = "; ".join(f"{mode}: depth 3 {statistics.fmean(_acc(raw, 3, mode, 4)):.2f}, "
+                     f"depth 1 {statistics.fmean(_acc(raw, 1, mode, 4)):.2f}" for mode in MODES)
     return {"paper": f"acceptance at 4 steps: GLM-5 (3 shared depths) {MTP['GLM-5']:.2f}, DeepSeek-V3.2 "
                       f"{MTP['DeepSeek-V3.2']:.2f}",
             "ours": "acceptance at 4 draft steps, " + ours,

@@ -56,11 +56,11 @@ import time
 import torch
 
 from glm5lab.ablate.fit import fit, glm5_stages, scaled
-from glm5lab.ablate.measure import mqar_accuracy, text_score
+from glm5lab.ablate.measure import mqar_accuracy, mtp_acceptance, text_score, val_prompts
 from glm5lab.ablate.models import GPU_SHAPE, meta_model, seeded_model
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.runner import StudyArgs
-from glm5lab.ablate.stats import compare, compare_text, interval
+from glm5lab.ablate.stats import compare, compare_text, interval, per_seed, seed_mean, seed_values
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.config import ModelConfig
 from glm5lab.evals.bpb import token_byte_lengths
@@ -218,22 +218,12 @@ def val_windows(bench: Workbench, s: dict, part: str) -> torch.Tensor:
     return w[:n] if part == "score" else w[n:2 * n]
 
 
-def acceptance(model, bench: Workbench, s: dict) -> float:
-    """Mean acceptance length of greedy MTP speculative decoding (DRAFT_STEPS drafts) from the first prompt_len
-    tokens of the first `prompts` validation windows, max_new new tokens each."""
-    from glm5lab import generate
-
-    w = bench.text_windows("val", s["prompt_len"] + s["max_new"])[:s["prompts"]]
-    out = generate(model, w[:, :s["prompt_len"]].tolist(), s["max_new"], speculative="mtp", draft_steps=DRAFT_STEPS)
-    return float(out.stats.acceptance_length)
-
-
 def score(model, bench: Workbench, s: dict, byte_lengths: torch.Tensor) -> dict:
     """Every score of a trained model (module docstring)."""
     return {**text_score(model, val_windows(bench, s, "score"), byte_lengths, use_dsa=True),
             "mqar_accuracy": mqar_accuracy(model, bench, s["eval_rows"], s["T"], s["pairs"], seed=EVAL_SEED,
                                            use_dsa=True),
-            "acceptance_length": acceptance(model, bench, s)}
+            "acceptance_length": mtp_acceptance(model, val_prompts(bench, s), s["max_new"], DRAFT_STEPS)}
 
 
 def sweep(cfg, bench: Workbench, s: dict, byte_lengths, say, device) -> dict:
@@ -336,22 +326,10 @@ def at_scale(preset: str = "glm5", context: int = 4096, share: float = 0.01) -> 
             "share": share, "tokens_per_step_at_share": {o: v * (1 - share) / share / per_token for o, v in ns.items()}}
 
 
-def _values(raw: dict, budget: str, arm: str, key: str) -> list[float]:
-    return [r[key] for r in raw[budget][arm].values()]
-
-
-def _by_seed(raw: dict, budget: str, arm: str, key: str) -> dict:
-    return {seed: r[key] for seed, r in raw[budget][arm].items()}
-
-
 def comparisons(raw: dict, budget: str) -> dict:
     """(a, b) -> {metric key: compare(a, b) paired by seed, the expectation "a better"} for COMPARISONS."""
-    return {(a, b): {k: compare(_by_seed(raw, budget, a, k), _by_seed(raw, budget, b, k), side)
+    return {(a, b): {k: compare(per_seed(raw[budget][a], k), per_seed(raw[budget][b], k), side)
                      for k, (_, side) in METRICS.items()} for a, b in COMPARISONS}
-
-
-def _mean(raw, budget, arm, key) -> float:
-    return statistics.fmean(_values(raw, budget, arm, key))
 
 
 def table(raw: dict, settings: dict) -> str:
@@ -371,7 +349,7 @@ def table(raw: dict, settings: dict) -> str:
                          f"{fl['model'] / 1e12:.3g} + {fl['optimizer'] / 1e12:.3g}",
                          f"{fl['optimizer'] / fl['total']:.1%}",
                          f"{time_share:.1%}",
-                         *(interval(_values(raw, budget, arm, k)).text(d) for k, d in
+                         *(interval(seed_values(raw[budget][arm], k)).text(d) for k, d in
                            (("val_bpb", 4), ("val_loss", 4), ("mqar_accuracy", 3), ("acceptance_length", 2)))])
         cmp_rows = [[f"{a} better than {b}", *(compare_text(c[k], 4 if k == "val_bpb" else 3) for k in METRICS)]
                     for (a, b), c in comparisons(raw, budget).items()]
@@ -408,7 +386,7 @@ def notes(raw: dict, settings: dict) -> list[str]:
                f"x{scales['Muon Split, K/V apart']:.3f}. The routed experts take "
                f"{settings['step_flops']['expert_share'][REFERENCE]:.0%} of it: each expert's matrices are "
                "orthogonalised every step while each expert sees only its share of the batch's tokens.")
-    secs = {arm: statistics.fmean(_values(raw, "equal tokens", arm, "train_seconds")) for arm in ARMS}
+    secs = {arm: seed_mean(raw["equal tokens"][arm], "train_seconds") for arm in ARMS}
     out.append("Measured instead (equal-token runs, mean wall seconds): equal time would give AdamW x"
                f"{secs[REFERENCE] / secs['AdamW']:.3f} the steps of Muon Split and whole-matrix Muon x"
                f"{secs[REFERENCE] / secs['Muon']:.3f} ({settings['threads']} thread(s) on {settings['device']}; "
@@ -443,12 +421,12 @@ def plot(raw: dict, settings: dict, path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     arms, x = list(ARMS), range(len(ARMS))
     for k, (budget, color) in enumerate(zip(BUDGETS, ("tab:blue", "tab:orange"), strict=True)):
-        vals = [_values(raw, budget, arm, "val_bpb") for arm in arms]
+        vals = [seed_values(raw[budget][arm], "val_bpb") for arm in arms]
         pos = [i + (k - 0.5) * 0.38 for i in x]
         axes[0].bar(pos, [statistics.fmean(v) for v in vals], width=0.36, color=color, alpha=0.6, label=budget)
         for p, v in zip(pos, vals, strict=True):
             axes[0].plot([p] * len(v), v, "k.")
-    everything = [v for b in BUDGETS for a in arms for v in _values(raw, b, a, "val_bpb")]
+    everything = [v for b in BUDGETS for a in arms for v in seed_values(raw[b][a], "val_bpb")]
     lo, hi = min(everything), max(everything)
     axes[0].set_ylim(lo - 0.2 * max(hi - lo, 0.01), hi + 0.2 * max(hi - lo, 0.01))
     axes[0].set(ylabel="validation bits per byte", title="val bpb by optimizer (dots: seeds)")
@@ -477,7 +455,7 @@ def readme_row(info: dict) -> dict:
     """The summary row from a parsed results.json: bpb per arm at both budgets; the verdicts of Muon Split vs
     AdamW at both budgets and of the split comparisons at equal tokens, worded as in the table."""
     raw = info["raw"]
-    ours = "; ".join(f"{b}: val bpb " + ", ".join(f"{a} {_mean(raw, b, a, 'val_bpb'):.3f}" for a in ARMS)
+    ours = "; ".join(f"{b}: val bpb " + ", ".join(f"{a} {seed_mean(raw[b][a], 'val_bpb'):.3f}" for a in ARMS)
                      for b in BUDGETS)
     picks = [("equal tokens", COMPARISONS[0]), ("equal compute", COMPARISONS[0]),
              ("equal tokens", COMPARISONS[2]), ("equal tokens", COMPARISONS[3])]
