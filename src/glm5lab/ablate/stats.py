@@ -16,11 +16,10 @@ the 95% interval lies wholly outside [-delta, +delta] (the arms differ by more t
 "inconclusive at n seeds" otherwise.
 
 Intervals are Student-t intervals (named "t" in what is reported): mean +- t_{0.975, n-1} s/sqrt(n)
-for one arm; for two arms that share their seeds (the same data order and initialisation per
-seed), the t-interval of the per-seed differences ("paired t"); otherwise Welch's interval
-("Welch t"). One seed gives no interval (its bounds are None) and is always inconclusive.
+for one arm; for two arms, which share their seeds (the same data order and initialisation per
+seed), the t-interval of the per-seed differences ("paired t"). One seed gives no interval (its bounds are None) and is always inconclusive.
 
-Source: standard small-sample inference (Student 1908; Welch 1947); the power estimate is the usual approximation
+Source: standard small-sample inference (Student 1908); the power estimate is the usual approximation
 n >= ((t_{1-a/2} + t_{power}) s / |d|)^2 with the t quantiles at n - 1 degrees of freedom; equivalence: Schuirmann
 (1987), two one-sided tests, the same with t_{1-a} and delta - |d| in place of t_{1-a/2} and |d|.
 """
@@ -36,13 +35,12 @@ from scipy import stats as _scipy_stats
 
 CONFIDENCE = 0.95
 POWER = 0.8
-VERDICTS = ("reproduced", "opposite", "inconclusive")
 
 
 @dataclass(frozen=True)
 class Interval:
     """mean, sd (sample; 0.0 for one value), n, and the confidence interval [low, high] (None
-    for n < 2); method names how it was computed ("t", "paired t", "Welch t")."""
+    for n < 2); method names how it was computed ("t", "paired t")."""
 
     mean: float
     sd: float
@@ -87,23 +85,6 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, confidence: flo
         raise ValueError(f"paired_difference: {len(a)} values against {len(b)}: pair them by seed")
     d = interval([x - y for x, y in zip(a, b, strict=True)], confidence=confidence)
     return Interval(d.mean, d.sd, d.n, d.low, d.high, "paired t")
-
-
-def welch_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = CONFIDENCE) -> Interval:
-    """Welch's interval of mean(a) - mean(b) for arms that do not share seeds; sd is the standard
-    error of the difference times sqrt(min(n_a, n_b)) (so that `seeds_needed` reads it like a
-    per-seed spread). None bounds when either arm has one value."""
-    a, b = _values(a, "welch_difference a"), _values(b, "welch_difference b")
-    d, n = statistics.fmean(a) - statistics.fmean(b), min(len(a), len(b))
-    if n < 2:
-        return Interval(d, 0.0, n, None, None, "Welch t")
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    se = math.sqrt(va + vb)
-    if se == 0.0:
-        return Interval(d, 0.0, n, d, d, "Welch t")
-    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    half = _t(confidence, dof) * se
-    return Interval(d, se * math.sqrt(n), n, d - half, d + half, "Welch t")
 
 
 def verdict(diff: Interval, report_sign: int) -> str:
