@@ -50,17 +50,9 @@ def write_result(result: StudyResult, out: Path, *, quick: bool, elapsed_s: floa
     info = {"study": result.study, "quick": quick, "seeds": result.seeds, "settings": result.settings,
             "raw": result.raw, "notes": result.notes, "elapsed_s": round(elapsed_s, 1),
             "git_commit": git_commit(), "torch": torch.__version__}
-    atomic_write_text(out / "results.json", json.dumps(info, indent=2, default=_jsonable) + "\n")
+    atomic_write_text(out / "results.json", json.dumps(info, indent=2) + "\n")
     atomic_write(out / f"{result.study}.png", lambda tmp: result.plot(Path(tmp)))  # `save_png` names the format
     return out / "table.md"
-
-
-def _jsonable(x):
-    if hasattr(x, "to_hf"):
-        return x.to_hf()
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
