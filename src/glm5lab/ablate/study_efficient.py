@@ -153,16 +153,13 @@ def _retrieval_change(raw: dict, v: str, fz: dict, seeds, task: str | None = Non
                                   for s in seeds for n in eval_lengths(fz) for t in tasks)
 
 
-def _loss_change(raw: dict, v: str, seeds) -> float:
-    return statistics.fmean(raw[v][s]["val_loss"] - raw["full attention"][s]["val_loss"] for s in seeds)
-
-
-def comparison(raw: dict, v: str, fz: dict, seeds) -> dict:
-    """Variant v against full attention: per seed, the mean retrieval change (points, over the
-    eval lengths and tasks), paired by seed, judged against the sign of the report's mean change
-    (`glm5lab.ablate.stats.compare`)."""
-    per_seed = {s: _retrieval_change(raw, v, fz, [s]) for s in seeds}
-    return compare(per_seed, dict.fromkeys(seeds, 0.0), 1 if rf.mean(rf.EFFICIENT[v]) > 0 else -1)
+def comparison(raw: dict, a: str, fz: dict, seeds, b: str = "full attention") -> dict:
+    """Variant a against variant b (default full attention): per seed, a's mean retrieval change (points, over
+    the eval lengths and tasks) minus b's, paired by seed, judged against the sign of the report's difference of
+    their mean changes (full attention's is 0) (`glm5lab.ablate.stats.compare`)."""
+    per_seed = {s: _retrieval_change(raw, a, fz, [s]) - _retrieval_change(raw, b, fz, [s]) for s in seeds}
+    report = {v: rf.mean(rf.EFFICIENT[v]) if v in rf.EFFICIENT else 0.0 for v in (a, b)}
+    return compare(per_seed, dict.fromkeys(seeds, 0.0), 1 if report[a] > report[b] else -1)
 
 
 def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
@@ -178,11 +175,12 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     rep = {v: rf.mean(rf.EFFICIENT[v]) for v in VARIANTS[1:]}
     rank = lambda d: {v: i + 1 for i, v in enumerate(sorted(d, key=lambda k: -d[k]))}  # noqa: E731
     r_ours, r_rep = rank(ours), rank(rep)
-    rows = [[v, f"{_retrieval_change(raw, v, fz, seeds, 'mqar'):+.1f}", f"{_retrieval_change(raw, v, fz, seeds, 'niah'):+.1f}",
-             f"{_loss_change(raw, v, seeds):+.3f}", *[f"{x:+.2f}" for x in rf.EFFICIENT[v]],
-             f"{ours[v]:+.1f} / {rep[v]:+.2f}", f"{r_ours[v]} / {r_rep[v]}",
-             compare_text(comparison(raw, v, fz, seeds), 1)]
-            for v in VARIANTS[1:]]
+    verdicts = {v: comparison(raw, v, fz, seeds) for v in VARIANTS[1:]}
+    loss = {v: statistics.fmean(raw[v][s]["val_loss"] - raw["full attention"][s]["val_loss"] for s in seeds)
+            for v in VARIANTS[1:]}
+    rows = [[v, *[f"{_retrieval_change(raw, v, fz, seeds, t):+.1f}" for t in TASKS], f"{loss[v]:+.3f}",
+             *[f"{x:+.2f}" for x in rf.EFFICIENT[v]], f"{ours[v]:+.1f} / {rep[v]:+.2f}", f"{r_ours[v]} / {r_rep[v]}",
+             compare_text(verdicts[v], 1)] for v in VARIANTS[1:]]
     text += ("\nChange vs full attention (ours: points of accuracy, mean over lengths " + ", ".join(map(str, lengths))
              + "; loss in nats, lower is better; report: points at 128K):\n\n" + markdown_table(
                  ["variant", "ours Δ MQAR", "ours Δ NIAH", "ours Δ val loss",
@@ -190,16 +188,7 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
                   "rank ours / paper", "ours mean Δ, paired [95% t]: verdict"], rows))
     text += "\nSearched SWA pattern per seed (F full, S SWA): " + "; ".join(
         f"seed {s}: " + "".join("S" if m == "swa" else "F" for m in patterns[s]) for s in seeds) + "\n"
-    verdicts = {v: comparison(raw, v, fz, seeds) for v in VARIANTS[1:]}
     return text, _notes(ours, rep, raw, seeds, verdicts, fz)
-
-
-def pairwise(raw: dict, a: str, b: str, fz: dict, seeds) -> dict:
-    """Variant a against variant b: per seed, a's mean retrieval change minus b's (points), paired
-    by seed, judged against the sign of the report's difference of their mean changes."""
-    per_seed = {s: _retrieval_change(raw, a, fz, [s]) - _retrieval_change(raw, b, fz, [s]) for s in seeds}
-    sign = 1 if rf.mean(rf.EFFICIENT[a]) > rf.mean(rf.EFFICIENT[b]) else -1
-    return compare(per_seed, dict.fromkeys(seeds, 0.0), sign)
 
 
 def _notes(ours, rep, raw, seeds, verdicts: dict, fz: dict) -> list[str]:
@@ -213,7 +202,7 @@ def _notes(ours, rep, raw, seeds, verdicts: dict, fz: dict) -> list[str]:
                  f"paper {' > '.join(report_order)}.")
     for a, b in (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet")):
         notes.append(f"{a} vs {b}, difference of retrieval changes, paired [95% t]: "
-                     f"{compare_text(pairwise(raw, a, b, fz, seeds), 1)} (report {rep[a] - rep[b]:+.2f}).")
+                     f"{compare_text(comparison(raw, a, fz, seeds, b), 1)} (report {rep[a] - rep[b]:+.2f}).")
     full = 100 * statistics.fmean(raw["full attention"][s][n][t] for s in seeds for n in raw["full attention"][s]
                                   if n != "val_loss" for t in TASKS)
     if full < 10:
@@ -257,4 +246,4 @@ def readme_row(info: dict) -> dict:
             "ours": f"change in retrieval after {fz['steps']} equal further steps: "
                     + ", ".join(f"{v} {_retrieval_change(raw, v, fz, seeds):+.1f}" for v in names),
             "verdict": "; ".join(f"{v} vs full: {compare_text(comparison(raw, v, fz, seeds), 1)}" for v in names) + "; "
-                       + "; ".join(f"{a} vs {b}: {compare_text(pairwise(raw, a, b, fz, seeds), 1)}" for a, b in pairs)}
+                       + "; ".join(f"{a} vs {b}: {compare_text(comparison(raw, a, fz, seeds, b), 1)}" for a, b in pairs)}
