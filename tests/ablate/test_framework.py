@@ -155,16 +155,15 @@ def test_a_study_into_a_folder_holding_results_is_refused_before_it_runs(tmp_pat
 
 def test_studies_state_their_one_difference_from_train():
     """The studies train with `glm5lab train`'s step settings but for the router bias rate, stated
-    once (`fit.STUDY_HYPER`); the baseline study's arms use train's own (`study_baseline.TRAIN`)."""
+    once (`fit.STUDY_HYPER`); the baseline and optimizer studies' arms use train's own (`fit.TRAIN_HYPER`)."""
     import dataclasses
 
-    from glm5lab.ablate import study_baseline
-    from glm5lab.ablate.fit import STUDY_HYPER
+    from glm5lab.ablate.fit import STUDY_HYPER, TRAIN_HYPER
     from glm5lab.train.recipe import TrainHyper
 
     assert STUDY_HYPER.bias_update_rate == 1e-3 != TrainHyper.default().bias_update_rate
     assert dataclasses.replace(STUDY_HYPER, bias_update_rate=TrainHyper.default().bias_update_rate) == TrainHyper.default()
-    assert study_baseline.TRAIN == TrainHyper.default()
+    assert TRAIN_HYPER == TrainHyper.default()
 
 
 def test_a_token_folder_as_study_data_is_refused_in_one_line(tmp_path):

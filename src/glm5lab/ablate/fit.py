@@ -19,7 +19,9 @@ STUDY_HYPER = TrainHyper.default(bias_update_rate=1e-3)
 """The studies' step settings: `glm5lab train`'s (`TrainHyper`) but a router bias rate of 1e-3,
 the rate the studies' published numbers were trained with. It acts on MoE layers only, and the
 study models (`models.study_config`) have a dense FFN in every layer (their MTP layer too); the
-one study with MoE, `baseline`, trains with `glm5lab train`'s own settings (`study_baseline.TRAIN`)."""
+studies that train the small preset's MoE (`baseline`, `optimizer`) use `glm5lab train`'s own (`TRAIN_HYPER`)."""
+TRAIN_HYPER = TrainHyper.default()
+"""`glm5lab train`'s step settings: those of every arm of `baseline` and `optimizer`, each with its optimizer."""
 
 
 def fit(model, stages: list[Stage], batches: BatchFn, *, hyper: TrainHyper = STUDY_HYPER,

@@ -15,7 +15,6 @@ from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.bpb import bits_per_byte, target_bytes
 from glm5lab.evals.mqar import IGNORE_INDEX
 from glm5lab.evals.niah import make_niah_batch, training_pair
-from glm5lab.validate import one_of
 
 
 @torch.no_grad()
@@ -92,14 +91,11 @@ def mtp_acceptance(model, prompts: list[list[int]], max_new: int, draft_steps: i
     return float(out.stats.acceptance_length)
 
 
-def niah_accuracy(model, bench: Workbench, n: int, context_length: int, variant: str = "single", *, seed: int,
-                  use_dsa: bool | None = None, haystack: str = "noise", batch: int = 4, **kwargs) -> float:
-    """NIAH exact match (every expected value, teacher forced; see the module docstring) on n
-    examples of `context_length` prompt tokens. haystack: "noise" (filler ids) or "corpus"
-    (validation text). kwargs go to `make_niah` (key_len, value_len, num_keys...)."""
-    one_of("haystack", haystack, ("noise", "corpus"))
-    hay = bench.val_tokens if haystack == "corpus" else None
-    examples = make_niah_batch(bench.tasks, n, context_length, variant, seed=seed, haystack=hay, **kwargs)
+def niah_accuracy(model, bench: Workbench, n: int, context_length: int, *, seed: int, use_dsa: bool | None = None,
+                  batch: int = 4) -> float:
+    """NIAH exact match (every expected value, teacher forced; see the module docstring) on n single-needle
+    examples of `context_length` prompt tokens in a noise haystack (filler ids)."""
+    examples = make_niah_batch(bench.tasks, n, context_length, "single", seed=seed)
     return niah_exact_match(model, examples, use_dsa=use_dsa, batch=batch)
 
 

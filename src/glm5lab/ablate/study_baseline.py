@@ -20,7 +20,7 @@ No report figure. Three arms on `glm5lab train`'s text, tokenizer (vocab 4096) a
                      (warm-up fraction, linear decay to lr/10): AdamW at peak 2e-3 (`ADAMW_LR`;
                      betas 0.9/0.95 as nanoGPT), Muon ("muon" = "muon-split" on GQA) at the dense
                      stage's 3e-3. Every arm: `glm5lab train`'s weight decay, clipping, router
-                     bias rate (`TRAIN`, `glm5lab train`'s `TrainHyper`).
+                     bias rate (`fit.TRAIN_HYPER`, `glm5lab train`'s `TrainHyper`).
 
 Every arm of a seed sees the same batches in the same order (`text_batches`: global step k is batch k of one
 `BatchStream` over the training split, seeded by the seed) and starts from `torch.manual_seed(seed)`. Scores:
@@ -45,7 +45,7 @@ import time
 import torch
 
 from glm5lab import ledger
-from glm5lab.ablate.fit import fit, glm5_stages
+from glm5lab.ablate.fit import TRAIN_HYPER, fit, glm5_stages
 from glm5lab.ablate.measure import text_score
 from glm5lab.ablate.models import GPU_SHAPE, seeded_model
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
@@ -55,7 +55,6 @@ from glm5lab.ablate.workbench import SPLIT_SEED, BatchFn
 from glm5lab.config import ModelConfig
 from glm5lab.data.batches import BatchStream, pack
 from glm5lab.evals.bpb import token_byte_lengths
-from glm5lab.train.recipe import TrainHyper
 from glm5lab.train.stages import Stage
 
 GLM5, ADAMW, MUON = "GLM-5 small", "dense GPT + AdamW", "dense GPT + Muon"
@@ -69,9 +68,6 @@ ADAMW_LR = {"small": 2e-3, "gpu": 6e-4}
 first 128 validation windows, nats/token): 1e-3 5.476, 2e-3 5.341, 3e-3 5.403, 6e-3 5.602.
 gpu: nanoGPT's value for GPT-2 small (124M). Muon is not tuned: both Muon arms keep `glm5lab
 train`'s 3e-3 (the same probe gave the dense GPT + Muon 5.058 at 1.5e-3 and 4.795 at 6e-3)."""
-TRAIN = TrainHyper.default()
-"""`glm5lab train`'s step settings, passed to `fit` for every arm with the arm's optimizer (the
-router bias rate only acts on MoE)."""
 SIZES = {  # steps: the GLM-5 arm's total, split 300/40/80 as default_stages; val_windows None = all
     "quick": dict(model="small", T=128, batch=2, steps=5, val_windows=4, seeds=2),
     "cpu": dict(model="small", T=256, batch=8, steps=168, val_windows=None, seeds=2),
@@ -141,7 +137,7 @@ def train_and_score(cfg: ModelConfig, stages: list[Stage], optimizer: str, batch
                     val_BT: torch.Tensor, byte_lengths: torch.Tensor, device) -> dict:
     """Train one arm for one seed on `device`; its raw numbers."""
     model = seeded_model(cfg, seed, device)
-    records = fit(model, stages, batches, hyper=dataclasses.replace(TRAIN, optimizer=optimizer), seed=seed)
+    records = fit(model, stages, batches, hyper=dataclasses.replace(TRAIN_HYPER, optimizer=optimizer), seed=seed)
     t0 = time.perf_counter()
     scores = text_score(model, val_BT, byte_lengths, use_dsa=stages[-1].use_dsa)
     seconds = sum(r["seconds"] for r in records)
@@ -173,7 +169,7 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
                      f"{r['train_seconds']:.0f} s, {r['tokens_per_s']:.0f} tok/s")
     settings = {"size": s, "scale": args.size_key, "device": str(args.device), "threads": torch.get_num_threads(),
                 "optimizers": OPTIMIZERS,
-                "train": {k: v for k, v in dataclasses.asdict(TRAIN).items() if k != "optimizer"},
+                "train": {k: v for k, v in dataclasses.asdict(TRAIN_HYPER).items() if k != "optimizer"},
                 "stages": {a: [st.to_dict() for st in p] for a, p in plan.items()},
                 "matched_convention": MATCHED, "params": {a: ledger.conventions(c) for a, c in cfgs.items()},
                 "flops_per_token": {a: ledger.flops(c, context=s["T"])["prefill"]["total"] for a, c in cfgs.items()},

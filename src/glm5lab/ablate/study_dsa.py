@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import statistics
 
 from glm5lab.ablate.fit import dsa_stages, fit
 from glm5lab.ablate.measure import mqar_accuracy
@@ -121,10 +122,6 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                        seeds, lambda path: plot(raw, lengths, path), notes(raw, lengths, s))
 
 
-def _means(raw: dict, row: str, lengths) -> list[float]:
-    return [sum(raw[row][str(n)]) / len(raw[row][str(n)]) for n in lengths]
-
-
 def comparison(raw: dict, row: str, lengths: list[int]) -> dict:
     """`row` against the dense arm at the longest length, paired by seed (the arms share the base model and data
     of each seed): "full adaptation" as the report's equivalence claim (`compare_equivalent` at +-RECOVERY_MARGIN
@@ -153,7 +150,7 @@ def tables(raw: dict, lengths: list[int]) -> str:
             cmp = ["reference", "-"]
         rows.append([row, "DSA" if EVAL_DSA[row] else "dense", *ours, *rep, *cmp])
     b = DSA_128K["benchmarks"]
-    last = {arm: _means(raw, arm, lengths)[-1] for arm in ("dense", "full adaptation")}
+    last = {arm: statistics.fmean(raw[arm][str(lengths[-1])]) for arm in ("dense", "full adaptation")}
     rows128 = [["MLA (dense)", *DSA_128K["MLA"], f"dense arm: {last['dense']:.1f}"],
                ["DSA", *DSA_128K["DSA"], f"full adaptation: {last['full adaptation']:.1f}"]]
     return ("MQAR accuracy (%) by context length; report: long-context retrieval score (GLM-4.7-Flash)\n\n"
@@ -185,16 +182,14 @@ def notes(raw: dict, lengths: list[int], s: dict) -> list[str]:
 
 def plot(raw: dict, lengths: list[int], path) -> None:
     """Left: our accuracy vs length per arm (error bars: sd over seeds). Right: the report's."""
-    import statistics
-
     plt = figure()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     colour = {"base (before)": "grey", "dense": "tab:blue", "warm-up only": "tab:orange", "full adaptation": "tab:green"}
     for row in EVAL_DSA:
         vals = [raw[row][str(n)] for n in lengths]
-        sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
-        a.errorbar(lengths, [sum(v) / len(v) for v in vals], yerr=sd, marker="o", capsize=3, color=colour.get(row),
-                   label=f"{row} ({'DSA' if EVAL_DSA[row] else 'dense'})", linestyle="--" if row == "base (before)" else "-")
+        a.errorbar(lengths, [sum(v) / len(v) for v in vals], yerr=[interval(v).sd for v in vals], marker="o",
+                   capsize=3, color=colour.get(row), label=f"{row} ({'DSA' if EVAL_DSA[row] else 'dense'})",
+                   linestyle="--" if row == "base (before)" else "-")
     a.axvline(lengths[0], color="grey", lw=0.8)
     a.set_xscale("log", base=2)
     a.minorticks_off()
@@ -214,7 +209,7 @@ def readme_row(info: dict) -> dict:
     length per arm and the two verdicts (recovery as equivalence within +-RECOVERY_MARGIN)."""
     raw, lengths = info["raw"]["mqar_accuracy_pct"], info["settings"]["lengths"]
     n = lengths[-1]
-    means = {arm: _means(raw, arm, lengths)[-1] for arm in ARMS}
+    means = {arm: statistics.fmean(raw[arm][str(n)]) for arm in ARMS}
     return {"paper": "128K: " + ", ".join(f"{arm} {DSA[arm][-1]:.1f}" for arm in ARMS),
             "ours": f"MQAR % at {n} tokens ({n // lengths[0]}x the training length): "
                     + ", ".join(f"{arm} {means[arm]:.1f}" for arm in ARMS),

@@ -208,8 +208,8 @@ def plot(raw: dict, long: int, path) -> None:
     for m, style in zip(METHODS, ("o-", "s--"), strict=True):
         for ax, key in ((a, "heldout_loss"), (b, "speedup_long")):
             vals = [_collect(raw, r, m, key) for r in RETENTIONS]
-            sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
-            ax.errorbar(RETENTIONS, [statistics.fmean(v) for v in vals], yerr=sd, fmt=style, capsize=3, label=m)
+            ax.errorbar(RETENTIONS, [statistics.fmean(v) for v in vals], yerr=[interval(v).sd for v in vals],
+                        fmt=style, capsize=3, label=m)
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.minorticks_off()

@@ -215,9 +215,8 @@ def plot(raw: dict, path) -> None:
     for ax, key, label in ((axes[0], "val_loss", "validation loss (nats/token)"),
                            (axes[1], "mqar_accuracy", "MQAR per-query accuracy")):
         vals = [seed_values(raw[row], key) for row in rows]
-        sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
-        ax.bar(x, [statistics.fmean(v) for v in vals], yerr=sd, capsize=4, color="tab:blue", alpha=0.6,
-               label="ours, mean ± sd")
+        ax.bar(x, [statistics.fmean(v) for v in vals], yerr=[interval(v).sd for v in vals], capsize=4,
+               color="tab:blue", alpha=0.6, label="ours, mean ± sd")
         for i, v in enumerate(vals):
             ax.plot([i] * len(v), v, "k.", label="seeds" if i == 0 else None)
         lo = min(min(v) for v in vals)

@@ -176,9 +176,8 @@ def plot(raw: dict, path) -> None:
     for mode, style in zip(MODES, ("-", "--"), strict=True):
         for depth, color in zip(DEPTHS, ("tab:blue", "tab:green"), strict=True):
             vals = [_acc(raw, depth, mode, k) for k in DRAFT_STEPS]
-            sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
-            ax.errorbar(DRAFT_STEPS, [statistics.fmean(v) for v in vals], yerr=sd, capsize=3, marker="o",
-                        linestyle=style, color=color, label=f"ours: training depth {depth}, {mode}")
+            ax.errorbar(DRAFT_STEPS, [statistics.fmean(v) for v in vals], [interval(v).sd for v in vals], capsize=3,
+                        marker="o", linestyle=style, color=color, label=f"ours: training depth {depth}, {mode}")
     ax.plot([4], [MTP["GLM-5"]], "r*", markersize=12, label="report: GLM-5 (2.76)")
     ax.plot([4], [MTP["DeepSeek-V3.2"]], "kx", markersize=10, label="report: DeepSeek-V3.2 (2.55)")
     ax.plot(DRAFT_STEPS, [k + 1 for k in DRAFT_STEPS], ":", color="grey", label="upper bound k + 1")

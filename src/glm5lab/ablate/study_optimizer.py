@@ -55,7 +55,7 @@ import time
 
 import torch
 
-from glm5lab.ablate.fit import fit, glm5_stages, scaled
+from glm5lab.ablate.fit import TRAIN_HYPER, fit, glm5_stages, scaled
 from glm5lab.ablate.measure import mqar_accuracy, mtp_acceptance, text_score, val_prompts
 from glm5lab.ablate.models import GPU_SHAPE, meta_model, seeded_model
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
@@ -65,7 +65,7 @@ from glm5lab.ablate.workbench import Workbench
 from glm5lab.config import ModelConfig
 from glm5lab.evals.bpb import token_byte_lengths
 from glm5lab.train.stages import Stage
-from glm5lab.train.recipe import TrainHyper, default_stages
+from glm5lab.train.recipe import default_stages
 from glm5lab.train.step import TrainingDiverged
 
 ARMS = {"AdamW": "adamw", "Muon": "muon", "Muon Split": "muon-split", "Muon Split, K/V apart": "muon-split-kv"}
@@ -85,7 +85,6 @@ EVAL_SEED = 424_242
 DRAFT_STEPS = 3
 SWEEP_EXTENSIONS = 2
 """How many lrs the sweep may add past an edge of `lrs` while the best one lies at that edge (`next_lr`)."""
-TRAIN = TrainHyper.default()
 SIZES = {
     "quick": dict(model="small", hidden=64, layers=2, T=32, topk=8, batch=4, task_rows=1, pairs=2, steps=6,
                   lrs=(2e-3, 4e-3), val_windows=4, eval_rows=8, prompts=2, prompt_len=8, max_new=6, seeds=1),
@@ -124,10 +123,6 @@ def stages(s: dict, lr: float, scale: float = 1.0) -> list[Stage]:
     f = lr / DEFAULT_DENSE_LR
     return scaled([dataclasses.replace(st, lr=st.lr * f, lr_end=None if st.lr_end is None else st.lr_end * f)
                    for st in glm5_stages(s)], scale)
-
-
-def _tokens(plan: list[Stage]) -> int:
-    return sum(st.steps * st.batch_size * st.seq_len for st in plan)
 
 
 def step_costs(cfg: ModelConfig, bench: Workbench, s: dict, device) -> dict:
@@ -197,13 +192,14 @@ def train(cfg: ModelConfig, bench: Workbench, s: dict, arm: str, plan: list[Stag
     """Train one arm on `plan` from seed `seed`; (model in eval mode, {"train_seconds", "optimizer_seconds",
     "steps", "tokens", "last_train_loss"})."""
     model = seeded_model(cfg, seed, device)
-    hyper = dataclasses.replace(TRAIN, optimizer=ARMS[arm])
+    hyper = dataclasses.replace(TRAIN_HYPER, optimizer=ARMS[arm])
     optimizer = hyper.build_optimizer(model, plan[0].lr)
     clock = OptimizerClock(optimizer)
     batches = bench.mixed(s["T"], s["batch"], task_rows=s["task_rows"], num_kv_pairs=s["pairs"], seed=seed)
     records = fit(model, plan, batches, hyper=hyper, seed=seed, optimizer=optimizer)
     return model, {"train_seconds": sum(r["seconds"] for r in records), "optimizer_seconds": clock.seconds,
-                   "steps": sum(st.steps for st in plan), "tokens": _tokens(plan),
+                   "steps": sum(st.steps for st in plan),
+                   "tokens": sum(st.steps * st.batch_size * st.seq_len for st in plan),
                    "last_train_loss": records[-1]["lm_loss"]}
 
 
@@ -302,7 +298,7 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                 "optimizers": ARMS, "reference": REFERENCE, "lrs": lrs, "sweep": swept, "sweep_seed": SWEEP_SEED,
                 "step_flops": costs, "compute_scales": scales,
                 "plans": {b: {a: [st.to_dict() for st in p] for a, p in ps.items()} for b, ps in plans.items()},
-                "train": {k: v for k, v in dataclasses.asdict(TRAIN).items() if k != "optimizer"},
+                "train": {k: v for k, v in dataclasses.asdict(TRAIN_HYPER).items() if k != "optimizer"},
                 "eval": {"val_windows": s["val_windows"], "mqar_rows": s["eval_rows"], "mqar_seed": EVAL_SEED,
                          "draft_steps": DRAFT_STEPS, "prompts": s["prompts"], "use_dsa": True},
                 "at_glm5_scale": at_scale(), "model": cfg.to_hf()}

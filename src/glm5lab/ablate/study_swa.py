@@ -159,8 +159,7 @@ def readme_row(info: dict) -> dict:
 
     raw, seeds, sz = int_keys(info["raw"]), info["seeds"], info["settings"]["sizes"]
     beyond, T, w = [n for n in sz["lengths"] if n > sz["window"]], sz["seq_len"], sz["window"]
-    collapse = compare({s: raw["1:1 SWA"][s][T]["score"] for s in seeds},
-                       {s: raw["1:1 SWA"][s][w]["score"] for s in seeds}, -1)
+    collapse = compare(_per_seed(raw["1:1 SWA"], seeds, T), _per_seed(raw["1:1 SWA"], seeds, w), -1)
     return {"paper": "32K: " + ", ".join(f"{v} {rf.SWA[v][3]:.1f}" for v in VARIANTS),
             "ours": f"retrieval score at T = {T} ({T // w}x the window): "
                     + ", ".join(f"{v} {_mean(raw[v], seeds, T):.1f}" for v in VARIANTS),
