@@ -136,10 +136,10 @@ def test_swa_study_verdict_from_seeds():
     def cell(score: float) -> dict:
         return {"score": score, "mqar": score / 100, "niah": score / 100}
 
-    raw = {"full": {0: {64: cell(80.0), 128: cell(60.0)}, 1: {64: cell(82.0), 128: cell(58.0)},
-                    2: {64: cell(81.0), 128: cell(59.0)}},
-           "1:1 SWA": {0: {64: cell(80.0), 128: cell(20.0)}, 1: {64: cell(81.0), 128: cell(25.0)},
-                       2: {64: cell(80.0), 128: cell(22.0)}}}
+    raw = {"full": {"0": {"64": cell(80.0), "128": cell(60.0)}, "1": {"64": cell(82.0), "128": cell(58.0)},
+                    "2": {"64": cell(81.0), "128": cell(59.0)}},
+           "1:1 SWA": {"0": {"64": cell(80.0), "128": cell(20.0)}, "1": {"64": cell(81.0), "128": cell(25.0)},
+                       "2": {"64": cell(80.0), "128": cell(22.0)}}}
     c = study_swa.comparison(raw, "1:1 SWA", [128], [0, 1, 2])
     assert c["report"] < 0 and c["diff"].mean == pytest.approx(-36.666667) and c["verdict"] == "reproduced"
     two = study_swa.comparison(raw, "1:1 SWA", [128], [0, 1])  # -40, -33: t(0.975, 1) = 12.7 keeps 0 inside

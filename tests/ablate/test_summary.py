@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from glm5lab.ablate.runner import StudyArgs, run_study
-from glm5lab.ablate.summary import BEGIN, END, int_keys, load_results, replace_block, row, summary_table, write_summary
+from glm5lab.ablate.summary import BEGIN, END, load_results, replace_block, row, summary_table, write_summary
 from glm5lab.cli import main
 
 STUDIES = ("mla", "dsa", "swa", "efficient", "mtp", "indexcache", "baseline", "optimizer")
@@ -80,11 +80,6 @@ def test_bad_inputs_are_refused_before_writing(root, tmp_path):
     with pytest.raises(ValueError, match="needs exactly one"):
         write_summary(root, [readme])
     assert readme.read_text() == "no markers here"
-
-
-def test_int_keys_restores_json_keys():
-    assert int_keys({"0": {"16": 1.0, "val_loss": 2.0}, "a": [{"3": 1}]}) == {0: {16: 1.0, "val_loss": 2.0},
-                                                                              "a": [{3: 1}]}
 
 
 def test_report_section_is_the_same_table(root):

@@ -20,10 +20,11 @@ from glm5lab.io_utils import atomic_write, atomic_write_text
 
 @dataclass
 class StudyResult:
-    """study: its name. table: markdown (may hold several tables). raw: JSON-able numbers, per variant and
-    seed. settings: JSON-able sizes and model configs. seeds: the seeds run. plot: writes the PNG to the path
-    it is given (`save_png`). notes: one line each, in particular every place where our result is the opposite
-    of the report's or inconclusive."""
+    """study: its name. table: markdown (may hold several tables). raw: JSON numbers per variant and seed,
+    keyed by strings (str(seed), str(length)) as results.json holds them, so `readme_row` reads them back
+    as `run` built them. settings: JSON-able sizes and model configs. seeds: the seeds run. plot: writes the
+    PNG to the path it is given (`save_png`). notes: one line each, in particular every place where our
+    result is the opposite of the report's or inconclusive."""
 
     study: str
     table: str

@@ -105,7 +105,7 @@ def score(model, bench: Workbench, sz: dict, fz: dict, *, seed: int) -> dict:
     """{length: `retrieval`} at fz["seq_len"] and 2 x fz["seq_len"], and "val_loss": mean CE (nats/token) on
     fz["val_rows"] validation text rows of fz["seq_len"] tokens."""
     ids, labels = bench.val_text(fz["seq_len"], fz["val_rows"])
-    out = {n: retrieval(model, bench, sz, n, seed=seed) for n in eval_lengths(fz)}
+    out = {str(n): retrieval(model, bench, sz, n, seed=seed) for n in eval_lengths(fz)}
     out["val_loss"] = labelled_loss(model, ids, labels)
     return out
 
@@ -134,7 +134,7 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
             args.say(f"seed {seed}: {name}: {fz['steps']} further steps of {sz['batch']} x {fz['seq_len']}")
             records = fit(model, [further_stage(sz, fz)], batches, seed=seed)
             curves.setdefault(name, {})[seed] = [round(r["lm_loss"], 4) for r in records]
-            raw[name][seed] = score(model, bench, sz, fz, seed=seed)
+            raw[name][str(seed)] = score(model, bench, sz, fz, seed=seed)
     settings = {"scale": args.size_key, "device": str(args.device), "base_sizes": sz,
                 "further": {k: v for k, v in fz.items() if k != "base"}, "base_config": base_config(sz).to_hf(),
                 "further_stage": further_stage(sz, fz).to_dict(),
@@ -149,7 +149,7 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
 def _retrieval_change(raw: dict, v: str, fz: dict, seeds, task: str | None = None) -> float:
     """Mean over seeds and eval lengths (and tasks, unless given) of (variant - full), in points."""
     tasks = (task,) if task else TASKS
-    return 100 * statistics.fmean(raw[v][s][n][t] - raw["full attention"][s][n][t]
+    return 100 * statistics.fmean(raw[v][str(s)][str(n)][t] - raw["full attention"][str(s)][str(n)][t]
                                   for s in seeds for n in eval_lengths(fz) for t in tasks)
 
 
@@ -164,8 +164,8 @@ def comparison(raw: dict, a: str, fz: dict, seeds, b: str = "full attention") ->
 
 def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     lengths = eval_lengths(fz)
-    abs_rows = [[v, *[interval([raw[v][s][n][t] for s in seeds]).text() for t in TASKS for n in lengths],
-                 interval([raw[v][s]["val_loss"] for s in seeds]).text()] for v in VARIANTS]
+    abs_rows = [[v, *[interval([raw[v][str(s)][str(n)][t] for s in seeds]).text() for t in TASKS for n in lengths],
+                 interval([raw[v][str(s)]["val_loss"] for s in seeds]).text()] for v in VARIANTS]
     text = (f"After {fz['steps']} equal further steps of {sz['batch']} x {fz['seq_len']} tokens (base: "
             f"{sz['steps']} steps at {sz['seq_len']}; window {sz['window']}; seeds {seeds}). Accuracy in [0, 1], loss in nats/token, "
             "mean ± sd [95% t]:\n\n"
@@ -176,7 +176,7 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
     rank = lambda d: {v: i + 1 for i, v in enumerate(sorted(d, key=lambda k: -d[k]))}  # noqa: E731
     r_ours, r_rep = rank(ours), rank(rep)
     verdicts = {v: comparison(raw, v, fz, seeds) for v in VARIANTS[1:]}
-    loss = {v: statistics.fmean(raw[v][s]["val_loss"] - raw["full attention"][s]["val_loss"] for s in seeds)
+    loss = {v: statistics.fmean(raw[v][str(s)]["val_loss"] - raw["full attention"][str(s)]["val_loss"] for s in seeds)
             for v in VARIANTS[1:]}
     rows = [[v, *[f"{_retrieval_change(raw, v, fz, seeds, t):+.1f}" for t in TASKS], f"{loss[v]:+.3f}",
              *[f"{x:+.2f}" for x in rf.EFFICIENT[v]], f"{ours[v]:+.1f} / {rep[v]:+.2f}", f"{r_ours[v]} / {r_rep[v]}",
@@ -203,13 +203,13 @@ def _notes(ours, rep, raw, seeds, verdicts: dict, fz: dict) -> list[str]:
     for a, b in (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet")):
         notes.append(f"{a} vs {b}, difference of retrieval changes, paired [95% t]: "
                      f"{compare_text(comparison(raw, a, fz, seeds, b), 1)} (report {rep[a] - rep[b]:+.2f}).")
-    full = 100 * statistics.fmean(raw["full attention"][s][n][t] for s in seeds for n in raw["full attention"][s]
+    full = 100 * statistics.fmean(cell[t] for r in raw["full attention"].values() for n, cell in r.items()
                                   if n != "val_loss" for t in TASKS)
     if full < 10:
         notes.append(f"full attention scores only {full:.1f} points of retrieval: the base has not learned it, so "
                      "the changes above say little (expected for --quick).")
-    loss = {v: paired_difference([raw[v][s]["val_loss"] for s in seeds],
-                                 [raw["full attention"][s]["val_loss"] for s in seeds]) for v in ours}
+    loss = {v: paired_difference([raw[v][str(s)]["val_loss"] for s in seeds],
+                                 [raw["full attention"][str(s)]["val_loss"] for s in seeds]) for v in ours}
     notes.append("validation loss change vs full attention, nats, paired [95% t] (the report gives none, so no "
                  "verdict): " + "; ".join(f"{v} {d.text()}" for v, d in loss.items()) + ".")
     return notes
@@ -237,9 +237,7 @@ def _plot(raw, fz, seeds, path) -> None:
 def readme_row(info: dict) -> dict:
     """The summary row (`glm5lab.ablate.summary`) from a parsed results.json: each variant's mean
     retrieval change vs full attention with its verdict, and the two pairwise verdicts."""
-    from glm5lab.ablate.summary import int_keys
-
-    raw, seeds, fz = int_keys(info["raw"]), info["seeds"], info["settings"]["further"]
+    raw, seeds, fz = info["raw"], info["seeds"], info["settings"]["further"]
     names = VARIANTS[1:]
     pairs = (("searched SWA", "SWA interleave"), ("SimpleGDN", "Gated DeltaNet"))
     return {"paper": "change vs full at 128K (mean of 4): " + ", ".join(f"{v} {rf.mean(rf.EFFICIENT[v]):+.1f}" for v in names),

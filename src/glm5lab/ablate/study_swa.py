@@ -50,7 +50,7 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                     "searched SWA": (found.mixer_types, sz["window"])}
         for name, (mixers, window) in patterns.items():
             m = model if mixers is None else with_mixers(model, mixers, window)
-            raw[name][seed] = {n: retrieval(m, bench, sz, n, seed=seed) for n in sz["lengths"]}
+            raw[name][str(seed)] = {str(n): retrieval(m, bench, sz, n, seed=seed) for n in sz["lengths"]}
     settings = {"scale": args.size_key, "device": str(args.device), "sizes": sz, "base_config": base_config(sz).to_hf(), "stage": base_stage(sz).to_dict(),
                 "base_tokens": sz["steps"] * sz["batch"] * sz["seq_len"], "patterns": {
                     "1:1 SWA": interleave_pattern(sz["layers"]), "searched SWA": searches},
@@ -61,7 +61,7 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
 
 
 def _mean(raw_v: dict, seeds, n: int, key: str = "score") -> float:
-    return statistics.fmean(raw_v[s][n][key] for s in seeds)
+    return statistics.fmean(raw_v[str(s)][str(n)][key] for s in seeds)
 
 
 def comparison(raw: dict, v: str, beyond: list[int], seeds: list[int]) -> dict:
@@ -69,7 +69,8 @@ def comparison(raw: dict, v: str, beyond: list[int], seeds: list[int]) -> dict:
     the window, paired by seed (the same model and rows per seed), judged against the sign of the
     report's mean change above 4K (`glm5lab.ablate.stats.compare`, plus "report": that change)."""
     d_rep = rf.mean([a - b for a, b in zip(rf.SWA[v][1:], rf.SWA["full"][1:], strict=True)])
-    per_seed = {s: statistics.fmean(raw[v][s][n]["score"] - raw["full"][s][n]["score"] for n in beyond) for s in seeds}
+    per_seed = {s: statistics.fmean(raw[v][str(s)][str(n)]["score"] - raw["full"][str(s)][str(n)]["score"]
+                                    for n in beyond) for s in seeds}
     return {"report": d_rep, **compare(per_seed, dict.fromkeys(seeds, 0.0), 1 if d_rep > 0 else -1)}
 
 
@@ -79,7 +80,7 @@ def _table(raw: dict, sz: dict, searches: dict, seeds: list[int]) -> tuple[str, 
                + ["paper vs full (> 4K)", "ours vs full (> w), paired [95% t]: verdict"])
     rows = []
     for v in VARIANTS:
-        ours = [interval([raw[v][s][n]["score"] for s in seeds]).text(1) for n in sz["lengths"]]
+        ours = [interval([raw[v][str(s)][str(n)]["score"] for s in seeds]).text(1) for n in sz["lengths"]]
         if v == "full":
             rows.append([v, *ours, *rf.SWA[v], "-", "-"])
             continue
@@ -90,7 +91,7 @@ def _table(raw: dict, sz: dict, searches: dict, seeds: list[int]) -> tuple[str, 
             f"report: 4K..128K. Mean ± sd [95% t-interval] over seeds {seeds}; the change vs full is each seed's mean "
             f"over the lengths above the window, paired by seed (`glm5lab.ablate.stats`).\n\n"
             + markdown_table(headers, rows))
-    detail = [[v, task, *[interval([raw[v][s][n][task] for s in seeds]).text() for n in sz["lengths"]]]
+    detail = [[v, task, *[interval([raw[v][str(s)][str(n)][task] for s in seeds]).text() for n in sz["lengths"]]]
               for v in VARIANTS for task in ("mqar", "niah")]
     text += ("\nPer task (accuracy in [0, 1], mean ± sd [95% t]):\n\n"
              + markdown_table(["variant", "task", *map(str, sz["lengths"])], detail))
@@ -103,7 +104,7 @@ def _table(raw: dict, sz: dict, searches: dict, seeds: list[int]) -> tuple[str, 
 
 
 def _per_seed(raw_v: dict, seeds, n: int) -> dict:
-    return {s: raw_v[s][n]["score"] for s in seeds}
+    return {s: raw_v[str(s)][str(n)]["score"] for s in seeds}
 
 
 def _notes(raw: dict, sz: dict, seeds: list[int]) -> list[str]:
@@ -155,9 +156,7 @@ def _plot(raw: dict, sz: dict, seeds: list[int], path) -> None:
 def readme_row(info: dict) -> dict:
     """The summary row (`glm5lab.ablate.summary`) from a parsed results.json: scores at the
     training length per variant, searched and 1:1 vs full, and the 1:1 collapse."""
-    from glm5lab.ablate.summary import int_keys
-
-    raw, seeds, sz = int_keys(info["raw"]), info["seeds"], info["settings"]["sizes"]
+    raw, seeds, sz = info["raw"], info["seeds"], info["settings"]["sizes"]
     beyond, T, w = [n for n in sz["lengths"] if n > sz["window"]], sz["seq_len"], sz["window"]
     collapse = compare(_per_seed(raw["1:1 SWA"], seeds, T), _per_seed(raw["1:1 SWA"], seeds, w), -1)
     return {"paper": "32K: " + ", ".join(f"{v} {rf.SWA[v][3]:.1f}" for v in VARIANTS),

@@ -119,13 +119,3 @@ def write_summary(root: str | Path = "runs/ablate", files=("README.md", "docs/ab
         texts[path] = (text.replace("\n", "\r\n") if crlf else text).encode("utf-8")
     atomic_write_all({path: lambda tmp, data=data: Path(tmp).write_bytes(data) for path, data in texts.items()})
     return table
-
-
-def int_keys(obj):
-    """JSON turns int dict keys into strings: the same structure with digit-string keys as ints
-    (for studies whose raw numbers are keyed by seed or length as ints)."""
-    if isinstance(obj, dict):
-        return {(int(k) if isinstance(k, str) and k.isdigit() else k): int_keys(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [int_keys(v) for v in obj]
-    return obj
