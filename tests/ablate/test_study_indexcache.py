@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from glm5lab.ablate import study_indexcache
+from glm5lab.ablate.fit import dsa_stages
 from tests.ablate.conftest import run_quick
 
 
@@ -62,6 +63,6 @@ def test_attention_ms_times_every_model_and_restores_threads():
 
 
 def test_stages_end_with_sparse_adaptation():
-    st = study_indexcache.stages(study_indexcache.SIZES["cpu"])
+    st = dsa_stages(study_indexcache.SIZES["cpu"])
     assert [x.name for x in st] == ["dense", "indexer_warmup", "sparse_adaptation"]
     assert st[1].trainable == "indexer" and st[2].use_dsa and st[2].indexer_weight == 1

@@ -58,15 +58,10 @@ EVAL_SEED = 424_242
 """MQAR evaluation rows' seed: the same rows for every variant and seed, never a training row's seed."""
 
 
-def base_config(s: dict):
-    """study_config at size `s` without the MTP layer."""
-    return study_config(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_nextn_predict_layers=0,
-                        max_position_embeddings=max(s["T"], 128))
-
-
 def configs(s: dict) -> dict:
-    """Report row -> ModelConfig (variant_config of one base)."""
-    base = base_config(s)
+    """Report row -> ModelConfig: `variant_config` of one base, study_config at size `s` without the MTP layer."""
+    base = study_config(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_nextn_predict_layers=0,
+                        max_position_embeddings=max(s["T"], 128))
     return {row: variant_config(base, shape) for row, (shape, _) in VARIANTS.items()}
 
 
