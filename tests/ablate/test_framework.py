@@ -118,9 +118,9 @@ def test_study_args_and_cli_errors_are_clear(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--scale = 'tpu' is not allowed: one of \('cpu', 'gpu'\)"):
         StudyArgs("mla", scale="tpu")
     with pytest.raises(KeyError, match="has no size 'gpu'"):
-        StudyArgs("mla", scale="gpu").sizes({"quick": 1, "cpu": 2})
-    assert StudyArgs("mla", seeds=2).seed_list({"seeds": 3}) == [0, 1]
-    assert StudyArgs("mla").seed_list({"seeds": 3}) == [0, 1, 2]
+        StudyArgs("mla", scale="gpu").size_and_seeds({"quick": 1, "cpu": 2})
+    assert StudyArgs("mla", seeds=2).size_and_seeds({"cpu": {"seeds": 3}}) == ({"seeds": 3}, [0, 1])
+    assert StudyArgs("mla").size_and_seeds({"cpu": {"seeds": 3}})[1] == [0, 1, 2]
     with pytest.raises(ValueError, match="study 'gqa' is not known"):
         StudyArgs("gqa")
     with pytest.raises(ValueError, match="--seeds = 0"):

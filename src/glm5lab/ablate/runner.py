@@ -2,7 +2,7 @@
 
 Each study is the module `STUDIES` names, with `run(args: StudyArgs, bench: Workbench) -> StudyResult`,
 `readme_row(info)` (`summary`) and its sizes in `SIZES`: a dict keyed by `StudyArgs.size_key`, each entry a dict
-of that size's numbers, its "seeds" (how many seeds run unless --seeds: `StudyArgs.seed_list`) among them:
+of that size's numbers, its "seeds" (how many seeds run unless --seeds: `StudyArgs.size_and_seeds`) among them:
   "quick"      `--quick`: the smoke size, under two minutes on 2 CPU cores (the test suite runs it);
   "cpu"        the default: 8 to 72 minutes per study on 2 cores, about three hours for all eight
                (the README's generated table and BENCHMARKS.md have the times);
@@ -82,11 +82,13 @@ models and lengths; see the module docstring)."""
             return "gpu-quick" if self.quick else "gpu"
         return "quick" if self.quick else "cpu"
 
-    def sizes(self, table: dict):
-        """table[self.size_key]. Raises KeyError naming the missing size."""
+    def size_and_seeds(self, table: dict) -> tuple[dict, list[int]]:
+        """(table[self.size_key], seeds 0..n-1): n = --seeds, else that size's "seeds". Raises KeyError naming
+        the missing size."""
         if self.size_key not in table:
             raise KeyError(f"study {self.study!r} has no size {self.size_key!r} (has {', '.join(table)})")
-        return table[self.size_key]
+        size = table[self.size_key]
+        return size, list(range(self.seeds if self.seeds is not None else size["seeds"]))
 
     @property
     def device(self):
@@ -101,10 +103,6 @@ models and lengths; see the module docstring)."""
         if self.out:
             return Path(self.out)
         return Path("runs/ablate") / (self.study + ("-gpu" if self.scale == "gpu" else "") + ("-quick" if self.quick else ""))
-
-    def seed_list(self, size: dict) -> list[int]:
-        """Seeds 0..n-1: n = --seeds, else the "seeds" of the study's `size` (its SIZES entry)."""
-        return list(range(self.seeds if self.seeds is not None else size["seeds"]))
 
     def say(self, message: str) -> None:
         """Print one progress line, prefixed with the study, unless progress is off."""

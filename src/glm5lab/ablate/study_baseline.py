@@ -151,8 +151,8 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
     `bench` (the runner's Workbench) is not used: see the module docstring."""
     from glm5lab.data.pipeline import prepare_data
 
-    s = args.sizes(SIZES)
-    seeds, plan = args.seed_list(s), plans(s)
+    s, seeds = args.size_and_seeds(SIZES)
+    plan = plans(s)
     cfgs = {GLM5: glm5_config(s)}
     cfgs[ADAMW] = cfgs[MUON] = dense_gpt_config(cfgs[GLM5])
     data = prepare_data(cfgs[GLM5].vocab_size, args.data, SPLIT_SEED)

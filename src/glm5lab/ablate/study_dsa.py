@@ -97,8 +97,7 @@ def _last(records: list[dict]) -> dict:
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train the base and the three arms per seed, score MQAR by length (module docstring); the StudyResult."""
-    s = args.sizes(SIZES)
-    seeds = args.seed_list(s)
+    s, seeds = args.size_and_seeds(SIZES)
     lengths = [s["T"] * k for k in s["scales"]]
     raw = {row: {str(n): [] for n in lengths} for row in EVAL_DSA}
     losses = {}

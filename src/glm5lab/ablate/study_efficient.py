@@ -117,8 +117,8 @@ def eval_lengths(fz: dict) -> tuple[int, int]:
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Base, search, five variants, equal further training, scores (module docstring); the StudyResult."""
-    fz = args.sizes(SIZES)
-    sz, seeds = fz["base"], args.seed_list(fz)
+    fz, seeds = args.size_and_seeds(SIZES)
+    sz = fz["base"]
     raw: dict = {v: {} for v in VARIANTS}
     patterns, curves = {}, {}
     for seed in seeds:

@@ -120,8 +120,7 @@ def attention_ms(models: list, ids_BT: torch.Tensor, repeats: int) -> list[float
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train the DSA model per seed, search and time the patterns (module docstring); the StudyResult."""
-    s = args.sizes(SIZES)
-    seeds = args.seed_list(s)
+    s, seeds = args.size_and_seeds(SIZES)
     raw, losses = {}, {}
     for seed in seeds:
         model, losses[str(seed)] = train(bench, s, seed, args.device)

@@ -98,8 +98,7 @@ def train_and_score(bench: Workbench, cfg, optimizer: str, s: dict, seed: int, d
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train every variant for every seed at matched tokens, score them (module docstring); the StudyResult."""
-    s = args.sizes(SIZES)
-    seeds = args.seed_list(s)
+    s, seeds = args.size_and_seeds(SIZES)
     cfgs = configs(s)
     raw = {row: {} for row in VARIANTS}
     for seed in seeds:

@@ -102,8 +102,7 @@ def run_seed(bench: Workbench, s: dict, seed: int, say, device="cpu") -> dict:
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train depth 1 and depth 3 per seed, measure acceptance for k = 1..4 (module docstring); the StudyResult."""
-    s = args.sizes(SIZES)
-    seeds = args.seed_list(s)
+    s, seeds = args.size_and_seeds(SIZES)
     raw = {str(seed): run_seed(bench, s, seed, args.say, args.device) for seed in seeds}
     settings = {"scale": args.size_key, "device": str(args.device), "size": s, "tokens_per_model": s["steps"] * s["batch"] * s["T"],
                 "stages": {str(d): stage(s, d).to_dict() for d in DEPTHS}, "optimizer": STUDY_HYPER.optimizer,

@@ -269,8 +269,8 @@ def chosen_lr(sweep_losses: dict) -> float:
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """The sweep, then every arm at both budgets for every seed, scored (module docstring); the StudyResult."""
-    s = args.sizes(SIZES)
-    seeds, device = args.seed_list(s), args.device
+    s, seeds = args.size_and_seeds(SIZES)
+    device = args.device
     cfg = config(s, bench.vocab_size)
     byte_lengths = token_byte_lengths(bench.tokenizer, bench.vocab_size)
     val_windows(bench, s, "sweep")  # fail early on a corpus too small

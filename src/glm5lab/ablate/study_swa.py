@@ -32,8 +32,7 @@ VARIANTS = ("full", "1:1 SWA", "searched SWA")
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     """Train the base per seed, search, score full / 1:1 / searched (module docstring); the StudyResult."""
-    sz = args.sizes(SIZES)
-    seeds = args.seed_list(sz)
+    sz, seeds = args.size_and_seeds(SIZES)
     raw: dict = {v: {} for v in VARIANTS}
     searches, curves = {}, {}
     for seed in seeds:
