@@ -35,7 +35,8 @@ class RunRecord:
 
 def load_run(run_dir: Path) -> RunRecord:
     """Read the run folder. Raises NotARunError naming the missing or unreadable file (an
-    unfinished or interrupted run has no summary.json: finish it with `glm5lab train --resume`)."""
+    unfinished or interrupted run has no summary.json: finish it with `glm5lab train --resume`), or
+    saying that an older glm5lab wrote it (run.json without eval_tokens)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotARunError(f"{run_dir} is not a folder: give the run folder of `glm5lab train --out` (e.g. runs/small)")
@@ -47,6 +48,10 @@ def load_run(run_dir: Path) -> RunRecord:
         if not (run_dir / name).is_file():
             raise NotARunError(f"{run_dir} has no {name}: {why}")
     run, config, summary = (_json(run_dir / n) for n in ("run.json", "config.json", "summary.json"))
+    if "eval_tokens" not in run.get("args", {}):
+        raise NotARunError(f"{run_dir}/run.json has no eval_tokens: an older glm5lab trained this run (its "
+                           "validation subset was counted in batches), and this version does not read its folders; "
+                           "train it again")
     metrics = [_json_line(run_dir / "metrics.jsonl", i, line)
                for i, line in enumerate((run_dir / "metrics.jsonl").read_text().splitlines(), 1) if line.strip()]
     return RunRecord(run_dir, run, config, summary, metrics, _checkpoint(run_dir), _ablations(run_dir), _evals(run_dir))

@@ -11,13 +11,13 @@ from pathlib import Path
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, NullLocator
 
 from glm5lab.ablate.results import figure, save_png
+from glm5lab.report.series import BALANCED, imbalance, perplexity
 from glm5lab.train.plot import (KL, LM, MTP, VAL, WHOLE, as_floats, beside, draw_losses, mark_stages, mtp_mean,
                                 plain_ticks, smoothed, smoothing_steps, stage_mean, stage_spans, subset_label,
                                 trailing_mean, whole_label)
 
 
-def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
-                  eval_batches: int | None = None) -> Path:
+def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None) -> Path:
     """Top: the whole run (`draw_losses`, as loss.png). Below: one panel per stage on its own scale, its
     objective on the left axis: LM loss (faint per step, solid trailing mean), MTP mean, validation subset
     dots (the whole-split final figure in the last panel), the indexer KL on the right; for a stage without LM
@@ -30,8 +30,7 @@ def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
     fig = plt.figure(figsize=(max(9.0, 4.6 * len(spans)), 8.2))
     grid = fig.add_gridspec(2, len(spans), height_ratios=[1.15, 1])
     top = fig.add_subplot(grid[0, :])
-    handles, labels = draw_losses(top, metrics, summary, eval_batches,
-                                  title="the whole run (dotted lines: stage boundaries)")
+    handles, labels = draw_losses(top, metrics, summary, title="the whole run (dotted lines: stage boundaries)")
     k = smoothing_steps(len(metrics))
     for i, (stage, a, b) in enumerate(spans):
         rows = [r for r in metrics if a <= r["step"] <= b]
@@ -81,8 +80,6 @@ def _stage_panel(ax, rows: list[dict], k: int, summary: dict, kl_objective: bool
 def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None) -> Path | None:
     """Load imbalance over time: per MoE layer, max expert load / mean expert load each step (1.0 = perfectly
     balanced), the line at `series.BALANCED` the report's caption counts against, stage boundaries."""
-    from glm5lab.report.series import BALANCED, imbalance
-
     rows = [r for r in metrics if r.get("expert_load")]
     if not rows:
         return None
@@ -108,8 +105,6 @@ def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
     """An expert-parallel run's (`glm5lab train --ep N`) all-to-all bill beside its expert load, per step:
     left, the EP imbalance (rows the busiest EP rank received / the mean) with the worst MoE layer's expert
     imbalance; right, the bytes the all-to-alls moved per training token. None for a run without EP records."""
-    from glm5lab.report.series import imbalance
-
     rows = [r for r in metrics if r.get("ep_tokens")]
     if not rows:
         return None
@@ -131,8 +126,7 @@ def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
     return save_png(fig, path, tight=True)
 
 
-def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
-                   eval_batches: int | None = None) -> Path | None:
+def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None) -> Path | None:
     """exp(validation-subset loss) against the step, the whole-split final perplexity beside it
     (a diamond), stage boundaries; a log axis with plain tick labels only when the values span
     more than 4x (None without validation records)."""
@@ -142,8 +136,8 @@ def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
     plt = figure()
     summary = summary or {}
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    ppl = [_exp(r["val_loss"]) for r in val]
-    ax.plot([r["step"] for r in val], ppl, "o-", color=VAL, markersize=4, label=subset_label(metrics, eval_batches))
+    ppl = [perplexity(r["val_loss"]) for r in val]
+    ax.plot([r["step"] for r in val], ppl, "o-", color=VAL, markersize=4, label=subset_label(metrics))
     values = list(ppl)
     if summary.get("val_perplexity") is not None and math.isfinite(summary["val_perplexity"]):
         ax.plot([metrics[-1]["step"]], [summary["val_perplexity"]], "D", color=WHOLE, markeredgecolor="k",
@@ -161,10 +155,6 @@ def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
     mark_stages(ax, stage_spans(metrics), title="validation perplexity")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     return save_png(fig, path, tight=True)
-
-
-def _exp(loss: float) -> float:
-    return math.exp(loss) if loss < 709 else math.inf
 
 
 def plain_log_ticks(lo: float, hi: float) -> list[float]:

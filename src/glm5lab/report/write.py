@@ -37,9 +37,8 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     _copy_ablation_plots(rec, out)
     cfg = ModelConfig.from_hf(rec.checkpoint)
     probed = _measure(rec, cfg, quick) if measure else None
-    eval_batches = rec.run.get("args", {}).get("eval_batches")
-    pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png"), rec.summary, eval_batches),
-            "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png"), rec.summary, eval_batches),
+    pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png"), rec.summary),
+            "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png"), rec.summary),
             "load": plots.expert_load(rec.metrics, _tmp(out, "expert_load.png"), _moe_names(cfg)),
             "ep": plots.expert_parallel(rec.metrics, _tmp(out, "expert_parallel.png")),
             "retrieval": plots.retrieval(probed["retrieval"], _tmp(out, "retrieval.png")) if probed else None,

@@ -3,8 +3,7 @@
 drawn as dotted lines with the stage names, and the labels of the two validation figures.
 
 Two validation figures exist (issue 16): the periodic `val_loss` of metrics.jsonl is the mean target CE over a
-fixed SUBSET of the held-out split (the windows of its first `eval_tokens` targets; `val_tokens` targets; runs from
-before issue 36: the first `eval_batches` batches of windows);
+fixed SUBSET of the held-out split (the windows of its first `eval_tokens` targets; `val_tokens` targets);
 summary.json's `val_loss` is the final model over the WHOLE split. They differ because they score different text,
 so every plot labels the curve as the subset and draws the whole-split figure as its own marker at the last step.
 """
@@ -113,13 +112,10 @@ def mark_stages(ax, spans: list[tuple[str, int, int]], *, names: bool = True, sh
         ax.set_title(title, pad=(6 if not (names and spans) else 14 if fits else 24))
 
 
-def subset_label(rows: list[dict], eval_batches: int | None = None) -> str:
-    """'validation subset (first N tokens)' from the rows' val_tokens; a run from before
-    val_tokens was logged says 'first B batches' (run.json's eval_batches) instead."""
+def subset_label(rows: list[dict]) -> str:
+    """'validation subset (first N tokens)' from the rows' val_tokens ('validation subset' without them)."""
     tokens = next((r["val_tokens"] for r in reversed(rows) if r.get("val_tokens")), None)
-    if tokens:
-        return f"validation subset (first {tokens:,} tokens)"
-    return f"validation subset (first {eval_batches} batches)" if eval_batches else "validation subset"
+    return f"validation subset (first {tokens:,} tokens)" if tokens else "validation subset"
 
 
 def whole_label(summary: dict) -> str:
@@ -136,7 +132,7 @@ def mtp_mean(rows: list[dict]) -> tuple[list[float], int]:
             for r in rows], depths
 
 
-def draw_losses(ax, rows: list[dict], summary: dict, eval_batches: int | None, *, title: str | None = None):
+def draw_losses(ax, rows: list[dict], summary: dict, *, title: str | None = None):
     """The whole run on one axes: LM loss (faint per step, solid: `stage_mean`), MTP mean, the
     validation subset as dots, the whole-split final figure as a diamond, the indexer KL on a
     right axis, stage boundaries. Returns the (handles, labels) for one legend."""
@@ -152,7 +148,7 @@ def draw_losses(ax, rows: list[dict], summary: dict, eval_batches: int | None, *
     val = [r for r in rows if r.get("val_loss") is not None]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=VAL, markersize=4,
-                label=subset_label(rows, eval_batches), zorder=4)
+                label=subset_label(rows), zorder=4)
     if summary.get("val_loss") is not None and rows:
         ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6,
                 label=whole_label(summary), zorder=5, transform=beside(ax))
@@ -178,8 +174,8 @@ def as_floats(values) -> list[float]:
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path:
-    """loss.png from `metrics.jsonl` (`draw_losses`; summary.json and run.json beside it, when
-    present, give the whole-split final point and eval_batches), written atomically. Returns its path."""
+    """loss.png from `metrics.jsonl` (`draw_losses`; summary.json beside it, when present, gives the
+    whole-split final point), written atomically. Returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,9 +183,8 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path:
 
     metrics_path = Path(metrics_path)
     rows = last_per_step([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()])
-    summary, run = (_json_or_empty(metrics_path.parent / n) for n in ("summary.json", "run.json"))
     fig, ax = plt.subplots(figsize=(9, 5))
-    handles, labels = draw_losses(ax, rows, summary, run.get("args", {}).get("eval_batches"),
+    handles, labels = draw_losses(ax, rows, _json_or_empty(metrics_path.parent / "summary.json"),
                                   title="training run (dotted lines: stage boundaries)")
     ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     atomic_write(png_path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
