@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from glm5lab.ablate.results import figure, markdown_table, save_png
-from glm5lab.report.long_context import fmt, read_benchmark_json
+from glm5lab.report.long_context import fmt, goal_line, read_benchmark_json
 
 RESULT = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "attention_costs.json"
 """Where the benchmark records the comparison in a source checkout (absent in an installed package)."""
@@ -54,11 +54,6 @@ def _pair(res: dict | None, wall: str, cpu: str, scale: float, spec: str) -> str
     if not res:
         return "-"
     return f"{res[wall] * scale:{spec}} / {res[cpu] * scale:{spec}}"
-
-
-def goal_line(g: dict) -> str:
-    verdict = "not decided by these lengths" if g.get("met") is None else "met" if g["met"] else "MISSED"
-    return f"{g['text']}: {g.get('shown')} -> {verdict}"
 
 
 def render_section(record: dict | None, png: str | None = None) -> str:

@@ -81,10 +81,7 @@ def _copy_ablation_plots(rec, out: Path) -> None:
     for key, info in rec.ablations.items():
         src = Path(info["folder"]) / f"{info.get('study', key)}.png"
         name = f"ablate-{key.replace(' (--quick)', '-quick')}.png"
-        info["png"] = name if src.is_file() else None
-        if src.is_file():
-            shutil.copyfile(src, out / f".tmp-{name}")
-            (out / f".tmp-{name}").replace(out / name)
+        info["png"] = _publish(shutil.copyfile(src, _tmp(out, name))) if src.is_file() else None
 
 
 def _moe_names(cfg) -> list[str]:
