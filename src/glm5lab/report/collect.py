@@ -47,28 +47,23 @@ def load_run(run_dir: Path) -> RunRecord:
     for name, why in need.items():
         if not (run_dir / name).is_file():
             raise NotARunError(f"{run_dir} has no {name}: {why}")
-    run, config, summary = (_json(run_dir / n) for n in ("run.json", "config.json", "summary.json"))
+    run, config, summary = (_json((run_dir / n).read_bytes(), run_dir / n)
+                            for n in ("run.json", "config.json", "summary.json"))
     if "eval_tokens" not in run.get("args", {}):
         raise NotARunError(f"{run_dir}/run.json has no eval_tokens: an older glm5lab trained this run (its "
                            "validation subset was counted in batches), and this version does not read its folders; "
                            "train it again")
-    metrics = [_json_line(run_dir / "metrics.jsonl", i, line)
-               for i, line in enumerate((run_dir / "metrics.jsonl").read_text().splitlines(), 1) if line.strip()]
+    metrics = [_json(line, f"{run_dir / 'metrics.jsonl'} line {i}")
+               for i, line in enumerate((run_dir / "metrics.jsonl").read_bytes().splitlines(), 1) if line.strip()]
     return RunRecord(run_dir, run, config, summary, metrics, _checkpoint(run_dir), _ablations(run_dir), _evals(run_dir))
 
 
-def _json(path: Path) -> dict:
+def _json(data: bytes, where) -> dict:
+    """`data` (a file's or a line's bytes) parsed; NotARunError naming `where` when it is not JSON."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NotARunError(f"{path} is not valid JSON ({e})") from None
-
-
-def _json_line(path: Path, number: int, line: str) -> dict:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        raise NotARunError(f"{path} line {number} is not valid JSON") from None
+        raise NotARunError(f"{where} is not valid JSON ({e})") from None
 
 
 def _checkpoint(run_dir: Path) -> Path:
