@@ -138,26 +138,3 @@ def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus
     err = [line for line in capsys.readouterr().err.splitlines() if "loss.png" in line]
     assert err == ["glm5lab train: warning: loss.png not drawn (ValueError: x and y must have same first dimension, "
                    "but have shapes (102,) and (72,)); the run is complete, its summary.json follows"]
-
-
-def test_the_loss_plot_draws_a_metrics_log_with_repeated_steps(tmp_path):
-    """A metrics.jsonl two runs wrote at once (102 rows, 30 steps twice, interleaved): drawn once per step, the
-    last record of each (`plot.last_per_step`), where it used to fail in matplotlib."""
-    def row(step, loss):
-        stage = "dense" if step <= 40 else "indexer_warmup" if step <= 50 else "sparse_adaptation"
-        kl = 1e-4 if stage != "dense" else None
-        lm = None if stage == "indexer_warmup" else loss
-        return {"step": step, "stage": stage, "loss": loss, "lm_loss": lm,
-                "mtp_losses": [loss + 0.1] * (1 if stage == "indexer_warmup" else 3), "indexer_kl": kl,
-                "val_loss": loss if step % 10 == 0 else None, "val_tokens": 512 if step % 10 == 0 else None}
-
-    first = [row(s, 8.0 - s / 20) for s in range(1, 73)]
-    second = [row(s, 9.0 - s / 20) for s in range(31, 61)]  # a --resume from step 30 writing beside it
-    rows = first[:40] + [r for pair in zip(first[40:70], second, strict=True) for r in pair] + first[70:]
-    assert len(rows) == 102 and len({r["step"] for r in rows}) == 72
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot_module.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
-    assert (tmp_path / "loss.png").stat().st_size > 10_000
-    kept = plot_module.last_per_step(rows)
-    assert [r["step"] for r in kept] == list(range(1, 73))
-    assert [r["loss"] for r in kept[40:60]] == [r["loss"] for r in second[10:30]]  # the later record of a step

@@ -12,9 +12,8 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullForm
 
 from glm5lab.ablate.results import figure, save_png
 from glm5lab.report.series import BALANCED, imbalance, perplexity
-from glm5lab.train.plot import (KL, LM, MTP, VAL, WHOLE, as_floats, beside, draw_losses, mark_stages, mtp_mean,
-                                plain_ticks, smoothed, smoothing_steps, stage_mean, stage_spans, subset_label,
-                                trailing_mean, whole_label)
+from glm5lab.train.plot import (LM, VAL, WHOLE, beside, draw_kl, draw_lm, draw_losses, mark_stages, mtp_mean,
+                                smoothed, smoothing_steps, stage_mean, stage_spans, subset_label, whole_label)
 
 
 def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None) -> Path:
@@ -42,39 +41,22 @@ def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None) 
 
 
 def _stage_panel(ax, rows: list[dict], k: int, summary: dict, kl_objective: bool) -> None:
-    steps = [r["step"] for r in rows]
-    has_kl = any(r.get("indexer_kl") is not None for r in rows)
     lm_ax = ax.twinx() if kl_objective else ax
-    lm = as_floats(r.get("lm_loss") for r in rows)
-    if any(math.isfinite(v) for v in lm):
-        lm_ax.plot(steps, lm, color=LM, alpha=0.25, linewidth=0.6)
-        lm_ax.plot(steps, trailing_mean(lm, k), color=LM, linewidth=1.4)
-    mtp, depths = mtp_mean(rows)
-    if depths and not kl_objective:
-        lm_ax.plot(steps, trailing_mean(mtp, k), color=MTP, linewidth=1.0)
-    val = [r for r in rows if r.get("val_loss") is not None]
-    lm_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=VAL, markersize=4, zorder=4)
-    if summary.get("val_loss") is not None:
-        lm_ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6, zorder=5,
-                   transform=beside(lm_ax))
+    draw_lm(lm_ax, rows, summary, k, mtp=not kl_objective)
     ax.set(xlabel="step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
     ax.grid(alpha=0.3)
     if kl_objective:
-        ax.plot(steps, as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=1.2)
-        ax.set_ylabel("indexer KL (nats): the stage objective", color=KL)
-        plain_ticks(ax.yaxis)
+        draw_kl(ax, rows, "indexer KL (nats): the stage objective", width=1.2)
         lm_ax.set_ylabel("LM cross-entropy (nats/token): logged, not trained", color=LM)
         ax.set_title(f"{rows[0]['stage']}: objective indexer KL", fontsize=10)
         return
+    has_kl = any(r.get("indexer_kl") is not None for r in rows)
     ax.set_ylabel("cross-entropy (nats/token)", color=LM)
-    plus_mtp = " + MTP" if depths else ""
+    plus_mtp = " + MTP" if mtp_mean(rows)[1] else ""
     ax.set_title(f"{rows[0]['stage']}: objective LM loss{plus_mtp}" + (" + indexer KL" if has_kl else ""), fontsize=10)
     if has_kl:
-        kl_ax = ax.twinx()
-        kl_ax.plot(steps, as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=0.9)
-        kl_ax.set_ylabel("indexer KL (nats)", color=KL)
-        plain_ticks(kl_ax.yaxis)
+        draw_kl(ax.twinx(), rows)
 
 
 def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None) -> Path | None:

@@ -101,8 +101,8 @@ def _measure(rec, cfg, quick: bool) -> dict:
 
     from glm5lab.data.pipeline import prepare_data
 
-    args = rec.run.get("args", {})  # an older run.json may lack a key: the run then had its default
-    data = prepare_data(cfg.vocab_size, args.get("data"), args.get("seed", 0), tokenizer=args.get("tokenizer"),
+    args = rec.run["args"]
+    data = prepare_data(cfg.vocab_size, args["data"], args["seed"], tokenizer=args["tokenizer"],
                         checkpoint=rec.checkpoint)
     result = probe(rec.checkpoint, data.val_tokens, ProbeSizes.quick() if quick else ProbeSizes())
     return {**result, "device": "cpu", "dtype": "fp32", "threads": torch.get_num_threads()}

@@ -52,12 +52,6 @@ def stage_mean(rows: list[dict], values: list, k: int) -> list[float]:
     return out
 
 
-def last_per_step(rows: list[dict]) -> list[dict]:
-    """The rows in step order, one per step: the last one logged for it (a metrics.jsonl that two runs wrote at once,
-    before run folders were locked, repeats steps; a resumed run drops its own repeats when it starts)."""
-    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
-
-
 def smoothed(k: int) -> str:
     """How a curve smoothed over k steps is labelled."""
     return "per step" if k == 1 else f"mean of last {k} steps"
@@ -133,17 +127,30 @@ def mtp_mean(rows: list[dict]) -> tuple[list[float], int]:
 
 
 def draw_losses(ax, rows: list[dict], summary: dict, *, title: str | None = None):
-    """The whole run on one axes: LM loss (faint per step, solid: `stage_mean`), MTP mean, the
-    validation subset as dots, the whole-split final figure as a diamond, the indexer KL on a
-    right axis, stage boundaries. Returns the (handles, labels) for one legend."""
+    """The whole run on one axes: `draw_lm`, the indexer KL on a right axis (`draw_kl`), stage boundaries.
+    Returns the (handles, labels) for one legend."""
+    draw_lm(ax, rows, summary, smoothing_steps(len(rows)))
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    mark_stages(ax, stage_spans(rows), title=title)
+    handles, labels = ax.get_legend_handles_labels()
+    if any(math.isfinite(v) for v in as_floats(r.get("indexer_kl") for r in rows)):  # its own axis: another scale
+        h2, l2 = draw_kl(ax.twinx(), rows, label="indexer KL (nats; its own axis, red)").get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    return handles, labels
+
+
+def draw_lm(ax, rows: list[dict], summary: dict, k: int, *, mtp: bool = True) -> None:
+    """On `ax`, each labelled for a legend: the LM loss (faint per step, solid: `stage_mean` over k steps), the MTP
+    mean over its depths (when `mtp` and the run has MTP), the validation subset as dots, and summary.json's
+    whole-split final figure as a diamond beside the last step (when `summary` has val_loss)."""
     steps = [r["step"] for r in rows]
-    k = smoothing_steps(len(rows))
     lm = as_floats(r.get("lm_loss") for r in rows)
     ax.plot(steps, lm, color=LM, alpha=0.25, linewidth=0.6)
     ax.plot(steps, stage_mean(rows, lm, k), color=LM, linewidth=1.5, label=f"LM loss (train, {smoothed(k)})")
-    mtp, depths = mtp_mean(rows)
-    if depths:
-        ax.plot(steps, stage_mean(rows, mtp, k), color=MTP, linewidth=1.1,
+    mtp_losses, depths = mtp_mean(rows)
+    if mtp and depths:
+        ax.plot(steps, stage_mean(rows, mtp_losses, k), color=MTP, linewidth=1.1,
                 label=f"MTP loss (mean of {depths} depth{'s' * (depths > 1)}, {smoothed(k)})")
     val = [r for r in rows if r.get("val_loss") is not None]
     if val:
@@ -152,20 +159,16 @@ def draw_losses(ax, rows: list[dict], summary: dict, *, title: str | None = None
     if summary.get("val_loss") is not None and rows:
         ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6,
                 label=whole_label(summary), zorder=5, transform=beside(ax))
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
-    ax.grid(alpha=0.3)
-    mark_stages(ax, stage_spans(rows), title=title)
-    handles, labels = ax.get_legend_handles_labels()
-    kl = as_floats(r.get("indexer_kl") for r in rows)
-    if any(math.isfinite(v) for v in kl):  # its own axis: the KL is on another scale than the CE
-        kl_ax = ax.twinx()
-        kl_ax.plot(steps, kl, color=KL, linewidth=0.9,
-                   label="indexer KL (nats; its own axis, red)")
-        kl_ax.set_ylabel("indexer KL (nats)", color=KL)
-        plain_ticks(kl_ax.yaxis)
-        h2, l2 = kl_ax.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    return handles, labels
+
+
+def draw_kl(ax, rows: list[dict], ylabel: str = "indexer KL (nats)", *, label: str | None = None, width: float = 0.9):
+    """The indexer KL per step on `ax` (red, `width` points wide, a gap where a row has none) with the y label
+    `ylabel` and plain tick labels; returns `ax`."""
+    ax.plot([r["step"] for r in rows], as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=width,
+            label=label)
+    ax.set_ylabel(ylabel, color=KL)
+    plain_ticks(ax.yaxis)
+    return ax
 
 
 def as_floats(values) -> list[float]:
@@ -182,7 +185,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     metrics_path = Path(metrics_path)
-    rows = last_per_step([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()])
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(9, 5))
     handles, labels = draw_losses(ax, rows, _json_or_empty(metrics_path.parent / "summary.json"),
                                   title="training run (dotted lines: stage boundaries)")
