@@ -80,11 +80,7 @@ def _checkpoint(run_dir: Path) -> Path:
 def _ablations(run_dir: Path) -> dict[str, dict]:
     found = {}
     for root in (run_dir / "ablate", run_dir.parent / "ablate"):
-        for results in sorted(root.glob("*/results.json")) if root.is_dir() else []:
-            try:
-                info = json.loads(results.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
+        for results, info in _json_files(root, "*/results.json"):
             key = info.get("study", results.parent.name) + (" (--quick)" if info.get("quick") else "")
             table = results.parent / "table.md"
             found.setdefault(key, {**info, "folder": str(results.parent),
@@ -93,11 +89,14 @@ def _ablations(run_dir: Path) -> dict[str, dict]:
 
 
 def _evals(run_dir: Path) -> dict[str, dict]:
-    folder = run_dir / "evals"
-    out = {}
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    return {path.stem: data for path, data in _json_files(run_dir / "evals", "*.json")}
+
+
+def _json_files(folder: Path, pattern: str):
+    """(path, parsed JSON) of each file matching `pattern` in `folder`, sorted by path; files that are not JSON are
+    left out (nothing when the folder is absent)."""
+    for path in sorted(folder.glob(pattern)):
         try:
-            out[path.stem] = json.loads(path.read_text())
+            yield path, json.loads(path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
-    return out

@@ -194,9 +194,8 @@ def _ablations(rec) -> str:
     out = ["## Ablations\n", ablation_summary(rec.ablations)]
     for key, info in rec.ablations.items():
         table = info["table"].split("\n", 1)[1] if info["table"].startswith("# ") else info["table"]
-        png = f"\n![{key}]({info['png']})\n" if info.get("png") else ""
         out.append(f"\n### `{key}` ({info['folder']}, seeds {info.get('seeds')}, {info.get('elapsed_s')} s)\n"
-                   f"{table.strip()}\n{png}")
+                   f"{table.strip()}\n{_img(info, 'png', key)}")
     return "".join(out)
 
 
