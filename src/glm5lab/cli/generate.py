@@ -84,13 +84,14 @@ def add_generate_parser(sub) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from glm5lab.checkpoints.export import resolve_checkpoint
     from glm5lab.infer.generate import check_request, generate
 
     if args.draft_steps is not None and not args.speculative:
         raise ValueError("--draft-steps applies only with --speculative mtp")
     check_sampling_flags(args)
     device, dtype = choose_device(args.device, args.dtype)
-    folder, from_run = resolve_model_dir(args.model)
+    folder = resolve_checkpoint(args.model, "--model")
     config = ModelConfig.from_hf(folder)  # a foreign or malformed config.json is refused before loading weights
     if args.compile:
         from glm5lab.infer.compiled import check_attention_only
@@ -105,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                    prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     check_request(config, prompt_ids, args.max_new_tokens, **options)  # the library's checks, before the weights
 
-    if from_run:
+    if folder != Path(args.model):  # a run folder's latest checkpoint
         print(f"glm5lab generate: using {folder}", file=sys.stderr)
     stream = None if args.json else Stream(tokenizer, sys.stdout)
     try:
@@ -149,37 +150,6 @@ def choose_device(device: str | None, dtype: str | None) -> tuple[str, str]:
         raise ValueError("--device cuda: no CUDA device is available (this torch build or machine has none); "
                          "use --device cpu")
     return device, dtype or validate.default_dtype(device)
-
-
-def resolve_model_dir(path: str) -> tuple[Path, bool]:
-    """(checkpoint folder, whether it came from a run folder) for --model. A run folder is one
-    with checkpoints/latest (written by `glm5lab train`); otherwise the folder itself must hold
-    config.json. Raises FileNotFoundError with what was expected."""
-    folder = Path(path)
-    if not folder.exists():
-        raise FileNotFoundError(f"--model {path}: no such folder")
-    if not folder.is_dir():
-        raise FileNotFoundError(f"--model {path} is a file: give the folder that holds config.json and the "
-                                "*.safetensors weights, or a `glm5lab train` run folder")
-    from glm5lab.checkpoints.folder import latest_pointer  # here: the CLI starts without torch
-
-    ckpt = latest_pointer(folder)
-    if ckpt is not None:
-        if not (ckpt / "config.json").is_file():
-            raise FileNotFoundError(f"--model {path}: checkpoints/latest points to {ckpt}, which has no "
-                                    "config.json (deleted or incomplete checkpoint)")
-        return ckpt, True
-    sharded = (folder / "trainer_state.json").is_file()  # a run checkpoint (DCP; docs/checkpoints.md)
-    if (folder / "config.json").is_file() and (sharded or any(folder.glob("*.safetensors"))):
-        return folder, False
-    if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():
-        raise FileNotFoundError(f"--model {path}: this run folder has no checkpoints/latest yet (no checkpoint "
-                                "was completed); give a checkpoint folder instead")
-    if (folder / "config.json").is_file():
-        raise FileNotFoundError(f"--model {path} has a config.json but no *.safetensors weights")
-    raise FileNotFoundError(f"--model {path} has no config.json: expected a checkpoint folder (config.json + "
-                            "*.safetensors, model_type glm_moe_dsa) or a `glm5lab train` run folder "
-                            "(checkpoints/latest)")
 
 
 def find_tokenizer(option: str | None, folder: Path, model_arg: Path):
