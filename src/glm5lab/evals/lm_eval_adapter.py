@@ -105,7 +105,7 @@ class GLM5LabLM(TemplateLM):
         super().__init__()
         if str(batch_size).startswith("auto"):
             raise ValueError(f"batch_size={batch_size!r} is not allowed: an integer >= 1 (no automatic search)")
-        self._batch_size = _int_arg("batch_size", batch_size, 1)
+        self.batch_size = _int_arg("batch_size", batch_size, 1)
         self._device = _resolve_device(device)
         self._dtype = _resolve_dtype(dtype, self._device)
         self.folder = Path(pretrained)
@@ -121,8 +121,8 @@ class GLM5LabLM(TemplateLM):
             raise ValueError(f"the tokenizer has no {EOT} token: it is the prefix and stop token here")
         self._eot = eot
         hi = cfg.max_position_embeddings
-        self._max_length = hi if max_length is None else _int_arg("max_length", max_length, 1, hi)
-        self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
+        self.max_length = hi if max_length is None else _int_arg("max_length", max_length, 1, hi)
+        self.max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         self.seed = _int_arg("seed", seed, 0)
         self.attn_impl = attn_impl
 
@@ -130,18 +130,6 @@ class GLM5LabLM(TemplateLM):
     @property
     def eot_token_id(self) -> int:
         return self._eot
-
-    @property
-    def max_length(self) -> int:
-        return self._max_length
-
-    @property
-    def max_gen_toks(self) -> int:
-        return self._max_gen_toks
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
 
     @property
     def tokenizer_name(self) -> str:
