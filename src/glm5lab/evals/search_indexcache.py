@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from glm5lab.config import ModelConfig
-from glm5lab.evals.tasks import check_int
 from glm5lab.evals.variants import mean_nll, model_variant
+from glm5lab.validate import int_at_least
 
 
 @dataclass
@@ -178,10 +178,10 @@ def search_indexcache(model, calib_ids, *, retentions=(1.0, 0.5, 0.25), window: 
     calib_ids = _check_calib(cfg, calib_ids)
     T = calib_ids.shape[1]
     if window is not None:
-        window = check_int("window", window, 1)
+        window = int_at_least("window", window, 1)
         if window > T - 1:
             raise ValueError(f"window = {window} is not allowed: at most T - 1 = {T - 1} targets per row")
-    time_repeats = check_int("time_repeats", time_repeats, 0)
+    time_repeats = int_at_least("time_repeats", time_repeats, 0)
     calib_ids = calib_ids.to(next(model.parameters()).device)
 
     def loss_of(pattern):
