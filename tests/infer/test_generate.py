@@ -64,7 +64,7 @@ def test_speculative_greedy_matches_plain_greedy(tiny4, draft_steps):
     assert len(s.acceptance_rate) == draft_steps and s.verify_steps > 0
     assert s.acceptance_length == pytest.approx(1 + sum(s.acceptance_rate))
     assert s.acceptance_length > 1  # drafts were accepted: the rollback of a partly accepted round ran
-    assert s.new_tokens == 3 * 8 and out.acceptance_length == s.acceptance_length
+    assert s.new_tokens == 3 * 8
 
 
 def test_speculative_greedy_on_tiny_with_chunked_prefill(tiny):

@@ -79,10 +79,6 @@ class GenerateOutput:
     tokens: list[list[int]]
     stats: GenerateStats = field(default_factory=GenerateStats)
 
-    @property
-    def acceptance_length(self) -> float | None:
-        return self.stats.acceptance_length
-
 
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
