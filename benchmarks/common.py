@@ -111,13 +111,13 @@ def resolve_checkpoint(path) -> Path:
 def setup_device(args) -> torch.device:
     """The device of `--device` after `--threads`: torch.set_num_threads(args.threads) when given,
     then args.device checked as `glm5lab generate --device` checks it
-    (`glm5lab.cli.generate.choose_device`). Raises SystemExit when CUDA is asked for and absent."""
-    from glm5lab.cli.generate import choose_device
+    (`glm5lab.validate.torch_device`). Raises SystemExit when CUDA is asked for and absent."""
+    from glm5lab.validate import torch_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return torch.device(choose_device(args.device, None)[0])
+        return torch_device(args.device, "--device")
     except ValueError as e:
         raise SystemExit(str(e)) from None
 

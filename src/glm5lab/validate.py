@@ -69,6 +69,24 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPES[dtype_name(name, ("fp32", "bf16"))][0])
 
 
+def torch_device(value, name: str = "device"):
+    """The torch.device `value` names ("cpu", "cuda", "cuda:N"); None or "auto": cuda when available, else cpu.
+    Raises ValueError naming `name` (the caller's argument) for a name torch does not know, or for CUDA where
+    this torch build or machine has none."""
+    import torch
+
+    if value in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        refuse(name, value, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name} {value}: no CUDA device is available (this torch build or machine has none); "
+                         f"use {name} cpu")
+    return device
+
+
 def default_dtype(device) -> str:
     """The models' dtype on `device`: "bf16" on CUDA, else "fp32"."""
     return "bf16" if str(device).startswith("cuda") else "fp32"

@@ -90,7 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.draft_steps is not None and not args.speculative:
         raise ValueError("--draft-steps applies only with --speculative mtp")
     check_sampling_flags(args)
-    device, dtype = choose_device(args.device, args.dtype)
+    device = validate.torch_device(args.device, "--device")
+    dtype = args.dtype or validate.default_dtype(device)
     folder = resolve_checkpoint(args.model, "--model")
     config = ModelConfig.from_hf(folder)  # a foreign or malformed config.json is refused before loading weights
     if args.compile:
@@ -139,17 +140,6 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{' and '.join(given)} {verb} sampling, but --temperature is 0 (greedy, the default): "
                          "add --temperature T > 0 (e.g. --temperature 0.8), or drop "
                          f"{' and '.join(g.split()[0] for g in given)}")
-
-
-def choose_device(device: str | None, dtype: str | None) -> tuple[str, str]:
-    import torch
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (this torch build or machine has none); "
-                         "use --device cpu")
-    return device, dtype or validate.default_dtype(device)
 
 
 def find_tokenizer(option: str | None, folder: Path, model_arg: Path):
@@ -207,7 +197,7 @@ def parse_stops(values: list[str], tokenizer) -> list[int]:
     return stops
 
 
-def load_model(folder: Path, *, torch_dtype, device: str, speculative: bool):
+def load_model(folder: Path, *, torch_dtype, device, speculative: bool):
     """The model, with its MTP layer only when speculative decoding needs it. A config without an
     MTP layer loads as is (`generate` then refuses speculative="mtp"); one that declares an MTP
     layer whose weights the checkpoint lacks is a ValueError (the user's folder, not a bug)."""

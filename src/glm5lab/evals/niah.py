@@ -75,10 +75,6 @@ class NIAHExample:
     seed: int
 
 
-def needle_length(key_len: int, value_len: int) -> int:
-    return 3 + key_len + value_len
-
-
 def make_niah(vocab: TaskVocab, context_length: int, variant: str = "single", *, num_keys: int | None = None,
               num_values: int | None = None, num_queries: int | None = None, key_len: int = 2,
               value_len: int = 2, depth: float | Sequence[float] | None = None,
@@ -102,7 +98,7 @@ def make_niah(vocab: TaskVocab, context_length: int, variant: str = "single", *,
     key_len, value_len = int_at_least("key_len", key_len, 1), int_at_least("value_len", value_len, 1)
     context_length = int_at_least("context_length", context_length, 1)
     n_needles = nk * nv
-    fixed = n_needles * needle_length(key_len, value_len) + nq * (1 + key_len) + 1
+    fixed = n_needles * (3 + key_len + value_len) + nq * (1 + key_len) + 1  # needles, queries, [answer]
     if context_length < fixed:
         raise ValueError(f"context_length = {context_length} is too short: {n_needles} needle(s) and "
                          f"{nq} query(ies) need {fixed} tokens")

@@ -49,9 +49,7 @@ class TaskVocab:
     filler: tuple[int, ...]
 
     def __post_init__(self):
-        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, (int, np.integer)) \
-                or self.vocab_size < 1:
-            raise ValueError(f"vocab_size = {self.vocab_size!r} is not allowed: it must be an int >= 1")
+        int_at_least("vocab_size", self.vocab_size, 1)
         for name in MARKERS:
             _check_id(name, getattr(self, name), self.vocab_size)
         markers = [getattr(self, n) for n in MARKERS]
