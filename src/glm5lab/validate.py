@@ -40,6 +40,13 @@ def finite(name: str, value, *, positive: bool = False, error: type[Exception] =
     return float(value)
 
 
+def fraction(name: str, value) -> float:
+    """float(value) when it is a number in (0, 1] (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        refuse(name, value, "a number in (0, 1]")
+    return float(value)
+
+
 def one_of(name: str, value, allowed, *, error: type[Exception] = ValueError):
     """`value` when it is one of `allowed`."""
     if value not in allowed:

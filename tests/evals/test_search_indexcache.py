@@ -151,7 +151,7 @@ def test_model_without_dsa(cfg, ids):
     dense = GLM5ForCausalLM(ModelConfig.from_preset("tiny").replace(use_dsa=False))
     with pytest.raises(ValueError, match="model"):
         search_indexcache(dense, ids)
-    with pytest.raises(ValueError, match="retentions"):
+    with pytest.raises(ValueError, match="retention = 2.0 is not allowed: a number in"):
         uniform_pattern(cfg, 2.0)
 
 

@@ -34,7 +34,7 @@ import torch
 
 from glm5lab.config import ModelConfig
 from glm5lab.evals.variants import mean_nll, model_variant
-from glm5lab.validate import int_at_least
+from glm5lab.validate import fraction, int_at_least
 
 
 @dataclass
@@ -77,7 +77,7 @@ def uniform_pattern(cfg: ModelConfig, retention: float) -> list[str]:
     become "shared". Layers that do not select keep their entry. Raises ValueError (retention
     not in (0, 1], config without DSA)."""
     _check_dsa(cfg)
-    retention = _check_retention(retention)
+    retention = fraction("retention", retention)
     full = full_layers(cfg)
     n = _target_count(retention, len(full))
     keep = {full[(j * len(full)) // n] for j in range(n)}
@@ -174,7 +174,7 @@ def search_indexcache(model, calib_ids, *, retentions=(1.0, 0.5, 0.25), window: 
     `time_repeats` < 0; `model` without DSA (use_dsa off, no indexer, or no MLA layer that selects keys)."""
     cfg = model.config
     _check_dsa(cfg)
-    levels = sorted({_check_retention(r) for r in _as_list(retentions)}, reverse=True)
+    levels = sorted({fraction("retentions", r) for r in _as_list(retentions)}, reverse=True)
     calib_ids = _check_calib(cfg, calib_ids)
     T = calib_ids.shape[1]
     if window is not None:
@@ -232,12 +232,6 @@ def _as_list(retentions) -> list:
     if not values:
         raise ValueError("retentions is empty: give at least one level in (0, 1]")
     return values
-
-
-def _check_retention(r) -> float:
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 1:
-        raise ValueError(f"retentions: {r!r} is not allowed: each level must be a number in (0, 1]")
-    return float(r)
 
 
 def _check_dsa(cfg: ModelConfig) -> None:

@@ -45,7 +45,7 @@ from glm5lab.evals.mqar import make_mqar_batch, mqar_accuracy
 from glm5lab.evals.niah import make_niah_batch, training_pair
 from glm5lab.evals.tasks import IGNORE_INDEX, TaskVocab, token_ids
 from glm5lab.evals.variants import mean_nll, model_variant
-from glm5lab.validate import int_at_least
+from glm5lab.validate import fraction, int_at_least
 
 Pattern = tuple[int, ...]  # sorted indices of the "swa" layers
 
@@ -94,9 +94,7 @@ def search_swa(model, score_fn: Callable[[object], float], *, window: int, targe
     score_fn returns a non-finite or non-numeric value; no candidate of a round is a valid config.
     """
     window = int_at_least("window", window, 1)
-    if isinstance(target_fraction, bool) or not isinstance(target_fraction, (int, float)) \
-            or not 0 < target_fraction <= 1:
-        raise ValueError(f"target_fraction = {target_fraction!r} is not allowed: it must lie in (0, 1]")
+    target_fraction = fraction("target_fraction", target_fraction)
     beam, per_round = int_at_least("beam", beam, 1), int_at_least("per_round", per_round, 1)
     if max_candidates is not None:
         max_candidates = int_at_least("max_candidates", max_candidates, 1)
