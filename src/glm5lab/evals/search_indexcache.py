@@ -211,18 +211,6 @@ def search_indexcache(model, calib_ids, *, retentions=(1.0, 0.5, 0.25), window: 
     return rows
 
 
-def markdown_table(rows: list[IndexCacheRow]) -> str:
-    """A Markdown table of `rows`: method, retention, full layers, loss, delta, times, pattern
-    (`indexer_types` per layer: F = "full", s = "shared")."""
-    lines = ["| method | retention | full layers | loss (nats/token) | delta | attn ms | forward ms | pattern |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        pat = "".join("F" if t == "full" else "s" for t in r.pattern)
-        lines.append(f"| {r.method} | {r.retention:g} | {r.full_layers} | {r.loss:.4f} | {r.delta_loss:+.4f} | "
-                     f"{r.attn_ms:.2f} | {r.forward_ms:.2f} | `{pat}` |")
-    return "\n".join(lines)
-
-
 def _switched(pattern: list[str], layer: int) -> list[str]:
     return [("shared" if i == layer else t) for i, t in enumerate(pattern)]
 
