@@ -1,12 +1,10 @@
 """`glm5lab generate`: load a checkpoint and continue a prompt, plain or MTP-speculative.
 
-The command body behind `glm5lab.cli`; the work is `glm5lab.generate` (see `glm5lab.infer.generate`). --model
-takes a `glm5lab train` run folder (its checkpoints/latest checkpoint is used), a checkpoint folder, or any HF
-GLM-5-layout folder (config.json + safetensors, model_type glm_moe_dsa). Text streams to stdout as it is
-generated; a statistics line goes to stderr at the end. What only the command knows (the folder, config,
-tokenizer, the prompt and --stop texts, option combinations) is checked before the model is loaded; the values
-`glm5lab.generate` takes (sampling numbers, lengths, token ids, the MTP layer) are checked by it alone, and
-its ValueError is the command's one-line error.
+The command body behind `glm5lab.cli` (its flags' help says what they take; --model is resolved as
+`glm5lab.checkpoints.export.resolve_checkpoint`); the work is `glm5lab.generate` (`glm5lab.infer.generate`).
+What only the command knows (the folder, config, tokenizer, the prompt and --stop texts, option combinations)
+is checked before the model is loaded; the values `glm5lab.generate` takes (sampling numbers, lengths, token
+ids, the MTP layer) are checked by it alone, and its ValueError is the command's one-line error.
 """
 
 from __future__ import annotations
