@@ -113,11 +113,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            speculative=bool(args.speculative))
         out = generate(model, prompt_ids, args.max_new_tokens, **options, compile=args.compile,
                        on_tokens=None if stream is None else (lambda rows: stream.add(rows[0])))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the text so far ends its line; `glm5lab.cli` then says "interrupted", exit 130
         if stream is not None and stream.ids:
             stream.close()
-        print("glm5lab generate: interrupted", file=sys.stderr)
-        return 130
+        raise
     tokens = out.tokens[0]
     if stream is not None:
         stream.close()
@@ -223,12 +222,9 @@ class Stream:
     def add(self, ids: list[int]) -> None:
         if not ids:
             return
-        if self.tokenizer is None:
-            self._write(" ".join(map(str, ids)) if not self.ids else " " + " ".join(map(str, ids)))
-            self.ids += ids
-            return
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        text = (" ".join(map(str, self.ids)) if self.tokenizer is None
+                else self.tokenizer.decode(self.ids, skip_special_tokens=False))
         if not text.endswith(REPLACEMENT_CHAR):
             self._show(text)
 
