@@ -15,12 +15,13 @@ n(r). Cost: 1 + sum over rounds of the candidates, i.e. at most 1 + sum_{m=n_min
 passes of calib_ids (|F0| = 6 to 2: 15), plus one loss forward per uniform row and 1 + `time_repeats` timed
 forwards per reported row (none at 0).
 
-Loss: mean NLL in nats/token of calib_ids[:, 1:] given the prefix, from `model(ids).logits` in fp32 (summed in
-fp64), no grad; with `window` only the last `window` targets of each row count (queries earlier than
-index_topk see every key, so DSA cannot change them). Time (attn_ms): the summed wall time of the MLA
-attention modules (forward pre/post hooks, CUDA-synchronised on GPU) in one forward of calib_ids, median over
-`time_repeats` forwards, in milliseconds; forward_ms is the median wall time of the whole forward. A pattern
-is evaluated on a twin model (`with_indexer_pattern`) that shares the original's weight tensors: no copy.
+Loss (`glm5lab.evals.variants.mean_nll`): mean NLL in nats/token of calib_ids[:, 1:] given the prefix, from
+`model(ids).logits` in fp32 (summed in fp64), no grad; with `window` only the last `window` targets of each row
+count (queries earlier than index_topk see every key, so DSA cannot change them). Time (attn_ms): the summed
+wall time of the MLA attention modules (forward pre/post hooks, CUDA-synchronised on GPU) in one forward of
+calib_ids, median over `time_repeats` forwards, in milliseconds; forward_ms is the median wall time of the
+whole forward. A pattern is evaluated on a twin model (`with_indexer_pattern`) that shares the original's
+weight tensors: no copy.
 """
 
 from __future__ import annotations
@@ -91,11 +92,6 @@ def with_indexer_pattern(model, pattern: list[str]):
     if list(pattern) == list(model.config.indexer_types):
         return model
     return model_variant(model, indexer_types=list(pattern))
-
-
-def calibration_loss(model, calib_ids: torch.Tensor, window: int | None = None) -> float:
-    """Mean NLL (nats/token) of calib_ids[:, 1:] (or of each row's last `window` targets)."""
-    return mean_nll(model, calib_ids, window)
 
 
 class AttentionClock:
@@ -184,7 +180,7 @@ def search_indexcache(model, calib_ids, *, retentions=(1.0, 0.5, 0.25), window: 
     calib_ids = calib_ids.to(next(model.parameters()).device)
 
     def loss_of(pattern):
-        return calibration_loss(with_indexer_pattern(model, pattern), calib_ids, window)
+        return mean_nll(with_indexer_pattern(model, pattern), calib_ids, window)
 
     def row(method, r, pattern, loss, switched):
         twin = with_indexer_pattern(model, pattern)

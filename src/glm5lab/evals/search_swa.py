@@ -164,10 +164,6 @@ def _candidates(L: int, p: Pattern, k: int, max_candidates: int | None, seed: in
 
 # --- ready-made scorers ---------------------------------------------------------------------------
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def loss_scorer(ids) -> Callable[[object], float]:
     """score_fn = minus the mean next-token NLL (nats/token) of the model on `ids` (int64 [T] or
     [B, T], T >= 2, one forward over the whole sequence, fp32 log-probs). Make T > window. Raises ValueError
@@ -183,7 +179,7 @@ def loss_scorer(ids) -> Callable[[object], float]:
 
     def score(model) -> float:
         token_ids("ids", x.flatten(), model.config.vocab_size)
-        return -mean_nll(model, x.to(_device(model)))
+        return -mean_nll(model, x.to(next(model.parameters()).device))
 
     return score
 
@@ -215,7 +211,7 @@ def _accuracy_scorer(x_BT: torch.Tensor, labels_BT: torch.Tensor) -> Callable[[o
 
     @torch.no_grad()
     def score(model) -> float:
-        d = _device(model)
+        d = next(model.parameters()).device
         return mqar_accuracy(model(x_BT.to(d)).logits, labels_BT.to(d))
 
     return score
