@@ -44,7 +44,7 @@ def resolve_checkpoint(path, name: str = "CHECKPOINT") -> Path:
     if latest is not None:
         if not is_checkpoint(latest):
             refuse(name, str(path), f"a run folder with a complete checkpoint (its checkpoints/latest points to "
-                   f"{latest}, which holds no config.json and weights: deleted or incomplete)")
+                   f"{latest}, which lacks config.json or the weights: deleted or incomplete)")
         return latest
     if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():
         refuse(name, str(path), "a run folder with a checkpoint (this one has no checkpoints/latest yet: no "
