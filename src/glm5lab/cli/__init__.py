@@ -67,22 +67,13 @@ DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attentio
                "`glm5lab COMMAND -h` for a command's options.")
 
 
-def load_config(preset: str | None, config: str | None) -> tuple[ModelConfig, str]:
-    """(config, label) from a preset name or an HF config.json (file or checkpoint folder).
-
-    Raises ConfigError (unknown preset, bad or foreign config.json), FileNotFoundError."""
-    if config is None:
-        name = preset or "glm5"
-        return ModelConfig.from_preset(name), name
-    return ModelConfig.from_hf(config), config
-
-
 DEPLOYMENT_FLAGS = ("gpus", "ep", "mode")
 """`glm5lab ledger` flags that ask for the deployment accounts; they go together."""
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
-    cfg, label = load_config(args.preset, args.config)
+    label = args.config or args.preset or "glm5"  # an HF config.json (file or checkpoint folder), or a preset
+    cfg = ModelConfig.from_hf(label) if args.config else ModelConfig.from_preset(label)
     if _deployment_asked(args):
         if args.index_dtype is not None:
             refuse("--index-dtype", args.index_dtype, "only for the ledger table (the deployment accounts keep the "

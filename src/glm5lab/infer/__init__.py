@@ -12,8 +12,7 @@ DEFAULT_PREFILL_CHUNK = 256
 """Prefill chunk (tokens) of `generate`: on a 2-core CPU, 256 was fastest and smallest among
 256..2048 and the whole prompt for the benchmark model at T = 2K..8K (BENCHMARKS.md, prefill)."""
 
-_LAZY = {"prefill": "glm5lab.infer.steps", "decode_step": "glm5lab.infer.steps", "verify": "glm5lab.infer.steps",
-         "draft": "glm5lab.infer.steps", "Prefill": "glm5lab.infer.steps"}
+_LAZY = dict.fromkeys(("prefill", "decode_step", "verify", "draft", "Prefill"), "glm5lab.infer.steps")
 __all__ = ["DEFAULT_PREFILL_CHUNK", *_LAZY]
 
 
