@@ -33,7 +33,6 @@ from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
 from glm5lab.validate import int_at_least
 
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
-_CKPTEXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 """Our stacked expert weight [E, ...] (group 1: the experts module, group 2: the projection)."""
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")

@@ -233,9 +233,8 @@ def load(folder: Path, model, optimizer=None) -> dict | None:
 def _load_hf(folder: Path, model) -> None:
     """Copy into every parameter and buffer of `model` this rank's part of the HF folder's tensor, read one at a
     time (no rank holds the whole model), cast to the parameter's dtype."""
-    from torch.distributed.tensor import DTensor
-
     from glm5lab.hf import CheckpointError, CheckpointTensors
+    from glm5lab.model.local import local
     from glm5lab.parallel.dist import local_part
 
     tensors = CheckpointTensors(folder, model.config)
@@ -245,10 +244,7 @@ def _load_hf(folder: Path, model) -> None:
         full = tensors[name]
         if tuple(full.shape) != tuple(t.shape):
             raise CheckpointError(f"{folder}: {name}: checkpoint {tuple(full.shape)} vs model {tuple(t.shape)}")
-        if isinstance(t, DTensor):
-            t.to_local().copy_(local_part(t, full, ctx=None))
-        else:
-            t.copy_(full)
+        local(t).copy_(local_part(t, full))
 
 
 def allocate(model, device) -> None:

@@ -34,11 +34,10 @@ import numpy as np
 
 import glm5lab
 from glm5lab.io_utils import atomic_write_text
-from glm5lab.data.tokenizer import BPE_RECIPE, cached_tokenizer, eot_id, load_tokenizer
+from glm5lab.data.tokenizer import BPE_RECIPE, TOKENIZER_FILE, cached_tokenizer, eot_id, load_tokenizer
 from glm5lab.data.corpus import VAL_FRACTION, SplitAssigner, cache_root, fetch_default_corpus, settled
 from glm5lab.data.pieces import PIECE_CHARS, Cutter
-from glm5lab.data.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
-                                  tokenizer_sha256)
+from glm5lab.data.shards import FORMAT, INDEX_FILE, SPLITS, VERSION, dtype_for, shard_name, tokenizer_sha256
 from glm5lab.data.sources import TEXT_SUFFIXES, open_corpus
 from glm5lab.validate import int_at_least
 
