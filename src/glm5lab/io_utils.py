@@ -65,7 +65,7 @@ def replace_folder(folder: Path, write: Callable[[Path], None], *, replaces: Cal
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{folder} exists and is not a folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(folder, "tmp")
+    tmp = sibling(folder, "tmp")
     tmp.mkdir()
     try:
         write(tmp)
@@ -73,13 +73,14 @@ def replace_folder(folder: Path, write: Callable[[Path], None], *, replaces: Cal
             _carry_over(folder, tmp, replaces)
             shutil.copymode(folder, tmp)
         _fsync_dir(tmp)
-        _swap_in(tmp, folder)
+        swap_in(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _swap_in(new: Path, folder: Path) -> None:
+def swap_in(new: Path, folder: Path) -> None:
+    """Rename the folder `new` to `folder`, replacing a folder there by two renames (`replace_folder`)."""
     try:
         cwd = Path.cwd()
     except FileNotFoundError:
@@ -87,7 +88,7 @@ def _swap_in(new: Path, folder: Path) -> None:
     if not folder.exists():
         os.rename(new, folder)
     else:
-        old = _sibling(folder, "old")
+        old = sibling(folder, "old")
         os.rename(folder, old)
         try:
             os.rename(new, folder)
@@ -126,7 +127,7 @@ def _umask() -> int:
     return mask
 
 
-def _sibling(path: Path, tag: str) -> Path:
+def sibling(path: Path, tag: str) -> Path:
     """An unused hidden name beside `path`: `.NAME.TAG-XXXXXXXX`."""
     while True:
         candidate = path.with_name(f".{path.name}.{tag}-{secrets.token_hex(4)}")
