@@ -52,6 +52,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def publish_folder(folder: Path, build: Callable[[Path], None], *, done: Callable[[Path], bool]) -> None:
+    """Make the new folder `folder` by `build(staging)` into an absent path in a hidden temporary sibling, then
+    one rename: an interrupted build leaves nothing under the final name (its sibling is removed). When the rename
+    fails because a concurrent build finished first (`done(folder)`: e.g. another rank's), that one is kept."""
+    with tempfile.TemporaryDirectory(prefix=f".{folder.name}.", dir=folder.parent) as tmp:
+        staging = Path(tmp) / folder.name
+        build(staging)
+        try:
+            os.rename(staging, folder)
+        except OSError:
+            if not done(folder):
+                raise
+
+
 def replace_folder(folder: Path, write: Callable[[Path], None], *, replaces: Callable[[str], bool]) -> None:
     """Make `folder` hold what `write(tmp)` writes into an empty folder, plus every entry of the
     existing `folder` that `write` did not write and `replaces(name)` does not claim.
