@@ -62,10 +62,13 @@ def attention_causal(q_BTHD, k_BSGD, v_BSGE, *, scale: float, q_offset: int = 0)
     return _sdpa(q_BTHD, k_BSGD, v_BSGE, attn_mask=visible(q_offset, T, S, device=q_BTHD.device)[0], scale=scale)
 
 
-def attention_masked(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch.Tensor) -> torch.Tensor:
+def attention_masked(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch.Tensor | None,
+                     q_offset: int = 0) -> torch.Tensor:
     """`attention_reference` through SDPA: the same boolean mask ([B|1, T, S], True = may
-    attend), fused kernels. The fast form of DSA when the selection is dense-ish (short context),
-    where gathering K keys per query costs more than masking S."""
+    attend), fused kernels; None: `attention_causal` with `q_offset`. The fast form of DSA when the selection is
+    dense-ish (short context), where gathering K keys per query costs more than masking S."""
+    if mask_BTS is None:
+        return attention_causal(q_BTHD, k_BSGD, v_BSGE, scale=scale, q_offset=q_offset)
     return _sdpa(q_BTHD, k_BSGD, v_BSGE, attn_mask=mask_BTS[:, None], scale=scale)
 
 
@@ -85,11 +88,7 @@ def attention_latent_masked(q_BTHX, kv_BSX, *, v_dim: int, scale: float, mask_BT
     `q_offset`). The value passed to SDPA is the whole X-wide key (the extra output columns are dropped):
     equal widths keep CPU SDPA on its fused kernel, and no sliced copy of the cache is made."""
     kv_BS1X = kv_BSX[:, :, None, :]
-    if mask_BTS is None:
-        o_BTHX = attention_causal(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, q_offset=q_offset)
-    else:
-        o_BTHX = attention_masked(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, mask_BTS=mask_BTS)
-    return o_BTHX[..., :v_dim]
+    return attention_masked(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, mask_BTS=mask_BTS, q_offset=q_offset)[..., :v_dim]
 
 
 def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk: TopK,
