@@ -69,6 +69,11 @@ def dtype_name(name: str, allowed=tuple(DTYPES)) -> str:
     return short
 
 
+def dtype_bytes(name: str) -> int:
+    """Bytes per value of a short or torch dtype name (`DTYPES`); ValueError for another name."""
+    return DTYPES[dtype_name(name)][1]
+
+
 def torch_dtype(name: str):
     """The torch.dtype of a short or torch dtype name (fp32/bf16 or float32/bfloat16)."""
     import torch

@@ -14,7 +14,7 @@ Legend: R world ranks, E routed experts (`n_routed_experts`), K experts per toke
 from __future__ import annotations
 
 from glm5lab.config import ModelConfig
-from glm5lab.validate import DTYPES, dtype_name, int_at_least, is_int, refuse
+from glm5lab.validate import dtype_bytes, dtype_name, int_at_least, is_int, refuse
 
 
 def expert_rank(e: int, n_experts: int, ep: int) -> int:
@@ -56,7 +56,7 @@ def a2a_bytes(load_RE, ep: int, hidden_size: int, dtype: str, *, backward: bool 
       first (ragged), a count that is not an int >= 0, E % ep != 0, len(load_RE) % ep != 0.
     """
     int_at_least("hidden_size", hidden_size, 1)
-    nbytes = DTYPES[dtype_name(dtype)][1]
+    nbytes = dtype_bytes(dtype)
     return crossing_rows(load_RE, ep) * hidden_size * nbytes * 2 * (2 if backward else 1)
 
 
@@ -69,7 +69,7 @@ def a2a_per_token(cfg: ModelConfig, *, ep: int, dtype: str = "bf16") -> dict:
     backward pass moves as much again. Shared experts are not dispatched. Raises ValueError
     (ep not a divisor of n_routed_experts, unknown dtype)."""
     _check_ep(ep, cfg.n_routed_experts)
-    nbytes = DTYPES[dtype_name(dtype)][1]
+    nbytes = dtype_bytes(dtype)
     one_way = cfg.num_experts_per_tok * cfg.hidden_size * nbytes * (ep - 1) / ep
     return {"dtype": dtype_name(dtype), "bytes_per_value": nbytes, "dispatch": one_way, "combine": one_way}
 

@@ -138,7 +138,7 @@ def _optimizer_notice(cfg, optimizer: str) -> str | None:
 
 
 def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None, say):
-    """--data: the run's own refusal when the path does not exist (`iter_documents`, reached before it reads
+    """--data: the run's own refusal when the path does not exist (`open_corpus`, reached before it reads
     anything); for a text corpus, --tokenizer or the continued checkpoint's (`given_tokenizer`: it loads, is the
     checkpoint's, fits the vocabulary); for a token folder, its index, shards' sizes and tokenizer
     (`token_folder_data`: nothing is loaded; its split seed, when it is not --seed, through `say`) and its token
@@ -146,10 +146,10 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
     None (a text corpus: the run reads it)."""
     from glm5lab.data.pipeline import given_tokenizer, token_folder_data
     from glm5lab.data.shards import is_token_folder
-    from glm5lab.data.sources import iter_documents
+    from glm5lab.data.sources import open_corpus
 
     if args.data is not None and not Path(args.data).exists():
-        next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError
+        open_corpus(Path(args.data))  # raises its FileNotFoundError
     if args.data is None or not is_token_folder(args.data):  # a text corpus: --tokenizer, the checkpoint's
         given_tokenizer(cfg.vocab_size, args.tokenizer, checkpoint)
         return None
