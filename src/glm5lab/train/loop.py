@@ -44,7 +44,7 @@ from glm5lab.train.args import TrainArgs
 from glm5lab.train.plan import check_data_fits, check_eval_subset, check_fits, check_run
 from glm5lab.train.recipe import DEFAULT_RECIPE, load_recipe
 from glm5lab.checkpoints.export import export_checkpoint
-from glm5lab.checkpoints.resume import first_complete, resume_checkpoint
+from glm5lab.checkpoints.resume import resume_checkpoint
 from glm5lab.train.run_lock import hold_run_folder
 from glm5lab.train.stages import Stage, objective_name
 from glm5lab.train.step import StepDone, run_stages
@@ -110,9 +110,8 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     for line in plan.notices:  # nothing changes silently
         say(line)
     model = build_model(args, cfg, ctx.world_size)
-    checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
-        model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint, say=say)
+        model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=plan.checkpoint, say=say)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
     if args.eval_every:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)
