@@ -60,8 +60,8 @@ def hold_run_folder(run_dir: Path, ctx=None, *, create: bool = True):
     refusal = _from_main(refusal, ctx)
     if refusal is not None:
         raise RunFolderInUse(refusal)
-    if not ctx.is_main:
-        fd = _share(path)
+    if not ctx.is_main:  # a shared lock on the file its main rank holds (None when this host does not see it)
+        fd = _open_locked(path, os.O_RDONLY, fcntl.LOCK_SH)
     try:
         yield
     finally:
@@ -84,15 +84,9 @@ def refuse_if_held(run_dir: Path) -> None:
     before any of its checks reads the folder, so a second start into a folder a run trains in is told so, rather
     than what that folder's run.json or checkpoints would make it refuse; `hold_run_folder` then takes the lock (a
     start between the two is refused there)."""
-    path = Path(run_dir) / LOCK_FILE
-    try:  # read-write: on NFS an exclusive flock is a write lock
-        fd = os.open(path, os.O_RDWR)
-    except OSError:  # no lock file (no run holds the folder), or not ours to write: `hold_run_folder` decides
-        return
-    try:
-        if not _flock(fd, fcntl.LOCK_EX, tries=10):
-            raise RunFolderInUse(_refusal(path))
-    finally:
+    path = Path(run_dir) / LOCK_FILE  # opened read-write: on NFS an exclusive flock is a write lock
+    fd = _open_locked(path, os.O_RDWR, fcntl.LOCK_EX, tries=10)
+    if fd is not None:  # None: no lock file (no run holds the folder), or not ours to write: `hold_run_folder` decides
         os.close(fd)  # drops the exclusive lock this probe took
 
 
@@ -108,13 +102,12 @@ def _take(path: Path, create: bool) -> tuple[int | None, list[Path]]:
         missing = [p for p in (folder, *folder.parents) if not p.exists()]
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:  # --out is a file, or a folder this process cannot write to: the run's checks refuse it
             return None, []
+        fd = _open_locked(path, os.O_RDWR | os.O_CREAT, fcntl.LOCK_EX, tries=10)
+        if fd is None:  # a file this process cannot create or write: as above
+            return None, []
         made = missing or made
-        if not _flock(fd, fcntl.LOCK_EX, tries=10):
-            os.close(fd)
-            raise RunFolderInUse(_refusal(path))
         if _same_file(fd, path):
             break
         os.close(fd)  # removed by the run that held it while this process waited: lock the file there now
@@ -147,13 +140,14 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _share(path: Path) -> int | None:
-    """A non-main rank's shared lock on the file its main rank holds (None when this host does not see it)."""
+def _open_locked(path: Path, flags: int, operation: int, tries: int = 1) -> int | None:
+    """`path` opened with `flags` (a file it creates: mode 0o644) and locked (`_flock`); None when it cannot be
+    opened. Raises RunFolderInUse, naming the holder, when another run holds it."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, flags, 0o644)
     except OSError:
         return None
-    if not _flock(fd, fcntl.LOCK_SH):
+    if not _flock(fd, operation, tries):
         os.close(fd)
         raise RunFolderInUse(_refusal(path))
     return fd
