@@ -42,7 +42,7 @@ from glm5lab.train.extend import continue_position, record_extension
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.args import TrainArgs
 from glm5lab.train.plan import check_data_fits, check_eval_subset, check_fits, check_run
-from glm5lab.train.recipe import DEFAULT_RECIPE, load_recipe
+from glm5lab.train.recipe import load_recipe
 from glm5lab.checkpoints.export import export_checkpoint
 from glm5lab.checkpoints.resume import resume_checkpoint
 from glm5lab.train.run_lock import hold_run_folder
@@ -197,18 +197,15 @@ def resume_message(run_dir: Path, folder: Path, start: dict, stages: list[Stage]
 
 
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
+    """run.json, with its "recipe": the recipe's name and file, and whether the stages came from it or from
+    `stage_plan` (the resolved stages themselves are its "stages"); config.json."""
+    recipe = load_recipe(args.recipe)
     info = {"args": asdict(args), "stages": [s.to_dict() for s in stages], "git_commit": git_commit(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "world_size": ctx.world_size,
-            "device": str(ctx.device), "recipe": recipe_record(args)}
+            "device": str(ctx.device), "recipe": {"name": recipe.name, "source": recipe.source,
+                                                  "stages_from": "stage_plan" if args.stage_plan else "recipe"}}
     atomic_write_text(run_dir / "run.json", json.dumps(info, indent=2) + "\n")  # creates run_dir
     atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_hf(), indent=2) + "\n")
-
-
-def recipe_record(args: TrainArgs) -> dict:
-    """run.json's "recipe": the recipe's name and file, and whether the stages came from it or from
-    `stage_plan` (the resolved stages themselves are run.json's "stages")."""
-    recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
-    return {"name": recipe.name, "source": recipe.source, "stages_from": "stage_plan" if args.stage_plan else "recipe"}
 
 
 class _Loop:

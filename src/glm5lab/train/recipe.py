@@ -165,7 +165,7 @@ TOP_KEYS = keys_of(Recipe)
 @functools.cache
 def default_recipe() -> Recipe:
     """The default run's configuration: recipes/small.toml, read once."""
-    return load_recipe(DEFAULT_RECIPE)
+    return load_recipe()
 
 
 def default_stages(*, seq_len: int | None = None, batch_size: int | None = None, quick: bool = False,
@@ -199,11 +199,12 @@ def recipe_path(name_or_file: str) -> Path:
            + _did_you_mean(Path(name_or_file).stem, names))
 
 
-def load_recipe(name_or_file: str = DEFAULT_RECIPE) -> Recipe:
-    """Read and check a recipe (`recipe_path`); keys it leaves out are the default recipe's (module docstring).
+def load_recipe(name_or_file: str | None = None) -> Recipe:
+    """Read and check a recipe (`recipe_path`; None: the default recipe, `small`); keys it leaves out are the
+    default recipe's (module docstring).
     Raises ValueError, one line: a TOML syntax error, an unknown key (with the allowed ones), a value of the wrong
     type, steps and tokens both or neither, a stage value or order no run can mean, an unknown optimizer."""
-    path = recipe_path(name_or_file)
+    path = recipe_path(name_or_file or DEFAULT_RECIPE)
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
