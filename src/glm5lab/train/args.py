@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from glm5lab import ModelConfig
-from glm5lab.train.recipe import TrainHyper, default_recipe, load_recipe, resolve
+from glm5lab.train.recipe import TrainHyper, load_recipe, resolve
 from glm5lab.train.stages import Stage
 
 
@@ -93,9 +93,8 @@ def resolve_stages(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> li
 
 
 def model_config(args: TrainArgs) -> ModelConfig:
-    """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset. Raises ConfigError
-    (unknown field or preset, bad value). Whether it fits this machine's memory is `train`'s check (`glm5lab.train.plan.check_fits`)."""
+    """The run's model config (`args` with the recipe filled in: `with_recipe`): of `args.init`'s checkpoint,
+    `args.config`, or the preset. Raises ConfigError (unknown field or preset, bad value). Whether it fits this
+    machine's memory is `train`'s check (`glm5lab.train.plan.check_fits`)."""
     source = args.init or args.config
-    if source:
-        return ModelConfig.from_hf(source)
-    return ModelConfig.from_preset(args.preset or default_recipe().model.preset)
+    return ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset)

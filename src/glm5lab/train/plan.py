@@ -22,7 +22,7 @@ from glm5lab.checkpoints.folder import has_checkpoint, latest_pointer
 from glm5lab.data.pipeline import TrainingData
 from glm5lab.train.args import TrainArgs, model_config, resolve_stages, with_recipe
 from glm5lab.train.evaluation import subset_windows
-from glm5lab.train.extend import extend_plan, rescale_stages, resume_notes
+from glm5lab.train.extend import FREE, extend_plan, rescale_stages, resume_notes
 from glm5lab.train.recipe import default_recipe
 from glm5lab.train.stages import Stage, check_objective, objective_name
 from glm5lab.validate import finite, int_at_least
@@ -378,7 +378,7 @@ def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[St
         raise ValueError(f"--resume: --steps {args.steps} is fewer than the {done} steps of the run in {run_dir}: a "
                          f"run is extended (--steps above {done}), never shortened")
     longer = extend_plan([Stage.from_dict(d) for d in saved_stages], stages, args.steps)
-    free = ("steps", "decay_steps", "warmup_steps") if asked else ()  # what --steps changes: not a difference
+    free = (*FREE, "warmup_steps") if asked else ()  # what --steps changes (`extend_plan`): not a difference
     differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k], free)})" for k in old
               if old[k] != new[k] and not (k == "stages" and longer is not None)]
     if differ:
