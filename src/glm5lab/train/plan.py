@@ -431,15 +431,10 @@ def check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
         cont = "" if done else "continue it with --resume and the arguments it started with, "
         raise FileExistsError(f"{run_dir} already holds {what}: {cont}train into another folder with --out DIR, "
                               f"or remove this one (rm -r {run_dir}) to start again")
-    if probe:
-        _check_creatable(run_dir)
-
-
-def _check_creatable(run_dir: Path) -> None:
-    """Raise ValueError when the folder cannot be created; it is created to find out, then the
-    folders this made are removed again (nothing is left behind by a start that fails later)."""
+    if not probe:
+        return
     missing = [p for p in (run_dir.absolute(), *run_dir.absolute().parents) if not p.exists()]
-    try:
+    try:  # created to find out, then the folders this made removed again: a start that fails later leaves none
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None
