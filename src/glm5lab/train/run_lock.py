@@ -108,8 +108,9 @@ def _take(path: Path, create: bool) -> tuple[int | None, list[Path]]:
         if fd is None:  # a file this process cannot create or write: as above
             return None, []
         made = missing or made
-        if _same_file(fd, path):
-            break
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
         os.close(fd)  # removed by the run that held it while this process waited: lock the file there now
     os.ftruncate(fd, 0)
     os.write(fd, (json.dumps(holder()) + "\n").encode())
@@ -131,13 +132,6 @@ def _flock(fd: int, operation: int, tries: int = 1, wait_s: float = 0.1) -> bool
             if i + 1 < tries:
                 time.sleep(wait_s)
     return False
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
 
 
 def _open_locked(path: Path, flags: int, operation: int, tries: int = 1) -> int | None:
