@@ -36,7 +36,10 @@ class RunRecord:
 def load_run(run_dir: Path) -> RunRecord:
     """Read the run folder. Raises NotARunError naming the missing or unreadable file (an
     unfinished or interrupted run has no summary.json: finish it with `glm5lab train --resume`), or
-    saying that an older glm5lab wrote it (run.json without eval_tokens)."""
+    saying that an older glm5lab wrote it (run.json without eval_tokens); ValueError (`resolve_checkpoint`) when its
+    checkpoints/latest is missing or names an incomplete checkpoint."""
+    from glm5lab.checkpoints.export import resolve_checkpoint
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotARunError(f"{run_dir} is not a folder: give the run folder of `glm5lab train --out` (e.g. runs/small)")
@@ -55,7 +58,8 @@ def load_run(run_dir: Path) -> RunRecord:
                            "train it again")
     metrics = [_json(line, f"{run_dir / 'metrics.jsonl'} line {i}")
                for i, line in enumerate((run_dir / "metrics.jsonl").read_bytes().splitlines(), 1) if line.strip()]
-    return RunRecord(run_dir, run, config, summary, metrics, _checkpoint(run_dir), _ablations(run_dir), _evals(run_dir))
+    return RunRecord(run_dir, run, config, summary, metrics, resolve_checkpoint(run_dir, name="RUN_DIR"),
+                     _ablations(run_dir), _evals(run_dir))
 
 
 def _json(data: bytes, where) -> dict:
@@ -64,17 +68,6 @@ def _json(data: bytes, where) -> dict:
         return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise NotARunError(f"{where} is not valid JSON ({e})") from None
-
-
-def _checkpoint(run_dir: Path) -> Path:
-    from glm5lab.checkpoints.folder import latest_pointer
-
-    folder = latest_pointer(run_dir)
-    if folder is None:
-        raise NotARunError(f"{run_dir} has no checkpoints/latest: the run saved no checkpoint")
-    if not (folder / "config.json").is_file():
-        raise NotARunError(f"checkpoints/latest names {folder.name}, which is missing or incomplete")
-    return folder
 
 
 def _ablations(run_dir: Path) -> dict[str, dict]:

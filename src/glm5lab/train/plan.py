@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5lab import ModelConfig
-from glm5lab.checkpoints.folder import has_checkpoint, latest_pointer
+from glm5lab.checkpoints.export import resolve_checkpoint
+from glm5lab.checkpoints.folder import has_checkpoint
 from glm5lab.data.pipeline import TrainingData
 from glm5lab.train.args import TrainArgs, model_config, resolve_stages, with_recipe
 from glm5lab.train.evaluation import subset_windows
@@ -88,7 +89,7 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     args = with_recipe(args)
     check_args(args, world_size)
     if args.init:
-        args = dataclasses.replace(args, init=init_folder(Path(args.init)))
+        args = dataclasses.replace(args, init=str(resolve_checkpoint(args.init, name="--init")))
     run_dir = Path(args.out)
     check_run_dir(run_dir, args.resume, probe=probe)
     cfg = model_config(args)
@@ -341,12 +342,6 @@ def check_args(args: TrainArgs, world_size: int) -> None:
         from glm5lab.train.tensorboard import check_available
 
         check_available()
-
-
-def init_folder(path: Path) -> str:
-    """--init accepts a checkpoint folder or a run folder (its checkpoints/latest is used)."""
-    latest = latest_pointer(path)
-    return str(latest if latest is not None and not any(path.glob("*.safetensors")) else path)
 
 
 def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[Stage],
