@@ -55,7 +55,7 @@ def _kill_at(point: str, monkeypatch) -> None:
         monkeypatch.setattr(loop_module, "evaluate_nll",
                             when(lambda *a, **kw: a[3] is None, loop_module.evaluate_nll))
     elif point == "loss.png":
-        def half_plot(metrics, out):
+        def half_plot(metrics, out, summary):
             out.write_bytes(b"\x89PNG half")
             stop()
         monkeypatch.setattr(plot_module, "plot_losses", half_plot)
@@ -127,7 +127,7 @@ def test_the_subset_figure_of_a_run_finished_by_resume_comes_from_metrics(corpus
 def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus, monkeypatch, capsys):
     """loss.png is drawn before summary.json: a plotting error (issue 36: two runs in one folder repeated steps, and
     matplotlib refused the curve) must not turn the trained run into a failed one."""
-    def broken(metrics, out):
+    def broken(metrics, out, summary):
         raise ValueError("x and y must have same first dimension,\nbut have shapes (102,) and (72,)")
 
     monkeypatch.setattr(plot_module, "plot_losses", broken)
@@ -138,3 +138,18 @@ def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus
     err = [line for line in capsys.readouterr().err.splitlines() if "loss.png" in line]
     assert err == ["glm5lab train: warning: loss.png not drawn (ValueError: x and y must have same first dimension, "
                    "but have shapes (102,) and (72,)); the run is complete, its summary.json follows"]
+
+
+def test_loss_png_draws_the_whole_split_figure_of_the_summary(corpus, monkeypatch):
+    """loss.png is drawn before summary.json is written: the whole-split diamond comes from the summary the run
+    passes, not from a file that does not exist yet."""
+    seen = []
+
+    def spy(ax, rows, summary, **kw):
+        seen.append(summary)
+        return real(ax, rows, summary, **kw)
+
+    real = plot_module.draw_losses
+    monkeypatch.setattr(plot_module, "draw_losses", spy)
+    summary = train(run_args(corpus, corpus / "run"))
+    assert [s["val_loss"] for s in seen] == [summary["val_loss"]]

@@ -322,7 +322,7 @@ class _Loop:
         if self.ctx.is_main:  # summary.json last: it marks the run complete (a stop before it: --resume finishes)
             from glm5lab.train.plot import plot_run
 
-            plot_run(self.run_dir, _notice)  # a failing plot is one notice line
+            plot_run(self.run_dir, summary, _notice)  # a failing plot is one notice line
             if self.tb is not None:
                 self.tb.write_final(summary)
                 self.tb.close()

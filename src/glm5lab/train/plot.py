@@ -176,9 +176,9 @@ def as_floats(values) -> list[float]:
     return [math.nan if v is None else float(v) for v in values]
 
 
-def plot_losses(metrics_path: Path, png_path: Path) -> Path:
-    """loss.png from `metrics.jsonl` (`draw_losses`; summary.json beside it, when present, gives the
-    whole-split final point), written atomically. Returns its path."""
+def plot_losses(metrics_path: Path, png_path: Path, summary: dict) -> Path:
+    """loss.png from `metrics.jsonl` (`draw_losses`; `summary`, the run's summary.json dict, gives the whole-split
+    final point), written atomically. Returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,27 +187,21 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path:
     metrics_path = Path(metrics_path)
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(9, 5))
-    handles, labels = draw_losses(ax, rows, _json_or_empty(metrics_path.parent / "summary.json"),
-                                  title="training run (dotted lines: stage boundaries)")
+    handles, labels = draw_losses(ax, rows, summary, title="training run (dotted lines: stage boundaries)")
     ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     atomic_write(png_path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return Path(png_path)
 
 
-def plot_run(run_dir: Path, notice) -> Path | None:
-    """The run's loss.png (`plot_losses` of its metrics.jsonl), or None after one `notice(line)` saying why it could
-    not be drawn: a plot never turns a trained run into a failed one (its summary.json is written next either way)."""
+def plot_run(run_dir: Path, summary: dict, notice) -> Path | None:
+    """The run's loss.png (`plot_losses` of its metrics.jsonl and `summary`, the dict summary.json receives next), or
+    None after one `notice(line)` saying why it could not be drawn: a plot never turns a trained run into a failed one
+    (its summary.json is written next either way)."""
     try:
-        return plot_losses(Path(run_dir) / "metrics.jsonl", Path(run_dir) / "loss.png")
+        return plot_losses(Path(run_dir) / "metrics.jsonl", Path(run_dir) / "loss.png", summary)
     except Exception as e:  # noqa: BLE001 (any plotting error: the run itself is done)
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         notice(f"warning: loss.png not drawn ({why}); the run is complete, its summary.json follows")
         return None
 
-
-def _json_or_empty(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
