@@ -13,7 +13,7 @@ Optimizer state follows the kinds of `glm5lab.optim.groups.RULES` (torch-free, f
 
 from __future__ import annotations
 
-from glm5lab.parallel.alltoall import a2a_per_token
+from glm5lab.parallel.alltoall import a2a_per_token, check_ep
 from glm5lab.config import ModelConfig
 from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
                             mixer_kind, mtp_params, state)
@@ -77,17 +77,11 @@ def optimizer_kinds(cfg: ModelConfig) -> dict[str, int]:
 def check_layout(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = "bf16", batch: int = 1,
                  flag: str = "") -> None:
     """Raise ValueError, `NAME = VALUE is not allowed: RULE`, for a layout `deployment` refuses: gpus or
-    ep or batch not an int >= 1, gpus % ep != 0, n_routed_experts % ep != 0, ep > 1 without MoE layers,
-    mode not in MODES, an
+    ep or batch not an int >= 1, an ep `check_ep` refuses (gpus % ep != 0, n_routed_experts % ep != 0, ep > 1
+    without MoE layers), mode not in MODES, an
     unknown dtype, fp8 with mode "train". `flag` prefixes the names ("--" for the command line)."""
     int_at_least(f"{flag}gpus", gpus, 1)
-    int_at_least(f"{flag}ep", ep, 1)
-    if gpus % ep:
-        refuse(f"{flag}ep", ep, f"a divisor of {flag}gpus = {gpus} (G = data replicas x ep)")
-    if cfg.n_routed_experts % ep:
-        refuse(f"{flag}ep", ep, f"a divisor of the routed experts, n_routed_experts = {cfg.n_routed_experts}")
-    if ep > 1 and "sparse" not in cfg.mlp_layer_types:
-        refuse(f"{flag}ep", ep, "1 for a model without MoE layers (every entry of mlp_layer_types is dense)")
+    check_ep(ep, gpus, cfg, name=f"{flag}ep", world=f"{flag}gpus = {gpus} (G = data replicas x ep)")
     one_of(f"{flag}mode", mode, MODES)
     dtype_name(dtype)
     if mode == "train" and dtype_name(dtype) == "fp8":

@@ -88,7 +88,8 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     form their own FSDP group with an fp32 policy, so their values reach the forward unrounded.
     None (default) = no FSDP casting (the training loop uses bf16 autocast on CUDA instead).
     Only with several ranks: a single process is not sharded, and its model keeps its dtype."""
-    from glm5lab.parallel.expert_parallel import apply_expert_parallel, check_ep
+    from glm5lab.parallel.alltoall import check_ep
+    from glm5lab.parallel.expert_parallel import apply_expert_parallel
 
     check_ep(ep, ctx.world_size, model.config)
     # a meta model (`build_meta`) is allocated on the device by `materialize`

@@ -81,7 +81,7 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
     ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
     from glm5lab.checkpoints.folder import resume_candidates
-    from glm5lab.parallel.expert_parallel import check_ep
+    from glm5lab.parallel.alltoall import check_ep
     from glm5lab.checkpoints.resume import first_complete
     from glm5lab.train.run_lock import refuse_if_held
 
