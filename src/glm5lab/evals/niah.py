@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from glm5lab.evals.tasks import IGNORE_INDEX, Scores, TaskVocab, contains, derive_seed, rng, token_ids
+from glm5lab.data.batches import token_ids
+from glm5lab.evals.tasks import IGNORE_INDEX, Scores, TaskVocab, contains, derive_seed, rng
 from glm5lab.validate import int_at_least, one_of
 
 VARIANTS = {  # name: (num_keys, num_values, num_queries) defaults, as RULER's configs

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from glm5lab.evals.tasks import token_ids
+from glm5lab.data.batches import token_ids
 from glm5lab.validate import int_at_least
 
 

@@ -43,7 +43,8 @@ import torch
 from glm5lab.config import ConfigError
 from glm5lab.evals.mqar import make_mqar_batch, mqar_accuracy
 from glm5lab.evals.niah import make_niah_batch, training_pair
-from glm5lab.evals.tasks import IGNORE_INDEX, TaskVocab, token_ids
+from glm5lab.data.batches import token_ids
+from glm5lab.evals.tasks import IGNORE_INDEX, TaskVocab
 from glm5lab.evals.variants import mean_nll, model_variant
 from glm5lab.validate import fraction, int_at_least
 

@@ -122,18 +122,6 @@ def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(int_at_least("seed", seed, 0))
 
 
-def token_ids(name: str, tokens, vocab_size: int) -> np.ndarray:
-    """`tokens` as a 1-D int64 array; ValueError if not 1-D integers in [0, vocab_size)."""
-    ids = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
-    if ids.ndim != 1:
-        raise ValueError(f"{name} must be 1-D token ids, got shape {ids.shape}")
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"{name} has ids in [{ids.min()}, {ids.max()}], outside [0, vocab_size={vocab_size})")
-    return ids.astype(np.int64)
-
-
 def contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:
     """True if `pattern` occurs as a contiguous run of `tokens` (an empty pattern always does)."""
     tokens, pattern, n = list(tokens), list(pattern), len(pattern)
