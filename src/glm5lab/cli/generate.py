@@ -16,7 +16,7 @@ from pathlib import Path
 
 from glm5lab import validate
 from glm5lab.config import ModelConfig
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK, SPECULATIVE
 
 REPLACEMENT_CHAR = "\ufffd"
 DEFAULT_DRAFT_STEPS = 3
@@ -53,7 +53,7 @@ def add_generate_parser(sub) -> None:
                    help="end generation after emitting one of these tokens: a token id (an integer), or a text "
                    "that is one token of the tokenizer (e.g. '<|endoftext|>'); the stop token is output too. "
                    "Default: none (run to --max-new-tokens)")
-    p.add_argument("--speculative", choices=["mtp"],
+    p.add_argument("--speculative", choices=SPECULATIVE[1:],
                    help="speculative decoding: draft with the model's MTP layer, verify them in one forward; "
                    "the output distribution is unchanged (greedy: the same tokens as without it)")
     p.add_argument("--draft-steps", dest="draft_steps", type=int, metavar="N",

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK, SPECULATIVE
 from glm5lab.infer.compiled import CompiledSteps, capacity_for
 from glm5lab.infer.sampling import BatchGenerator, Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
@@ -36,8 +36,6 @@ from glm5lab.infer.steps import decode_step, draft, prefill, verify
 from glm5lab.model.cache import KVCache
 from glm5lab.model.fp8_keys import index_cache_fp8
 from glm5lab.validate import int_at_least, one_of
-
-SPECULATIVE = (None, "mtp")
 
 
 @dataclass
