@@ -80,8 +80,6 @@ def add_generate_parser(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from glm5lab.checkpoints.export import resolve_checkpoint
     from glm5lab.infer.generate import check_request, generate
 
