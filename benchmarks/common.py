@@ -92,18 +92,18 @@ def print_json_line(record: dict) -> None:
 
 def resolve_checkpoint(path) -> Path:
     """A model folder from `--model`, as `glm5lab generate --model` resolves it
-    (`glm5lab.cli.generate.resolve_model_dir`: a checkpoint folder as is, a run folder through its
+    (`glm5lab.checkpoints.export.resolve_checkpoint`: a checkpoint folder as is, a run folder through its
     `checkpoints/latest`); a run's `checkpoints/` folder is taken as its run folder. Raises
     SystemExit with what was looked for when there is no model there."""
     from glm5lab.checkpoints.folder import latest_pointer
-    from glm5lab.cli.generate import resolve_model_dir
+    from glm5lab.checkpoints.export import resolve_checkpoint as resolve
 
     p = Path(path)
     if p.name == "checkpoints" and latest_pointer(p.parent) is not None:
         p = p.parent
     try:
-        return resolve_model_dir(str(p))[0]
-    except FileNotFoundError as e:
+        return resolve(p, "--model")
+    except ValueError as e:
         raise SystemExit(f"{e}. Train one first: `.venv/bin/glm5lab train --out {p}` (or `--quick` for a "
                          "one-minute model)") from None
 
@@ -111,13 +111,13 @@ def resolve_checkpoint(path) -> Path:
 def setup_device(args) -> torch.device:
     """The device of `--device` after `--threads`: torch.set_num_threads(args.threads) when given,
     then args.device checked as `glm5lab generate --device` checks it
-    (`glm5lab.cli.generate.choose_device`). Raises SystemExit when CUDA is asked for and absent."""
-    from glm5lab.cli.generate import choose_device
+    (`glm5lab.validate.torch_device`). Raises SystemExit when CUDA is asked for and absent."""
+    from glm5lab.validate import torch_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return torch.device(choose_device(args.device, None)[0])
+        return torch_device(args.device, "--device")
     except ValueError as e:
         raise SystemExit(str(e)) from None
 

@@ -128,9 +128,9 @@ def reference_split(tok, data, seed: int = 0, text_field: str = "text"):
     """(train, val) `encode_whole` ids of corpus `data` (None: the default corpus): its documents read whole,
     split by `split_documents` with `seed`."""
     from glm5lab.data.corpus import Document, fetch_default_corpus, split_documents
-    from glm5lab.data.sources import iter_documents
+    from glm5lab.data.sources import open_corpus
 
-    docs = [Document(d.name, d.text) for d in iter_documents(data or fetch_default_corpus(), text_field)]
+    docs = [Document(d.name, d.text) for d in open_corpus(data or fetch_default_corpus(), text_field).documents()]
     return tuple(encode_whole(tok, part) for part in split_documents(docs, seed=seed))
 
 

@@ -271,7 +271,7 @@ def _run_without_latest(folders) -> Path:
 
 
 ERRORS = [
-    (lambda f: f["root"] / "missing", [], "no such folder"),
+    (lambda f: f["root"] / "missing", [], "is not allowed: a run folder or a checkpoint folder (it does not exist)"),
     (lambda f: f["ckpt"] / "config.json", [], "is a file"),
     (lambda f: f["root"], [], "has no config.json"),
     (_run_without_latest, [], "no checkpoints/latest"),

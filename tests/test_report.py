@@ -1,11 +1,11 @@
 """`glm5lab report RUN_DIR`: every section of the seed's checklist is in report.md with the run's
-own numbers (validation loss and bits per byte from summary.json, "not recorded" for an older run
+own numbers (validation loss and bits per byte from summary.json, "not recorded" for a run
 without them, state bytes equal to the ledger, throughput rows with their batch and length), the
 PNGs it links exist and are PNGs, ablation results beside the run are included, and a folder that
 is not a finished run is refused with one clear line. Issue 16: both validation figures with their
 token counts, stage means, an expert-load caption computed from the records, probe sizes in words,
 plots whose legends name quantities (not stages), and `--compare` (a table and overlaid curves).
-Run folders from before issue 16 (runs/small) still render: `_as_old` strips the new keys."""
+A run folder an older glm5lab wrote (run.json without eval_tokens) is refused in one line."""
 
 import json
 import re
@@ -19,7 +19,7 @@ from glm5lab.cli import main
 from glm5lab.ledger import ledger
 from glm5lab.report import NotARunError, load_run, write_report
 from glm5lab.report.plots import plain_log_ticks
-from glm5lab.report.series import load_stats, stage_rows
+from glm5lab.report.series import load_stats
 from glm5lab.train.plot import draw_losses
 from glm5lab.train.loop import train
 from tests.conftest import write_word_corpus
@@ -76,20 +76,27 @@ def test_report_holds_every_section_with_the_runs_numbers(run):
     assert not list((run / "report").glob(".tmp*"))
 
 
-def test_run_from_before_bits_per_byte_reports_not_recorded(run, tmp_path):
-    import shutil
-
-    old = _as_old(run, tmp_path / "old")
-    summary = json.loads((old / "summary.json").read_text())
-    text = write_report(old, measure=False).read_text()
+def test_run_without_bits_per_byte_reports_not_recorded(run, tmp_path):
+    """A tokenizer that is not byte-level leaves summary.json without val_bits_per_byte / val_bytes."""
+    folder = _copy(run, tmp_path / "nobpb", summary=lambda s: [s.pop(k) for k in ("val_bits_per_byte", "val_bytes")])
+    summary = json.loads((folder / "summary.json").read_text())
+    text = write_report(folder, measure=False).read_text()
     assert (f"Validation loss **{summary['val_loss']:.3f}** nats/token (perplexity {summary['val_perplexity']:.1f}; "
-            "bits per byte: not recorded) on the whole held-out split, the final model") in text
-    last_val = [r for r in load_run(old).metrics if r.get("val_loss") is not None][-1]["val_loss"]
-    assert f"the first 2 batches of windows (its token count was not recorded; 96 target tokens as run.json plans " \
-           f"it, if the split holds that many), scored during training; at the last step it gives **{last_val:.3f}**" \
-           in text and "predates the subset record" in text
-    assert "records single steps as first/last; the means here are recomputed from metrics.jsonl" in text
-    assert stage_rows(load_run(old))[:2] == stage_rows(load_run(run))[:2]  # the definition train writes now
+            "bits per byte: not recorded) on the whole held-out split") in text
+
+
+def test_run_folder_of_an_older_version_is_refused_in_one_line(run, tmp_path, capsys):
+    """Before issue 36 run.json held eval_batches (the subset counted in batches), not eval_tokens."""
+    def older(info):
+        info["args"].pop("eval_tokens")
+        info["args"]["eval_batches"] = 2
+
+    old = _copy(run, tmp_path / "old", run_json=older)
+    with pytest.raises(NotARunError, match="run.json has no eval_tokens: an older glm5lab trained this run"):
+        load_run(old)
+    assert main(["report", str(run), "--no-measure", "--out", str(tmp_path / "rep"), "--compare", str(old)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glm5lab report: error: ") and "train it again" in err and err.count("\n") == 1
 
 
 def test_folders_that_are_not_finished_runs_are_refused_clearly(run, tmp_path, capsys):
@@ -113,33 +120,32 @@ def test_report_out_on_a_file_is_refused(run, tmp_path):
         write_report(run, out=tmp_path / "f.md", measure=False)
 
 
-def _as_old(run, dest):
-    """A copy of `run` as a run folder from before issue 16 wrote it: no bits per byte or token
-    counts, no subset figures in summary.json, single-step first/last, no val_tokens per step, and run.json's
-    eval_batches (2 batches of the run's 2 x 24-token windows) in place of eval_tokens."""
-    old = shutil.copytree(run, dest, ignore=shutil.ignore_patterns("report"))
-    summary = json.loads((old / "summary.json").read_text())
-    for key in ("val_bits_per_byte", "val_bytes", "val_tokens", "val_subset_loss", "val_subset_tokens"):
-        summary.pop(key, None)
-    for st in summary["stages"]:
-        st.pop("smooth_steps", None), st.pop("val_end", None)
-    (old / "summary.json").write_text(json.dumps(summary))
-    rows = [{k: v for k, v in json.loads(line).items() if k != "val_tokens"}
-            for line in (old / "metrics.jsonl").read_text().splitlines()]
-    (old / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    info = json.loads((old / "run.json").read_text())  # before issue 36: the subset counted in batches
-    info["args"].pop("eval_tokens", None)
-    info["args"]["eval_batches"] = 2
-    (old / "run.json").write_text(json.dumps(info))
-    return old
+def _copy(run, dest, *, summary=None, run_json=None, row=None):
+    """A copy of `run` (without its report) with `summary(dict)`, `run_json(dict)` and `row(dict)` (each
+    metrics.jsonl row) applied in place to what the copy holds."""
+    folder = shutil.copytree(run, dest, ignore=shutil.ignore_patterns("report"))
+    for name, edit in (("summary.json", summary), ("run.json", run_json)):
+        if edit:
+            data = json.loads((folder / name).read_text())
+            edit(data)
+            (folder / name).write_text(json.dumps(data))
+    if row:
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            row(r)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
 
 
 def test_run_without_periodic_validation_has_no_curve(run, tmp_path):
     """eval_every 0: no val_loss per step, no subset figures; the report says so, and plots."""
-    folder = _as_old(run, tmp_path / "noval")
-    rows = [{k: v for k, v in json.loads(line).items() if k != "val_loss"}
-            for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    def no_subset(summary):
+        summary.pop("val_subset_loss"), summary.pop("val_subset_tokens")
+        for st in summary["stages"]:
+            st["val_end"] = None
+
+    folder = _copy(run, tmp_path / "noval", summary=no_subset,
+                   row=lambda r: (r.pop("val_loss", None), r.pop("val_tokens", None)))
     text = write_report(folder, measure=False).read_text()
     assert "No periodic validation was run (eval_every 0), so there is no validation curve." in text
     assert "![loss by stage](loss_by_stage.png)" in text and "val_perplexity.png" not in text
@@ -190,7 +196,7 @@ def test_plots_name_quantities_not_stages(run):
 
     rec = load_run(run)
     fig, ax = plt.subplots()
-    _, labels = draw_losses(ax, rec.metrics, rec.summary, 2)
+    _, labels = draw_losses(ax, rec.metrics, rec.summary)
     plt.close(fig)
     assert len(labels) == 5 and not any(st in label for label in labels for st in ("dense", "sparse", "warmup"))
     assert labels[1].startswith("MTP loss (mean of 3 depths") and labels[2].startswith("validation subset (first ")

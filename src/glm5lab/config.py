@@ -333,9 +333,8 @@ class ModelConfig:
         `index_skip_topk_offset`, `index_topk_pattern`, `rope_theta`/`rope_parameters`).
         Raises ConfigError for another `model_type`, an unsupported setting or an unknown key
         (`glm5lab.hf_config.fields_from_hf`); FileNotFoundError when the file is missing."""
-        kwargs = hf_config.fields_from_hf(path_or_dict, {f.name: f.default for f in dataclasses.fields(cls)})
         try:
-            return cls(**kwargs)
+            return cls(**hf_config.fields_from_hf(path_or_dict, {f.name: f.default for f in dataclasses.fields(cls)}))
         except (TypeError, ValueError, AttributeError) as e:
             if isinstance(e, ConfigError):
                 raise

@@ -13,11 +13,11 @@ Optimizer state follows the kinds of `glm5lab.optim.groups.RULES` (torch-free, f
 
 from __future__ import annotations
 
-from glm5lab.parallel.alltoall import a2a_per_token
+from glm5lab.parallel.alltoall import a2a_per_token, check_ep
 from glm5lab.config import ModelConfig
 from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
                             mixer_kind, mtp_params, state)
-from glm5lab.validate import DTYPES, dtype_name, int_at_least, one_of, refuse
+from glm5lab.validate import dtype_bytes, dtype_name, int_at_least, one_of, refuse
 
 MODES = ("train", "serve")
 SHARDING = {
@@ -77,17 +77,11 @@ def optimizer_kinds(cfg: ModelConfig) -> dict[str, int]:
 def check_layout(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = "bf16", batch: int = 1,
                  flag: str = "") -> None:
     """Raise ValueError, `NAME = VALUE is not allowed: RULE`, for a layout `deployment` refuses: gpus or
-    ep or batch not an int >= 1, gpus % ep != 0, n_routed_experts % ep != 0, ep > 1 without MoE layers,
-    mode not in MODES, an
+    ep or batch not an int >= 1, an ep `check_ep` refuses (gpus % ep != 0, n_routed_experts % ep != 0, ep > 1
+    without MoE layers), mode not in MODES, an
     unknown dtype, fp8 with mode "train". `flag` prefixes the names ("--" for the command line)."""
     int_at_least(f"{flag}gpus", gpus, 1)
-    int_at_least(f"{flag}ep", ep, 1)
-    if gpus % ep:
-        refuse(f"{flag}ep", ep, f"a divisor of {flag}gpus = {gpus} (G = data replicas x ep)")
-    if cfg.n_routed_experts % ep:
-        refuse(f"{flag}ep", ep, f"a divisor of the routed experts, n_routed_experts = {cfg.n_routed_experts}")
-    if ep > 1 and "sparse" not in cfg.mlp_layer_types:
-        refuse(f"{flag}ep", ep, "1 for a model without MoE layers (every entry of mlp_layer_types is dense)")
+    check_ep(ep, gpus, cfg, name=f"{flag}ep", world=f"{flag}gpus = {gpus} (G = data replicas x ep)")
     one_of(f"{flag}mode", mode, MODES)
     dtype_name(dtype)
     if mode == "train" and dtype_name(dtype) == "fp8":
@@ -101,7 +95,7 @@ def train_bytes(cfg: ModelConfig, gpus: int, dtype: str) -> dict[str, int]:
     optimizer state 4 B per Muon-kind and 8 B per AdamW-kind parameter / G (`optimizer_kinds`).
     Activations, buffers and communication scratch are not counted."""
     per_gpu = per_gpu_params(cfg, mode="train", gpus=gpus, ep=1)["total"]
-    kinds, nbytes = optimizer_kinds(cfg), _nbytes(dtype)
+    kinds, nbytes = optimizer_kinds(cfg), dtype_bytes(dtype)
     out = {"weights": per_gpu * nbytes, "gradients": per_gpu * nbytes,
            "master_weights": 0 if nbytes == FP32 else per_gpu * FP32,
            "optimizer_state": _ceil(kinds["muon"], gpus) * FP32 + _ceil(kinds["adamw"], gpus) * 2 * FP32}
@@ -115,7 +109,7 @@ def serve_bytes(cfg: ModelConfig, ep: int, dtype: str, cache_dtype: str, context
     (`glm5lab.ledger.state`'s bytes_for_context: latent + indexer-key bytes per token x context, plus
     sliding-window rings and Gated DeltaNet states); "mtp_cache": the MTP layer's, used only as a draft
     head, not in "total". Activations, CUDA graphs and runtime buffers are not counted."""
-    weights = per_gpu_params(cfg, mode="serve", gpus=ep, ep=ep)["total"] * _nbytes(dtype)
+    weights = per_gpu_params(cfg, mode="serve", gpus=ep, ep=ep)["total"] * dtype_bytes(dtype)
     s = state(cfg, dtype=cache_dtype, context=context)
     cache, mtp = (batch * s[part]["bytes_for_context"] for part in ("main", "mtp"))
     return {"weights": weights, "cache": cache, "total": weights + cache, "mtp_cache": mtp}
@@ -140,7 +134,7 @@ def deployment(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = 
     nbytes = (train_bytes(cfg, gpus, dtype) if mode == "train"
               else serve_bytes(cfg, ep, dtype, cache_dtype, context, batch))
     out = {"name": name, "mode": mode, "gpus": gpus, "ep": ep, "sharding": SHARDING[mode],
-           "experts_per_ep_rank": cfg.n_routed_experts // ep, "dtype": dtype, "bytes_per_value": _nbytes(dtype),
+           "experts_per_ep_rank": cfg.n_routed_experts // ep, "dtype": dtype, "bytes_per_value": dtype_bytes(dtype),
            "params": param_split(cfg), "optimizer_kinds": optimizer_kinds(cfg),
            "per_gpu_params": per_gpu_params(cfg, mode=mode, gpus=gpus, ep=ep), "per_gpu_bytes": nbytes,
            "a2a": _a2a(cfg, ep, payload_dtype(dtype), backward=mode == "train")}
@@ -160,10 +154,6 @@ def _a2a(cfg: ModelConfig, ep: int, dtype: str, *, backward: bool) -> dict:
 
 def _ceil(n: int, d: int) -> int:
     return -(-n // d)
-
-
-def _nbytes(dtype: str) -> int:
-    return DTYPES[dtype_name(dtype)][1]
 
 
 def _size(n: float) -> str:

@@ -43,13 +43,8 @@ def env_facts(device) -> dict:
         "load_average_start": load_average(),
         "git_commit": git_commit(),
         "device": str(device),
+        "transformers": _version("transformers"),
     }
-    try:
-        import transformers
-
-        facts["transformers"] = transformers.__version__
-    except ImportError:
-        facts["transformers"] = None
     if torch.device(device).type == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(device)
     return facts

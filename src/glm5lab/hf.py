@@ -33,7 +33,6 @@ from glm5lab.io_utils import atomic_write, atomic_write_text, replace_folder
 from glm5lab.validate import int_at_least
 
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
-_CKPTEXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 """Our stacked expert weight [E, ...] (group 1: the experts module, group 2: the projection)."""
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
@@ -282,21 +281,17 @@ def _place(model, dtype, device):
 
 
 def load_state_exact(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Assign `state` to a (meta) model; refuse (CheckpointError) any missing/unexpected key,
-    shape mismatch or non-floating tensor for a float weight, listing them all. The router weight
-    and bias, the indexer's weights_proj and k_norm load as fp32 (`glm5lab.model.precision`)."""
+    """Assign `state` (a tensor for every key of the (meta) model's state dict: `CheckpointTensors.check` refused
+    missing and unexpected keys before) to the model; refuse (CheckpointError) any shape mismatch or non-floating
+    tensor for a float weight, listing them all. The router weight and bias, the indexer's weights_proj and k_norm
+    load as fp32 (`glm5lab.model.precision`)."""
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    common = sorted(set(expected) & set(state))
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-              for k in common if tuple(state[k].shape) != tuple(expected[k].shape)]
-    dtypes = [f"{k}: {state[k].dtype}" for k in common
-              if expected[k].is_floating_point() and not state[k].is_floating_point()]
-    if missing or unexpected or shapes or dtypes:
-        parts = [f"{len(missing)} missing keys: {missing}"] if missing else []
-        parts += [f"{len(unexpected)} unexpected keys: {unexpected}"] if unexpected else []
-        parts += [f"{len(shapes)} shape mismatches: {shapes}"] if shapes else []
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(t.shape)}"
+              for k, t in expected.items() if tuple(state[k].shape) != tuple(t.shape)]
+    dtypes = [f"{k}: {state[k].dtype}" for k, t in expected.items()
+              if t.is_floating_point() and not state[k].is_floating_point()]
+    if shapes or dtypes:
+        parts = [f"{len(shapes)} shape mismatches: {shapes}"] if shapes else []
         parts += [f"{len(dtypes)} non-floating tensors where a float weight is expected: {dtypes}"] if dtypes else []
         raise CheckpointError("checkpoint does not match the model config; " + "; ".join(parts))
     model.load_state_dict(state, strict=True, assign=True)  # KeepFP32 modules upcast bf16 entries (exact)

@@ -172,10 +172,7 @@ def fields_from_hf(path_or_dict, defaults: dict) -> dict:
     kwargs = {k: d[k] for k in names if k in d}
     kwargs["rope_theta"] = _rope_theta(d, defaults["rope_theta"])
     n_layers = _hf_int(d, "num_hidden_layers", defaults["num_hidden_layers"], 1)
-    try:
-        indexer_types = _indexer_types(d, n_layers)
-    except (TypeError, AttributeError) as e:
-        raise ConfigError(f"config.json has a value of the wrong type: {e}") from None
+    indexer_types = _indexer_types(d, n_layers)
     if indexer_types is not None:
         kwargs["indexer_types"] = indexer_types
     kwargs["hf_extra"] = {k: v for k, v in d.items() if k not in names | _INTERPRETED}

@@ -52,6 +52,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def publish_folder(folder: Path, build: Callable[[Path], None], *, done: Callable[[Path], bool]) -> None:
+    """Make the new folder `folder` by `build(staging)` into an absent path in a hidden temporary sibling, then
+    one rename: an interrupted build leaves nothing under the final name (its sibling is removed). When the rename
+    fails because a concurrent build finished first (`done(folder)`: e.g. another rank's), that one is kept."""
+    with tempfile.TemporaryDirectory(prefix=f".{folder.name}.", dir=folder.parent) as tmp:
+        staging = Path(tmp) / folder.name
+        build(staging)
+        try:
+            os.rename(staging, folder)
+        except OSError:
+            if not done(folder):
+                raise
+
+
 def replace_folder(folder: Path, write: Callable[[Path], None], *, replaces: Callable[[str], bool]) -> None:
     """Make `folder` hold what `write(tmp)` writes into an empty folder, plus every entry of the
     existing `folder` that `write` did not write and `replaces(name)` does not claim.
@@ -65,7 +79,7 @@ def replace_folder(folder: Path, write: Callable[[Path], None], *, replaces: Cal
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{folder} exists and is not a folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(folder, "tmp")
+    tmp = sibling(folder, "tmp")
     tmp.mkdir()
     try:
         write(tmp)
@@ -73,13 +87,14 @@ def replace_folder(folder: Path, write: Callable[[Path], None], *, replaces: Cal
             _carry_over(folder, tmp, replaces)
             shutil.copymode(folder, tmp)
         _fsync_dir(tmp)
-        _swap_in(tmp, folder)
+        swap_in(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _swap_in(new: Path, folder: Path) -> None:
+def swap_in(new: Path, folder: Path) -> None:
+    """Rename the folder `new` to `folder`, replacing a folder there by two renames (`replace_folder`)."""
     try:
         cwd = Path.cwd()
     except FileNotFoundError:
@@ -87,7 +102,7 @@ def _swap_in(new: Path, folder: Path) -> None:
     if not folder.exists():
         os.rename(new, folder)
     else:
-        old = _sibling(folder, "old")
+        old = sibling(folder, "old")
         os.rename(folder, old)
         try:
             os.rename(new, folder)
@@ -126,7 +141,7 @@ def _umask() -> int:
     return mask
 
 
-def _sibling(path: Path, tag: str) -> Path:
+def sibling(path: Path, tag: str) -> Path:
     """An unused hidden name beside `path`: `.NAME.TAG-XXXXXXXX`."""
     while True:
         candidate = path.with_name(f".{path.name}.{tag}-{secrets.token_hex(4)}")

@@ -28,7 +28,7 @@ import textwrap
 
 from glm5lab.parallel.alltoall import a2a_bytes, a2a_per_token  # noqa: F401  (re-exported: the ledger's public names)
 from glm5lab.config import LayerSpec, ModelConfig
-from glm5lab.validate import DTYPES, TORCH_NAMES, dtype_name, refuse
+from glm5lab.validate import DTYPES, TORCH_NAMES, dtype_bytes, dtype_name, refuse
 
 COMPONENTS = ("embedding", "attention", "indexer", "dense_ffn", "routed_experts", "shared_experts",
               "router", "norms", "eh_proj", "output")
@@ -233,11 +233,11 @@ def state(cfg: ModelConfig, *, dtype: str = "bf16", context: int | None = None, 
     fixed_bytes (per sequence). The MTP layer is reported apart (it holds a cache only when
     used as a draft head). Raises ValueError for an unknown dtype or a context outside
     1..max_position_embeddings."""
-    nbytes, L = _dtype_bytes(dtype), _context(cfg, context)
+    nbytes, L = dtype_bytes(dtype), _context(cfg, context)
     index_dtype = dtype if index_dtype is None else index_dtype
     if index_dtype not in DTYPES and index_dtype not in TORCH_NAMES:
         refuse("index_dtype", index_dtype, f"None (= dtype) or one of {', '.join(DTYPES)}")
-    ibytes = _dtype_bytes(index_dtype)
+    ibytes = dtype_bytes(index_dtype)
     scale_bytes = INDEX_SCALE_BYTES if dtype_name(index_dtype) == "fp8" else 0
     every = _blocks(cfg, mtp=False) + _blocks(cfg, mtp=True)
     kinds = {mixer_kind(spec) for spec in every}
@@ -328,10 +328,6 @@ def flops(cfg: ModelConfig, *, context: int | None = None) -> dict:
             m["lm_head"] = lm_head
             out[f"mtp_{mode}"] = {**m, "total": sum(m.values())}
     return out
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return DTYPES[dtype_name(dtype)][1]
 
 
 def _context(cfg: ModelConfig, context: int | None) -> int:

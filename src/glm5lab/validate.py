@@ -40,6 +40,13 @@ def finite(name: str, value, *, positive: bool = False, error: type[Exception] =
     return float(value)
 
 
+def fraction(name: str, value) -> float:
+    """float(value) when it is a number in (0, 1] (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        refuse(name, value, "a number in (0, 1]")
+    return float(value)
+
+
 def one_of(name: str, value, allowed, *, error: type[Exception] = ValueError):
     """`value` when it is one of `allowed`."""
     if value not in allowed:
@@ -62,11 +69,34 @@ def dtype_name(name: str, allowed=tuple(DTYPES)) -> str:
     return short
 
 
+def dtype_bytes(name: str) -> int:
+    """Bytes per value of a short or torch dtype name (`DTYPES`); ValueError for another name."""
+    return DTYPES[dtype_name(name)][1]
+
+
 def torch_dtype(name: str):
     """The torch.dtype of a short or torch dtype name (fp32/bf16 or float32/bfloat16)."""
     import torch
 
     return getattr(torch, DTYPES[dtype_name(name, ("fp32", "bf16"))][0])
+
+
+def torch_device(value, name: str = "device"):
+    """The torch.device `value` names ("cpu", "cuda", "cuda:N"); None or "auto": cuda when available, else cpu.
+    Raises ValueError naming `name` (the caller's argument) for a name torch does not know, or for CUDA where
+    this torch build or machine has none."""
+    import torch
+
+    if value in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        refuse(name, value, "'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name} {value}: no CUDA device is available (this torch build or machine has none); "
+                         f"use {name} cpu")
+    return device
 
 
 def default_dtype(device) -> str:

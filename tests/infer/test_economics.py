@@ -156,7 +156,7 @@ def test_refusals_name_the_argument():
         ec.predicted_speedup(cfg, shape, k=3, acceptance_length=5.0, bandwidth=1e9)
     with pytest.raises(ValueError, match="bandwidth = 0 is not allowed"):
         ec.predicted_speedup(cfg, shape, k=3, acceptance_length=2.0, bandwidth=0)
-    with pytest.raises(ValueError, match="part='head' is not allowed"):
+    with pytest.raises(ValueError, match="part = 'head' is not allowed: one of"):
         ec.weight_bytes(cfg, 1, part="head")
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
         ec.weight_bytes(tiny(num_nextn_predict_layers=0), 1, part="mtp")

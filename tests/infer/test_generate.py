@@ -64,7 +64,7 @@ def test_speculative_greedy_matches_plain_greedy(tiny4, draft_steps):
     assert len(s.acceptance_rate) == draft_steps and s.verify_steps > 0
     assert s.acceptance_length == pytest.approx(1 + sum(s.acceptance_rate))
     assert s.acceptance_length > 1  # drafts were accepted: the rollback of a partly accepted round ran
-    assert s.new_tokens == 3 * 8 and out.acceptance_length == s.acceptance_length
+    assert s.new_tokens == 3 * 8
 
 
 def test_speculative_greedy_on_tiny_with_chunked_prefill(tiny):
@@ -166,8 +166,8 @@ def test_on_tokens_streams_exactly_the_output(tiny4, speculative):
     ((3.5, 2), {}, TypeError, "input_ids"),
     ((torch.zeros(2, 3), 2), {}, ValueError, "input_ids must be an integer tensor"),
     ((torch.zeros(1, 2, 3, dtype=torch.long), 2), {}, ValueError, "input_ids must be an integer tensor"),
-    (([1, 2], 2), {"speculative": "eagle"}, ValueError, "speculative='eagle'"),
-    (([1, 2], 2), {"speculative": True}, ValueError, "speculative=True"),
+    (([1, 2], 2), {"speculative": "eagle"}, ValueError, "speculative = 'eagle' is not allowed: one of"),
+    (([1, 2], 2), {"speculative": True}, ValueError, "speculative = True is not allowed"),
     (([1, 2], 2), {"speculative": "mtp", "draft_steps": 0}, ValueError, "draft_steps"),
     (([1, 2], 2), {"speculative": "mtp", "draft_steps": 1.5}, ValueError, "draft_steps"),
     (([1, 2], 2), {"prefill_chunk": 0}, ValueError, "prefill_chunk"),

@@ -7,7 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.optim import OPTIMIZERS, build_optimizer, indexer_parameter_names, newton_schulz
-from glm5lab.optim.flops import blocks, newton_schulz_flops, optimizer_flops
+from glm5lab.optim.flops import newton_schulz_flops, optimizer_flops
+from glm5lab.optim.muon import blocks
 
 
 def test_one_matrix_by_hand():

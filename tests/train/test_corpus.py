@@ -13,11 +13,11 @@ import pytest
 
 from glm5lab.data import corpus
 from glm5lab.data.corpus import Document, fetch_default_corpus, split_documents
-from glm5lab.data.sources import iter_documents
+from glm5lab.data.sources import open_corpus
 
 
 def _read(path: Path) -> list[Document]:
-    return [Document(d.name, d.text) for d in iter_documents(path)]
+    return [Document(d.name, d.text) for d in open_corpus(path).documents()]
 
 
 def _write(path: Path, data: str | bytes) -> Path:

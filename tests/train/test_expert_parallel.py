@@ -22,7 +22,8 @@ from glm5lab import ModelConfig
 from glm5lab.model.dispatch import LocalDispatcher
 from glm5lab.parallel import dist as gdist
 from glm5lab.parallel.dist import end_process, session
-from glm5lab.parallel.expert_parallel import AllToAllDispatcher, EPStats, check_ep, pop_ep_metrics
+from glm5lab.parallel.alltoall import check_ep
+from glm5lab.parallel.expert_parallel import AllToAllDispatcher, EPStats, pop_ep_metrics
 from glm5lab.train.ep_check import HYPER, LR, ep_check_model, train_ep_check
 from tests.conftest import free_port, write_word_corpus
 

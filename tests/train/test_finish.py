@@ -55,7 +55,7 @@ def _kill_at(point: str, monkeypatch) -> None:
         monkeypatch.setattr(loop_module, "evaluate_nll",
                             when(lambda *a, **kw: a[3] is None, loop_module.evaluate_nll))
     elif point == "loss.png":
-        def half_plot(metrics, out):
+        def half_plot(metrics, out, summary):
             out.write_bytes(b"\x89PNG half")
             stop()
         monkeypatch.setattr(plot_module, "plot_losses", half_plot)
@@ -127,7 +127,7 @@ def test_the_subset_figure_of_a_run_finished_by_resume_comes_from_metrics(corpus
 def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus, monkeypatch, capsys):
     """loss.png is drawn before summary.json: a plotting error (issue 36: two runs in one folder repeated steps, and
     matplotlib refused the curve) must not turn the trained run into a failed one."""
-    def broken(metrics, out):
+    def broken(metrics, out, summary):
         raise ValueError("x and y must have same first dimension,\nbut have shapes (102,) and (72,)")
 
     monkeypatch.setattr(plot_module, "plot_losses", broken)
@@ -140,24 +140,16 @@ def test_a_plot_that_fails_is_one_notice_and_the_summary_is_still_written(corpus
                    "but have shapes (102,) and (72,)); the run is complete, its summary.json follows"]
 
 
-def test_the_loss_plot_draws_a_metrics_log_with_repeated_steps(tmp_path):
-    """A metrics.jsonl two runs wrote at once (102 rows, 30 steps twice, interleaved): drawn once per step, the
-    last record of each (`plot.last_per_step`), where it used to fail in matplotlib."""
-    def row(step, loss):
-        stage = "dense" if step <= 40 else "indexer_warmup" if step <= 50 else "sparse_adaptation"
-        kl = 1e-4 if stage != "dense" else None
-        lm = None if stage == "indexer_warmup" else loss
-        return {"step": step, "stage": stage, "loss": loss, "lm_loss": lm,
-                "mtp_losses": [loss + 0.1] * (1 if stage == "indexer_warmup" else 3), "indexer_kl": kl,
-                "val_loss": loss if step % 10 == 0 else None, "val_tokens": 512 if step % 10 == 0 else None}
+def test_loss_png_draws_the_whole_split_figure_of_the_summary(corpus, monkeypatch):
+    """loss.png is drawn before summary.json is written: the whole-split diamond comes from the summary the run
+    passes, not from a file that does not exist yet."""
+    seen = []
 
-    first = [row(s, 8.0 - s / 20) for s in range(1, 73)]
-    second = [row(s, 9.0 - s / 20) for s in range(31, 61)]  # a --resume from step 30 writing beside it
-    rows = first[:40] + [r for pair in zip(first[40:70], second, strict=True) for r in pair] + first[70:]
-    assert len(rows) == 102 and len({r["step"] for r in rows}) == 72
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot_module.plot_losses(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
-    assert (tmp_path / "loss.png").stat().st_size > 10_000
-    kept = plot_module.last_per_step(rows)
-    assert [r["step"] for r in kept] == list(range(1, 73))
-    assert [r["loss"] for r in kept[40:60]] == [r["loss"] for r in second[10:30]]  # the later record of a step
+    def spy(ax, rows, summary, **kw):
+        seen.append(summary)
+        return real(ax, rows, summary, **kw)
+
+    real = plot_module.draw_losses
+    monkeypatch.setattr(plot_module, "draw_losses", spy)
+    summary = train(run_args(corpus, corpus / "run"))
+    assert [s["val_loss"] for s in seen] == [summary["val_loss"]]

@@ -257,6 +257,6 @@ def test_from_pretrained_reads_a_sharded_checkpoint(runs):
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert plain.state_dict()[bias].dtype == torch.float32 and torch.equal(plain.state_dict()[bias], full[bias])
     assert plain.state_dict()["model.embed_tokens.weight"].dtype == torch.bfloat16
-    from glm5lab.cli.generate import resolve_model_dir
+    from glm5lab.checkpoints.export import resolve_checkpoint
 
-    assert resolve_model_dir(str(folder)) == (folder, False) and resolve_model_dir(str(runs / "ep")) == (folder, True)
+    assert resolve_checkpoint(str(folder)) == folder and resolve_checkpoint(str(runs / "ep")) == folder

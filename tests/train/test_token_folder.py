@@ -74,7 +74,7 @@ def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch)
     same reader: the same documents, tokenizer, train/val tokens and unigram baseline either way."""
     datasets = pytest.importorskip("datasets")
     from glm5lab.data.corpus import split_documents
-    from glm5lab.data.sources import iter_documents
+    from glm5lab.data.sources import open_corpus
 
     monkeypatch.setenv("GLM5LAB_CACHE", str(tmp_path / "cache"))
     raw = write_word_corpus(tmp_path / "raw", docs=5, words_per_doc=200)
@@ -82,7 +82,7 @@ def test_a_raw_folder_and_its_token_folder_are_one_corpus(tmp_path, monkeypatch)
                                             for i in range(30)))
     rows = [" ".join(["the king", "the sea", "a fool"][(i + j) % 3] for j in range(30)) for i in range(70)]
     datasets.Dataset.from_dict({"text": rows}).to_parquet(str(raw / "table.parquet"))
-    train_docs, val_docs = split_documents(list(iter_documents(raw)), seed=0)
+    train_docs, val_docs = split_documents(list(open_corpus(raw).documents()), seed=0)
     assert {"table.parquet", "rows.jsonl"} <= {d.name.split(":")[0] for d in val_docs}  # both reach validation
     tokenize_corpus(raw, tmp_path / "tokens", vocab_size=VOCAB, progress=False)
     text, lazy = prepare_data(VOCAB, str(raw), 0), prepare_data(VOCAB, str(tmp_path / "tokens"), 0)

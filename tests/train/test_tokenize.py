@@ -15,7 +15,7 @@ from glm5lab.data.tokenizer import load_tokenizer, train_tokenizer
 from glm5lab.data.corpus import Document, split_documents, split_score
 from glm5lab.data.pipeline import prepare_data
 from glm5lab.data.shards import ShardedTokens, dtype_for, open_token_folder
-from glm5lab.data.sources import TextFile, iter_documents
+from glm5lab.data.sources import TextFile, open_corpus
 from glm5lab.data.tokenize import ShardWriter, tokenize_corpus
 from tests.conftest import encode_whole, reference_split, write_word_corpus
 
@@ -37,7 +37,7 @@ def test_a_text_file_read_in_chunks_equals_it_read_whole(tmp_path, monkeypatch):
     whole = path.read_text(encoding="utf-8-sig")
     for block in (1, 2, 3, 5, 64):
         monkeypatch.setattr(sources, "READ_BYTES", block)
-        doc = next(iter_documents(path))
+        doc = next(open_corpus(path).documents())
         assert isinstance(doc, TextFile) and doc.text == whole
         assert max(len(c) for c in doc.chunks()) <= block + 1  # + a CR held back from the read before
         assert doc.part("p", 3, 9).text == whole[3:9]
@@ -56,12 +56,12 @@ def test_shards_are_the_split_documents_encoded_whole_and_joined(tmp_path, n_doc
     train_ids, val_ids = reference_split(tok, texts)
     assert np.array_equal(np.asarray(folder.train), train_ids)
     assert np.array_equal(np.asarray(folder.val), val_ids)
-    train_docs, val_docs = split_documents(list(iter_documents(texts)), seed=0)
+    train_docs, val_docs = split_documents(list(open_corpus(texts).documents()), seed=0)
     parts = np.split(val_ids, np.flatnonzero(val_ids == tok.token_to_id("<|endoftext|>")))
     assert [tok.decode(p.tolist()) for p in parts] == [d.text for d in val_docs]
     assert index["splits"]["train"]["documents"] == len(train_docs) and index["splits"]["val"]["documents"] == len(val_docs)
     assert index["split"]["single"] == (None if n_docs > 1 else "doc0.txt")
-    natural = any(split_score(d.name, 0) < 0.05 for d in iter_documents(texts))
+    natural = any(split_score(d.name, 0) < 0.05 for d in open_corpus(texts).documents())
     assert (index["split"]["moved"] is not None) == (n_docs > 1 and not natural) and natural == (n_docs == 40)
     assert all(s["tokens"] == 250 for s in index["splits"]["train"]["shards"][:-1]) and index["dtype"] == "uint16"
 
@@ -79,7 +79,7 @@ def test_parquet_and_arrow_through_datasets(tmp_path):
     table.save_to_disk(str(tmp_path / "arrow"))
     tok = train_tokenizer(rows, VOCAB, tmp_path / "tk")
     docs = [Document(f"part-0.parquet:{i}", t) for i, t in enumerate(rows)]
-    assert list(iter_documents(tmp_path / "pq", "body")) == docs
+    assert list(open_corpus(tmp_path / "pq", "body").documents()) == docs
     train, val = split_documents(docs, seed=0)
     index = tokenize_corpus(tmp_path / "pq", tmp_path / "t1", tokenizer=tmp_path / "tk", vocab_size=VOCAB,
                             text_field="body", shard_size=100, progress=False)
@@ -87,7 +87,7 @@ def test_parquet_and_arrow_through_datasets(tmp_path):
     assert np.array_equal(np.asarray(folder.train), encode_whole(tok, train))
     assert np.array_equal(np.asarray(folder.val), encode_whole(tok, val))
     assert index["text_field"] == "body" and index["splits"]["val"]["documents"] == len(val)
-    arrow_docs = list(iter_documents(tmp_path / "arrow", "body"))
+    arrow_docs = list(open_corpus(tmp_path / "arrow", "body").documents())
     assert [d.text for d in arrow_docs] == rows and arrow_docs[0].name == "data-00000-of-00001.arrow:0"
     with pytest.raises(ValueError, match=r"part-0.parquet has no column 'text' \(its columns: id, body\); name the "
                                          r"text column with `glm5lab tokenize .*pq --text-field NAME --out DIR` "
@@ -111,13 +111,13 @@ def test_empty_corrupt_and_non_string_tables(tmp_path, capsys):
         pass  # an arrow stream (save_to_disk's layout) without batches
     with pa.OSFile(str(folder / "x.arrow"), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
         w.write_table(pa.table({"text": pa.array([], pa.string())}))  # an arrow file, one batch of 0 rows
-    docs = list(iter_documents(folder))
+    docs = list(open_corpus(folder).documents())
     assert [d.name for d in docs] == ["doc0.txt", "doc1.txt", "doc2.txt"]
     assert capsys.readouterr().err == (f"glm5lab: corpus folder {folder}: reading its 3 .txt/.md/.jsonl/.parquet/"
                                        ".arrow files; skipping 3 empty files: x.arrow, y.arrow, z.parquet\n")
     for name in ("z.parquet", "y.arrow", "x.arrow"):
         with pytest.raises(ValueError, match=rf"{name} is empty: the table has no rows$"):
-            list(iter_documents(folder / name))
+            list(open_corpus(folder / name).documents())
     (folder / "bad.parquet").write_bytes(b"not a parquet file" * 10)
     with pytest.raises(ValueError, match=r"bad.parquet: not a readable parquet file \(.*magic bytes"):
         tokenize_corpus(folder, tmp_path / "t", vocab_size=VOCAB, progress=False)
@@ -125,7 +125,7 @@ def test_empty_corrupt_and_non_string_tables(tmp_path, capsys):
     (folder / "bad.parquet").unlink()
     datasets.Dataset.from_dict({"text": [1, 2]}).to_parquet(str(folder / "i.parquet"))
     with pytest.raises(ValueError, match=r"i.parquet, row 0: column 'text' holds an int \(1\), not a string$"):
-        list(iter_documents(folder))
+        list(open_corpus(folder).documents())
 
 
 def test_an_interrupted_run_leaves_no_index_and_no_partial_shard(tmp_path, monkeypatch):
@@ -196,7 +196,7 @@ def test_the_tokenizer_trained_in_pieces_is_the_one_trained_on_whole_texts(tmp_p
     from glm5lab.data import pieces
     from glm5lab.data.tokenizer import cached_tokenizer
 
-    docs = list(iter_documents(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300)))
+    docs = list(open_corpus(write_word_corpus(tmp_path / "texts", docs=4, words_per_doc=300)).documents())
     whole = train_tokenizer([d.text for d in docs], VOCAB, tmp_path / "whole")
     monkeypatch.setattr(pieces, "PIECE_CHARS", 64)
     assert cached_tokenizer(lambda: iter(docs), VOCAB, tmp_path / "cache").to_str() == whole.to_str()

@@ -36,8 +36,8 @@ from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
 from glm5lab.ablate.stats import compare, compare_text, interval, paired_difference
 from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.workbench import Workbench
-from glm5lab.evals.search_indexcache import attention_time, calibration_loss, search_indexcache, with_indexer_pattern
-from glm5lab.evals.variants import model_variant
+from glm5lab.evals.search_indexcache import attention_time, search_indexcache, with_indexer_pattern
+from glm5lab.evals.variants import mean_nll, model_variant
 
 RETENTIONS = (1.0, 0.5, 0.25)
 METHODS = ("searched", "uniform")
@@ -88,7 +88,7 @@ def measure_seed(model, bench: Workbench, s: dict) -> dict:
         rows.append({
             "method": r.method, "retention": r.retention, "full_layers": r.full_layers,
             "pattern": "".join("F" if t == "full" else "s" for t in r.pattern), "switched": r.switched,
-            "calib_loss": r.loss, "heldout_loss": calibration_loss(twin, held, window),
+            "calib_loss": r.loss, "heldout_loss": mean_nll(twin, held, window),
             "mqar_T": 100 * mqar_accuracy(twin, bench, s["eval_rows"], T, s["pairs"], seed=20_000),
             "mqar_4T": 100 * mqar_accuracy(twin, bench, s["eval_rows"], 4 * T, s["pairs"], seed=20_001)})
     dense = model_variant(model, use_dsa=False)

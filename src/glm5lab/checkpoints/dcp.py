@@ -19,8 +19,6 @@ Source: torch.distributed.checkpoint docs (save/load, state_dict.get_state_dict)
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -28,7 +26,7 @@ from pathlib import Path
 import torch
 
 from glm5lab.checkpoints.folder import ResumeError
-from glm5lab.io_utils import atomic_write, atomic_write_text
+from glm5lab.io_utils import atomic_write, atomic_write_text, sibling, swap_in
 
 STATE_FILE = "trainer_state.json"
 """The file that marks a run checkpoint (an HF folder has none)."""
@@ -87,7 +85,7 @@ def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path
 
     folder, placed = Path(folder), _rank_world(model)
     rank, world = placed or (0, 1)
-    name = [f".{folder.name}.tmp-{secrets.token_hex(4)}"]
+    name = [sibling(folder, "tmp").name]
     if rank == 0:
         folder.parent.mkdir(parents=True, exist_ok=True)
         for stale in folder.parent.glob(".*.tmp-*"):  # left by a save that was killed midway (one writer per run)
@@ -110,9 +108,7 @@ def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path
         if placed:
             dist.barrier()
         if rank == 0:
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
+            swap_in(tmp, folder)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -233,9 +229,8 @@ def load(folder: Path, model, optimizer=None) -> dict | None:
 def _load_hf(folder: Path, model) -> None:
     """Copy into every parameter and buffer of `model` this rank's part of the HF folder's tensor, read one at a
     time (no rank holds the whole model), cast to the parameter's dtype."""
-    from torch.distributed.tensor import DTensor
-
     from glm5lab.hf import CheckpointError, CheckpointTensors
+    from glm5lab.model.local import local
     from glm5lab.parallel.dist import local_part
 
     tensors = CheckpointTensors(folder, model.config)
@@ -245,10 +240,7 @@ def _load_hf(folder: Path, model) -> None:
         full = tensors[name]
         if tuple(full.shape) != tuple(t.shape):
             raise CheckpointError(f"{folder}: {name}: checkpoint {tuple(full.shape)} vs model {tuple(t.shape)}")
-        if isinstance(t, DTensor):
-            t.to_local().copy_(local_part(t, full, ctx=None))
-        else:
-            t.copy_(full)
+        local(t).copy_(local_part(t, full))
 
 
 def allocate(model, device) -> None:

@@ -30,20 +30,28 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """5GB, transformers' default `max_shard_size`."""
 
 
-def resolve_checkpoint(path) -> Path:
-    """The checkpoint folder `path` names: a run folder -> the folder its checkpoints/latest names; a
-    step folder (a run checkpoint or an HF folder) -> itself. Raises ValueError in one line when it is neither."""
+def resolve_checkpoint(path, name: str = "CHECKPOINT") -> Path:
+    """The checkpoint folder `path` names: a step folder (a run checkpoint or an HF folder) -> itself; a run folder
+    -> the folder its checkpoints/latest names. Raises ValueError in one line naming `name` (the command's argument:
+    CHECKPOINT, --model) and what was expected, when it is neither, or a run folder without a complete checkpoint."""
     folder = Path(path)
     if not folder.is_dir():
-        refuse("CHECKPOINT", str(path), "a run folder or a checkpoint folder (it does not exist)")
+        refuse(name, str(path), "a run folder or a checkpoint folder (" + ("it is a file: give the folder that holds "
+               "config.json and the weights" if folder.exists() else "it does not exist") + ")")
+    if is_checkpoint(folder):
+        return folder
     latest = latest_pointer(folder)
-    if latest is not None and not is_checkpoint(folder):
-        folder = latest
-    if not is_checkpoint(folder):
-        refuse("CHECKPOINT", str(path), "a run folder (with checkpoints/latest) or a checkpoint folder (config.json "
-               "with *.safetensors weights, or a run checkpoint's trainer_state.json and .metadata); it is "
-               "neither")
-    return folder
+    if latest is not None:
+        if not is_checkpoint(latest):
+            refuse(name, str(path), f"a run folder with a complete checkpoint (its checkpoints/latest points to "
+                   f"{latest}, which lacks config.json or the weights: deleted or incomplete)")
+        return latest
+    if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():
+        refuse(name, str(path), "a run folder with a checkpoint (this one has no checkpoints/latest yet: no "
+               "checkpoint was completed); give a checkpoint folder instead")
+    why = "it has a config.json but no weights" if (folder / "config.json").is_file() else "it has no config.json"
+    refuse(name, str(path), "a run folder (with checkpoints/latest) or a checkpoint folder (config.json with "
+           f"*.safetensors weights, or a run checkpoint's trainer_state.json and .metadata); it is neither: {why}")
 
 
 def is_checkpoint(folder: Path) -> bool:

@@ -1,21 +1,7 @@
 """The `glm5lab` command: one entry point, one subcommand per task, thin over the library.
 
-    glm5lab ledger [--preset NAME | --config PATH] [--dtype bf16|fp16|fp32|fp8] [--index-dtype D] [--context N] [--json]
-                   [--gpus G --ep E --mode train|serve [--batch B] [--cache-dtype DTYPE]]
-    glm5lab train  [--preset NAME | --config FILE] [--data PATH] [--steps N] [--out DIR] [--resume]
-                   [--optimizer adamw|muon|muon-split|muon-split-kv] [--quick] [--compile] [--ep N] [--threads N] ...
-                   [--recipe FILE|NAME] [--dry-run [--nproc N]] [--lr LR] [--grad-accum A]
-                   [--activation-checkpointing] [--tensorboard]
-    glm5lab generate --model DIR (--prompt TEXT | --prompt-ids "ID ...") [--max-new-tokens N]
-                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT_OR_ID ...]
-                   [--speculative mtp [--draft-steps N]] [--tokenizer FILE] [--device cpu|cuda]
-                   [--dtype fp32|bf16] [--prefill-chunk N] [--compile] [--json] [--threads N]
-    glm5lab ablate STUDY [--quick] [--scale cpu|gpu] [--out DIR] [--seeds N]   (mla, dsa, swa, efficient,
-                   mtp, indexcache, baseline; `glm5lab ablate summary` rebuilds the README table)
-    glm5lab report RUN_DIR [--out DIR] [--no-measure] [--quick] [--compare RUN_B ...]
-    glm5lab tokenize [DATA] --out DIR [--tokenizer PATH] [--vocab-size V] [--text-field NAME] [--shard-size N]
-                   [--seed S]   (token shards that `glm5lab train --data DIR` streams; docs/data.md)
-    glm5lab export CHECKPOINT --out DIR [--max-shard-size 5GB]   (HF safetensors; docs/checkpoints.md)
+Commands: ledger, train, generate, ablate, report, tokenize, export; `glm5lab COMMAND -h` lists a command's
+flags (the parsers below are their one definition).
 
 train, generate, ablate and report take --threads N; without it the CPU threads follow
 `glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
@@ -67,22 +53,13 @@ DESCRIPTION = ("Work with GLM-5-family language models (MLA, DSA sparse attentio
                "`glm5lab COMMAND -h` for a command's options.")
 
 
-def load_config(preset: str | None, config: str | None) -> tuple[ModelConfig, str]:
-    """(config, label) from a preset name or an HF config.json (file or checkpoint folder).
-
-    Raises ConfigError (unknown preset, bad or foreign config.json), FileNotFoundError."""
-    if config is None:
-        name = preset or "glm5"
-        return ModelConfig.from_preset(name), name
-    return ModelConfig.from_hf(config), config
-
-
 DEPLOYMENT_FLAGS = ("gpus", "ep", "mode")
 """`glm5lab ledger` flags that ask for the deployment accounts; they go together."""
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
-    cfg, label = load_config(args.preset, args.config)
+    label = args.config or args.preset or "glm5"  # an HF config.json (file or checkpoint folder), or a preset
+    cfg = ModelConfig.from_hf(label) if args.config else ModelConfig.from_preset(label)
     if _deployment_asked(args):
         if args.index_dtype is not None:
             refuse("--index-dtype", args.index_dtype, "only for the ledger table (the deployment accounts keep the "

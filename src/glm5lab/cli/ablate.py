@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from glm5lab.ablate.runner import SCALES, STUDIES
 
@@ -20,8 +21,6 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"{', '.join(given)}: not used by `glm5lab ablate summary` (it reads --root and "
                              "writes --write); run the study itself with them")
-
-        from pathlib import Path
 
         print(write_summary(args.root, args.write).rstrip())
         missing = [s for s in STUDIES if not (Path(args.root) / s / "results.json").is_file()]

@@ -1,12 +1,10 @@
 """`glm5lab generate`: load a checkpoint and continue a prompt, plain or MTP-speculative.
 
-The command body behind `glm5lab.cli`; the work is `glm5lab.generate` (see `glm5lab.infer.generate`). --model
-takes a `glm5lab train` run folder (its checkpoints/latest checkpoint is used), a checkpoint folder, or any HF
-GLM-5-layout folder (config.json + safetensors, model_type glm_moe_dsa). Text streams to stdout as it is
-generated; a statistics line goes to stderr at the end. What only the command knows (the folder, config,
-tokenizer, the prompt and --stop texts, option combinations) is checked before the model is loaded; the values
-`glm5lab.generate` takes (sampling numbers, lengths, token ids, the MTP layer) are checked by it alone, and
-its ValueError is the command's one-line error.
+The command body behind `glm5lab.cli` (its flags' help says what they take; --model is resolved as
+`glm5lab.checkpoints.export.resolve_checkpoint`); the work is `glm5lab.generate` (`glm5lab.infer.generate`).
+What only the command knows (the folder, config, tokenizer, the prompt and --stop texts, option combinations)
+is checked before the model is loaded; the values `glm5lab.generate` takes (sampling numbers, lengths, token
+ids, the MTP layer) are checked by it alone, and its ValueError is the command's one-line error.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from pathlib import Path
 
 from glm5lab import validate
 from glm5lab.config import ModelConfig
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK, SPECULATIVE
 
 REPLACEMENT_CHAR = "\ufffd"
 DEFAULT_DRAFT_STEPS = 3
@@ -55,7 +53,7 @@ def add_generate_parser(sub) -> None:
                    help="end generation after emitting one of these tokens: a token id (an integer), or a text "
                    "that is one token of the tokenizer (e.g. '<|endoftext|>'); the stop token is output too. "
                    "Default: none (run to --max-new-tokens)")
-    p.add_argument("--speculative", choices=["mtp"],
+    p.add_argument("--speculative", choices=SPECULATIVE[1:],
                    help="speculative decoding: draft with the model's MTP layer, verify them in one forward; "
                    "the output distribution is unchanged (greedy: the same tokens as without it)")
     p.add_argument("--draft-steps", dest="draft_steps", type=int, metavar="N",
@@ -82,15 +80,15 @@ def add_generate_parser(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
+    from glm5lab.checkpoints.export import resolve_checkpoint
     from glm5lab.infer.generate import check_request, generate
 
     if args.draft_steps is not None and not args.speculative:
         raise ValueError("--draft-steps applies only with --speculative mtp")
     check_sampling_flags(args)
-    device, dtype = choose_device(args.device, args.dtype)
-    folder, from_run = resolve_model_dir(args.model)
+    device = validate.torch_device(args.device, "--device")
+    dtype = args.dtype or validate.default_dtype(device)
+    folder = resolve_checkpoint(args.model, "--model")
     config = ModelConfig.from_hf(folder)  # a foreign or malformed config.json is refused before loading weights
     if args.compile:
         from glm5lab.infer.compiled import check_attention_only
@@ -105,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                    prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     check_request(config, prompt_ids, args.max_new_tokens, **options)  # the library's checks, before the weights
 
-    if from_run:
+    if folder != Path(args.model):  # a run folder's latest checkpoint
         print(f"glm5lab generate: using {folder}", file=sys.stderr)
     stream = None if args.json else Stream(tokenizer, sys.stdout)
     try:
@@ -113,11 +111,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            speculative=bool(args.speculative))
         out = generate(model, prompt_ids, args.max_new_tokens, **options, compile=args.compile,
                        on_tokens=None if stream is None else (lambda rows: stream.add(rows[0])))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the text so far ends its line; `glm5lab.cli` then says "interrupted", exit 130
         if stream is not None and stream.ids:
             stream.close()
-        print("glm5lab generate: interrupted", file=sys.stderr)
-        return 130
+        raise
     tokens = out.tokens[0]
     if stream is not None:
         stream.close()
@@ -138,48 +135,6 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{' and '.join(given)} {verb} sampling, but --temperature is 0 (greedy, the default): "
                          "add --temperature T > 0 (e.g. --temperature 0.8), or drop "
                          f"{' and '.join(g.split()[0] for g in given)}")
-
-
-def choose_device(device: str | None, dtype: str | None) -> tuple[str, str]:
-    import torch
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (this torch build or machine has none); "
-                         "use --device cpu")
-    return device, dtype or validate.default_dtype(device)
-
-
-def resolve_model_dir(path: str) -> tuple[Path, bool]:
-    """(checkpoint folder, whether it came from a run folder) for --model. A run folder is one
-    with checkpoints/latest (written by `glm5lab train`); otherwise the folder itself must hold
-    config.json. Raises FileNotFoundError with what was expected."""
-    folder = Path(path)
-    if not folder.exists():
-        raise FileNotFoundError(f"--model {path}: no such folder")
-    if not folder.is_dir():
-        raise FileNotFoundError(f"--model {path} is a file: give the folder that holds config.json and the "
-                                "*.safetensors weights, or a `glm5lab train` run folder")
-    from glm5lab.checkpoints.folder import latest_pointer  # here: the CLI starts without torch
-
-    ckpt = latest_pointer(folder)
-    if ckpt is not None:
-        if not (ckpt / "config.json").is_file():
-            raise FileNotFoundError(f"--model {path}: checkpoints/latest points to {ckpt}, which has no "
-                                    "config.json (deleted or incomplete checkpoint)")
-        return ckpt, True
-    sharded = (folder / "trainer_state.json").is_file()  # a run checkpoint (DCP; docs/checkpoints.md)
-    if (folder / "config.json").is_file() and (sharded or any(folder.glob("*.safetensors"))):
-        return folder, False
-    if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():
-        raise FileNotFoundError(f"--model {path}: this run folder has no checkpoints/latest yet (no checkpoint "
-                                "was completed); give a checkpoint folder instead")
-    if (folder / "config.json").is_file():
-        raise FileNotFoundError(f"--model {path} has a config.json but no *.safetensors weights")
-    raise FileNotFoundError(f"--model {path} has no config.json: expected a checkpoint folder (config.json + "
-                            "*.safetensors, model_type glm_moe_dsa) or a `glm5lab train` run folder "
-                            "(checkpoints/latest)")
 
 
 def find_tokenizer(option: str | None, folder: Path, model_arg: Path):
@@ -237,7 +192,7 @@ def parse_stops(values: list[str], tokenizer) -> list[int]:
     return stops
 
 
-def load_model(folder: Path, *, torch_dtype, device: str, speculative: bool):
+def load_model(folder: Path, *, torch_dtype, device, speculative: bool):
     """The model, with its MTP layer only when speculative decoding needs it. A config without an
     MTP layer loads as is (`generate` then refuses speculative="mtp"); one that declares an MTP
     layer whose weights the checkpoint lacks is a ValueError (the user's folder, not a bug)."""
@@ -265,12 +220,9 @@ class Stream:
     def add(self, ids: list[int]) -> None:
         if not ids:
             return
-        if self.tokenizer is None:
-            self._write(" ".join(map(str, ids)) if not self.ids else " " + " ".join(map(str, ids)))
-            self.ids += ids
-            return
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        text = (" ".join(map(str, self.ids)) if self.tokenizer is None
+                else self.tokenizer.decode(self.ids, skip_special_tokens=False))
         if not text.endswith(REPLACEMENT_CHAR):
             self._show(text)
 

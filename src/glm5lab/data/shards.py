@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
+from glm5lab.data.tokenizer import TOKENIZER_FILE
+
 FORMAT = "glm5lab-tokens"
 VERSION = 1
 INDEX_FILE = "index.json"
-TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 DTYPES = ("uint16", "uint32")
 CHUNK_TOKENS = 1 << 22  # tokens per read when a whole split is streamed (unigram counts): 8-16 MB

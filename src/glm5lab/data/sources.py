@@ -113,11 +113,6 @@ def open_corpus(path, text_field: str = "text") -> Corpus:
     return Corpus(path, ((path, path.name),), text_field)
 
 
-def iter_documents(path, text_field: str = "text") -> Iterator[Document | TextFile]:
-    """`open_corpus(path, text_field).documents()`: the corpus's documents in order (errors as both say)."""
-    yield from open_corpus(path, text_field).documents()
-
-
 def _folder_files(folder: Path) -> list[Path]:
     every, hidden = _walk(folder)
     files = [p for p in every if p.suffix.lower() in SUFFIXES]

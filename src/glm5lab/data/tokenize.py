@@ -24,7 +24,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,12 +32,11 @@ from pathlib import Path
 import numpy as np
 
 import glm5lab
-from glm5lab.io_utils import atomic_write_text
-from glm5lab.data.tokenizer import BPE_RECIPE, cached_tokenizer, eot_id, load_tokenizer
+from glm5lab.io_utils import atomic_write_text, publish_folder
+from glm5lab.data.tokenizer import BPE_RECIPE, TOKENIZER_FILE, cached_tokenizer, eot_id, load_tokenizer
 from glm5lab.data.corpus import VAL_FRACTION, SplitAssigner, cache_root, fetch_default_corpus, settled
 from glm5lab.data.pieces import PIECE_CHARS, Cutter
-from glm5lab.data.shards import (FORMAT, INDEX_FILE, SPLITS, TOKENIZER_FILE, VERSION, dtype_for, shard_name,
-                                  tokenizer_sha256)
+from glm5lab.data.shards import FORMAT, INDEX_FILE, SPLITS, VERSION, dtype_for, shard_name, tokenizer_sha256
 from glm5lab.data.sources import TEXT_SUFFIXES, open_corpus
 from glm5lab.validate import int_at_least
 
@@ -151,15 +149,12 @@ def cached_token_folder(data, seed: int, *, tokenizer=None, vocab_size: int, say
     root.mkdir(parents=True, exist_ok=True)
     what = f"tokenizer {sha[:12]}" if sha else f"byte-level BPE, vocab_size {vocab_size}"
     say(f"tokenizing {source} (split seed {seed}, {what}) once into the cache: {folder}")
-    with tempfile.TemporaryDirectory(prefix=f".{folder.name}.", dir=root) as tmp:
-        staging = Path(tmp) / "tokens"
+
+    def fill(staging: Path) -> None:
         staging.mkdir()
         _tokenize_into(staging, corpus, tokenizer, what, vocab_size=vocab_size, seed=seed, progress=False)
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not (folder / INDEX_FILE).is_file():  # not a concurrent fill (another rank) that finished first
-                raise
+
+    publish_folder(folder, fill, done=lambda f: (f / INDEX_FILE).is_file())
     return folder
 
 

@@ -23,11 +23,6 @@ MIN_VOCAB_SIZE = 257  # 256 byte symbols + EOT
 BPE_RECIPE = 1  # bump when train_tokenizer's recipe changes, so old cache entries are not reused
 
 
-def _json_path(path: Path) -> Path:
-    path = Path(path)
-    return path if path.suffix == ".json" else path / TOKENIZER_FILE
-
-
 def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokenizer:
     """Train a byte-level BPE tokenizer on `texts` and save it atomically.
 
@@ -43,7 +38,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: Path) -> Tokeni
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer)
-    atomic_write(_json_path(path), lambda tmp: tokenizer.save(tmp))
+    path = Path(path)
+    atomic_write(path if path.suffix == ".json" else path / TOKENIZER_FILE, lambda tmp: tokenizer.save(tmp))
     return tokenizer
 
 

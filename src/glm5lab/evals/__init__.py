@@ -3,7 +3,7 @@ needle-in-a-haystack variants (`niah`), Zoology's MQAR (`mqar`), and sliding-win
 perplexity on held-out ids (`perplexity`). Reserved ids come from a `TaskVocab`."""
 
 from glm5lab.evals.mqar import (
-    IGNORE_INDEX, MQARExample, generation_prompts, make_mqar, make_mqar_batch, mqar_accuracy, score_generated,
+    MQARExample, generation_prompts, make_mqar, make_mqar_batch, mqar_accuracy, score_generated,
 )
 from glm5lab.evals.niah import (
     VARIANTS, Needle, NIAHExample, make_niah, make_niah_batch, prompts_tensor, score_niah, training_pair,
@@ -11,7 +11,7 @@ from glm5lab.evals.niah import (
 from glm5lab.evals.perplexity import PerplexityResult, perplexity
 from glm5lab.evals.search_indexcache import IndexCacheRow, search_indexcache, uniform_pattern
 from glm5lab.evals.search_swa import SWASearchResult, interleave_pattern, search_swa
-from glm5lab.evals.tasks import Scores, TaskVocab, derive_seed
+from glm5lab.evals.tasks import IGNORE_INDEX, Scores, TaskVocab, derive_seed
 
 __all__ = [
     "IGNORE_INDEX", "IndexCacheRow", "SWASearchResult", "interleave_pattern", "search_indexcache",

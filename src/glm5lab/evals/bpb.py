@@ -29,9 +29,7 @@ def token_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor:
     tokenizer's own size (ids would be missing), or when the tokenizer is not byte-level (its decoder is not
     `decoders.ByteLevel`, or a vocabulary token holds a character outside GPT-2's ByteLevel alphabet): its
     token lengths would not be byte counts."""
-    from tokenizers import pre_tokenizers
-
-    from tokenizers import decoders
+    from tokenizers import decoders, pre_tokenizers
 
     if not isinstance(tokenizer.decoder, decoders.ByteLevel):
         raise ValueError(f"the tokenizer's decoder is {type(tokenizer.decoder).__name__}, not ByteLevel: bits per "

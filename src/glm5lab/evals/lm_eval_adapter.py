@@ -51,7 +51,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from glm5lab.infer.generate import generate
 from glm5lab.model.model import GLM5ForCausalLM
 from glm5lab.data.tokenizer import EOT, load_tokenizer
-from glm5lab.validate import default_dtype, torch_dtype
+from glm5lab.validate import default_dtype, torch_device, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -68,24 +68,6 @@ def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
         span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name}={value!r} is not allowed: an integer {span}")
     return out
-
-
-def _resolve_device(device) -> torch.device:
-    name = "cuda" if device in (None, "auto") and torch.cuda.is_available() else (
-        "cpu" if device in (None, "auto") else str(device))
-    try:
-        out = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device={device!r} is not allowed: 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-    if out.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} is not allowed here: CUDA is not available; use 'cpu' or 'auto' "
-                         "(lm_eval's CLI: --device cpu)")
-    return out
-
-
-def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """"auto" (`default_dtype`), or float32 / bfloat16 (fp32 / bf16). Raises ValueError otherwise."""
-    return torch_dtype(default_dtype(device) if dtype == "auto" else dtype)
 
 
 @register_model("glm5lab")
@@ -105,9 +87,9 @@ class GLM5LabLM(TemplateLM):
         super().__init__()
         if str(batch_size).startswith("auto"):
             raise ValueError(f"batch_size={batch_size!r} is not allowed: an integer >= 1 (no automatic search)")
-        self._batch_size = _int_arg("batch_size", batch_size, 1)
-        self._device = _resolve_device(device)
-        self._dtype = _resolve_dtype(dtype, self._device)
+        self.batch_size = _int_arg("batch_size", batch_size, 1)
+        self._device = torch_device(device)
+        self._dtype = torch_dtype(default_dtype(self._device) if dtype == "auto" else dtype)
         self.folder = Path(pretrained)
         self.model = GLM5ForCausalLM.from_pretrained(self.folder, dtype=self._dtype, device=self._device,
                                                      mtp=False).eval()
@@ -121,8 +103,8 @@ class GLM5LabLM(TemplateLM):
             raise ValueError(f"the tokenizer has no {EOT} token: it is the prefix and stop token here")
         self._eot = eot
         hi = cfg.max_position_embeddings
-        self._max_length = hi if max_length is None else _int_arg("max_length", max_length, 1, hi)
-        self._max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
+        self.max_length = hi if max_length is None else _int_arg("max_length", max_length, 1, hi)
+        self.max_gen_toks = _int_arg("max_gen_toks", max_gen_toks, 1)
         self.seed = _int_arg("seed", seed, 0)
         self.attn_impl = attn_impl
 
@@ -130,18 +112,6 @@ class GLM5LabLM(TemplateLM):
     @property
     def eot_token_id(self) -> int:
         return self._eot
-
-    @property
-    def max_length(self) -> int:
-        return self._max_length
-
-    @property
-    def max_gen_toks(self) -> int:
-        return self._max_gen_toks
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
 
     @property
     def tokenizer_name(self) -> str:

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from glm5lab.evals.tasks import Scores, TaskVocab, check_int, derive_seed, rng
-
-IGNORE_INDEX = -100  # F.cross_entropy default ignore_index
+from glm5lab.evals.tasks import IGNORE_INDEX, Scores, TaskVocab, derive_seed, rng
+from glm5lab.validate import int_at_least
 
 
 @dataclass
@@ -48,8 +47,8 @@ def make_mqar(vocab: TaskVocab, seq_len: int, num_kv_pairs: int, num_queries: in
     int >= 1; num_queries > num_kv_pairs; num_kv_pairs > len(vocab.keys); the sequence is too
     short (needs seq_len + 1 >= 2 * (num_kv_pairs + num_queries)); seed is not an int >= 0.
     """
-    seq_len, n = check_int("seq_len", seq_len, 1), check_int("num_kv_pairs", num_kv_pairs, 1)
-    q = check_int("num_queries", n if num_queries is None else num_queries, 1)
+    seq_len, n = int_at_least("seq_len", seq_len, 1), int_at_least("num_kv_pairs", num_kv_pairs, 1)
+    q = int_at_least("num_queries", n if num_queries is None else num_queries, 1)
     if q > n:
         raise ValueError(f"num_queries = {q} is not allowed: it must be <= num_kv_pairs = {n}")
     if n > len(vocab.keys):
@@ -79,7 +78,7 @@ def make_mqar_batch(vocab: TaskVocab, n: int, seq_len: int, num_kv_pairs: int, n
                     *, seed: int = 0) -> tuple[torch.LongTensor, torch.LongTensor]:
     """(input_ids, labels), int64 [n, seq_len] each: row i is
     `make_mqar(..., seed=derive_seed(seed, i, "mqar"))` (reproducible; rows differ)."""
-    n = check_int("n", n, 1)
+    n = int_at_least("n", n, 1)
     rng(seed)
     rows = [make_mqar(vocab, seq_len, num_kv_pairs, num_queries, seed=derive_seed(seed, i, "mqar")) for i in range(n)]
     return torch.stack([r.input_ids for r in rows]), torch.stack([r.labels for r in rows])

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from glm5lab.evals.tasks import Scores, TaskVocab, check_int, contains, derive_seed, rng, token_ids
-from glm5lab.validate import one_of
-
-IGNORE_INDEX = -100  # F.cross_entropy default ignore_index
+from glm5lab.data.batches import token_ids
+from glm5lab.evals.tasks import IGNORE_INDEX, Scores, TaskVocab, contains, derive_seed, rng
+from glm5lab.validate import int_at_least, one_of
 
 VARIANTS = {  # name: (num_keys, num_values, num_queries) defaults, as RULER's configs
     "single": (1, 1, 1),
@@ -77,10 +76,6 @@ class NIAHExample:
     seed: int
 
 
-def needle_length(key_len: int, value_len: int) -> int:
-    return 3 + key_len + value_len
-
-
 def make_niah(vocab: TaskVocab, context_length: int, variant: str = "single", *, num_keys: int | None = None,
               num_values: int | None = None, num_queries: int | None = None, key_len: int = 2,
               value_len: int = 2, depth: float | Sequence[float] | None = None,
@@ -97,14 +92,14 @@ def make_niah(vocab: TaskVocab, context_length: int, variant: str = "single", *,
     """
     one_of("variant", variant, VARIANTS)
     dk, dv, dq = VARIANTS[variant]
-    nk = check_int("num_keys", dk if num_keys is None else num_keys, 1)
-    nv = check_int("num_values", dv if num_values is None else num_values, 1)
-    nq = check_int("num_queries", dq if num_queries is None else num_queries, 1)
+    nk = int_at_least("num_keys", dk if num_keys is None else num_keys, 1)
+    nv = int_at_least("num_values", dv if num_values is None else num_values, 1)
+    nq = int_at_least("num_queries", dq if num_queries is None else num_queries, 1)
     _check_variant(variant, nk, nv, nq)
-    key_len, value_len = check_int("key_len", key_len, 1), check_int("value_len", value_len, 1)
-    context_length = check_int("context_length", context_length, 1)
+    key_len, value_len = int_at_least("key_len", key_len, 1), int_at_least("value_len", value_len, 1)
+    context_length = int_at_least("context_length", context_length, 1)
     n_needles = nk * nv
-    fixed = n_needles * needle_length(key_len, value_len) + nq * (1 + key_len) + 1
+    fixed = n_needles * (3 + key_len + value_len) + nq * (1 + key_len) + 1  # needles, queries, [answer]
     if context_length < fixed:
         raise ValueError(f"context_length = {context_length} is too short: {n_needles} needle(s) and "
                          f"{nq} query(ies) need {fixed} tokens")
@@ -159,7 +154,7 @@ def make_niah_batch(vocab: TaskVocab, n: int, context_length: int, variant: str 
                     **kwargs) -> list[NIAHExample]:
     """n examples; example i is `make_niah(..., seed=derive_seed(seed, i, "niah"))`, so a batch is
     reproducible from (seed, n) and its examples differ. kwargs go to `make_niah`."""
-    n = check_int("n", n, 1)
+    n = int_at_least("n", n, 1)
     rng(seed)  # validates seed
     return [make_niah(vocab, context_length, variant, seed=derive_seed(seed, i, "niah"), **kwargs) for i in range(n)]
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from glm5lab.evals.tasks import check_int, token_ids
+from glm5lab.data.batches import token_ids
+from glm5lab.validate import int_at_least
 
 
 @dataclass
@@ -41,10 +42,10 @@ def perplexity(model, ids, window: int, stride: int | None = None) -> Perplexity
     x = torch.from_numpy(token_ids("ids", ids, cfg.vocab_size))
     if len(x) < 2:
         raise ValueError(f"ids has {len(x)} tokens: perplexity needs at least 2 (one target)")
-    window = check_int("window", window, 2)
+    window = int_at_least("window", window, 2)
     if window > cfg.max_position_embeddings:
         raise ValueError(f"window = {window} exceeds max_position_embeddings = {cfg.max_position_embeddings}")
-    stride = window if stride is None else check_int("stride", stride, 1)
+    stride = window if stride is None else int_at_least("stride", stride, 1)
     if stride > window:
         raise ValueError(f"stride = {stride} is not allowed: it must lie in [1, window={window}]")
     device = next(model.parameters()).device

@@ -15,12 +15,13 @@ n(r). Cost: 1 + sum over rounds of the candidates, i.e. at most 1 + sum_{m=n_min
 passes of calib_ids (|F0| = 6 to 2: 15), plus one loss forward per uniform row and 1 + `time_repeats` timed
 forwards per reported row (none at 0).
 
-Loss: mean NLL in nats/token of calib_ids[:, 1:] given the prefix, from `model(ids).logits` in fp32 (summed in
-fp64), no grad; with `window` only the last `window` targets of each row count (queries earlier than
-index_topk see every key, so DSA cannot change them). Time (attn_ms): the summed wall time of the MLA
-attention modules (forward pre/post hooks, CUDA-synchronised on GPU) in one forward of calib_ids, median over
-`time_repeats` forwards, in milliseconds; forward_ms is the median wall time of the whole forward. A pattern
-is evaluated on a twin model (`with_indexer_pattern`) that shares the original's weight tensors: no copy.
+Loss (`glm5lab.evals.variants.mean_nll`): mean NLL in nats/token of calib_ids[:, 1:] given the prefix, from
+`model(ids).logits` in fp32 (summed in fp64), no grad; with `window` only the last `window` targets of each row
+count (queries earlier than index_topk see every key, so DSA cannot change them). Time (attn_ms): the summed
+wall time of the MLA attention modules (forward pre/post hooks, CUDA-synchronised on GPU) in one forward of
+calib_ids, median over `time_repeats` forwards, in milliseconds; forward_ms is the median wall time of the
+whole forward. A pattern is evaluated on a twin model (`with_indexer_pattern`) that shares the original's
+weight tensors: no copy.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from glm5lab.config import ModelConfig
-from glm5lab.evals.tasks import check_int
 from glm5lab.evals.variants import mean_nll, model_variant
+from glm5lab.validate import fraction, int_at_least
 
 
 @dataclass
@@ -77,7 +78,7 @@ def uniform_pattern(cfg: ModelConfig, retention: float) -> list[str]:
     become "shared". Layers that do not select keep their entry. Raises ValueError (retention
     not in (0, 1], config without DSA)."""
     _check_dsa(cfg)
-    retention = _check_retention(retention)
+    retention = fraction("retention", retention)
     full = full_layers(cfg)
     n = _target_count(retention, len(full))
     keep = {full[(j * len(full)) // n] for j in range(n)}
@@ -91,11 +92,6 @@ def with_indexer_pattern(model, pattern: list[str]):
     if list(pattern) == list(model.config.indexer_types):
         return model
     return model_variant(model, indexer_types=list(pattern))
-
-
-def calibration_loss(model, calib_ids: torch.Tensor, window: int | None = None) -> float:
-    """Mean NLL (nats/token) of calib_ids[:, 1:] (or of each row's last `window` targets)."""
-    return mean_nll(model, calib_ids, window)
 
 
 class AttentionClock:
@@ -146,16 +142,15 @@ def attention_time(model, calib_ids: torch.Tensor, repeats: int) -> tuple[float,
     (`AttentionClock`) and of the whole forward, in ms; (nan, nan) when repeats = 0."""
     if repeats == 0:
         return math.nan, math.nan
-    sync = torch.cuda.synchronize if calib_ids.is_cuda else (lambda: None)
     attn, whole = [], []
     with AttentionClock(model) as clock:
         model(calib_ids)  # warm-up
         for _ in range(repeats):
             clock.reset()
-            sync()
+            clock._sync()
             t0 = time.perf_counter()
             model(calib_ids)
-            sync()
+            clock._sync()
             whole.append(time.perf_counter() - t0)
             attn.append(clock.total)
     return 1e3 * statistics.median(attn), 1e3 * statistics.median(whole)
@@ -174,18 +169,18 @@ def search_indexcache(model, calib_ids, *, retentions=(1.0, 0.5, 0.25), window: 
     `time_repeats` < 0; `model` without DSA (use_dsa off, no indexer, or no MLA layer that selects keys)."""
     cfg = model.config
     _check_dsa(cfg)
-    levels = sorted({_check_retention(r) for r in _as_list(retentions)}, reverse=True)
+    levels = sorted({fraction("retentions", r) for r in _as_list(retentions)}, reverse=True)
     calib_ids = _check_calib(cfg, calib_ids)
     T = calib_ids.shape[1]
     if window is not None:
-        window = check_int("window", window, 1)
+        window = int_at_least("window", window, 1)
         if window > T - 1:
             raise ValueError(f"window = {window} is not allowed: at most T - 1 = {T - 1} targets per row")
-    time_repeats = check_int("time_repeats", time_repeats, 0)
+    time_repeats = int_at_least("time_repeats", time_repeats, 0)
     calib_ids = calib_ids.to(next(model.parameters()).device)
 
     def loss_of(pattern):
-        return calibration_loss(with_indexer_pattern(model, pattern), calib_ids, window)
+        return mean_nll(with_indexer_pattern(model, pattern), calib_ids, window)
 
     def row(method, r, pattern, loss, switched):
         twin = with_indexer_pattern(model, pattern)
@@ -211,18 +206,6 @@ def search_indexcache(model, calib_ids, *, retentions=(1.0, 0.5, 0.25), window: 
     return rows
 
 
-def markdown_table(rows: list[IndexCacheRow]) -> str:
-    """A Markdown table of `rows`: method, retention, full layers, loss, delta, times, pattern
-    (`indexer_types` per layer: F = "full", s = "shared")."""
-    lines = ["| method | retention | full layers | loss (nats/token) | delta | attn ms | forward ms | pattern |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        pat = "".join("F" if t == "full" else "s" for t in r.pattern)
-        lines.append(f"| {r.method} | {r.retention:g} | {r.full_layers} | {r.loss:.4f} | {r.delta_loss:+.4f} | "
-                     f"{r.attn_ms:.2f} | {r.forward_ms:.2f} | `{pat}` |")
-    return "\n".join(lines)
-
-
 def _switched(pattern: list[str], layer: int) -> list[str]:
     return [("shared" if i == layer else t) for i, t in enumerate(pattern)]
 
@@ -232,12 +215,6 @@ def _as_list(retentions) -> list:
     if not values:
         raise ValueError("retentions is empty: give at least one level in (0, 1]")
     return values
-
-
-def _check_retention(r) -> float:
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 1:
-        raise ValueError(f"retentions: {r!r} is not allowed: each level must be a number in (0, 1]")
-    return float(r)
 
 
 def _check_dsa(cfg: ModelConfig) -> None:

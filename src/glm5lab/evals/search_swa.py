@@ -41,10 +41,12 @@ from dataclasses import dataclass, field
 import torch
 
 from glm5lab.config import ConfigError
-from glm5lab.evals.mqar import IGNORE_INDEX, make_mqar_batch, mqar_accuracy
+from glm5lab.evals.mqar import make_mqar_batch, mqar_accuracy
 from glm5lab.evals.niah import make_niah_batch, training_pair
-from glm5lab.evals.tasks import TaskVocab, check_int, token_ids
+from glm5lab.data.batches import token_ids
+from glm5lab.evals.tasks import IGNORE_INDEX, TaskVocab
 from glm5lab.evals.variants import mean_nll, model_variant
+from glm5lab.validate import fraction, int_at_least
 
 Pattern = tuple[int, ...]  # sorted indices of the "swa" layers
 
@@ -71,7 +73,7 @@ def interleave_pattern(num_layers: int, every: int = 2) -> list[str]:
     """The fixed SWA interleave baseline: layer i is "attention" when i % every == every - 1, else "swa" (every=2:
     swa, full, swa, full, ... = the report's 1:1 interleave; the last layer of each group of `every` keeps full
     attention). Raises ValueError naming the argument if num_layers < 1 or every < 1 (every=1: all full)."""
-    num_layers, every = check_int("num_layers", num_layers, 1), check_int("every", every, 1)
+    num_layers, every = int_at_least("num_layers", num_layers, 1), int_at_least("every", every, 1)
     return ["attention" if i % every == every - 1 else "swa" for i in range(num_layers)]
 
 
@@ -92,14 +94,12 @@ def search_swa(model, score_fn: Callable[[object], float], *, window: int, targe
     target_fraction not in (0, 1]; beam < 1; per_round < 1; max_candidates not None and < 1; seed < 0;
     score_fn returns a non-finite or non-numeric value; no candidate of a round is a valid config.
     """
-    window = check_int("window", window, 1)
-    if isinstance(target_fraction, bool) or not isinstance(target_fraction, (int, float)) \
-            or not 0 < target_fraction <= 1:
-        raise ValueError(f"target_fraction = {target_fraction!r} is not allowed: it must lie in (0, 1]")
-    beam, per_round = check_int("beam", beam, 1), check_int("per_round", per_round, 1)
+    window = int_at_least("window", window, 1)
+    target_fraction = fraction("target_fraction", target_fraction)
+    beam, per_round = int_at_least("beam", beam, 1), int_at_least("per_round", per_round, 1)
     if max_candidates is not None:
-        max_candidates = check_int("max_candidates", max_candidates, 1)
-    seed = check_int("seed", seed, 0)
+        max_candidates = int_at_least("max_candidates", max_candidates, 1)
+    seed = int_at_least("seed", seed, 0)
     L = model.config.num_hidden_layers
     n_target = max(1, math.ceil(target_fraction * L - 1e-9))
     cache: dict[Pattern, float | None] = {}  # None = invalid config
@@ -116,15 +116,14 @@ def search_swa(model, score_fn: Callable[[object], float], *, window: int, targe
                 return None
             value = score_fn(m)
             try:
-                value = float(value)
+                finite = math.isfinite(float(value))
             except (TypeError, ValueError):
-                raise ValueError(f"score_fn returned {value!r} for mixer_types={mixers}: it must return a "
-                                 "finite number") from None
-            if not math.isfinite(value):
+                finite = False
+            if not finite:
                 raise ValueError(f"score_fn returned {value!r} for mixer_types={mixers}: it must return a "
                                  "finite number")
             counts["evaluations"] += 1
-            cache[p] = value
+            cache[p] = float(value)
         return cache[p]
 
     full_score = score(())
@@ -166,10 +165,6 @@ def _candidates(L: int, p: Pattern, k: int, max_candidates: int | None, seed: in
 
 # --- ready-made scorers ---------------------------------------------------------------------------
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def loss_scorer(ids) -> Callable[[object], float]:
     """score_fn = minus the mean next-token NLL (nats/token) of the model on `ids` (int64 [T] or
     [B, T], T >= 2, one forward over the whole sequence, fp32 log-probs). Make T > window. Raises ValueError
@@ -185,7 +180,7 @@ def loss_scorer(ids) -> Callable[[object], float]:
 
     def score(model) -> float:
         token_ids("ids", x.flatten(), model.config.vocab_size)
-        return -mean_nll(model, x.to(_device(model)))
+        return -mean_nll(model, x.to(next(model.parameters()).device))
 
     return score
 
@@ -195,14 +190,7 @@ def mqar_scorer(vocab: TaskVocab, n: int, seq_len: int, num_kv_pairs: int, num_q
     """score_fn = teacher-forced MQAR accuracy (`mqar_accuracy`: argmax at the query positions) on
     a fixed `make_mqar_batch(vocab, n, seq_len, num_kv_pairs, num_queries, seed=seed)`, in [0, 1].
     The batch is drawn once, so every pattern sees the same data. Raises as `make_mqar_batch`."""
-    x, y = make_mqar_batch(vocab, n, seq_len, num_kv_pairs, num_queries, seed=seed)
-
-    @torch.no_grad()
-    def score(model) -> float:
-        d = _device(model)
-        return mqar_accuracy(model(x.to(d)).logits, y.to(d))
-
-    return score
+    return _accuracy_scorer(*make_mqar_batch(vocab, n, seq_len, num_kv_pairs, num_queries, seed=seed))
 
 
 def niah_scorer(vocab: TaskVocab, n: int, context_length: int, variant: str = "single", *, seed: int = 0,
@@ -215,10 +203,16 @@ def niah_scorer(vocab: TaskVocab, n: int, context_length: int, variant: str = "s
     pairs = [training_pair(e) for e in make_niah_batch(vocab, n, context_length, variant, seed=seed, **kwargs)]
     x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     assert bool((y != IGNORE_INDEX).any())
+    return _accuracy_scorer(x, y)
+
+
+def _accuracy_scorer(x_BT: torch.Tensor, labels_BT: torch.Tensor) -> Callable[[object], float]:
+    """score_fn = `mqar_accuracy` (teacher-forced argmax accuracy at the labels != -100) of the model's logits
+    on inputs x_BT (int64 [B, T]) against labels_BT (int64 [B, T], already shifted)."""
 
     @torch.no_grad()
     def score(model) -> float:
-        d = _device(model)
-        return mqar_accuracy(model(x.to(d)).logits, y.to(d))
+        d = next(model.parameters()).device
+        return mqar_accuracy(model(x_BT.to(d)).logits, labels_BT.to(d))
 
     return score

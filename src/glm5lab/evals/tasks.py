@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from glm5lab.validate import int_at_least
+
+IGNORE_INDEX = -100
+"""The label of a position that is not scored: F.cross_entropy's default ignore_index (as
+`glm5lab.train.losses.cross_entropy`)."""
 MARKERS = ("needle", "sep", "end", "query", "answer")
 """Marker fields of `TaskVocab`, in the order `TaskVocab.from_range` assigns them."""
 
@@ -44,9 +49,7 @@ class TaskVocab:
     filler: tuple[int, ...]
 
     def __post_init__(self):
-        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, (int, np.integer)) \
-                or self.vocab_size < 1:
-            raise ValueError(f"vocab_size = {self.vocab_size!r} is not allowed: it must be an int >= 1")
+        int_at_least("vocab_size", self.vocab_size, 1)
         for name in MARKERS:
             _check_id(name, getattr(self, name), self.vocab_size)
         markers = [getattr(self, n) for n in MARKERS]
@@ -115,27 +118,8 @@ def derive_seed(seed: int, index: int, task: str) -> int:
 
 
 def rng(seed: int) -> np.random.Generator:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed = {seed!r} is not allowed: it must be an int >= 0")
-    return np.random.default_rng(int(seed))
-
-
-def check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} = {value!r} is not allowed: it must be an int >= {low}")
-    return int(value)
-
-
-def token_ids(name: str, tokens, vocab_size: int) -> np.ndarray:
-    """`tokens` as a 1-D int64 array; ValueError if not 1-D integers in [0, vocab_size)."""
-    ids = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
-    if ids.ndim != 1:
-        raise ValueError(f"{name} must be 1-D token ids, got shape {ids.shape}")
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"{name} has ids in [{ids.min()}, {ids.max()}], outside [0, vocab_size={vocab_size})")
-    return ids.astype(np.int64)
+    """numpy's generator for `seed`, an int >= 0 (ValueError otherwise)."""
+    return np.random.default_rng(int_at_least("seed", seed, 0))
 
 
 def contains(tokens: Sequence[int], pattern: Sequence[int]) -> bool:

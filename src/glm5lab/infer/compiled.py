@@ -48,12 +48,6 @@ CPU_OPTIONS = {"cpp_wrapper": True}
 slower first compilation; later processes hit inductor's cache: BENCHMARKS.md, "Kernel choices")."""
 
 
-def compile_mode(device: torch.device) -> str | None:
-    """The `torch.compile` mode of the compiled steps: "reduce-overhead" (CUDA graphs) on CUDA,
-    inductor's default elsewhere (None)."""
-    return "reduce-overhead" if torch.device(device).type == "cuda" else None
-
-
 def check_attention_only(specs, what: str = "compile=True") -> None:
     """Raise ValueError when any of the `LayerSpec`s is a recurrent mixer ("gdn" / "simple_gdn"):
     their state is replaced, not written in place, every step, so the compiled steps refuse them.
@@ -70,20 +64,23 @@ def capacity_for(tokens: int, limit: int) -> int:
     return min(limit, -(-tokens // CAPACITY_BUCKET) * CAPACITY_BUCKET)
 
 
-def _decode_graph(model, cache, ids_B1, attn_impl):
-    return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl, static=True).logits[:, -1]
+def _decode_graph(model, cache, ids_B1, attn_impl, static=True):
+    return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl, static=static).logits[:, -1]
 
 
-def _verify_graph(model, cache, ids_BT, attn_impl):
-    out = model.step(ids_BT, cache, attn_impl=attn_impl, static=True)
+def _verify_graph(model, cache, ids_BT, attn_impl, static=True):
+    out = model.step(ids_BT, cache, attn_impl=attn_impl, static=static)
     return out.logits, out.hidden_states
 
 
-def _mtp_graph(model, cache, hidden_BTD, ids_BT, attn_impl, with_logits):
-    return model.mtp_forward(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits, static=True)
+def _mtp_graph(model, cache, hidden_BTD, ids_BT, attn_impl, with_logits, static=True):
+    return model.mtp_forward(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits,
+                             static=static)
 
 
 GRAPHS = {"decode": _decode_graph, "verify": _verify_graph, "mtp": _mtp_graph}
+"""The steps' bodies, args as `CompiledSteps.run`: compiled with static shapes (`CompiledSteps`) or run eagerly
+(`eager`), so the eager steps are the compiled ones' reference twin by construction."""
 _compiled: dict[tuple[str, str | None], object] = {}
 """The `torch.compile` wrappers, made on first use: process-wide, as dynamo keeps their graphs
 per code object (torch.compile's own cache)."""
@@ -106,7 +103,7 @@ class CompiledSteps:
         [B, T, D]); mtp (hidden_BTD, ids_BT, attn_impl, with_logits) -> (h' [B, T, D], logits
         [B, T, V] | None). Raises CacheOverflowError past the capacity."""
         ids = args[0] if name != "mtp" else args[1]
-        mode = compile_mode(ids.device)
+        mode = "reduce-overhead" if ids.device.type == "cuda" else None  # CUDA graphs; else inductor's default
         with cache.writing(ids.shape[1]):
             t0, frames = time.perf_counter(), graphs_compiled()  # a first call's set-up counts as compiling too
             fn = _compiled.get((name, mode)) or _compile(name, mode, ids.device)
@@ -118,6 +115,13 @@ class CompiledSteps:
         if mode == "reduce-overhead":  # CUDA-graph outputs are overwritten by the next replay: keep copies
             out = tuple(o.clone() if o is not None else None for o in out) if isinstance(out, tuple) else out.clone()
         return out
+
+
+def eager(name: str, model, cache, *args):
+    """Step `name` (args as `CompiledSteps.run`) run eagerly inside `cache.writing`: the keys read only up to
+    each row's length. Raises CacheOverflowError past the capacity."""
+    with cache.writing((args[1] if name == "mtp" else args[0]).shape[1]):
+        return GRAPHS[name](model, cache, *args, static=False)
 
 
 def _compile(name: str, mode: str | None, device: torch.device):

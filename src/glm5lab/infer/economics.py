@@ -41,7 +41,7 @@ from typing import Union
 
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.ledger import block_params, recurrent_state_bytes
-from glm5lab.validate import finite, int_at_least
+from glm5lab.validate import finite, int_at_least, one_of
 
 PARTS = ("main", "mtp")
 
@@ -116,8 +116,7 @@ def weight_bytes(cfg: ModelConfig, tokens: int, *, part: str = "main", logits: b
     rows of the embedding and, when `logits`, the output head (V x D; the MTP layer shares the main one).
     Routed experts: `distinct_experts` per MoE layer; indexer weights only on layers that run their indexer
     ("own" and `use_dsa`). bytes_per_param: 4 fp32, 2 bf16, 1 fp8. Raises ValueError for a bad part."""
-    if part not in PARTS:
-        raise ValueError(f"part={part!r} is not allowed: one of {PARTS}")
+    one_of("part", part, PARTS)
     int_at_least("tokens", tokens, 1)
     D = cfg.hidden_size
     if part == "main":

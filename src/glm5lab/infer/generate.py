@@ -28,16 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer import DEFAULT_PREFILL_CHUNK, SPECULATIVE
 from glm5lab.infer.compiled import CompiledSteps, capacity_for
 from glm5lab.infer.sampling import BatchGenerator, Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
 from glm5lab.infer.steps import decode_step, draft, prefill, verify
 from glm5lab.model.cache import KVCache
 from glm5lab.model.fp8_keys import index_cache_fp8
-from glm5lab.validate import int_at_least
-
-SPECULATIVE = (None, "mtp")
+from glm5lab.validate import int_at_least, one_of
 
 
 @dataclass
@@ -78,10 +76,6 @@ class GenerateOutput:
 
     tokens: list[list[int]]
     stats: GenerateStats = field(default_factory=GenerateStats)
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return self.stats.acceptance_length
 
 
 @torch.no_grad()
@@ -370,8 +364,7 @@ def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
 
 def _check_args(cfg, prompts, max_new, speculative, draft_steps, prefill_chunk) -> None:
     int_at_least("max_new_tokens", max_new, 1)
-    if speculative not in SPECULATIVE:
-        raise ValueError(f"speculative={speculative!r} is not allowed: None or 'mtp'")
+    one_of("speculative", speculative, SPECULATIVE)
     int_at_least("draft_steps", draft_steps, 1)
     if speculative == "mtp" and not cfg.num_nextn_predict_layers:
         raise ValueError("speculative='mtp' needs an MTP layer; this model has num_nextn_predict_layers=0")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5lab.infer import DEFAULT_PREFILL_CHUNK
-from glm5lab.infer.compiled import CompiledSteps
+from glm5lab.infer.compiled import CompiledSteps, eager
 from glm5lab.infer.sampling import Sampling, distribution, draw
 from glm5lab.model.cache import KVCache
 from glm5lab.model.step import is_decode_sized
@@ -79,11 +79,7 @@ def decode_step(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: st
     own count); the eager step is its reference twin. Both run inside `cache.writing`."""
     ids_B1 = token_ids[:, None] if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1 else token_ids
     _check_ids(model, ids_B1, cache, "token_ids", T=1)
-    steps = _compiled_steps(model, compiled)
-    if steps is not None:
-        return steps.run("decode", cache, ids_B1, attn_impl)
-    with cache.writing(1):
-        return model.step(ids_B1, cache, logits_to_keep=1, attn_impl=attn_impl).logits[:, -1]
+    return _run("decode", model, cache, compiled, ids_B1, attn_impl)
 
 
 def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "auto",
@@ -92,12 +88,7 @@ def verify(model, token_ids: torch.Tensor, cache: KVCache, *, attn_impl: str = "
     Returns (logits [B, T, V], final hidden states [B, T, D]). Roll the cache back to the accepted tokens with
     `cache.truncate`. No host synchronisation. compiled: as `decode_step` (one graph per T)."""
     _check_ids(model, token_ids, cache, "token_ids")
-    steps = _compiled_steps(model, compiled)
-    if steps is not None:
-        return steps.run("verify", cache, token_ids, attn_impl)
-    with cache.writing(token_ids.shape[1]):
-        out = model.step(token_ids, cache, attn_impl=attn_impl)
-    return out.logits, out.hidden_states
+    return _run("verify", model, cache, compiled, token_ids, attn_impl)
 
 
 def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCache, steps: int, *,
@@ -155,8 +146,13 @@ def _mtp(model, hidden_BTD, ids_BT, cache, attn_impl, *, with_logits: bool, comp
     """One MTP-layer forward of `draft`: the compiled graph for a decode-sized run, else eager."""
     if compiled is not None and is_decode_sized(ids_BT.shape[1]):
         return compiled.run("mtp", cache, hidden_BTD, ids_BT, attn_impl, with_logits)
-    with cache.writing(ids_BT.shape[1]):
-        return model.mtp_forward(hidden_BTD, ids_BT, cache=cache, attn_impl=attn_impl, with_logits=with_logits)
+    return eager("mtp", model, cache, hidden_BTD, ids_BT, attn_impl, with_logits)
+
+
+def _run(name: str, model, cache, compiled, *args):
+    """Step `name` through its compiled graph (`compiled`: as `decode_step`) or eagerly (`glm5lab.infer.compiled`)."""
+    steps = _compiled_steps(model, compiled)
+    return steps.run(name, cache, *args) if steps is not None else eager(name, model, cache, *args)
 
 
 def _keep_last(h_BCD: torch.Tensor, at_B: torch.Tensor, kept_BD: torch.Tensor | None) -> torch.Tensor:

@@ -57,28 +57,28 @@ def attention_reference(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch
 def attention_causal(q_BTHD, k_BSGD, v_BSGE, *, scale: float, q_offset: int = 0) -> torch.Tensor:
     """Dense causal attention via SDPA (flash/efficient kernels where available)."""
     T, S = q_BTHD.shape[1], k_BSGD.shape[1]
-    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSGD, v_BSGE))
-    G, H = k.shape[1], q.shape[1]
-    if H % G:
-        raise ValueError(f"query heads H={H} must be a multiple of key/value heads G={G}")
     if T == S and q_offset == 0:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G != H)
-    else:
-        mask = visible(q_offset, T, S, device=q.device)[0]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G != H)
-    return o.transpose(1, 2)
+        return _sdpa(q_BTHD, k_BSGD, v_BSGE, is_causal=True, scale=scale)
+    return _sdpa(q_BTHD, k_BSGD, v_BSGE, attn_mask=visible(q_offset, T, S, device=q_BTHD.device)[0], scale=scale)
 
 
-def attention_masked(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch.Tensor) -> torch.Tensor:
+def attention_masked(q_BTHD, k_BSGD, v_BSGE, *, scale: float, mask_BTS: torch.Tensor | None,
+                     q_offset: int = 0) -> torch.Tensor:
     """`attention_reference` through SDPA: the same boolean mask ([B|1, T, S], True = may
-    attend), fused kernels. The fast form of DSA when the selection is dense-ish (short context),
-    where gathering K keys per query costs more than masking S."""
+    attend), fused kernels; None: `attention_causal` with `q_offset`. The fast form of DSA when the selection is
+    dense-ish (short context), where gathering K keys per query costs more than masking S."""
+    if mask_BTS is None:
+        return attention_causal(q_BTHD, k_BSGD, v_BSGE, scale=scale, q_offset=q_offset)
+    return _sdpa(q_BTHD, k_BSGD, v_BSGE, attn_mask=mask_BTS[:, None], scale=scale)
+
+
+def _sdpa(q_BTHD, k_BSGD, v_BSGE, **kwargs) -> torch.Tensor:
+    """o_BTHE: SDPA (`kwargs`: its mask and scale) of H query heads over G key/value heads (G divides H)."""
     q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSGD, v_BSGE))
     G, H = k.shape[1], q.shape[1]
     if H % G:
         raise ValueError(f"query heads H={H} must be a multiple of key/value heads G={G}")
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTS[:, None], scale=scale, enable_gqa=G != H)
-    return o.transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=G != H, **kwargs).transpose(1, 2)
 
 
 def attention_latent_masked(q_BTHX, kv_BSX, *, v_dim: int, scale: float, mask_BTS: torch.Tensor | None,
@@ -88,11 +88,7 @@ def attention_latent_masked(q_BTHX, kv_BSX, *, v_dim: int, scale: float, mask_BT
     `q_offset`). The value passed to SDPA is the whole X-wide key (the extra output columns are dropped):
     equal widths keep CPU SDPA on its fused kernel, and no sliced copy of the cache is made."""
     kv_BS1X = kv_BSX[:, :, None, :]
-    if mask_BTS is None:
-        o_BTHX = attention_causal(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, q_offset=q_offset)
-    else:
-        o_BTHX = attention_masked(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, mask_BTS=mask_BTS)
-    return o_BTHX[..., :v_dim]
+    return attention_masked(q_BTHX, kv_BS1X, kv_BS1X, scale=scale, mask_BTS=mask_BTS, q_offset=q_offset)[..., :v_dim]
 
 
 def attention_latent_gathered(q_BTHX, kv_BSX, *, v_dim: int, scale: float, topk: TopK,

@@ -28,6 +28,7 @@ from torch import nn
 
 from glm5lab.config import ModelConfig
 from glm5lab.model.local import local
+from glm5lab.model.norm import RMSNorm
 from glm5lab.model.recurrent_state import RecurrentState
 from glm5lab.model.step import LayerStep
 from glm5lab.validate import int_at_least, one_of
@@ -36,19 +37,12 @@ from glm5lab.model.gdn import gated_delta_rule_chunked, gated_delta_rule_recurre
 DECAY_KINDS = ("learned", "constant")
 
 
-class RMSNormGated(nn.Module):
+class RMSNormGated(RMSNorm):
     """w * (x / rms(x)) * silu(z) over the last dim (norm before gate), as Qwen3NextRMSNormGated:
-    statistic in fp32, weight applied after casting back to x's dtype, gate in fp32."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+    `RMSNorm` (statistic in fp32, weight applied after casting back to x's dtype), then the gate in fp32."""
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+        return (super().forward(x) * F.silu(z.float())).to(x.dtype)
 
 
 def _check_forward_args(module, x_BTD, step):

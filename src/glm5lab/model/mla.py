@@ -22,8 +22,7 @@ from torch import nn
 
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.attention import (
-    attention_causal, attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference,
-    topk_mask,
+    attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference, topk_mask,
 )
 from glm5lab.model.dsa import LightningIndexer
 from glm5lab.model.norm import RMSNorm
@@ -191,8 +190,6 @@ class MLAttention(nn.Module):
             if route == "reference":
                 mask_BTS = step.mask(self.window) if mask_BTS is None else mask_BTS
                 return attention_reference(q_BTHX, k_BSHX, v_BSHV, scale=self.scale, mask_BTS=mask_BTS)
-            if mask_BTS is None:
-                return attention_causal(q_BTHX, k_BSHX, v_BSHV, scale=self.scale)
             return attention_masked(q_BTHX, k_BSHX, v_BSHV, scale=self.scale, mask_BTS=mask_BTS)
         q_BTHX = self.absorbed_query(q_nope, q_pe)
         if route == "latent_gathered":
@@ -227,7 +224,6 @@ class MLAttention(nn.Module):
         k_BSJ = self.indexer.keys(x_in, cos_TR2, sin_TR2)
         scores_BTS = self.indexer.scores(x_in, q_lat_in, k_BSJ, cos_TR2, sin_TR2)
         return kl_to_indexer(target_BTS, scores_BTS, keep_BTS)
-
 
     def indexer_kl_sparse(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, topk: TopK) -> torch.Tensor:
         """`indexer_kl` of the sparse stage over the K selected keys of each query: the target from

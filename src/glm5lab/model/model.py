@@ -19,7 +19,7 @@ from torch import nn
 from glm5lab.config import ModelConfig
 from glm5lab.model.block import DecoderLayer
 from glm5lab.model.cache import KVCache
-from glm5lab.model.gdn_layer import GatedDeltaNet, RMSNormGated, SimpleGDN
+from glm5lab.model.gdn_layer import GatedDeltaNet, SimpleGDN
 from glm5lab.model.local import local
 from glm5lab.model.mla import ATTN_IMPLS
 from glm5lab.model.moe import EXPERT_IMPLS, Experts, Router
@@ -83,7 +83,7 @@ class GLM5ForCausalLM(nn.Module):
                 local(m.weight).normal_(0.0, std, generator=generator)
                 if getattr(m, "bias", None) is not None:
                     local(m.bias).zero_()
-            elif isinstance(m, (RMSNorm, RMSNormGated, nn.LayerNorm)):
+            elif isinstance(m, (RMSNorm, nn.LayerNorm)):  # RMSNormGated is an RMSNorm
                 local(m.weight).fill_(1.0)
                 if getattr(m, "bias", None) is not None:
                     local(m.bias).zero_()

@@ -91,10 +91,6 @@ class ParamRule:
     sections: tuple[int, ...] | None = None
 
 
-def _check_optimizer(optimizer: str) -> None:
-    one_of("optimizer", optimizer, OPTIMIZERS)
-
-
 def _match_one(names: list[str], rules=RULES) -> dict[str, Rule]:
     """name -> its only matching rule; raises ValueError listing uncovered and doubly-covered names."""
     hits = {n: [r for r in rules if re.fullmatch(r.pattern, n)] for n in names}
@@ -127,7 +123,7 @@ def param_group_table(model: nn.Module, optimizer: str) -> list[ParamRule]:
     model: a `GLM5ForCausalLM` (needs `model.config` for head counts). optimizer: one of
     OPTIMIZERS. Raises ValueError for an unknown optimizer, or when a parameter matches no rule
     or several (the message lists those names)."""
-    _check_optimizer(optimizer)
+    one_of("optimizer", optimizer, OPTIMIZERS)
     names = [n for n, _ in model.named_parameters()]
     matched = _match_one(names)
     return [_resolve(n, matched[n], optimizer, model.config) for n in names]

@@ -31,7 +31,7 @@ from torch.optim.optimizer import Optimizer, required
 from glm5lab.model.local import local
 from glm5lab.parallel import muon_dist
 from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, check_sections, muon_split, newton_schulz
-from glm5lab.validate import int_at_least, one_of
+from glm5lab.validate import int_at_least, is_int, one_of
 
 KINDS = ("muon", "muon_split", "adamw")
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -55,6 +55,32 @@ def block_shape(p: torch.Tensor, kind: str, heads: int | None) -> tuple[int, int
     if kind == "muon_split":
         return p.shape[0] // heads, p.shape[1]
     return tuple(p.shape[-2:])
+
+
+def blocks(shape: tuple[int, ...], kind: str, heads: int | None = None,
+           sections: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """The [A, B] blocks Muon orthogonalises for one parameter of `shape` in a group of `kind` ("adamw": none;
+    "muon": the matrix, or each of E experts of [E, M, N]; "muon_split": each head's [M/H, N], or each section
+    of it). Raises ValueError, naming it, for an unknown kind, a shape the kind cannot take, heads that do not
+    divide the rows, or sections on another kind or not summing to a head's rows: `MuonAdamW`'s checks of each
+    parameter."""
+    one_of("kind", kind, KINDS)
+    if sections is not None and kind != "muon_split":
+        raise ValueError(f"sections={sections!r} are only allowed with kind 'muon_split', not {kind!r}")
+    if kind == "adamw":
+        return []
+    if kind == "muon_split":
+        if len(shape) != 2 or not is_int(heads) or heads < 1 or shape[0] % heads:
+            raise ValueError(f"kind 'muon_split' needs a 2-D shape whose rows divide by heads; got {tuple(shape)} "
+                             f"with heads={heads!r}")
+        rows, cols = shape[0] // heads, shape[1]
+        if sections is None:
+            return [(rows, cols)] * heads
+        return [(s, cols) for s in check_sections(sections, rows)] * heads
+    if len(shape) not in (2, 3):
+        raise ValueError(f"kind 'muon' needs a 2-D [M, N] or 3-D [E, M, N] shape, got {tuple(shape)}")
+    *experts, rows, cols = shape
+    return [(rows, cols)] * (experts[0] if experts else 1)
 
 
 class MuonAdamW(Optimizer):
@@ -135,23 +161,10 @@ def _check_group(group: dict) -> None:
             raise ValueError(f"{name} must be >= 0, got {group[name]}")
     if kind == "muon_split":
         int_at_least("muon_split group heads", heads, 1)
-    sections = group.get("sections")
-    if sections is not None and kind != "muon_split":
-        raise ValueError(f"param group key sections={sections!r} is only allowed with kind 'muon_split', not {kind!r}")
     for p in group["params"]:
-        _check_param(p, kind, heads)
-        if sections is not None:
-            check_sections(sections, p.shape[0] // heads)
-
-
-def _check_param(p: torch.Tensor, kind: str, heads: int | None) -> None:
-    if torch.is_complex(p):
-        raise ValueError(f"MuonAdamW does not support complex parameters (shape {tuple(p.shape)})")
-    if kind == "muon" and p.ndim not in (2, 3):
-        raise ValueError(f"kind 'muon' needs a 2-D [M, N] or 3-D [E, M, N] parameter, got shape {tuple(p.shape)}")
-    if kind == "muon_split" and (p.ndim != 2 or p.shape[0] % heads):
-        raise ValueError(f"kind 'muon_split' needs a 2-D parameter whose rows divide by heads; got shape "
-                         f"{tuple(p.shape)} with heads={heads}")
+        if torch.is_complex(p):
+            raise ValueError(f"MuonAdamW does not support complex parameters (shape {tuple(p.shape)})")
+        blocks(tuple(p.shape), kind, heads, group.get("sections"))
 
 
 def _momentum_update(p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:

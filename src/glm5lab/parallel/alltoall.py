@@ -5,7 +5,8 @@ layer then runs two all-to-alls: dispatch (every routed row to the rank holding 
 (each expert output back to its token's rank); the backward pass runs the same two in reverse with the
 gradients. `a2a_bytes` is the contract the dispatcher's measured bytes are tested against, exactly;
 `a2a_per_token` is its closed form under uniform routing (`tests/test_deployment.py` pins one to the
-other). Pure arithmetic: no torch. Derivations: `docs/ledger.md`, "Deployment accounts".
+other). `check_ep` is the rule an EP size obeys, in training and in the ledger. Pure arithmetic: no torch.
+Derivations: `docs/ledger.md`, "Deployment accounts".
 
 Legend: R world ranks, E routed experts (`n_routed_experts`), K experts per token
 (`num_experts_per_tok`), D `hidden_size`, b bytes per element of the payload dtype.
@@ -14,7 +15,7 @@ Legend: R world ranks, E routed experts (`n_routed_experts`), K experts per toke
 from __future__ import annotations
 
 from glm5lab.config import ModelConfig
-from glm5lab.validate import DTYPES, dtype_name, int_at_least, is_int, refuse
+from glm5lab.validate import dtype_bytes, dtype_name, int_at_least, is_int, refuse
 
 
 def expert_rank(e: int, n_experts: int, ep: int) -> int:
@@ -56,7 +57,7 @@ def a2a_bytes(load_RE, ep: int, hidden_size: int, dtype: str, *, backward: bool 
       first (ragged), a count that is not an int >= 0, E % ep != 0, len(load_RE) % ep != 0.
     """
     int_at_least("hidden_size", hidden_size, 1)
-    nbytes = DTYPES[dtype_name(dtype)][1]
+    nbytes = dtype_bytes(dtype)
     return crossing_rows(load_RE, ep) * hidden_size * nbytes * 2 * (2 if backward else 1)
 
 
@@ -67,17 +68,33 @@ def a2a_per_token(cfg: ModelConfig, *, ep: int, dtype: str = "bf16") -> dict:
     {"dtype", "bytes_per_value", "dispatch": K D b (ep - 1) / ep, "combine": the same}; floats,
     the expectation. Equals `a2a_bytes(..., backward=False)` / tokens on uniform counts; the
     backward pass moves as much again. Shared experts are not dispatched. Raises ValueError
-    (ep not a divisor of n_routed_experts, unknown dtype)."""
-    _check_ep(ep, cfg.n_routed_experts)
-    nbytes = DTYPES[dtype_name(dtype)][1]
+    (an ep `check_ep` refuses, unknown dtype)."""
+    check_ep(ep, None, cfg, name="ep")
+    nbytes = dtype_bytes(dtype)
     one_way = cfg.num_experts_per_tok * cfg.hidden_size * nbytes * (ep - 1) / ep
     return {"dtype": dtype_name(dtype), "bytes_per_value": nbytes, "dispatch": one_way, "combine": one_way}
 
 
-def _check_ep(ep: int, n_experts: int) -> None:
-    int_at_least("ep", ep, 1)
-    if n_experts % ep:
-        refuse("ep", ep, f"a divisor of the number of routed experts E = {n_experts}")
+def check_ep(ep: int, world_size: int | None, cfg: ModelConfig, *, name: str = "--ep",
+             world: str | None = None) -> None:
+    """Refuse an expert-parallel size `ep` that is not an int >= 1, or, above 1: that does not divide `world_size`
+    (None: no world to divide), the routed experts, or that is asked of a model without MoE layers. `world` names
+    what `world_size` counts (e.g. deployment's "--gpus = 8"); None: the processes torchrun started, where one
+    process is refused with how to start more. Raises ValueError in `glm5lab.validate`'s form, named `name`
+    (`--ep = VALUE is not allowed: RULE`)."""
+    int_at_least(name, ep, 1)
+    if ep == 1:
+        return
+    if world_size == 1 and world is None:
+        refuse(name, ep, f"1 in one process; --ep {ep} runs under torchrun --nproc-per-node {ep} (or a multiple "
+               f"of {ep})")
+    if world_size is not None and world_size % ep:
+        refuse(name, ep, f"a divisor of {world or f'the {world_size} processes torchrun started'}")
+    if not cfg.n_routed_experts or "sparse" not in cfg.mlp_layer_types:
+        refuse(name, ep, f"1 for a model without MoE layers (n_routed_experts {cfg.n_routed_experts}, "
+               f"mlp_layer_types {sorted(set(cfg.mlp_layer_types))})")
+    if cfg.n_routed_experts % ep:
+        refuse(name, ep, f"a divisor of the routed experts, n_routed_experts = {cfg.n_routed_experts}")
 
 
 def _check_load(load_RE, ep: int) -> int:
@@ -94,7 +111,8 @@ def _check_load(load_RE, ep: int) -> int:
         for e, n in enumerate(row):
             if not is_int(n) or n < 0:
                 refuse(f"load_RE[{r}][{e}]", n, "an int >= 0 (rows routed to expert e)")
-    _check_ep(ep, E)
+    if E % ep:
+        refuse("ep", ep, f"a divisor of the number of routed experts E = {E}")
     if len(load_RE) % ep:
         refuse("len(load_RE)", len(load_RE), f"a multiple of ep = {ep} (world ranks = data x expert)")
     return E

@@ -88,10 +88,12 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     form their own FSDP group with an fp32 policy, so their values reach the forward unrounded.
     None (default) = no FSDP casting (the training loop uses bf16 autocast on CUDA instead).
     Only with several ranks: a single process is not sharded, and its model keeps its dtype."""
-    from glm5lab.parallel.expert_parallel import apply_expert_parallel, check_ep
+    from glm5lab.parallel.alltoall import check_ep
+    from glm5lab.parallel.expert_parallel import apply_expert_parallel
 
     check_ep(ep, ctx.world_size, model.config)
-    if not _on_meta(model):  # a meta model (`build_meta`) is allocated on the device by `materialize`
+    # a meta model (`build_meta`) is allocated on the device by `materialize`
+    if not any(p.is_meta for p in model.parameters()):
         model.to(ctx.device)
     if ctx.world_size == 1:
         return model
@@ -122,10 +124,6 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     return model
 
 
-def _on_meta(model) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
 def build_meta(cfg):
     """`GLM5ForCausalLM(cfg)` on the meta device: shapes, no memory, no draws. Shard it (`shard_model`), then
     `materialize` it."""
@@ -147,13 +145,13 @@ def materialize(model, ctx: DistContext, seed: int) -> None:
     model.reset_parameters(generator)
 
 
-def local_part(target: torch.Tensor, full: torch.Tensor, *, ctx: DistContext) -> torch.Tensor:
+def local_part(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of the full value `full` of the (possibly DTensor) `target`: its local shard,
-    cut locally by `target`'s placements (no communication)."""
+    cut locally by `target`'s placements (no communication); `full` itself for a plain tensor."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(target, DTensor):
-        return full.to(ctx.device)
+        return full
     mesh = target.device_mesh
     return distribute_tensor(full.to(mesh.device_type), mesh, target.placements, src_data_rank=None).to_local()
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from glm5lab.model.dispatch import Dispatched, LocalDispatcher
-from glm5lab.validate import int_at_least, refuse
+from glm5lab.parallel.alltoall import check_ep
 
 
 @dataclass
@@ -141,26 +141,6 @@ def apply_expert_parallel(model, mesh) -> EPStats:
                                                     requires_grad=p.requires_grad))
         moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank(), stats)
     return stats
-
-
-def check_ep(ep: int, world_size: int, cfg) -> None:
-    """Refuse an expert-parallel size that is not an int >= 1, that is above 1 in one process, that does not
-    divide the process count or the routed experts, or above 1 for a model without MoE layers. Raises
-    ValueError in `glm5lab.validate`'s form (`--ep = VALUE is not allowed: RULE`), as the ledger's
-    `deployment.check_layout` does for its --ep."""
-    int_at_least("--ep", ep, 1)
-    if ep == 1:
-        return
-    if world_size == 1:
-        refuse("--ep", ep, f"1 in one process; --ep {ep} runs under torchrun --nproc-per-node {ep} (or a multiple "
-               f"of {ep})")
-    if world_size % ep:
-        refuse("--ep", ep, f"a divisor of the {world_size} processes torchrun started")
-    if not cfg.n_routed_experts or "sparse" not in cfg.mlp_layer_types:
-        refuse("--ep", ep, f"1 for a model without MoE layers (n_routed_experts {cfg.n_routed_experts}, "
-               f"mlp_layer_types {sorted(set(cfg.mlp_layer_types))})")
-    if cfg.n_routed_experts % ep:
-        refuse("--ep", ep, f"a divisor of the routed experts, n_routed_experts = {cfg.n_routed_experts}")
 
 
 def dispatcher_stats(model) -> tuple[EPStats, int, int] | None:

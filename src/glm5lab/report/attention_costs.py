@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from glm5lab.ablate.results import figure, markdown_table, save_png
-from glm5lab.report.long_context import fmt, read_benchmark_json
+from glm5lab.report.long_context import fmt, goal_line, read_benchmark_json, recorded_by
 
 RESULT = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "attention_costs.json"
 """Where the benchmark records the comparison in a source checkout (absent in an installed package)."""
@@ -56,11 +56,6 @@ def _pair(res: dict | None, wall: str, cpu: str, scale: float, spec: str) -> str
     return f"{res[wall] * scale:{spec}} / {res[cpu] * scale:{spec}}"
 
 
-def goal_line(g: dict) -> str:
-    verdict = "not decided by these lengths" if g.get("met") is None else "met" if g["met"] else "MISSED"
-    return f"{g['text']}: {g.get('shown')} -> {verdict}"
-
-
 def render_section(record: dict | None, png: str | None = None) -> str:
     """Markdown for the report: the mixers at the longest recorded T with how it was recorded
     (command, date, commit, threads, load), the SWA goals, and the figure `png` when given; one
@@ -68,15 +63,12 @@ def render_section(record: dict | None, png: str | None = None) -> str:
     if record is None:
         return ("\n### Attention costs on one stack\n\nNot recorded (no benchmarks/results/attention_costs.json "
                 "beside this package; run `benchmarks/long_context.py --costs` in a source checkout).\n")
-    env, T = record.get("env", {}), max(e["T"] for e in record["points"])
-    head = (f"\n### Attention costs on one stack (per layer, at {T // 1024}K tokens)\n\nRecorded by "
-            f"`{record.get('command')}` on {env.get('date_utc')} UTC, git {str(env.get('git_commit'))[:12]}, "
-            f"{env.get('device')} {record.get('dtype')}, {env.get('torch_threads')} torch threads (load "
-            f"{env.get('load_average_start')} -> {env.get('load_average_end')}). Bench-preset widths for every "
-            f"mixer, random init; prefill = chunked cached `prefill` (256), decode = one `decode_step` at T cached "
-            "tokens; wall-clock and CPU time (the process's: what a loaded machine distorts least); SWA window "
-            f"{record.get('window')}; dense K/V chunked prefill capped at {record.get('dense_cap') or 'no cap'} "
-            "tokens ('-').\n\n")
+    T = max(e["T"] for e in record["points"])
+    head = (f"\n### Attention costs on one stack (per layer, at {T // 1024}K tokens)\n\n{recorded_by(record)} "
+            "Bench-preset widths for every mixer, random init; prefill = chunked cached `prefill` (256), decode = one "
+            "`decode_step` at T cached tokens; wall-clock and CPU time (the process's: what a loaded machine distorts "
+            f"least); SWA window {record.get('window')}; dense K/V chunked prefill capped at "
+            f"{record.get('dense_cap') or 'no cap'} tokens ('-').\n\n")
     table = markdown_table(["mixer", "prefill s (wall / CPU)", "decode ms (wall / CPU)",
                             "state MiB (measured / ledger)", "prefill peak MiB"], longest_rows(record))
     lines = [f"- {goal_line(g)}" for g in record.get("goals", {}).values()]

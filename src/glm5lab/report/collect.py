@@ -35,7 +35,11 @@ class RunRecord:
 
 def load_run(run_dir: Path) -> RunRecord:
     """Read the run folder. Raises NotARunError naming the missing or unreadable file (an
-    unfinished or interrupted run has no summary.json: finish it with `glm5lab train --resume`)."""
+    unfinished or interrupted run has no summary.json: finish it with `glm5lab train --resume`), or
+    saying that an older glm5lab wrote it (run.json without eval_tokens); ValueError (`resolve_checkpoint`) when its
+    checkpoints/latest is missing or names an incomplete checkpoint."""
+    from glm5lab.checkpoints.export import resolve_checkpoint
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotARunError(f"{run_dir} is not a folder: give the run folder of `glm5lab train --out` (e.g. runs/small)")
@@ -46,45 +50,30 @@ def load_run(run_dir: Path) -> RunRecord:
     for name, why in need.items():
         if not (run_dir / name).is_file():
             raise NotARunError(f"{run_dir} has no {name}: {why}")
-    run, config, summary = (_json(run_dir / n) for n in ("run.json", "config.json", "summary.json"))
-    metrics = [_json_line(run_dir / "metrics.jsonl", i, line)
-               for i, line in enumerate((run_dir / "metrics.jsonl").read_text().splitlines(), 1) if line.strip()]
-    return RunRecord(run_dir, run, config, summary, metrics, _checkpoint(run_dir), _ablations(run_dir), _evals(run_dir))
+    run, config, summary = (_json((run_dir / n).read_bytes(), run_dir / n)
+                            for n in ("run.json", "config.json", "summary.json"))
+    if "eval_tokens" not in run.get("args", {}):
+        raise NotARunError(f"{run_dir}/run.json has no eval_tokens: an older glm5lab trained this run (its "
+                           "validation subset was counted in batches), and this version does not read its folders; "
+                           "train it again")
+    metrics = [_json(line, f"{run_dir / 'metrics.jsonl'} line {i}")
+               for i, line in enumerate((run_dir / "metrics.jsonl").read_bytes().splitlines(), 1) if line.strip()]
+    return RunRecord(run_dir, run, config, summary, metrics, resolve_checkpoint(run_dir, name="RUN_DIR"),
+                     _ablations(run_dir), _evals(run_dir))
 
 
-def _json(path: Path) -> dict:
+def _json(data: bytes, where) -> dict:
+    """`data` (a file's or a line's bytes) parsed; NotARunError naming `where` when it is not JSON."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NotARunError(f"{path} is not valid JSON ({e})") from None
-
-
-def _json_line(path: Path, number: int, line: str) -> dict:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError:
-        raise NotARunError(f"{path} line {number} is not valid JSON") from None
-
-
-def _checkpoint(run_dir: Path) -> Path:
-    from glm5lab.checkpoints.folder import latest_pointer
-
-    folder = latest_pointer(run_dir)
-    if folder is None:
-        raise NotARunError(f"{run_dir} has no checkpoints/latest: the run saved no checkpoint")
-    if not (folder / "config.json").is_file():
-        raise NotARunError(f"checkpoints/latest names {folder.name}, which is missing or incomplete")
-    return folder
+        raise NotARunError(f"{where} is not valid JSON ({e})") from None
 
 
 def _ablations(run_dir: Path) -> dict[str, dict]:
     found = {}
     for root in (run_dir / "ablate", run_dir.parent / "ablate"):
-        for results in sorted(root.glob("*/results.json")) if root.is_dir() else []:
-            try:
-                info = json.loads(results.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue
+        for results, info in _json_files(root, "*/results.json"):
             key = info.get("study", results.parent.name) + (" (--quick)" if info.get("quick") else "")
             table = results.parent / "table.md"
             found.setdefault(key, {**info, "folder": str(results.parent),
@@ -93,11 +82,14 @@ def _ablations(run_dir: Path) -> dict[str, dict]:
 
 
 def _evals(run_dir: Path) -> dict[str, dict]:
-    folder = run_dir / "evals"
-    out = {}
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    return {path.stem: data for path, data in _json_files(run_dir / "evals", "*.json")}
+
+
+def _json_files(folder: Path, pattern: str):
+    """(path, parsed JSON) of each file matching `pattern` in `folder`, sorted by path; files that are not JSON are
+    left out (nothing when the folder is absent)."""
+    for path in sorted(folder.glob(pattern)):
         try:
-            out[path.stem] = json.loads(path.read_text())
+            yield path, json.loads(path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
-    return out

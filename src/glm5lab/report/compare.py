@@ -6,7 +6,7 @@ loss, steps, tokens, training wall time (the sum of metrics.jsonl's step_time_s:
 excluded), preset (or config), optimizer and seed, then every other run.json argument (and the resolved stage
 plan, and the git commit) whose value is not the same in all runs. Runs whose held-out splits differ (another
 corpus, tokenizer, vocabulary size or seed: the seed draws the document split) score different text:
-the section says so above the table. A run from before the subset record is marked *.
+the section says so above the table.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from glm5lab.ablate.results import markdown_table
-from glm5lab.report.series import fmt_duration, validation, wall_time_s
+from glm5lab.report.series import fmt_duration, wall_time_s
 
 ALWAYS = ("preset", "optimizer", "seed")
 IGNORED = {"out", "progress", "resume", "config", "preset", "optimizer", "seed"}  # shown, or not a setting
@@ -65,19 +65,16 @@ def table(runs: list) -> str:
     base = runs[0].summary.get("val_loss")
     rows = []
     for i, r in enumerate(runs):
-        s, v = r.summary, validation(r)
+        s = r.summary
         tokens = sum(st.get("tokens", 0) for st in s.get("stages", []))
         delta = None if i == 0 or base is None or s.get("val_loss") is None else s["val_loss"] - base
-        whole = None if s.get("val_loss") is None else f"{s['val_loss']:.3f}" + (" *" if v["old"] else "")
-        rows.append([f"`{label(r)}`" + (" (this report)" if i == 0 else ""), whole, delta,
-                     _fixed(s.get("val_perplexity"), 1), s.get("val_bits_per_byte"), v["subset"], s.get("steps"),
-                     f"{tokens:,}", fmt_duration(wall_time_s(r.metrics))]
+        rows.append([f"`{label(r)}`" + (" (this report)" if i == 0 else ""), _fixed(s.get("val_loss"), 3), delta,
+                     _fixed(s.get("val_perplexity"), 1), s.get("val_bits_per_byte"), s.get("val_subset_loss"),
+                     s.get("steps"), f"{tokens:,}", fmt_duration(wall_time_s(r.metrics))]
                     + [_setting(r, k) for k in ALWAYS] + [_cell(values[i]) for values in diff.values()])
     headers = (["run", "val loss (whole split)", "val loss - this run's", "perplexity", "bits per byte",
                 "val loss (subset, last)", "steps", "tokens", "training wall time"] + list(ALWAYS) + list(diff))
-    old = any(validation(r)["old"] for r in runs)
-    return markdown_table(headers, rows) + ("\n\\* summary.json from before the subset record: the whole-split "
-                                            "figure is the older mean of per-batch means.\n" if old else "")
+    return markdown_table(headers, rows)
 
 
 def section(rec, others: list, png: str | None) -> str:

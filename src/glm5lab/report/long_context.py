@@ -87,13 +87,9 @@ def render_section(record: dict | None, png: str | None = None) -> str:
     if record is None:
         return ("\n### Long-context cost curve\n\nNot recorded (no benchmarks/results/long_context.json beside "
                 "this package; run `benchmarks/long_context.py` in a source checkout).\n")
-    env = record.get("env", {})
-    head = (f"\n### Long-context cost curve (one layer)\n\nRecorded by `{record.get('command')}` on "
-            f"{env.get('date_utc')} UTC, git {str(env.get('git_commit'))[:12]}, {env.get('device')} "
-            f"{record.get('dtype')}, {env.get('torch_threads')} torch threads (load {env.get('load_average_start')} "
-            f"-> {env.get('load_average_end')}). Bench-preset attention shapes, random init; prefill: dense = "
-            "uncached causal SDPA forward, DSA = chunked cached prefill (256); decode: one step at T cached tokens. "
-            "x = dense / DSA time.\n\n")
+    head = (f"\n### Long-context cost curve (one layer)\n\n{recorded_by(record)} Bench-preset attention shapes, "
+            "random init; prefill: dense = uncached causal SDPA forward, DSA = chunked cached prefill (256); decode: "
+            "one step at T cached tokens. x = dense / DSA time.\n\n")
     table = markdown_table(["context T", "prefill dense s", "prefill DSA s", "prefill x", "decode dense ms",
                             "decode DSA ms", "decode x", "IndexCache 1/4 x, whole 4-layer forward (prefill / decode)"],
                            curve_rows(record))
@@ -105,6 +101,15 @@ def render_section(record: dict | None, png: str | None = None) -> str:
     lines += [f"- {goal_line(g)}" for g in goals.values()]
     img = f"\n![long-context cost curve]({png})\n" if png else ""
     return head + table + "\n" + "\n".join(lines) + "\n" + img
+
+
+def recorded_by(record: dict) -> str:
+    """How a benchmark record was taken, in one sentence: 'Recorded by `command` on date UTC, git commit, device
+    dtype, N torch threads (load a -> b).'"""
+    env = record.get("env", {})
+    return (f"Recorded by `{record.get('command')}` on {env.get('date_utc')} UTC, git "
+            f"{str(env.get('git_commit'))[:12]}, {env.get('device')} {record.get('dtype')}, {env.get('torch_threads')} "
+            f"torch threads (load {env.get('load_average_start')} -> {env.get('load_average_end')}).")
 
 
 def goal_line(g: dict) -> str:

@@ -11,13 +11,12 @@ from pathlib import Path
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, NullLocator
 
 from glm5lab.ablate.results import figure, save_png
-from glm5lab.train.plot import (KL, LM, MTP, VAL, WHOLE, as_floats, beside, draw_losses, mark_stages, mtp_mean,
-                                plain_ticks, smoothed, smoothing_steps, stage_mean, stage_spans, subset_label,
-                                trailing_mean, whole_label)
+from glm5lab.report.series import BALANCED, imbalance, perplexity
+from glm5lab.train.plot import (LM, VAL, WHOLE, beside, draw_kl, draw_lm, draw_losses, mark_stages, mtp_mean,
+                                smoothed, smoothing_steps, stage_mean, stage_spans, subset_label, whole_label)
 
 
-def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
-                  eval_batches: int | None = None) -> Path:
+def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None) -> Path:
     """Top: the whole run (`draw_losses`, as loss.png). Below: one panel per stage on its own scale, its
     objective on the left axis: LM loss (faint per step, solid trailing mean), MTP mean, validation subset
     dots (the whole-split final figure in the last panel), the indexer KL on the right; for a stage without LM
@@ -30,8 +29,7 @@ def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
     fig = plt.figure(figsize=(max(9.0, 4.6 * len(spans)), 8.2))
     grid = fig.add_gridspec(2, len(spans), height_ratios=[1.15, 1])
     top = fig.add_subplot(grid[0, :])
-    handles, labels = draw_losses(top, metrics, summary, eval_batches,
-                                  title="the whole run (dotted lines: stage boundaries)")
+    handles, labels = draw_losses(top, metrics, summary, title="the whole run (dotted lines: stage boundaries)")
     k = smoothing_steps(len(metrics))
     for i, (stage, a, b) in enumerate(spans):
         rows = [r for r in metrics if a <= r["step"] <= b]
@@ -43,46 +41,27 @@ def loss_by_stage(metrics: list[dict], path: Path, summary: dict | None = None,
 
 
 def _stage_panel(ax, rows: list[dict], k: int, summary: dict, kl_objective: bool) -> None:
-    steps = [r["step"] for r in rows]
-    has_kl = any(r.get("indexer_kl") is not None for r in rows)
     lm_ax = ax.twinx() if kl_objective else ax
-    lm = as_floats(r.get("lm_loss") for r in rows)
-    if any(math.isfinite(v) for v in lm):
-        lm_ax.plot(steps, lm, color=LM, alpha=0.25, linewidth=0.6)
-        lm_ax.plot(steps, trailing_mean(lm, k), color=LM, linewidth=1.4)
-    mtp, depths = mtp_mean(rows)
-    if depths and not kl_objective:
-        lm_ax.plot(steps, trailing_mean(mtp, k), color=MTP, linewidth=1.0)
-    val = [r for r in rows if r.get("val_loss") is not None]
-    lm_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=VAL, markersize=4, zorder=4)
-    if summary.get("val_loss") is not None:
-        lm_ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6, zorder=5,
-                   transform=beside(lm_ax))
+    draw_lm(lm_ax, rows, summary, k, mtp=not kl_objective)
     ax.set(xlabel="step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
     ax.grid(alpha=0.3)
     if kl_objective:
-        ax.plot(steps, as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=1.2)
-        ax.set_ylabel("indexer KL (nats): the stage objective", color=KL)
-        plain_ticks(ax.yaxis)
+        draw_kl(ax, rows, "indexer KL (nats): the stage objective", width=1.2)
         lm_ax.set_ylabel("LM cross-entropy (nats/token): logged, not trained", color=LM)
         ax.set_title(f"{rows[0]['stage']}: objective indexer KL", fontsize=10)
         return
+    has_kl = any(r.get("indexer_kl") is not None for r in rows)
     ax.set_ylabel("cross-entropy (nats/token)", color=LM)
-    plus_mtp = " + MTP" if depths else ""
+    plus_mtp = " + MTP" if mtp_mean(rows)[1] else ""
     ax.set_title(f"{rows[0]['stage']}: objective LM loss{plus_mtp}" + (" + indexer KL" if has_kl else ""), fontsize=10)
     if has_kl:
-        kl_ax = ax.twinx()
-        kl_ax.plot(steps, as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=0.9)
-        kl_ax.set_ylabel("indexer KL (nats)", color=KL)
-        plain_ticks(kl_ax.yaxis)
+        draw_kl(ax.twinx(), rows)
 
 
 def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None) -> Path | None:
     """Load imbalance over time: per MoE layer, max expert load / mean expert load each step (1.0 = perfectly
     balanced), the line at `series.BALANCED` the report's caption counts against, stage boundaries."""
-    from glm5lab.report.series import BALANCED, imbalance
-
     rows = [r for r in metrics if r.get("expert_load")]
     if not rows:
         return None
@@ -108,8 +87,6 @@ def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
     """An expert-parallel run's (`glm5lab train --ep N`) all-to-all bill beside its expert load, per step:
     left, the EP imbalance (rows the busiest EP rank received / the mean) with the worst MoE layer's expert
     imbalance; right, the bytes the all-to-alls moved per training token. None for a run without EP records."""
-    from glm5lab.report.series import imbalance
-
     rows = [r for r in metrics if r.get("ep_tokens")]
     if not rows:
         return None
@@ -131,8 +108,7 @@ def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
     return save_png(fig, path, tight=True)
 
 
-def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
-                   eval_batches: int | None = None) -> Path | None:
+def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None) -> Path | None:
     """exp(validation-subset loss) against the step, the whole-split final perplexity beside it
     (a diamond), stage boundaries; a log axis with plain tick labels only when the values span
     more than 4x (None without validation records)."""
@@ -142,8 +118,8 @@ def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
     plt = figure()
     summary = summary or {}
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    ppl = [_exp(r["val_loss"]) for r in val]
-    ax.plot([r["step"] for r in val], ppl, "o-", color=VAL, markersize=4, label=subset_label(metrics, eval_batches))
+    ppl = [perplexity(r["val_loss"]) for r in val]
+    ax.plot([r["step"] for r in val], ppl, "o-", color=VAL, markersize=4, label=subset_label(metrics))
     values = list(ppl)
     if summary.get("val_perplexity") is not None and math.isfinite(summary["val_perplexity"]):
         ax.plot([metrics[-1]["step"]], [summary["val_perplexity"]], "D", color=WHOLE, markeredgecolor="k",
@@ -161,10 +137,6 @@ def val_perplexity(metrics: list[dict], path: Path, summary: dict | None = None,
     mark_stages(ax, stage_spans(metrics), title="validation perplexity")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     return save_png(fig, path, tight=True)
-
-
-def _exp(loss: float) -> float:
-    return math.exp(loss) if loss < 709 else math.inf
 
 
 def plain_log_ticks(lo: float, hi: float) -> list[float]:

@@ -10,7 +10,7 @@ from glm5lab.ablate.results import markdown_table
 from glm5lab.report import compare
 from glm5lab.report.attention_costs import render_section as attention_costs_section
 from glm5lab.report.long_context import render_section as long_context_section
-from glm5lab.report.series import BALANCED, imbalance, load_stats, stage_rows, validation
+from glm5lab.report.series import BALANCED, imbalance, load_stats, perplexity, stage_rows
 
 
 def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
@@ -43,10 +43,9 @@ def _header(rec, generated: dict) -> str:
 
 
 def _quality(rec, pngs) -> str:
-    header, rows, note = stage_rows(rec)
     return ("## Quality\n\n" + _headline(rec) + "\n\nPer stage, the stage objective at its start and end (means, "
             "less noisy than one batch) and the validation-subset loss at the stage's last step (- when none was "
-            f"taken). {note}".rstrip() + "\n\n" + markdown_table(header, rows)
+            "taken).\n\n" + markdown_table(*stage_rows(rec))
             + _img(pngs, "loss", "loss by stage")
             + ("\nTop: the whole run; dotted lines mark the stage boundaries. Below: each stage on its own scale with "
                "its objective on the left axis (the indexer warm-up trains the indexer KL only; its LM loss is "
@@ -56,46 +55,34 @@ def _quality(rec, pngs) -> str:
 
 
 def _headline(rec) -> str:
-    """The two validation figures and why they differ (`series.validation`)."""
-    s, v = rec.summary, validation(rec)
-    whole = f" ({v['whole_tokens']:,} target tokens)" if v["whole_tokens"] else ""
+    """The two validation figures and why they differ: summary.json's val_loss over the whole held-out split, and
+    val_subset_loss, the last periodic validation over the first val_subset_tokens targets (run.json's
+    eval_tokens)."""
+    s = rec.summary
+    whole = f" ({s['val_tokens']:,} target tokens)" if s.get("val_tokens") else ""
     text = (f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}; "
             f"{_bits_per_byte(s)}) on the whole held-out split{whole}, the final model; the add-one unigram "
             f"baseline is {s['unigram_val_loss']:.3f}.")
-    if v["subset_step"] is None:
+    subset = s.get("val_subset_loss")
+    if subset is None:
         return text + " No periodic validation was run (eval_every 0), so there is no validation curve."
-    batches = v["subset_rule"]
-    planned = (f"; {v['subset_planned']:,} target tokens as run.json plans it, if the split holds that many"
-               if v["subset_planned"] else "")
-    subset = (f"the first {v['subset_tokens']:,} target tokens ({batches})" if v["subset_tokens"] else
-              f"the first {batches} (its token count was not recorded{planned})")
-    final = (f"at the last step it gives **{v['subset']:.3f}** (perplexity {_ppl(v['subset'])})"
-             if v["subset"] is not None else f"its last point is at step {v['subset_step']}, before the last step")
-    gap = v["whole"] - v["subset"] if v["subset"] is not None and v["whole"] is not None else None
-    gap_text = ("" if gap is None or not math.isfinite(gap) else
+    gap = s["val_loss"] - subset
+    gap_text = ("" if not math.isfinite(gap) else
                 f" (the whole split is {abs(gap):.3f} {'lower' if gap < 0 else 'higher'})")
-    text += (f"\n\nThe validation curve is a subset of that split, {subset}, scored during training; {final}. "
-             f"The two figures differ{gap_text} because they score different text: the subset is a fixed part of "
-             "the split.")
-    if v["old"]:
-        text += (" This run's summary.json predates the subset record (read here from metrics.jsonl), and its "
-                 "whole-split figure is the older definition: a mean of per-batch means, leaving out up to "
-                 "batch_size - 1 windows at the end.")
-    return text
+    return text + (f"\n\nThe validation curve is a subset of that split, the first {s['val_subset_tokens']:,} target "
+                   f"tokens (eval_tokens {rec.run['args']['eval_tokens']:,}), scored during training; at the last "
+                   f"step it gives **{subset:.3f}** (perplexity {perplexity(subset):.1f}). The two figures "
+                   f"differ{gap_text} because they score different text: the subset is a fixed part of the split.")
 
 
 def _bits_per_byte(s: dict) -> str:
     """summary.json's val_bits_per_byte (summed NLL / (ln 2 x UTF-8 bytes of the same targets));
-    a run from before it was recorded (or with a tokenizer that is not byte-level) has none."""
+    a run with a tokenizer that is not byte-level has none."""
     bpb = s.get("val_bits_per_byte")
     if bpb is None:
         return "bits per byte: not recorded"
     over = f" over {s['val_bytes']:,} UTF-8 bytes" if s.get("val_bytes") else ""
     return f"**{bpb:.3f}** bits per byte{over}"
-
-
-def _ppl(loss: float) -> str:
-    return f"{math.exp(loss):.1f}" if loss < 709 else "inf"
 
 
 def _tokens(rec) -> str:
@@ -207,9 +194,8 @@ def _ablations(rec) -> str:
     out = ["## Ablations\n", ablation_summary(rec.ablations)]
     for key, info in rec.ablations.items():
         table = info["table"].split("\n", 1)[1] if info["table"].startswith("# ") else info["table"]
-        png = f"\n![{key}]({info['png']})\n" if info.get("png") else ""
         out.append(f"\n### `{key}` ({info['folder']}, seeds {info.get('seeds')}, {info.get('elapsed_s')} s)\n"
-                   f"{table.strip()}\n{png}")
+                   f"{table.strip()}\n{_img(info, 'png', key)}")
     return "".join(out)
 
 
@@ -224,7 +210,7 @@ def ablation_summary(ablations: dict) -> str:
         return ""
     try:
         return "\nSummary (the README's table, generated from each results.json):\n\n" + summary_table(full)
-    except (KeyError, TypeError, ValueError) as e:  # a results.json from an older version of a study
+    except (KeyError, TypeError, ValueError) as e:  # a results.json the table cannot summarise
         return f"\nSummary not available: {type(e).__name__}: {e}\n"
 
 

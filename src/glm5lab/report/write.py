@@ -37,9 +37,8 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     _copy_ablation_plots(rec, out)
     cfg = ModelConfig.from_hf(rec.checkpoint)
     probed = _measure(rec, cfg, quick) if measure else None
-    eval_batches = rec.run.get("args", {}).get("eval_batches")
-    pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png"), rec.summary, eval_batches),
-            "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png"), rec.summary, eval_batches),
+    pngs = {"loss": plots.loss_by_stage(rec.metrics, _tmp(out, "loss_by_stage.png"), rec.summary),
+            "perplexity": plots.val_perplexity(rec.metrics, _tmp(out, "val_perplexity.png"), rec.summary),
             "load": plots.expert_load(rec.metrics, _tmp(out, "expert_load.png"), _moe_names(cfg)),
             "ep": plots.expert_parallel(rec.metrics, _tmp(out, "expert_parallel.png")),
             "retrieval": plots.retrieval(probed["retrieval"], _tmp(out, "retrieval.png")) if probed else None,
@@ -82,10 +81,7 @@ def _copy_ablation_plots(rec, out: Path) -> None:
     for key, info in rec.ablations.items():
         src = Path(info["folder"]) / f"{info.get('study', key)}.png"
         name = f"ablate-{key.replace(' (--quick)', '-quick')}.png"
-        info["png"] = name if src.is_file() else None
-        if src.is_file():
-            shutil.copyfile(src, out / f".tmp-{name}")
-            (out / f".tmp-{name}").replace(out / name)
+        info["png"] = _publish(shutil.copyfile(src, _tmp(out, name))) if src.is_file() else None
 
 
 def _moe_names(cfg) -> list[str]:
@@ -105,8 +101,8 @@ def _measure(rec, cfg, quick: bool) -> dict:
 
     from glm5lab.data.pipeline import prepare_data
 
-    args = rec.run.get("args", {})  # an older run.json may lack a key: the run then had its default
-    data = prepare_data(cfg.vocab_size, args.get("data"), args.get("seed", 0), tokenizer=args.get("tokenizer"),
+    args = rec.run["args"]
+    data = prepare_data(cfg.vocab_size, args["data"], args["seed"], tokenizer=args["tokenizer"],
                         checkpoint=rec.checkpoint)
     result = probe(rec.checkpoint, data.val_tokens, ProbeSizes.quick() if quick else ProbeSizes())
     return {**result, "device": "cpu", "dtype": "fp32", "threads": torch.get_num_threads()}

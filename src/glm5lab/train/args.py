@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from glm5lab import ModelConfig
-from glm5lab.train.recipe import DEFAULT_RECIPE, TrainHyper, default_recipe, load_recipe, resolve
+from glm5lab.train.recipe import TrainHyper, load_recipe, resolve
 from glm5lab.train.stages import Stage
 
 
@@ -72,7 +72,7 @@ def with_recipe(args: TrainArgs) -> TrainArgs:
     """`args` with every field left None that the recipe sets filled from it (optimizer, weight decay, clipping,
     router bias rate, evaluation and checkpoint cadence, and the model when no --preset/--config/--init is given;
     seq_len and batch_size stay None: stage values). Raises ValueError (`load_recipe`)."""
-    recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
+    recipe = load_recipe(args.recipe)
     filled = {k: v for k, v in recipe.settings().items() if getattr(args, k) is None}
     if not (args.preset or args.config or args.init):
         model = {"config": recipe.model.config} if recipe.model.config else {"preset": recipe.model.preset}
@@ -86,16 +86,15 @@ def resolve_stages(args: TrainArgs, cfg: ModelConfig, world_size: int = 1) -> li
     (`glm5lab.train.recipe.resolve`: seq_len, batch_size, grad_accum, quick, stages, steps, lr)."""
     if args.stage_plan:
         return [Stage.from_dict(d) for d in args.stage_plan]
-    return resolve(load_recipe(args.recipe or DEFAULT_RECIPE), mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers
+    return resolve(load_recipe(args.recipe), mtp_depth=cfg.mtp_depth if cfg.num_nextn_predict_layers
                    else 0, has_indexer=cfg.has_indexer_weights, world_size=world_size, quick=args.quick,
                    names=args.stages, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
                    grad_accum=args.grad_accum, lr=args.lr)
 
 
 def model_config(args: TrainArgs) -> ModelConfig:
-    """The run's model config: of `args.init`'s checkpoint, `args.config`, or the preset. Raises ConfigError
-    (unknown field or preset, bad value). Whether it fits this machine's memory is `train`'s check (`glm5lab.train.plan.check_fits`)."""
+    """The run's model config (`args` with the recipe filled in: `with_recipe`): of `args.init`'s checkpoint,
+    `args.config`, or the preset. Raises ConfigError (unknown field or preset, bad value). Whether it fits this
+    machine's memory is `train`'s check (`glm5lab.train.plan.check_fits`)."""
     source = args.init or args.config
-    if source:
-        return ModelConfig.from_hf(source)
-    return ModelConfig.from_preset(args.preset or default_recipe().model.preset)
+    return ModelConfig.from_hf(source) if source else ModelConfig.from_preset(args.preset)

@@ -81,32 +81,22 @@ def record_extension(run_dir: Path, args: dict, stages: list[Stage], from_steps:
     (run_dir / "summary.json").unlink(missing_ok=True)
 
 
-def started_world_size(run_dir: Path) -> int:
-    """The process count the run in `run_dir` started with (its run.json; 1 when not recorded)."""
-    return json.loads((Path(run_dir) / "run.json").read_text()).get("world_size", 1)
-
-
-def ep_note(run_dir: Path, ep: int) -> str | None:
-    """The notice line when a resume runs another `--ep` than the run in `run_dir` started with (its run.json;
-    1 when not recorded): the experts are resharded on load. None when it is the same."""
-    started = json.loads((Path(run_dir) / "run.json").read_text())["args"].get("ep") or 1
-    if started == ep:
-        return None
-    return f"resuming with --ep {ep} a run started with --ep {started}: its experts are resharded on load"
-
-
-def eval_tokens_note(run_dir: Path, eval_tokens: int) -> str | None:
-    """The notice line when a resume's --eval-tokens is not the one in the run's run.json (or run.json has none: a
-    run started before eval_tokens, whose periodic validation scored eval_batches x batch windows): from the
-    step it resumes at, the periodic validation scores another subset of the held-out split, so val_loss before
-    and after that step do not compare. None when it is the same."""
-    started = json.loads((Path(run_dir) / "run.json").read_text())["args"].get("eval_tokens")
-    if started == eval_tokens:
-        return None
-    was = "its run.json has none (started before --eval-tokens)" if started is None else f"it started with {started:,}"
-    return (f"resuming with --eval-tokens {eval_tokens:,} a run whose periodic validation scored another subset "
-            f"({was}): from the step it resumes at, val_loss is measured on the first {eval_tokens:,} held-out "
-            "targets, and does not compare with the values before it")
+def resume_notes(saved: dict, ep: int, eval_tokens: int | None) -> list[str]:
+    """The notice lines of a resume of the run whose run.json is `saved`: when it runs another `--ep` than the run
+    started with (1 when not recorded): the experts are resharded on load; when `eval_tokens` (None: no periodic
+    validation) is not the run's (or run.json has none: a run started before eval_tokens, whose periodic
+    validation scored eval_batches x batch windows): from the step it resumes at, the periodic validation scores
+    another subset of the held-out split, so val_loss before and after that step do not compare."""
+    notes, started_ep, started = [], saved["args"].get("ep") or 1, saved["args"].get("eval_tokens")
+    if started_ep != ep:
+        notes.append(f"resuming with --ep {ep} a run started with --ep {started_ep}: its experts are resharded on load")
+    if eval_tokens is not None and started != eval_tokens:
+        was = ("its run.json has none (started before --eval-tokens)" if started is None
+               else f"it started with {started:,}")
+        notes.append(f"resuming with --eval-tokens {eval_tokens:,} a run whose periodic validation scored another "
+                     f"subset ({was}): from the step it resumes at, val_loss is measured on the first "
+                     f"{eval_tokens:,} held-out targets, and does not compare with the values before it")
+    return notes
 
 
 def rescale_stages(stages: list[Stage], started: int, world_size: int) -> tuple[list[Stage], str | None]:

@@ -42,9 +42,9 @@ from glm5lab.train.extend import continue_position, record_extension
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.args import TrainArgs
 from glm5lab.train.plan import check_data_fits, check_eval_subset, check_fits, check_run
-from glm5lab.train.recipe import DEFAULT_RECIPE, load_recipe
+from glm5lab.train.recipe import load_recipe
 from glm5lab.checkpoints.export import export_checkpoint
-from glm5lab.checkpoints.resume import first_complete, resume_checkpoint
+from glm5lab.checkpoints.resume import resume_checkpoint
 from glm5lab.train.run_lock import hold_run_folder
 from glm5lab.train.stages import Stage, objective_name
 from glm5lab.train.step import StepDone, run_stages
@@ -110,9 +110,8 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     for line in plan.notices:  # nothing changes silently
         say(line)
     model = build_model(args, cfg, ctx.world_size)
-    checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
-        model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=checkpoint, say=say)
+        model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=plan.checkpoint, say=say)
     check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
     if args.eval_every:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)
@@ -198,18 +197,15 @@ def resume_message(run_dir: Path, folder: Path, start: dict, stages: list[Stage]
 
 
 def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, ctx) -> None:
+    """run.json, with its "recipe": the recipe's name and file, and whether the stages came from it or from
+    `stage_plan` (the resolved stages themselves are its "stages"); config.json."""
+    recipe = load_recipe(args.recipe)
     info = {"args": asdict(args), "stages": [s.to_dict() for s in stages], "git_commit": git_commit(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "world_size": ctx.world_size,
-            "device": str(ctx.device), "recipe": recipe_record(args)}
+            "device": str(ctx.device), "recipe": {"name": recipe.name, "source": recipe.source,
+                                                  "stages_from": "stage_plan" if args.stage_plan else "recipe"}}
     atomic_write_text(run_dir / "run.json", json.dumps(info, indent=2) + "\n")  # creates run_dir
     atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_hf(), indent=2) + "\n")
-
-
-def recipe_record(args: TrainArgs) -> dict:
-    """run.json's "recipe": the recipe's name and file, and whether the stages came from it or from
-    `stage_plan` (the resolved stages themselves are run.json's "stages")."""
-    recipe = load_recipe(args.recipe or DEFAULT_RECIPE)
-    return {"name": recipe.name, "source": recipe.source, "stages_from": "stage_plan" if args.stage_plan else "recipe"}
 
 
 class _Loop:
@@ -326,7 +322,7 @@ class _Loop:
         if self.ctx.is_main:  # summary.json last: it marks the run complete (a stop before it: --resume finishes)
             from glm5lab.train.plot import plot_run
 
-            plot_run(self.run_dir, _notice)  # a failing plot is one notice line
+            plot_run(self.run_dir, summary, _notice)  # a failing plot is one notice line
             if self.tb is not None:
                 self.tb.write_final(summary)
                 self.tb.close()

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glm5lab import ModelConfig
-from glm5lab.checkpoints.folder import has_checkpoint, latest_pointer
+from glm5lab.checkpoints.export import resolve_checkpoint
+from glm5lab.checkpoints.folder import has_checkpoint
 from glm5lab.data.pipeline import TrainingData
 from glm5lab.train.args import TrainArgs, model_config, resolve_stages, with_recipe
 from glm5lab.train.evaluation import subset_windows
-from glm5lab.train.extend import extend_plan
+from glm5lab.train.extend import FREE, extend_plan, rescale_stages, resume_notes
 from glm5lab.train.recipe import default_recipe
 from glm5lab.train.stages import Stage, check_objective, objective_name
 from glm5lab.validate import finite, int_at_least
@@ -41,7 +42,8 @@ class RunPlan:
     resolved; cfg: the model config; stages: the stages to train (on --resume: the run's own, extended and rescaled
     to this process count); extended: the steps a --resume adds (0 otherwise); notices: lines to say before the run
     (a stage whose DSA keeps every key, a resume at another process count or --ep, an optimizer with nothing to
-    split, a token folder split with another seed than --seed); data: a token folder's `TrainingData` (opened,
+    split, a token folder split with another seed than --seed); checkpoint: the checkpoint the run continues
+    (--resume's first complete one) or starts from (--init), else None; data: a token folder's `TrainingData` (opened,
     nothing read: `token_folder_data`), which the run trains on, else None (a text corpus: the run reads it)."""
 
     args: object
@@ -49,6 +51,7 @@ class RunPlan:
     stages: list[Stage]
     extended: int
     notices: list[str]
+    checkpoint: Path | None = None
     data: object | None = None
 
 
@@ -67,8 +70,7 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
          and their losses against the model (`check_objectives`);
       4. --resume: a checkpoint to continue, the plan against the run's config.json and run.json (more steps
          extend it), a finished run not extended, the global batch at this process count (`rescale_stages`);
-         notices for another --ep and (with a periodic validation) another --eval-tokens (`ep_note`,
-         `eval_tokens_note`);
+         notices for another --ep and (with a periodic validation) another --eval-tokens (`resume_notes`);
       5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
       6. --data: a path that exists; --tokenizer (or --resume's / --init's tokenizer.json) on a text corpus
          (`given_tokenizer`: one that exists, is the continued checkpoint's, fits vocab_size); a token folder's
@@ -79,16 +81,15 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
     ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
     from glm5lab.checkpoints.folder import resume_candidates
-    from glm5lab.parallel.expert_parallel import check_ep
+    from glm5lab.parallel.alltoall import check_ep
     from glm5lab.checkpoints.resume import first_complete
-    from glm5lab.train.extend import ep_note, eval_tokens_note, rescale_stages, started_world_size
     from glm5lab.train.run_lock import refuse_if_held
 
     refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
     args = with_recipe(args)
     check_args(args, world_size)
     if args.init:
-        args = dataclasses.replace(args, init=init_folder(Path(args.init)))
+        args = dataclasses.replace(args, init=str(resolve_checkpoint(args.init, name="--init")))
     run_dir = Path(args.out)
     check_run_dir(run_dir, args.resume, probe=probe)
     cfg = model_config(args)
@@ -100,17 +101,18 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     extended = 0
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
-        started = started_world_size(run_dir)  # the plan is compared as the run resolved it, then rescaled
+        saved = json.loads((run_dir / "run.json").read_text())
+        started = saved.get("world_size", 1)  # the plan is compared as the run resolved it, then rescaled
         planned = stages if started == world_size else resolve_stages(args, cfg, started)
-        planned, extended = check_same_plan(run_dir, args, planned, cfg)
+        planned, extended = check_same_plan(run_dir, saved, args, planned, cfg)
         check_not_finished(run_dir, extended)
         stages, note = rescale_stages(planned, started, world_size)  # the same global batch
-        subset = eval_tokens_note(run_dir, args.eval_tokens) if args.eval_every else None  # periodic validation on
-        notices += [line for line in (note, ep_note(run_dir, args.ep), subset) if line]  # nothing changes silently
+        notices += [line for line in [note] if line]  # nothing changes silently: nor --ep, nor --eval-tokens
+        notices += resume_notes(saved, args.ep, args.eval_tokens if args.eval_every else None)
     notices += [line for line in [_optimizer_notice(cfg, args.optimizer)] if line]
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
     data = _check_data(args, cfg, stages, world_size, checkpoint, say=notices.append)
-    return RunPlan(args, cfg, stages, extended, notices, data)
+    return RunPlan(args, cfg, stages, extended, notices, checkpoint, data)
 
 
 def check_objectives(stages: list[Stage], cfg) -> None:
@@ -138,7 +140,7 @@ def _optimizer_notice(cfg, optimizer: str) -> str | None:
 
 
 def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Path | None, say):
-    """--data: the run's own refusal when the path does not exist (`iter_documents`, reached before it reads
+    """--data: the run's own refusal when the path does not exist (`open_corpus`, reached before it reads
     anything); for a text corpus, --tokenizer or the continued checkpoint's (`given_tokenizer`: it loads, is the
     checkpoint's, fits the vocabulary); for a token folder, its index, shards' sizes and tokenizer
     (`token_folder_data`: nothing is loaded; its split seed, when it is not --seed, through `say`) and its token
@@ -146,10 +148,10 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
     None (a text corpus: the run reads it)."""
     from glm5lab.data.pipeline import given_tokenizer, token_folder_data
     from glm5lab.data.shards import is_token_folder
-    from glm5lab.data.sources import iter_documents
+    from glm5lab.data.sources import open_corpus
 
     if args.data is not None and not Path(args.data).exists():
-        next(iter_documents(Path(args.data)), None)  # raises its FileNotFoundError
+        open_corpus(Path(args.data))  # raises its FileNotFoundError
     if args.data is None or not is_token_folder(args.data):  # a text corpus: --tokenizer, the checkpoint's
         given_tokenizer(cfg.vocab_size, args.tokenizer, checkpoint)
         return None
@@ -165,7 +167,6 @@ def dry_run(args, nproc: int | None = None) -> str:
     what `NOT_CHECKED` names (said in its last line). No weights are built (the model only on the meta device)
     and no text is read. Raises as `check_run`, and ValueError for a layout the ledger refuses (`check_layout`)."""
     from glm5lab.deployment import deployment
-    from glm5lab.validate import int_at_least
 
     world = int_at_least("--nproc", nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1")), 1)
     plan = check_run(args, world)
@@ -343,17 +344,11 @@ def check_args(args: TrainArgs, world_size: int) -> None:
         check_available()
 
 
-def init_folder(path: Path) -> str:
-    """--init accepts a checkpoint folder or a run folder (its checkpoints/latest is used)."""
-    latest = latest_pointer(path)
-    return str(latest if latest is not None and not any(path.glob("*.safetensors")) else path)
-
-
-def check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
+def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[Stage],
                      model_config: ModelConfig) -> tuple[list[Stage], int]:
-    """A resumed run must continue the plan it started with: same model config (checked first, before
-    any data is read), stages (as resolved for the process count the run started with), data, seed and
-    optimizer. Another process count or --ep is not refused: the checkpoint is resharded on load and
+    """A resumed run (`saved`: its run.json) must continue the plan it started with: same model config (checked
+    first, before any data is read), stages (as resolved for the process count the run started with), data, seed
+    and optimizer. Another process count or --ep is not refused: the checkpoint is resharded on load and
     `rescale_stages` keeps each stage's global batch. The one change of plan allowed is more steps
     (`glm5lab.train.extend.extend_plan`). Returns (the plan to train, steps added: 0 unless extended)."""
     saved_cfg = run_dir / "config.json"
@@ -364,7 +359,6 @@ def check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
         if diff:
             raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
                              f"{diff[:8]} differ); resume with the run's own --preset/--config")
-    saved = json.loads((run_dir / "run.json").read_text())
     # another process count or --ep is allowed: the checkpoint is resharded and the global batch kept (`rescale_stages`)
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
@@ -379,7 +373,7 @@ def check_same_plan(run_dir: Path, args: TrainArgs, stages: list[Stage],
         raise ValueError(f"--resume: --steps {args.steps} is fewer than the {done} steps of the run in {run_dir}: a "
                          f"run is extended (--steps above {done}), never shortened")
     longer = extend_plan([Stage.from_dict(d) for d in saved_stages], stages, args.steps)
-    free = ("steps", "decay_steps", "warmup_steps") if asked else ()  # what --steps changes: not a difference
+    free = (*FREE, "warmup_steps") if asked else ()  # what --steps changes (`extend_plan`): not a difference
     differ = [k if k != "stages" else f"stages ({_stage_diff(old[k], new[k], free)})" for k in old
               if old[k] != new[k] and not (k == "stages" and longer is not None)]
     if differ:
@@ -432,15 +426,10 @@ def check_run_dir(run_dir: Path, resume: bool, probe: bool = True) -> None:
         cont = "" if done else "continue it with --resume and the arguments it started with, "
         raise FileExistsError(f"{run_dir} already holds {what}: {cont}train into another folder with --out DIR, "
                               f"or remove this one (rm -r {run_dir}) to start again")
-    if probe:
-        _check_creatable(run_dir)
-
-
-def _check_creatable(run_dir: Path) -> None:
-    """Raise ValueError when the folder cannot be created; it is created to find out, then the
-    folders this made are removed again (nothing is left behind by a start that fails later)."""
+    if not probe:
+        return
     missing = [p for p in (run_dir.absolute(), *run_dir.absolute().parents) if not p.exists()]
-    try:
+    try:  # created to find out, then the folders this made removed again: a start that fails later leaves none
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {run_dir}: cannot create the run folder ({e.strerror})") from None

@@ -3,8 +3,7 @@
 drawn as dotted lines with the stage names, and the labels of the two validation figures.
 
 Two validation figures exist (issue 16): the periodic `val_loss` of metrics.jsonl is the mean target CE over a
-fixed SUBSET of the held-out split (the windows of its first `eval_tokens` targets; `val_tokens` targets; runs from
-before issue 36: the first `eval_batches` batches of windows);
+fixed SUBSET of the held-out split (the windows of its first `eval_tokens` targets; `val_tokens` targets);
 summary.json's `val_loss` is the final model over the WHOLE split. They differ because they score different text,
 so every plot labels the curve as the subset and draws the whole-split figure as its own marker at the last step.
 """
@@ -51,12 +50,6 @@ def stage_mean(rows: list[dict], values: list, k: int) -> list[float]:
             out += trailing_mean(values[start:i], k)
             start = i
     return out
-
-
-def last_per_step(rows: list[dict]) -> list[dict]:
-    """The rows in step order, one per step: the last one logged for it (a metrics.jsonl that two runs wrote at once,
-    before run folders were locked, repeats steps; a resumed run drops its own repeats when it starts)."""
-    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
 
 
 def smoothed(k: int) -> str:
@@ -113,13 +106,10 @@ def mark_stages(ax, spans: list[tuple[str, int, int]], *, names: bool = True, sh
         ax.set_title(title, pad=(6 if not (names and spans) else 14 if fits else 24))
 
 
-def subset_label(rows: list[dict], eval_batches: int | None = None) -> str:
-    """'validation subset (first N tokens)' from the rows' val_tokens; a run from before
-    val_tokens was logged says 'first B batches' (run.json's eval_batches) instead."""
+def subset_label(rows: list[dict]) -> str:
+    """'validation subset (first N tokens)' from the rows' val_tokens ('validation subset' without them)."""
     tokens = next((r["val_tokens"] for r in reversed(rows) if r.get("val_tokens")), None)
-    if tokens:
-        return f"validation subset (first {tokens:,} tokens)"
-    return f"validation subset (first {eval_batches} batches)" if eval_batches else "validation subset"
+    return f"validation subset (first {tokens:,} tokens)" if tokens else "validation subset"
 
 
 def whole_label(summary: dict) -> str:
@@ -136,40 +126,49 @@ def mtp_mean(rows: list[dict]) -> tuple[list[float], int]:
             for r in rows], depths
 
 
-def draw_losses(ax, rows: list[dict], summary: dict, eval_batches: int | None, *, title: str | None = None):
-    """The whole run on one axes: LM loss (faint per step, solid: `stage_mean`), MTP mean, the
-    validation subset as dots, the whole-split final figure as a diamond, the indexer KL on a
-    right axis, stage boundaries. Returns the (handles, labels) for one legend."""
-    steps = [r["step"] for r in rows]
-    k = smoothing_steps(len(rows))
-    lm = as_floats(r.get("lm_loss") for r in rows)
-    ax.plot(steps, lm, color=LM, alpha=0.25, linewidth=0.6)
-    ax.plot(steps, stage_mean(rows, lm, k), color=LM, linewidth=1.5, label=f"LM loss (train, {smoothed(k)})")
-    mtp, depths = mtp_mean(rows)
-    if depths:
-        ax.plot(steps, stage_mean(rows, mtp, k), color=MTP, linewidth=1.1,
-                label=f"MTP loss (mean of {depths} depth{'s' * (depths > 1)}, {smoothed(k)})")
-    val = [r for r in rows if r.get("val_loss") is not None]
-    if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=VAL, markersize=4,
-                label=subset_label(rows, eval_batches), zorder=4)
-    if summary.get("val_loss") is not None and rows:
-        ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6,
-                label=whole_label(summary), zorder=5, transform=beside(ax))
+def draw_losses(ax, rows: list[dict], summary: dict, *, title: str | None = None):
+    """The whole run on one axes: `draw_lm`, the indexer KL on a right axis (`draw_kl`), stage boundaries.
+    Returns the (handles, labels) for one legend."""
+    draw_lm(ax, rows, summary, smoothing_steps(len(rows)))
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     mark_stages(ax, stage_spans(rows), title=title)
     handles, labels = ax.get_legend_handles_labels()
-    kl = as_floats(r.get("indexer_kl") for r in rows)
-    if any(math.isfinite(v) for v in kl):  # its own axis: the KL is on another scale than the CE
-        kl_ax = ax.twinx()
-        kl_ax.plot(steps, kl, color=KL, linewidth=0.9,
-                   label="indexer KL (nats; its own axis, red)")
-        kl_ax.set_ylabel("indexer KL (nats)", color=KL)
-        plain_ticks(kl_ax.yaxis)
-        h2, l2 = kl_ax.get_legend_handles_labels()
+    if any(math.isfinite(v) for v in as_floats(r.get("indexer_kl") for r in rows)):  # its own axis: another scale
+        h2, l2 = draw_kl(ax.twinx(), rows, label="indexer KL (nats; its own axis, red)").get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     return handles, labels
+
+
+def draw_lm(ax, rows: list[dict], summary: dict, k: int, *, mtp: bool = True) -> None:
+    """On `ax`, each labelled for a legend: the LM loss (faint per step, solid: `stage_mean` over k steps), the MTP
+    mean over its depths (when `mtp` and the run has MTP), the validation subset as dots, and summary.json's
+    whole-split final figure as a diamond beside the last step (when `summary` has val_loss)."""
+    steps = [r["step"] for r in rows]
+    lm = as_floats(r.get("lm_loss") for r in rows)
+    ax.plot(steps, lm, color=LM, alpha=0.25, linewidth=0.6)
+    ax.plot(steps, stage_mean(rows, lm, k), color=LM, linewidth=1.5, label=f"LM loss (train, {smoothed(k)})")
+    mtp_losses, depths = mtp_mean(rows)
+    if mtp and depths:
+        ax.plot(steps, stage_mean(rows, mtp_losses, k), color=MTP, linewidth=1.1,
+                label=f"MTP loss (mean of {depths} depth{'s' * (depths > 1)}, {smoothed(k)})")
+    val = [r for r in rows if r.get("val_loss") is not None]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color=VAL, markersize=4,
+                label=subset_label(rows), zorder=4)
+    if summary.get("val_loss") is not None and rows:
+        ax.plot([steps[-1]], [summary["val_loss"]], "D", color=WHOLE, markeredgecolor="k", markersize=6,
+                label=whole_label(summary), zorder=5, transform=beside(ax))
+
+
+def draw_kl(ax, rows: list[dict], ylabel: str = "indexer KL (nats)", *, label: str | None = None, width: float = 0.9):
+    """The indexer KL per step on `ax` (red, `width` points wide, a gap where a row has none) with the y label
+    `ylabel` and plain tick labels; returns `ax`."""
+    ax.plot([r["step"] for r in rows], as_floats(r.get("indexer_kl") for r in rows), color=KL, linewidth=width,
+            label=label)
+    ax.set_ylabel(ylabel, color=KL)
+    plain_ticks(ax.yaxis)
+    return ax
 
 
 def as_floats(values) -> list[float]:
@@ -177,39 +176,32 @@ def as_floats(values) -> list[float]:
     return [math.nan if v is None else float(v) for v in values]
 
 
-def plot_losses(metrics_path: Path, png_path: Path) -> Path:
-    """loss.png from `metrics.jsonl` (`draw_losses`; summary.json and run.json beside it, when
-    present, give the whole-split final point and eval_batches), written atomically. Returns its path."""
+def plot_losses(metrics_path: Path, png_path: Path, summary: dict) -> Path:
+    """loss.png from `metrics.jsonl` (`draw_losses`; `summary`, the run's summary.json dict, gives the whole-split
+    final point), written atomically. Returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metrics_path = Path(metrics_path)
-    rows = last_per_step([json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()])
-    summary, run = (_json_or_empty(metrics_path.parent / n) for n in ("summary.json", "run.json"))
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(9, 5))
-    handles, labels = draw_losses(ax, rows, summary, run.get("args", {}).get("eval_batches"),
-                                  title="training run (dotted lines: stage boundaries)")
+    handles, labels = draw_losses(ax, rows, summary, title="training run (dotted lines: stage boundaries)")
     ax.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, frameon=False)
     atomic_write(png_path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
     return Path(png_path)
 
 
-def plot_run(run_dir: Path, notice) -> Path | None:
-    """The run's loss.png (`plot_losses` of its metrics.jsonl), or None after one `notice(line)` saying why it could
-    not be drawn: a plot never turns a trained run into a failed one (its summary.json is written next either way)."""
+def plot_run(run_dir: Path, summary: dict, notice) -> Path | None:
+    """The run's loss.png (`plot_losses` of its metrics.jsonl and `summary`, the dict summary.json receives next), or
+    None after one `notice(line)` saying why it could not be drawn: a plot never turns a trained run into a failed one
+    (its summary.json is written next either way)."""
     try:
-        return plot_losses(Path(run_dir) / "metrics.jsonl", Path(run_dir) / "loss.png")
+        return plot_losses(Path(run_dir) / "metrics.jsonl", Path(run_dir) / "loss.png", summary)
     except Exception as e:  # noqa: BLE001 (any plotting error: the run itself is done)
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         notice(f"warning: loss.png not drawn ({why}); the run is complete, its summary.json follows")
         return None
 
-
-def _json_or_empty(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from glm5lab.train.stages import MTP_WEIGHT, Stage, check_objective, check_schedule, check_values
+from glm5lab.train.stages import MTP_WEIGHT, STAGE_DEFAULTS, Stage, check_stage
 from glm5lab.validate import finite, int_at_least, refuse
 
 DEFAULT_RECIPE = "small"
@@ -141,8 +141,6 @@ class Recipe:
                 "quick_steps": sum(s.steps for s in resolve(self, mtp_depth=1, has_indexer=True, quick=True))}
 
 
-STAGE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Stage) if f.default is not dataclasses.MISSING}
-"""`Stage`'s defaults: the value of a stage key a recipe leaves out."""
 KINDS = {"str": ("a string", str), "int": ("an integer", int), "float": ("a number", (int, float)),
          "bool": ("a boolean", bool), "dict": ("a table", dict), "tuple[float, ...]": ("an array of numbers", list),
          "tuple[StageSpec, ...]": ("an array of tables ([[stages]])", list)}
@@ -167,7 +165,7 @@ TOP_KEYS = keys_of(Recipe)
 @functools.cache
 def default_recipe() -> Recipe:
     """The default run's configuration: recipes/small.toml, read once."""
-    return load_recipe(DEFAULT_RECIPE)
+    return load_recipe()
 
 
 def default_stages(*, seq_len: int | None = None, batch_size: int | None = None, quick: bool = False,
@@ -201,11 +199,12 @@ def recipe_path(name_or_file: str) -> Path:
            + _did_you_mean(Path(name_or_file).stem, names))
 
 
-def load_recipe(name_or_file: str = DEFAULT_RECIPE) -> Recipe:
-    """Read and check a recipe (`recipe_path`); keys it leaves out are the default recipe's (module docstring).
+def load_recipe(name_or_file: str | None = None) -> Recipe:
+    """Read and check a recipe (`recipe_path`; None: the default recipe, `small`); keys it leaves out are the
+    default recipe's (module docstring).
     Raises ValueError, one line: a TOML syntax error, an unknown key (with the allowed ones), a value of the wrong
     type, steps and tokens both or neither, a stage value or order no run can mean, an unknown optimizer."""
-    path = recipe_path(name_or_file)
+    path = recipe_path(name_or_file or DEFAULT_RECIPE)
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -283,8 +282,8 @@ def _check_optimizer_name(name: str, where: str) -> None:
     from glm5lab.optim.groups import OPTIMIZERS
 
     if name not in OPTIMIZERS:
-        raise ValueError(f"{where}: [optimizer].name = {name!r} is not allowed: one of {', '.join(OPTIMIZERS)}"
-                         f"{_did_you_mean(name, list(OPTIMIZERS))}")
+        refuse(f"{where}: [optimizer].name", name,
+               f"one of {', '.join(OPTIMIZERS)}{_did_you_mean(name, list(OPTIMIZERS))}")
 
 
 COUNTS = ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "global_batch")
@@ -293,9 +292,8 @@ COUNTS = ("steps", "tokens", "seq_len", "batch_size", "grad_accum", "global_batc
 
 def _check_counts(table: dict, where: str, name: str) -> None:
     """The COUNTS of one table (`name`: `stages[0]`, `[defaults]`, `stages[0].quick`), one line each."""
-    for key in COUNTS:
-        if key in table and table[key] < 1:
-            raise ValueError(f"{where}: {name}.{key} = {table[key]!r} is not allowed: an integer >= 1")
+    for key in (key for key in COUNTS if key in table):
+        int_at_least(f"{where}: {name}.{key}", table[key], 1)
 
 
 def check_plan_order(stages, where: str, labels: list[str]) -> None:
@@ -341,22 +339,10 @@ def _stage_spec(table: dict, where: str, name: str) -> StageSpec:
     _check_table(quick, QUICK_KEYS, where, f"{name}.quick")
     _check_counts(table, where, name)
     _check_counts(quick, where, f"{name}.quick")
-    _check_stage_values({**table, **quick}, lambda key: f"{where}: {name}{'.quick' * (key in quick)}.{key}")
+    check_stage(lambda key: f"{where}: {name}{'.quick' * (key in quick)}.{key}", {**table, **quick})
     fields = keys_of(Stage)
     how = {k: v for k, v in table.items() if k not in fields}
     return StageSpec({k: v for k, v in table.items() if k in fields}, **how)
-
-
-def _check_stage_values(table: dict, key) -> None:
-    """The stage rules `Stage` checks too (`check_values`, `check_schedule`, `check_objective`), on a stage's table
-    as written (its `quick` values over it, the rest at `Stage`'s defaults): so a recipe is refused at load, naming
-    its file and key. An MTP weight left unset counts as `MTP_WEIGHT` (whether the model has an MTP layer is
-    `check_run`'s check)."""
-    values = {**STAGE_DEFAULTS, **table}
-    check_values(key, table)
-    check_schedule(key, values["schedule"], values["lr_end"], values["decay_ratio"])
-    mtp = table.get("mtp_weights", [table.get("mtp_weight", MTP_WEIGHT)])
-    check_objective(key, values["trainable"], values["lm_weight"], mtp, values["indexer_weight"])
 
 
 def resolve(recipe: Recipe, *, mtp_depth: int, has_indexer: bool, world_size: int = 1, quick: bool = False,

@@ -31,6 +31,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 LOCK_FILE = "run.lock"
 
@@ -48,35 +49,34 @@ def hold_run_folder(run_dir: Path, ctx=None, *, create: bool = True):
     `create`) or cannot be made (--out is a file, no permission) is left to the run's own checks: nothing is held
     then. On the way out the lock is released, and on the main rank the lock file is removed with the folders made
     for it when they are empty."""
-    run_dir = Path(run_dir)
-    ctx = ctx or _ONE_PROCESS
-    lock = _Lock(run_dir, create) if ctx.is_main else None
-    refusal = None
-    if lock is not None:
+    path = Path(run_dir) / LOCK_FILE
+    ctx = ctx or ONE_PROCESS
+    fd, made, refusal = None, [], None
+    if ctx.is_main:
         try:
-            lock.take()
+            fd, made = _take(path, create)
         except RunFolderInUse as e:
             refusal = str(e)
     refusal = _from_main(refusal, ctx)
     if refusal is not None:
         raise RunFolderInUse(refusal)
-    shared = None if ctx.is_main else _share(run_dir / LOCK_FILE)
+    if not ctx.is_main:  # a shared lock on the file its main rank holds (None when this host does not see it)
+        fd = _open_locked(path, os.O_RDONLY, fcntl.LOCK_SH)
     try:
         yield
     finally:
-        if shared is not None:
-            os.close(shared)
-        if lock is not None:
-            lock.release()
+        if fd is not None and ctx.is_main:  # removed while still held: a start that opened it meanwhile then finds
+            with contextlib.suppress(OSError):  # another file there, or none, and retries (`_take`)
+                path.unlink()
+            with contextlib.suppress(OSError):  # not empty: the run wrote into it
+                for folder in made:  # deepest first
+                    folder.rmdir()
+        if fd is not None:
+            os.close(fd)
 
 
-class _OneProcess:
-    """A one-process run's place, as `hold_run_folder` reads a `DistContext` (without importing torch)."""
-
-    is_main, world_size, rank = True, 1, 0
-
-
-_ONE_PROCESS = _OneProcess()
+ONE_PROCESS = SimpleNamespace(is_main=True, world_size=1, rank=0)
+"""A one-process run's place, as `hold_run_folder` reads a `DistContext` (without importing torch)."""
 
 
 def refuse_if_held(run_dir: Path) -> None:
@@ -84,80 +84,49 @@ def refuse_if_held(run_dir: Path) -> None:
     before any of its checks reads the folder, so a second start into a folder a run trains in is told so, rather
     than what that folder's run.json or checkpoints would make it refuse; `hold_run_folder` then takes the lock (a
     start between the two is refused there)."""
-    path = Path(run_dir) / LOCK_FILE
-    try:  # read-write: on NFS an exclusive flock is a write lock
-        fd = os.open(path, os.O_RDWR)
-    except OSError:  # no lock file (no run holds the folder), or not ours to write: `hold_run_folder` decides
-        return
-    try:
-        if not _exclusive(fd):
-            raise RunFolderInUse(_refusal(path))
-    finally:
+    path = Path(run_dir) / LOCK_FILE  # opened read-write: on NFS an exclusive flock is a write lock
+    fd = _open_locked(path, os.O_RDWR, fcntl.LOCK_EX, tries=10)
+    if fd is not None:  # None: no lock file (no run holds the folder), or not ours to write: `hold_run_folder` decides
         os.close(fd)  # drops the exclusive lock this probe took
 
 
-class _Lock:
-    """The main rank's side of `hold_run_folder`: the lock file's descriptor and what taking it created."""
-
-    def __init__(self, run_dir: Path, create: bool = True):
-        self.path, self.create = run_dir / LOCK_FILE, create
-        self.fd: int | None = None
-        self.made: list[Path] = []  # folders made for the lock, deepest first
-
-    def take(self) -> None:
-        """Lock the file exclusively, write the holder into it, then share it. Raises RunFolderInUse (having changed
-        nothing: the file and its folder are the holder's)."""
-        folder = self.path.parent.absolute()
-        if not (self.create or folder.is_dir()):
-            return
-        while self.fd is None:
-            missing = [p for p in (folder, *folder.parents) if not p.exists()]
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError:  # --out is a file, or a folder this process cannot write to: the run's checks refuse it
-                return
-            self.made = missing or self.made
-            if not _exclusive(fd):
-                os.close(fd)
-                self.made = []
-                raise RunFolderInUse(_refusal(self.path))
-            if _same_file(fd, self.path):
-                self.fd = fd
-            else:  # removed by the run that held it while this process waited: lock the file there now
-                os.close(fd)
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, (json.dumps(holder()) + "\n").encode())
-        try:  # not atomic (flock drops the lock, then takes the new one): a start in between wins, this one is refused
-            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            self.fd, self.made = None, []
-            raise RunFolderInUse(_refusal(self.path)) from None
-
-    def release(self) -> None:
-        """Remove the lock file while still holding it (a start that opened it meanwhile then finds another file
-        there, or none, and retries) and the folders made for it when empty, then unlock."""
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        for folder in self.made:  # deepest first
-            try:
-                folder.rmdir()
-            except OSError:  # not empty: the run wrote into it
+def _take(path: Path, create: bool) -> tuple[int | None, list[Path]]:
+    """The main rank's side of `hold_run_folder`: lock the file exclusively, write the holder into it, then share it.
+    Returns (its descriptor, the folders made for it, deepest first), or (None, []) when its folder is missing (not
+    `create`) or cannot be made. Raises RunFolderInUse (having changed nothing: the file and its folder are the
+    holder's)."""
+    folder, made = path.parent.absolute(), []
+    if not (create or folder.is_dir()):
+        return None, []
+    while True:
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:  # --out is a file, or a folder this process cannot write to: the run's checks refuse it
+            return None, []
+        fd = _open_locked(path, os.O_RDWR | os.O_CREAT, fcntl.LOCK_EX, tries=10)
+        if fd is None:  # a file this process cannot create or write: as above
+            return None, []
+        made = missing or made
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
                 break
-        os.close(self.fd)
-        self.fd = None
+        os.close(fd)  # removed by the run that held it while this process waited: lock the file there now
+    os.ftruncate(fd, 0)
+    os.write(fd, (json.dumps(holder()) + "\n").encode())
+    if not _flock(fd, fcntl.LOCK_SH):  # not atomic (flock drops the lock, then takes the new one): a start in
+        os.close(fd)  # between wins, this one is refused
+        raise RunFolderInUse(_refusal(path))
+    return fd, made
 
 
-def _exclusive(fd: int, tries: int = 10, wait_s: float = 0.1) -> bool:
-    """Whether flock(LOCK_EX) on `fd` succeeds within about a second: a run holds the file for as long as it runs,
-    while another start's probe (`refuse_if_held`) or the main rank's turn from exclusive to shared holds it for
-    microseconds, which must not refuse a start."""
+def _flock(fd: int, operation: int, tries: int = 1, wait_s: float = 0.1) -> bool:
+    """Whether flock(operation) on `fd` succeeds within `tries` attempts `wait_s` apart. An exclusive lock tries for
+    about a second: a run holds the file for as long as it runs, while another start's probe (`refuse_if_held`) or
+    the main rank's turn from exclusive to shared holds it for microseconds, which must not refuse a start."""
     for i in range(tries):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if i + 1 < tries:
@@ -165,24 +134,16 @@ def _exclusive(fd: int, tries: int = 10, wait_s: float = 0.1) -> bool:
     return False
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def _open_locked(path: Path, flags: int, operation: int, tries: int = 1) -> int | None:
+    """`path` opened with `flags` (a file it creates: mode 0o644) and locked (`_flock`); None when it cannot be
+    opened. Raises RunFolderInUse, naming the holder, when another run holds it."""
     try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
-
-
-def _share(path: Path) -> int | None:
-    """A non-main rank's shared lock on the file its main rank holds (None when this host does not see it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, flags, 0o644)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not _flock(fd, operation, tries):
         os.close(fd)
-        raise RunFolderInUse(_refusal(path)) from None
+        raise RunFolderInUse(_refusal(path))
     return fd
 
 

@@ -68,10 +68,7 @@ class Stage:
             int_at_least(f"stage {self.name!r}: `decay_steps`", self.decay_steps, 1)
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"stage {self.name!r}: `warmup_steps` = {self.warmup_steps} is not allowed: 0..steps-1")
-        key = lambda name: f"stage {self.name!r}: `{name}`"  # noqa: E731
-        check_values(key, self.to_dict())
-        check_schedule(key, self.schedule, self.lr_end, self.decay_ratio)
-        check_objective(key, self.trainable, self.lm_weight, self.mtp_weights, self.indexer_weight)
+        check_stage(lambda name: f"stage {self.name!r}: `{name}`", self.to_dict())
         if self.schedule == "wsd":
             h, d = self.decay_steps or self.steps, self.wsd_decay_steps
             if d > h - self.warmup_steps:
@@ -127,6 +124,23 @@ class Stage:
         d = dict(d)
         d["mtp_weights"] = tuple(d.get("mtp_weights", ()))
         return cls(**d)
+
+
+STAGE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Stage) if f.default is not dataclasses.MISSING}
+"""`Stage`'s defaults: the value of a stage field left out (of a recipe's stage too)."""
+
+
+def check_stage(key, fields: dict) -> None:
+    """The rules of a stage's values, one for a `Stage` and a recipe's stage table: `check_values`,
+    `check_schedule` and `check_objective` of `fields` (a stage's fields by name, missing ones at `Stage`'s
+    defaults; a recipe's `mtp_weight`, every depth's, stands for mtp_weights, an MTP weight left unset counts as
+    `MTP_WEIGHT`: whether the model has an MTP layer is `check_run`'s check). key(name) names a field as in
+    `check_schedule`. Raises ValueError."""
+    values = {**STAGE_DEFAULTS, **fields}
+    check_values(key, fields)
+    check_schedule(key, values["schedule"], values["lr_end"], values["decay_ratio"])
+    mtp = fields.get("mtp_weights", [fields.get("mtp_weight", MTP_WEIGHT)])
+    check_objective(key, values["trainable"], values["lm_weight"], mtp, values["indexer_weight"])
 
 
 LOSS_WEIGHTS = ("lm_weight", "mtp_weight", "indexer_weight")

@@ -126,12 +126,8 @@ def forward_backward(model, batch, stage: Stage, losses: Callable[[Any, Stage], 
     rows, each forward and backward with its loss scaled by 1 / grad_accum, so the gradients summed in `.grad` are
     those of the whole batch's mean loss. Under FSDP2 the gradient reduce-scatter runs only on the last
     micro-batch (`set_requires_gradient_sync`). MoE loads keep adding up until the router update pops them (their
-    sum over micro-batches). Returns the mean of the micro-batches' losses (detached when grad_accum > 1);
-    grad_accum = 1 is exactly one forward and `losses.total.backward()`."""
-    if stage.grad_accum == 1:
-        step_losses = losses(batch, stage)
-        step_losses.total.backward()
-        return step_losses
+    sum over micro-batches). Returns the mean of the micro-batches' losses, detached (with grad_accum = 1 exactly
+    the one micro-batch's: its loss divided by 1, its mean over one)."""
     sync = getattr(model, "set_requires_gradient_sync", None)  # an FSDP2-sharded model
     parts = []
     micro = split_batch(batch, stage.grad_accum)

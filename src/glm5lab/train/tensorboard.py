@@ -21,15 +21,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-INSTALL = "pip install tensorboard"
-
 
 def check_available() -> None:
     """Raise ValueError (one line, naming the install command) when the `tensorboard` package is missing."""
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise ValueError(f"--tensorboard needs the tensorboard package, which is not installed: {INSTALL} "
+        raise ValueError("--tensorboard needs the tensorboard package, which is not installed: pip install tensorboard "
                          "(or bash scripts/setup.sh again)") from None
 
 
