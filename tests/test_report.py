@@ -99,6 +99,20 @@ def test_run_folder_of_an_older_version_is_refused_in_one_line(run, tmp_path, ca
     assert err.startswith("glm5lab report: error: ") and "train it again" in err and err.count("\n") == 1
 
 
+def test_a_run_json_that_is_no_record_and_a_compared_run_without_checkpoints_are_refused_by_name(run, tmp_path):
+    bad = _copy(run, tmp_path / "bad")
+    for text in ("[1, 2]", '{"args": null}'):
+        (bad / "run.json").write_text(text)
+        with pytest.raises(NotARunError, match=r"run.json is not a `glm5lab train` run record"):
+            load_run(bad)
+    bare = _copy(run, tmp_path / "bare")
+    shutil.rmtree(bare / "checkpoints")
+    with pytest.raises(ValueError, match=r"^RUN_DIR = .* a run folder with a completed checkpoint"):
+        load_run(bare)
+    with pytest.raises(ValueError, match=r"^--compare = .*bare' is not allowed"):
+        write_report(run, out=tmp_path / "rep", measure=False, compare=[bare])
+
+
 def test_folders_that_are_not_finished_runs_are_refused_clearly(run, tmp_path, capsys):
     with pytest.raises(NotARunError, match="is not a folder"):
         write_report(tmp_path / "nope")

@@ -175,14 +175,14 @@ def test_under_torchrun_a_refusal_is_the_last_line_of_torchruns_report(monkeypat
     from glm5lab.cli import main
 
     def refused(args):
-        raise ValueError("--ep = 3 is not allowed: a divisor of the 2 processes torchrun started")
+        raise ValueError("--ep = 3 is not allowed: a divisor of the run's 2 processes")
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     monkeypatch.setattr(loop, "train", refused)
     assert main(["train", "--preset", "tiny", "--threads", "1"]) == 2
-    line = "glm5lab train: error: --ep = 3 is not allowed: a divisor of the 2 processes torchrun started"
+    line = "glm5lab train: error: --ep = 3 is not allowed: a divisor of the run's 2 processes"
     assert capsys.readouterr().err == (line + "\n" if rank == "0" else "")
     report = ChildFailedError("glm5lab", {int(rank): ProcessFailure(int(rank), 123, 2, str(error_file))}).format_msg()
     assert [s for s in report.splitlines() if not set(s) <= {"="}][-1] == f"  traceback : {line}"

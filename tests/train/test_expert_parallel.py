@@ -226,7 +226,7 @@ def test_ep_refusals():
     tiny, dense = ModelConfig.from_preset("tiny"), ModelConfig.from_preset("tiny", first_k_dense_replace=4)
     cases = [
         ((2, 1, tiny), r"1 in one process; --ep 2 runs under torchrun --nproc-per-node 2 \(or a multiple of 2\)"),
-        ((4, 6, tiny), r"a divisor of the 6 processes torchrun started"),
+        ((4, 6, tiny), r"a divisor of the run's 6 processes"),
         ((3, 3, tiny), r"a divisor of the routed experts, n_routed_experts = 8"),
         ((2, 2, dense), r"1 for a model without MoE layers \(n_routed_experts 8, mlp_layer_types \['dense'\]\)"),
         ((0, 2, tiny), r"an integer >= 1"),

@@ -217,7 +217,7 @@ def test_another_eval_tokens_on_resume_is_said(corpus, capsys):
     run = corpus / "run"
     args = dict(recipe=str(corpus / "ext.toml"), data=str(corpus / "texts"), out=str(run), progress=False)
     train(TrainArgs(**args))
-    want = (f"resuming with --eval-tokens 96 a run whose periodic validation scored another subset (it started "
+    want = ("resuming with --eval-tokens 96 a run whose periodic validation scored another subset (it started "
             "with 48): from the step it resumes at, val_loss is measured on the first 96 held-out targets, and does "
             "not compare with the values before it")
     assert f"notice: {want}" in dry_run(TrainArgs(**args, steps=5, eval_tokens=96, resume=True)).splitlines()

@@ -68,6 +68,9 @@ REFUSED = [
     ("lr-0", lambda c: {"lr": 0.0}, 1, r"^--lr = 0.0 is not allowed: a finite number > 0$"),
     ("bias-rate", lambda c: {"bias_update_rate": -1.0}, 1, r"^--bias-update-rate = -1.0 is not allowed"),
     ("ep-in-one-process", lambda c: {"ep": 2}, 1, r"^--ep = 2 is not allowed: 1 in one process"),
+    ("ep-not-dividing-the-processes", lambda c: {"ep": 3}, 4, r"^--ep = 3 is not allowed: a divisor of the run's 4 "
+     r"processes$"),
+    ("init-empty", lambda c: {"init": ""}, 1, r"^--init = '' is not allowed: a run folder"),
     ("mtp-too-long-for-seq", lambda c: {"seq_len": 3}, 1, r"^--seq-len 3 is too short for stage 'dense'"),
     ("unknown-stage", lambda c: {"stages": ["dense", "nope"]}, 1, r"^--stages: unknown stage\(s\) \['nope'\]"),
     ("stage-order", lambda c: {"stages": ["sparse_adaptation", "indexer_warmup"]}, 1,

@@ -47,9 +47,10 @@ def resolve_checkpoint(path, name: str = "CHECKPOINT") -> Path:
                    f"{latest}, which lacks config.json or the weights: deleted or incomplete)")
         return latest
     if (folder / "checkpoints").is_dir() or (folder / "run.json").is_file():
-        refuse(name, str(path), "a run folder with a checkpoint (this one has no checkpoints/latest yet: no "
-               "checkpoint was completed); give a checkpoint folder instead")
-    why = "it has a config.json but no weights" if (folder / "config.json").is_file() else "it has no config.json"
+        refuse(name, str(path), "a run folder with a completed checkpoint (this one has no checkpoints/latest: none "
+               "was completed, or they were removed)")
+    why = ("it has a config.json but neither *.safetensors nor both .metadata and trainer_state.json"
+           if (folder / "config.json").is_file() else "it has no config.json")
     refuse(name, str(path), "a run folder (with checkpoints/latest) or a checkpoint folder (config.json with "
            f"*.safetensors weights, or a run checkpoint's trainer_state.json and .metadata); it is neither: {why}")
 

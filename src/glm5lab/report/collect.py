@@ -33,11 +33,11 @@ class RunRecord:
     evals: dict[str, dict] = field(default_factory=dict)
 
 
-def load_run(run_dir: Path) -> RunRecord:
+def load_run(run_dir: Path, name: str = "RUN_DIR") -> RunRecord:
     """Read the run folder. Raises NotARunError naming the missing or unreadable file (an
     unfinished or interrupted run has no summary.json: finish it with `glm5lab train --resume`), or
     saying that an older glm5lab wrote it (run.json without eval_tokens); ValueError (`resolve_checkpoint`) when its
-    checkpoints/latest is missing or names an incomplete checkpoint."""
+    checkpoints/latest is missing or names an incomplete checkpoint (named `name`: RUN_DIR, or --compare)."""
     from glm5lab.checkpoints.export import resolve_checkpoint
 
     run_dir = Path(run_dir)
@@ -47,18 +47,20 @@ def load_run(run_dir: Path) -> RunRecord:
             "metrics.jsonl": "the run logged no step",
             "summary.json": "the run has not finished (interrupted?): continue it with `glm5lab train --resume "
                             "--out RUN_DIR` and the arguments it started with"}
-    for name, why in need.items():
-        if not (run_dir / name).is_file():
-            raise NotARunError(f"{run_dir} has no {name}: {why}")
+    for file, why in need.items():
+        if not (run_dir / file).is_file():
+            raise NotARunError(f"{run_dir} has no {file}: {why}")
     run, config, summary = (_json((run_dir / n).read_bytes(), run_dir / n)
                             for n in ("run.json", "config.json", "summary.json"))
-    if "eval_tokens" not in run.get("args", {}):
+    if not isinstance(run, dict) or not isinstance(run.get("args"), dict):
+        raise NotARunError(f"{run_dir}/run.json is not a `glm5lab train` run record (a JSON object with args)")
+    if "eval_tokens" not in run["args"]:
         raise NotARunError(f"{run_dir}/run.json has no eval_tokens: an older glm5lab trained this run (its "
                            "validation subset was counted in batches), and this version does not read its folders; "
                            "train it again")
     metrics = [_json(line, f"{run_dir / 'metrics.jsonl'} line {i}")
                for i, line in enumerate((run_dir / "metrics.jsonl").read_bytes().splitlines(), 1) if line.strip()]
-    return RunRecord(run_dir, run, config, summary, metrics, resolve_checkpoint(run_dir, name="RUN_DIR"),
+    return RunRecord(run_dir, run, config, summary, metrics, resolve_checkpoint(run_dir, name=name),
                      _ablations(run_dir), _evals(run_dir))
 
 

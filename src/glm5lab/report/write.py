@@ -24,7 +24,7 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     from glm5lab.ledger import ledger, render as render_ledger
 
     rec = load_run(Path(run_dir))
-    others = [load_run(Path(p)) for p in compare]
+    others = [load_run(Path(p), name="--compare") for p in compare]
     seen = [rec.run_dir.resolve()]
     for other in others:
         if other.run_dir.resolve() in seen:

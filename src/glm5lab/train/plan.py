@@ -88,7 +88,7 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     refuse_if_held(Path(args.out))  # before any check reads the folder: name the run training in it
     args = with_recipe(args)
     check_args(args, world_size)
-    if args.init:
+    if args.init is not None:
         args = dataclasses.replace(args, init=str(resolve_checkpoint(args.init, name="--init")))
     run_dir = Path(args.out)
     check_run_dir(run_dir, args.resume, probe=probe)
