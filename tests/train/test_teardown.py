@@ -167,3 +167,33 @@ def test_sigterm_ends_a_one_process_run_as_ctrl_c_does(tmp_path):
     assert not (run / "run.lock").exists()
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "trainer_state.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["save", "load"])
+def test_a_stop_inside_a_checkpoint_save_or_load_stops_the_run(tiny_model, tmp_path, monkeypatch, where):
+    """DCP catches BaseException inside its collectives and wraps it in a CheckpointException: a SIGTERM (`Stopped`)
+    landing inside a save failed the run with a traceback instead of exit 143 (seen once in CI), and one inside a load
+    read as a corrupt checkpoint. `glm5lab.checkpoints.dcp.raise_interrupt` gives the stop back, and a stopped save
+    leaves no temp folder."""
+    import torch
+    from torch.distributed.checkpoint import default_planner
+
+    from glm5lab.checkpoints.dcp import load, save
+    from glm5lab.cli import Stopped
+
+    folder = tmp_path / "step-000001"
+    state = {"position": {"step": 1, "stage": 0, "in_stage": 1}, "ep": 1}
+    if where == "load":
+        save(folder, tiny_model, torch.optim.AdamW(tiny_model.parameters()), state)
+
+    def stop(self, *args, **kwargs):
+        raise Stopped("stopped (SIGTERM)")
+
+    planner = default_planner.DefaultSavePlanner if where == "save" else default_planner.DefaultLoadPlanner
+    monkeypatch.setattr(planner, "create_local_plan", stop)
+    with pytest.raises(Stopped):
+        if where == "save":
+            save(folder, tiny_model, torch.optim.AdamW(tiny_model.parameters()), state)
+        else:
+            load(folder, tiny_model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if where == "save" else ["step-000001"])

@@ -109,9 +109,10 @@ def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path
             dist.barrier()
         if rank == 0:
             swap_in(tmp, folder)
-    except BaseException:
+    except BaseException as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        raise_interrupt(e)
         raise
     if placed:
         dist.barrier()
@@ -165,6 +166,15 @@ def read_metadata(folder: Path):
                           f"{type(e).__name__})") from None
 
 
+def raise_interrupt(e: BaseException) -> None:
+    """Raise the Ctrl-C or SIGTERM (a KeyboardInterrupt: `glm5lab.cli.Stopped` is one) that DCP caught inside a save or
+    load and wrapped in its CheckpointException (its collectives catch BaseException), so that a run stopped there
+    stops, rather than failing with a traceback or taking a sound checkpoint for a corrupt one; else return."""
+    for exc, _ in getattr(e, "failures", {}).values():
+        if isinstance(exc, KeyboardInterrupt):
+            raise exc from None
+
+
 def read_dcp(target: dict, folder: Path, *, no_dist: bool) -> None:
     """`dcp.load(target, checkpoint_id=folder)` (in place); no_dist: one process, no process group (torch's
     warning that it assumes so is silenced: that is the intent). Raises ResumeError naming the first failure
@@ -177,6 +187,7 @@ def read_dcp(target: dict, folder: Path, *, no_dist: bool) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(target, checkpoint_id=folder, no_dist=no_dist)
     except (CheckpointException, RuntimeError, OSError, ValueError) as e:
+        raise_interrupt(e)
         first = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
         reason = " ".join(f"{type(first).__name__}: {first}".split())[:300]
         raise ResumeError(f"checkpoint {folder} cannot be read (truncated or corrupt: {reason})") from None
