@@ -5,7 +5,7 @@ global batch; and a token sweep checking the all-to-all bytes against the ledger
 through loopback sockets between processes sharing the same cores, and the experts are fp32 CPU
 matmuls; on GPUs (NCCL over NVLink / InfiniBand, bf16) the ratio of communication to compute is
 entirely different. Keep these figures as a check that the cost grows as the ledger says (bytes
-linear in tokens x top-k x hidden width, equal to `glm5lab.ledger.a2a_bytes` of the measured
+linear in tokens x top-k x hidden width, equal to `glm5lab.parallel.alltoall.a2a_bytes` of the measured
 routing counts), and as a measure of the overheads EP adds on one machine, not as a forecast of
 EP's speedup. Each process runs 1 torch thread: EP = 1 uses one core, EP = 2 both cores of a
 2-core machine, and **EP = 4 runs 4 processes on 2 cores: it measures contention, not scaling**.
@@ -220,7 +220,7 @@ class Trainer:
     def step(self, window_BT1: torch.Tensor) -> dict:
         """One step on the global batch `window_BT1`: {seconds (slowest rank), a2a_bytes, ep_imbalance,
         ep_tokens, load_RE, ledger_a2a_bytes, rows}."""
-        from glm5lab.ledger import a2a_bytes
+        from glm5lab.parallel.alltoall import a2a_bytes
         from glm5lab.parallel.expert_parallel import pop_ep_metrics
 
         self._barrier()

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from glm5lab import ModelConfig
-from glm5lab import ledger as lg
+from glm5lab.parallel import alltoall as lg
 from glm5lab.parallel.alltoall import crossing_rows
 
 LOAD = [[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 1, 0], [2, 0, 0, 3]]

@@ -15,8 +15,8 @@ routed experts per MoE layer. The GLM-5 report says its 744B / 40B include MTP a
 output; that convention gives 752B / 40.5B. 744B is the count with embedding and output and without MTP (=
 transformers' `GlmMoeDsaForCausalLM`, whose MTP layer is not built).
 
-Expert-parallel all-to-all bytes (`a2a_bytes`, `a2a_per_token`) live in `glm5lab.parallel.alltoall` and are
-re-exported here; bytes per GPU for a training or serving layout in `glm5lab.deployment`.
+Expert-parallel all-to-all bytes (`a2a_bytes`, `a2a_per_token`) live in `glm5lab.parallel.alltoall`; bytes per
+GPU for a training or serving layout in `glm5lab.deployment`.
 
 Sources: the GLM-5 report's appendix table; transformers' `GlmMoeDsaForCausalLM` (module structure, mirrored
 by `glm5lab.model`); DeepSeek-V2 section 2.1 (MLA, absorbed decode); DeepSeek-V3.2 (DSA lightning indexer).
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import textwrap
 
-from glm5lab.parallel.alltoall import a2a_bytes, a2a_per_token  # noqa: F401  (re-exported: the ledger's public names)
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.validate import DTYPES, TORCH_NAMES, dtype_bytes, dtype_name, refuse
 

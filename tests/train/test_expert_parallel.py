@@ -147,7 +147,7 @@ def _muon_blocks(case: Case) -> int:
 def _check_metrics(case: Case, result: dict, world: int, ep: int) -> None:
     """ep_tokens counts every routed row once; a2a_bytes equals the ledger's formula on the step's
     routing counts (fp32 rows of hidden_size values, forward and backward), exactly."""
-    from glm5lab.ledger import a2a_bytes
+    from glm5lab.parallel.alltoall import a2a_bytes
 
     cfg = case.config()
     for metrics, load_RE in zip(result["ep"], result["load_RE"], strict=True):

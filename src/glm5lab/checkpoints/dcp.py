@@ -167,9 +167,7 @@ def read_metadata(folder: Path):
 
 
 def raise_interrupt(e: BaseException) -> None:
-    """Raise the Ctrl-C or SIGTERM (a KeyboardInterrupt: `glm5lab.cli.Stopped` is one) that DCP caught inside a save or
-    load and wrapped in its CheckpointException (its collectives catch BaseException), so that a run stopped there
-    stops, rather than failing with a traceback or taking a sound checkpoint for a corrupt one; else return."""
+    """Re-raise a Ctrl-C or SIGTERM (KeyboardInterrupt) that DCP's collectives caught and wrapped in `e`, else return."""
     for exc, _ in getattr(e, "failures", {}).values():
         if isinstance(exc, KeyboardInterrupt):
             raise exc from None

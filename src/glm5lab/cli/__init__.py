@@ -15,8 +15,7 @@ scheduler's preemption) ends it as Ctrl-C does, with 143. Under torchrun the
 same line is also the failed rank's `traceback :` in torchrun's closing summary and is printed once, by
 rank 0, argparse's refusals included (`_fail`; docs/scaling.md, "Reading a refusal under torchrun").
 
-ledger and train are defined here; generate, ablate and report in `glm5lab.cli.generate`,
-`glm5lab.cli.ablate` and `glm5lab.cli.report`. Torch is imported by a command's body, not here.
+Torch is imported by a command's body, never here (`glm5lab --help` and ledger run without it).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def pop_ep_metrics(model) -> dict:
     `ep_tokens` (rows each EP index received, summed over data-parallel replicas, MoE layers and
     MTP depths), `ep_imbalance` (busiest EP index / mean; 1.0 when balanced) and `a2a_bytes`
     (token payload the all-to-alls sent between ranks, forward and backward; equals
-    `glm5lab.ledger.a2a_bytes` of the step's routing counts). {} for a model without EP."""
+    `glm5lab.parallel.alltoall.a2a_bytes` of the step's routing counts). {} for a model without EP."""
     found = dispatcher_stats(model)
     if found is None:
         return {}

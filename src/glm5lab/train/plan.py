@@ -57,29 +57,15 @@ class RunPlan:
 
 def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     """Check a run of `args` (a `TrainArgs`) at `world_size` processes as `glm5lab train` does before its first
-    step, everything that needs neither the model's weights nor the corpus text, in the run's order:
-      0. another run holding --out (`glm5lab.train.run_lock.refuse_if_held`: before any check reads the folder,
-         so a start into a folder a run trains in is told so, rather than what its checkpoints would refuse);
-      1. the recipe (`with_recipe`: keys, values, schedules, stage order, optimizer name) and the flags
-         (`check_args`: numbers, --out inside --data, --stages, --compile with --activation-checkpointing under
-         torchrun, --tensorboard installed); --init's folder;
-      2. --out: a file, one holding a run without --resume, one that cannot be created (`check_run_dir`; with
-         `probe`, created and removed again: the main rank only);
-      3. the model config (a preset, config.json or --init's), --ep (`check_ep`), the stages (`resolve_stages`:
-         --seq-len, --batch-size, --grad-accum, --steps, --stages, --lr), their lengths (`check_stage_lengths`)
-         and their losses against the model (`check_objectives`);
-      4. --resume: a checkpoint to continue, the plan against the run's config.json and run.json (more steps
-         extend it), a finished run not extended, the global batch at this process count (`rescale_stages`);
-         notices for another --ep and (with a periodic validation) another --eval-tokens (`resume_notes`);
-      5. the optimizer's parameter-group table over the model built on the meta device (no memory; `split_notice`);
-      6. --data: a path that exists; --tokenizer (or --resume's / --init's tokenizer.json) on a text corpus
-         (`given_tokenizer`: one that exists, is the continued checkpoint's, fits vocab_size); a token folder's
-         index, tokenizer and token counts against every stage's global batch (`token_folder_data`,
-         `check_data_fits`; the run trains on the `TrainingData` it opens, so its split-seed notice is said once,
-         by the dry run too).
-    The run checks the rest when it reaches it (`NOT_CHECKED`): this machine's memory, a text corpus, checkpoint
-    contents. Returns the `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError,
-    ResumeError, RunFolderInUse), FileExistsError, FileNotFoundError."""
+    step: everything that needs neither the model's weights nor the corpus text, each check a named call below (its
+    docstring says what it refuses), in the run's order. The run lock comes first (a start into a folder another run
+    trains in is told so, not what that run's checkpoints would refuse); --resume compares the plan as the run
+    resolved it at its own process count, then rescales it to this one (the same global batch); the optimizer's
+    group table is checked on the meta device; a token folder is opened here and the run trains on that
+    `TrainingData` (its split-seed notice said once, by the dry run too). `probe`: whether this process tries
+    creating --out (the main rank only). The run checks the rest when it reaches it (`NOT_CHECKED`). Returns the
+    `RunPlan`. Raises what the run raises, with the same line: ValueError (ConfigError, ResumeError,
+    RunFolderInUse), FileExistsError, FileNotFoundError."""
     from glm5lab.checkpoints.folder import resume_candidates
     from glm5lab.parallel.alltoall import check_ep
     from glm5lab.checkpoints.resume import first_complete
