@@ -46,7 +46,8 @@ Where each term comes from (the op that saves it, per token unless said; N = tok
                      token and a scalar per loss, RoPE angles (T R, fp32)
 
 With activation checkpointing (`glm5lab.parallel.activation_checkpoint`: every main block and every MTP call),
-each block keeps its inputs (D per token; an MTP depth also the next tokens' embeddings, D) and the backward
+each block keeps its input (D per token; an MTP depth the next tokens' embeddings: its other input, h^(j-1),
+is kept as the output head's input anyway) and the backward
 recomputes one block at a time: the step holds the head, every block's inputs and the largest block's
 saved tensors ("recompute_peak").
 
@@ -69,6 +70,9 @@ FP32, INT64, BOOL = 4, 8, 1
 EXPERT_TILE = 64
 """Rows per tile of `glm5lab.model.moe.experts_grouped` (its `tile` default)."""
 GATHER_MIN_KEYS_PER_TOPK = 4
+DECODE_MAX_TOKENS = 16
+"""`glm5lab.model.step.DECODE_MAX_TOKENS`: forwards of at most 16 tokens a row run the decode kernels (latent
+attention, `_grouped_mm` experts), whose saved tensors are not modelled."""
 """`glm5lab.model.mla.GATHER_MIN_KEYS_PER_TOPK`, restated here (the ledger imports no torch)."""
 TOLERANCE = 0.05
 """|formula / measured - 1| that `tests/test_activations.py` allows on every measured total (fp32,
@@ -169,6 +173,9 @@ def activations(cfg: ModelConfig, *, seq_len: int, batch: int, dtype: str = "bf1
     nb, D, n = dtype_bytes(dtype), cfg.hidden_size, B * T // cp
     depth = (3 if cfg.num_nextn_predict_layers else 0) if mtp_depth is None else mtp_depth
     depth = min(depth, T - 1) if cfg.num_nextn_predict_layers else 0
+    if T - depth <= DECODE_MAX_TOKENS:
+        refuse("seq_len", T, f"more than {DECODE_MAX_TOKENS + depth} (forwards of at most {DECODE_MAX_TOKENS} tokens "
+               f"a row, the last of {depth} MTP depths included, run the decode kernels, which are not modelled)")
     kw = dict(dtype=dtype, use_dsa=use_dsa, indexer_loss=indexer_loss, cp=cp, ep=ep)
     layers = [{"index": s.index, "kind": layer_kind(s), **block_bytes(cfg, s, T, B, **kw)} for s in cfg.layers]
     mtp = []
@@ -184,7 +191,8 @@ def activations(cfg: ModelConfig, *, seq_len: int, batch: int, dtype: str = "bf1
     head = (B * (T + 1) // cp * INT64 + n * _norm(D, nb) + scored * (D * nb + cfg.vocab_size * FP32 + INT64)
             + (1 + depth) * FP32 + T * cfg.qk_rope_head_dim * FP32)
     blocks = [x["total"] for x in layers + mtp]
-    inputs = n * D * nb * len(layers) + sum(B * (T - j) // cp * 2 * D * nb for j in range(1, depth + 1))
+    # checkpointing keeps each block's input; an MTP depth's other input, h^(j-1), is the output head's
+    inputs = n * D * nb * len(layers) + sum(B * (T - j) // cp * D * nb for j in range(1, depth + 1))
     peak = max(blocks, default=0)
     total = head + (inputs + peak if checkpointing else sum(blocks))
     return {"seq_len": T, "batch": B, "dtype": dtype, "use_dsa": use_dsa, "indexer_loss": indexer_loss,
