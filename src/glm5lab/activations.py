@@ -149,8 +149,9 @@ def block_bytes(cfg: ModelConfig, spec: LayerSpec, T: int, batch: int, *, dtype:
                "MLA attention layers only (activation bytes of GQA, SWA and Gated DeltaNet are not modelled)")
     nb, n = dtype_bytes(dtype), batch * T // cp
     m = mla_bytes(cfg, spec, T, dtype=dtype, use_dsa=use_dsa, indexer_loss=indexer_loss, cp=cp)
-    out = {"attention": n * m["attention"], "indexer": n * m["indexer"], "ffn": mlp_bytes(cfg, spec, n, dtype=dtype, ep=ep),
-           "norms": n * 2 * _norm(cfg.hidden_size, nb), "cp_gathered": n * m["cp_gathered"]}
+    out = {"attention": n * m["attention"], "indexer": n * m["indexer"],
+           "ffn": mlp_bytes(cfg, spec, n, dtype=dtype, ep=ep), "norms": n * 2 * _norm(cfg.hidden_size, nb),
+           "cp_gathered": n * m["cp_gathered"]}
     return {**out, "total": sum(out.values())}
 
 

@@ -13,7 +13,7 @@ Optimizer state follows the kinds of `glm5lab.optim.groups.RULES` (torch-free, f
 
 from __future__ import annotations
 
-from glm5lab.activations import activations, cp_gather_bytes, layer_kind
+from glm5lab.activations import activations, cp_gather_bytes
 from glm5lab.parallel.alltoall import a2a_per_token, check_ep
 from glm5lab.config import ModelConfig
 from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
@@ -201,8 +201,9 @@ def _activation_lines(d: dict) -> list[str]:
     if "cp_gather" in d:
         g = d["cp_gather"]
         lines.append(f"context-parallel all-gather per token of the sequence per MLA layer (bytes a rank receives, "
-                     f"(cp - 1) / cp of it, forward): latent {g['latent']:,.0f} B + indexer keys {g['indexer_keys']:,.0f}"
-                     f" B (layers with their own indexer) = {g['total']:,.0f} B; the backward's reduce-scatter as much")
+                     f"(cp - 1) / cp of it, forward): latent {g['latent']:,.0f} B + indexer keys "
+                     f"{g['indexer_keys']:,.0f} B (layers with their own indexer) = {g['total']:,.0f} B; the "
+                     "backward's reduce-scatter as much")
     return lines
 
 

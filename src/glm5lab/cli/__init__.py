@@ -392,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     dep.add_argument("--micro-batch", dest="micro_batch", type=int, metavar="B", help="with --seq-len: sequences per "
                      "micro-batch and GPU (default 1)")
     dep.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
-                     help="with --seq-len: blocks recomputed in the backward (`glm5lab train --activation-checkpointing`;"
-                     " default off)")
+                     help="with --seq-len: blocks recomputed in the backward (`glm5lab train "
+                     "--activation-checkpointing`; default off)")
     dep.add_argument("--cp", type=int, metavar="C", help="with --seq-len: context-parallel ranks per sequence, each "
                      "holding T / C tokens (a divisor of --gpus / --ep; default 1); adds the all-gather bytes")
     p.set_defaults(func=cmd_ledger)

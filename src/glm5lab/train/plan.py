@@ -192,7 +192,8 @@ def dry_run(args, nproc: int | None = None) -> str:
     tokens = sum(stage_tokens(s, world) for s in stages)
     b = d["per_gpu_bytes"]
     lines.append(f"total: {step:,} steps, {tokens:,} tokens")
-    stage, acts = step_activations(cfg, stages, dtype=d["dtype"], ep=args.ep, checkpointing=args.activation_checkpointing)
+    stage, acts = step_activations(cfg, stages, dtype=d["dtype"], ep=args.ep,
+                                   checkpointing=args.activation_checkpointing)
     memory = (f"memory per process ({d['dtype']} weights; ledger, `glm5lab ledger --gpus {world} --ep {args.ep} "
               f"--mode train`): ")
     parts = (f"weights {_gib(b['weights'])} + gradients {_gib(b['gradients'])} + master weights "
@@ -201,10 +202,10 @@ def dry_run(args, nproc: int | None = None) -> str:
         lines.append(f"{memory}{_gib(b['total'])} = {parts}; activations not counted ({acts})")
     else:
         ac = "on" if args.activation_checkpointing else "off"
-        lines.append(f"{memory}{_gib(b['total'] + acts['total'])} = {parts} + activations {_gib(acts['total'])} (stage "
-                     f"{stage.name}: micro-batch {stage.batch_size} x {stage.seq_len:,} tokens, activation checkpointing "
-                     f"{ac}; the ledger's by layer with --seq-len {stage.seq_len} --micro-batch {stage.batch_size}"
-                     f"{' --activation-checkpointing' if args.activation_checkpointing else ''})")
+        lines.append(f"{memory}{_gib(b['total'] + acts['total'])} = {parts} + activations {_gib(acts['total'])} "
+                     f"(stage {stage.name}: micro-batch {stage.batch_size} x {stage.seq_len:,} tokens, activation "
+                     f"checkpointing {ac}; the ledger's by layer with --seq-len {stage.seq_len} --micro-batch "
+                     f"{stage.batch_size}{' --activation-checkpointing' if args.activation_checkpointing else ''})")
     lines.append(NOT_CHECKED)
     return "\n".join(lines)
 
