@@ -1,7 +1,7 @@
 """`glm5lab.activations` against the truth: the bytes of the tensors autograd saves for the backward in a real
 one-process training forward (`glm5lab.train.losses.stage_losses`, as `glm5lab train` runs it) of the tiny
 preset and a variant without MTP and DSA, fp32 CPU, odd shapes, every attention route, with and without
-activation checkpointing.
+activation checkpointing, in fp32 and in bf16 (CPU).
 
 Measured: every tensor `saved_tensors_hooks` packs during the forward, each distinct storage once (by its data
 pointer, its whole storage: a saved view holds its base), kept when it is still alive after the forward
@@ -22,6 +22,7 @@ from glm5lab.activations import TOLERANCE, activations, cp_gather_bytes
 from glm5lab.parallel.activation_checkpoint import apply_activation_checkpointing
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
+from glm5lab.validate import torch_dtype
 
 VARIANTS = {"tiny": {}, "tiny-no-mtp-no-dsa": dict(num_nextn_predict_layers=0, use_dsa=False)}
 SHAPES = [(64, 2), (37, 1), (24, 3), (21, 5)]
@@ -38,10 +39,11 @@ def _stage(cfg, T, B):
                  indexer_weight=1.0 if dsa else 0.0)
 
 
-def measure(cfg, T, B, *, checkpointing=False):
-    """{part: bytes}: the saved tensors of one training forward by part ("head", "layer i", "mtp")."""
+def measure(cfg, T, B, *, checkpointing=False, dtype="fp32"):
+    """{part: bytes}: the saved tensors of one training forward by part ("head", "layer i", "mtp depth j"), the
+    model in `dtype` (bf16: `.to(torch.bfloat16)`, the router, indexer weights_proj and k_norm kept fp32)."""
     torch.manual_seed(0)
-    model = GLM5ForCausalLM(cfg).train()
+    model = GLM5ForCausalLM(cfg).to(torch_dtype(dtype)).train()
     if checkpointing:
         apply_activation_checkpointing(model)
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
@@ -76,19 +78,23 @@ def measure(cfg, T, B, *, checkpointing=False):
     return out
 
 
-def formula(cfg, T, B, *, checkpointing=False):
-    return activations(cfg, seq_len=T, batch=B, dtype="fp32", use_dsa=cfg.use_dsa, indexer_loss=cfg.use_dsa,
+def formula(cfg, T, B, *, checkpointing=False, dtype="fp32"):
+    return activations(cfg, seq_len=T, batch=B, dtype=dtype, use_dsa=cfg.use_dsa, indexer_loss=cfg.use_dsa,
                        checkpointing=checkpointing)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("T,B", SHAPES)
-def test_formula_equals_the_saved_tensors_of_a_training_forward(variant, T, B):
+def test_formula_equals_the_saved_tensors_of_a_training_forward(variant, T, B, dtype):
     cfg = ModelConfig.from_preset("tiny", **VARIANTS[variant])
-    got, want = sum(measure(cfg, T, B).values()), formula(cfg, T, B)["total"]
-    print(f"{variant} T={T} B={B} checkpointing off: measured {got:,} formula {want:,.0f} ratio {want / got:.4f}")
+    got, want = sum(measure(cfg, T, B, dtype=dtype).values()), formula(cfg, T, B, dtype=dtype)["total"]
+    print(f"{variant} {dtype} T={T} B={B} checkpointing off: measured {got:,} formula {want:,.0f} "
+          f"ratio {want / got:.4f}")
     assert abs(want / got - 1) <= TOLERANCE
-    assert abs(formula(cfg, T + 8, B)["total"] / got - 1) > TOLERANCE  # a wrong shape fails: the check can fail
+    assert abs(formula(cfg, T + 8, B, dtype=dtype)["total"] / got - 1) > TOLERANCE  # a wrong shape fails
+    other = "bf16" if dtype == "fp32" else "fp32"
+    assert abs(formula(cfg, T, B, dtype=other)["total"] / got - 1) > TOLERANCE  # so does the wrong dtype
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -42,8 +42,8 @@ Where each term comes from (the op that saves it, per token unless said; N = tok
   MTP depth j        (L = T - j tokens) enorm (its input: the embedding's output), hnorm (in an fp32 model its
                      input is counted at the output head), eh_proj input (2 D), the block, shared_head.norm
   head               the packed window's ids (T + 1 per row, int64), final norm, output head inputs (D per main
-                     and per MTP token), cross-entropy: log-softmax (vocab, fp32) and labels (int64) per scored
-                     token and a scalar per loss, RoPE angles (T R, fp32)
+                     and per MTP token), cross-entropy: log-softmax (vocab, fp32) and labels (int64; views of
+                     the window when B = 1) per scored token and a scalar per loss, RoPE angles (T R, fp32)
 
 With activation checkpointing (`glm5lab.parallel.activation_checkpoint`: every main block and every MTP call),
 each block keeps its input (D per token; an MTP depth the next tokens' embeddings: its other input, h^(j-1),
@@ -95,30 +95,32 @@ def attention_route(cfg: ModelConfig, spec: LayerSpec, T: int, *, use_dsa: bool)
 
 
 def mla_bytes(cfg: ModelConfig, spec: LayerSpec, T: int, *, dtype: str, use_dsa: bool, indexer_loss: bool,
-              cp: int = 1) -> dict[str, float]:
+              cp: int = 1, batch: int = 2) -> dict[str, float]:
     """Bytes per local token of one MLA attention sub-block (norms inside it, projections, the route's core
     attention, the indexer's KL) for rows of T keys (the queries are T / cp of them). Keys: "attention",
     "indexer", "cp_gathered" (bytes per local token of the gathered latents: cp x (C + R), + J on an "own"
-    layer when DSA runs)."""
+    layer when DSA runs). batch: rows per micro-batch (one row's SDPA math fallback saves a view, not a copy)."""
     nb = dtype_bytes(dtype)
     D, Q, C, R, H = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
     N, V, X, K = cfg.qk_nope_head_dim, cfg.v_head_dim, C + R, cfg.index_topk
     kv_in = X * FP32 if nb == FP32 else C * FP32  # kv_a_layernorm's fp32 input: the [c | k_pe] storage in fp32
     a = _norm(Q, nb) + kv_in + FP32 + C * nb + (D + Q + H * V) * nb
     route = attention_route(cfg, spec, T, use_dsa=use_dsa)
-    if route == "expanded":
-        a += X * nb + 2 * H * (N + R) * nb + H * V * nb
-        a += H * T * FP32 if N + R != V else H * V * nb + H * FP32  # math fallback: probabilities; fused: out, lse
-    elif route == "latent_masked":
-        a += H * (N + R) * nb + 2 * H * X * FP32 + H * FP32 + X * FP32 + T * FP32
+    if route == "expanded" and N + R != V:  # CPU's math fallback: q, k, v upcast to fp32 and the probabilities;
+        v = H * (N + V) if batch == 1 and nb == FP32 else H * V  # one row's v is a view of kv_b_proj's output
+        a += X * nb + (2 * H * (N + R) + v + H * T) * FP32
+    elif route == "expanded":  # the fused kernels: q, k, v, out in the model dtype, log-sum-exp in fp32
+        a += X * nb + (2 * H * (N + R) + 2 * H * V) * nb + H * FP32
+    elif route == "latent_masked":  # SDPA in the model dtype over the latents, its boolean mask cast to it
+        a += H * (N + R) * nb + (2 * H * X + X + T) * nb + H * FP32
     else:
         a += H * (N + R) * nb + 2 * H * X * FP32 + K * X * FP32 + H * FP32 + K * (FP32 + INT64) + H * C * nb
     runs = route != "expanded" and spec.indexer == "own"
     I, J = cfg.index_n_heads, cfg.index_head_dim
     idx = 0.0
-    if runs and indexer_loss:
-        if route == "latent_masked" or route == "latent_gathered":
-            idx = K * INT64 + (I * J + K * J + I + I * K + J + 2) * FP32 + 2 * K * (FP32 + BOOL)
+    if runs and indexer_loss:  # + weights_proj's fp32 copy of its input (FP32Linear) in a low-precision model
+        idx = K * INT64 + (I * J + K * J + I + I * K + J + 2) * FP32 + 2 * K * (FP32 + BOOL)
+        idx += D * FP32 if nb != FP32 else 0
     gathered = (cp * X * nb + (cp * J * nb if runs else 0)) if cp > 1 else 0
     return {"attention": a, "indexer": idx, "cp_gathered": gathered}
 
@@ -130,7 +132,9 @@ def mlp_bytes(cfg: ModelConfig, spec: LayerSpec, tokens: int, *, dtype: str, ep:
     if spec.mlp == "dense":
         return tokens * (D + 4 * cfg.intermediate_size) * nb
     E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    router = D * nb + (D * FP32 if nb != FP32 else 0) + E * FP32 + E * INT64 + (k + 1) * FP32
+    # the router's input: its fp32 copy in a low-precision model; the model-dtype one saved by the shared expert
+    router = (D * nb if nb == FP32 or cfg.n_shared_experts else 0) + (D * FP32 if nb != FP32 else 0)
+    router += E * FP32 + E * INT64 + (k + 1) * FP32
     shared = 4 * I * cfg.n_shared_experts * nb
     rows = tokens * k  # balanced: a rank sends N k rows and receives N k rows of its E / ep experts
     per_expert = rows * ep / E
@@ -148,8 +152,12 @@ def block_bytes(cfg: ModelConfig, spec: LayerSpec, T: int, batch: int, *, dtype:
         refuse("layer type", spec.mixer if spec.mixer != "attention" else spec.attention,
                "MLA attention layers only (activation bytes of GQA, SWA and Gated DeltaNet are not modelled)")
     nb, n = dtype_bytes(dtype), batch * T // cp
-    m = mla_bytes(cfg, spec, T, dtype=dtype, use_dsa=use_dsa, indexer_loss=indexer_loss, cp=cp)
-    out = {"attention": n * m["attention"], "indexer": n * m["indexer"],
+    m = mla_bytes(cfg, spec, T, dtype=dtype, use_dsa=use_dsa, indexer_loss=indexer_loss, cp=cp, batch=batch)
+    # RoPE: in a low-precision model each apply_rope saves its own cos/sin cast ([T, R/2] each, per forward, not per
+    # row): q_pe and k_pe, and the KL's indexer keys and queries on an "own" layer (fp32: the angles, in the head)
+    calls = 2 + (2 if m["indexer"] else 0)
+    rope = calls * (T // cp) * cfg.qk_rope_head_dim * nb if nb != FP32 else 0
+    out = {"attention": n * m["attention"] + rope, "indexer": n * m["indexer"],
            "ffn": mlp_bytes(cfg, spec, n, dtype=dtype, ep=ep), "norms": n * 2 * _norm(cfg.hidden_size, nb),
            "cp_gathered": n * m["cp_gathered"]}
     return {**out, "total": sum(out.values())}
@@ -189,8 +197,9 @@ def activations(cfg: ModelConfig, *, seq_len: int, batch: int, dtype: str = "bf1
         mtp.append({"depth": j, "kind": layer_kind(cfg.mtp_layer), **blk, "mtp_extra": extra,
                     "total": blk["total"] + extra})
     scored = n + sum(B * (T - j) // cp for j in range(1, depth + 1))
-    head = (B * (T + 1) // cp * INT64 + n * _norm(D, nb) + scored * (D * nb + cfg.vocab_size * FP32 + INT64)
-            + (1 + depth) * FP32 + T * cfg.qk_rope_head_dim * FP32)
+    labels = INT64 if B > 1 else 0  # a one-row batch's shifted labels are views of the window (no copy)
+    head = (B * (T + 1) // cp * INT64 + n * _norm(D, nb) + scored * (D * nb + cfg.vocab_size * FP32 + labels)
+            + (1 + depth) * FP32 + (T // cp * cfg.qk_rope_head_dim * FP32 if nb == FP32 else 0))
     blocks = [x["total"] for x in layers + mtp]
     # checkpointing keeps each block's input; an MTP depth's other input, h^(j-1), is the output head's
     inputs = n * D * nb * len(layers) + sum(B * (T - j) // cp * D * nb for j in range(1, depth + 1))
