@@ -24,7 +24,10 @@ from glm5lab.train.losses import stage_losses
 from glm5lab.train.stages import Stage
 from glm5lab.validate import torch_dtype
 
-VARIANTS = {"tiny": {}, "tiny-no-mtp-no-dsa": dict(num_nextn_predict_layers=0, use_dsa=False)}
+VARIANTS = {"tiny": {}, "tiny-no-mtp-no-dsa": dict(num_nextn_predict_layers=0, use_dsa=False),
+            "tiny-fused-sdpa": dict(num_nextn_predict_layers=0, use_dsa=False, qk_nope_head_dim=8)}
+"""tiny (MTP, DSA); without MTP and DSA (dense attention through SDPA's math fallback: q/k width 24, v 16); the
+same with q/k width 16 = v width (SDPA's fused CPU kernel, as GLM-5's 256 = 256)."""
 SHAPES = [(64, 2), (37, 1), (24, 3), (21, 5)]
 """(seq_len, batch): DSA's gathered route (T > 4 x index_topk = 32), odd; its masked route (8 < T <= 32); the
 shortest modelled (20 tokens at MTP depth 1 and main, 18 at depth 3: above the decode kernels' 16); B x T stays

@@ -17,10 +17,11 @@ Where each term comes from (the op that saves it, per token unless said; N = tok
                      normalised value (W, model dtype) (`glm5lab.model.norm`)
   MLA projections    q_a / kv_a input h (D), q_b input q_lat (Q), o_proj input (H V) (`model/mla.py`)
   attention routes   (`glm5lab.model.mla.attention_route`, uncached):
-    expanded         (dense attention) kv_b input (C + R, the latent's storage); SDPA: q and k (H (N+R)
-                     each), v (H V) and, where q/k and v widths are equal (the fused kernels), out (H V) and
-                     log-sum-exp (H, fp32); where they differ torch runs its math fallback, which saves the
-                     probabilities instead: H x T per query (the tiny preset, 24 vs 16)
+    expanded         (dense attention) kv_b input (C + R, the latent's storage); SDPA where q/k and v widths
+                     are equal (CPU's fused kernel): q and k (H (N+R) each), v (H (N+V): a view of kv_b's
+                     output), log-sum-exp (H, fp32) and out (o_proj's input); where they differ (the tiny
+                     preset, 24 vs 16) torch's math fallback: q, k, v upcast to fp32 (v: H V, a view of H (N+V)
+                     for one row in fp32) and the probabilities, H x T per query
     latent_masked    DSA with T <= 4 x index_topk: q_nope (H (N+R): a view of q's storage) for the
                      absorbed query; SDPA over the latents:
                      q (H X), out (H X), lse (H, fp32), the latents (X per key) and the float mask
@@ -109,8 +110,8 @@ def mla_bytes(cfg: ModelConfig, spec: LayerSpec, T: int, *, dtype: str, use_dsa:
     if route == "expanded" and N + R != V:  # CPU's math fallback: q, k, v upcast to fp32 and the probabilities;
         v = H * (N + V) if batch == 1 and nb == FP32 else H * V  # one row's v is a view of kv_b_proj's output
         a += X * nb + (2 * H * (N + R) + v + H * T) * FP32
-    elif route == "expanded":  # the fused kernels: q, k, v, out in the model dtype, log-sum-exp in fp32
-        a += X * nb + (2 * H * (N + R) + 2 * H * V) * nb + H * FP32
+    elif route == "expanded":  # the fused kernel: q, k, v (a view of kv_b_proj's output), lse in fp32, and out,
+        a += X * nb + (2 * H * (N + R) + H * (N + V)) * nb + H * FP32  # which is o_proj's input (counted above)
     elif route == "latent_masked":  # SDPA in the model dtype over the latents, its boolean mask cast to it
         a += H * (N + R) * nb + (2 * H * X + X + T) * nb + H * FP32
     else:
