@@ -130,3 +130,15 @@ def test_parts_and_refusals():
         activations(cfg, seq_len=19, batch=1)
     with pytest.raises(ValueError, match="MLA attention layers only"):
         activations(ModelConfig.from_preset("glm4.5"), seq_len=64, batch=1)
+
+
+def test_the_restated_kernel_constants_are_the_models():
+    """The ledger imports no torch, so it restates three constants of the kernels it counts."""
+    import inspect
+
+    from glm5lab import activations as act
+    from glm5lab.model import mla, moe, step
+
+    assert act.GATHER_MIN_KEYS_PER_TOPK == mla.GATHER_MIN_KEYS_PER_TOPK
+    assert act.DECODE_MAX_TOKENS == step.DECODE_MAX_TOKENS
+    assert act.EXPERT_TILE == inspect.signature(moe.experts_grouped).parameters["tile"].default

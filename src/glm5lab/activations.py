@@ -8,58 +8,61 @@ final norm, output head inputs, cross-entropy). Pure arithmetic on `ModelConfig`
 
 Units: bytes of one micro-batch's saved tensors (B sequences of T tokens), each distinct storage once.
 Parameters that ops save by reference are not activations and are not counted (they are in the weights).
-`tests/test_activations.py` measures the saved tensors of real fp32 forwards of the tiny preset (with and
-without MTP and DSA, odd shapes) with `torch.autograd.graph.saved_tensors_hooks` and holds the total to
-`TOLERANCE`; docs/ledger.md, "Activations", prints the table.
+`tests/test_activations.py` measures the saved tensors of real CPU forwards of the tiny preset in fp32 and
+bf16 (with and without MTP and DSA, both SDPA paths, odd shapes) with `torch.autograd.graph.saved_tensors_hooks`
+and holds the totals to `TOLERANCE`; docs/ledger.md, "Activations", prints the table.
 
-Where each term comes from (the op that saves it, per token unless said; N = tokens, A = N x top-k rows):
+Where each term comes from (the op that saves it, per token unless said; N = tokens, A = N x top-k rows;
+"model" = the model dtype, fp32 where said):
   RMSNorm(W)         its input in fp32 (W; the input itself in an fp32 model), rsqrt (1, fp32), the
-                     normalised value (W, model dtype) (`glm5lab.model.norm`)
-  MLA projections    q_a / kv_a input h (D), q_b input q_lat (Q), o_proj input (H V) (`model/mla.py`)
+                     normalised value (W, model) (`glm5lab.model.norm`)
+  MLA projections    q_a / kv_a input h (D), q_b input q_lat (Q), o_proj input (H V) (`model/mla.py`); RoPE:
+                     each `apply_rope` call's cos/sin cast to the model dtype (T R per call and forward, not per
+                     row; in an fp32 model the angles themselves, once, in the head)
   attention routes   (`glm5lab.model.mla.attention_route`, uncached):
     expanded         (dense attention) kv_b input (C + R, the latent's storage); SDPA where q/k and v widths
                      are equal (CPU's fused kernel): q and k (H (N+R) each), v (H (N+V): a view of kv_b's
                      output), log-sum-exp (H, fp32) and out (o_proj's input); where they differ (the tiny
                      preset, 24 vs 16) torch's math fallback: q, k, v upcast to fp32 (v: H V, a view of H (N+V)
-                     for one row in fp32) and the probabilities, H x T per query
-    latent_masked    DSA with T <= 4 x index_topk: q_nope (H (N+R): a view of q's storage) for the
-                     absorbed query; SDPA over the latents:
-                     q (H X), out (H X), lse (H, fp32), the latents (X per key) and the float mask
-                     (T per query row)
-    latent_gathered  DSA with T > 4 x index_topk (`attention_latent_gathered`): q_nope (H (N+R)), q (H X, fp32),
-                     the gathered latents (K X, fp32), out (H X, fp32), lse (H), mask (K, fp32), the rows
-                     (K, int64), o (H C) for W_uv
-  indexer            an "own" layer with the sparse-stage KL (`MLAttention.indexer_kl_sparse`): rows (K int64),
-                     q (I J), gathered keys (K J), head weights (I), ReLU(dots) (I K), k_norm's input, mean
-                     and rstd (J + 2), KL terms (2 K fp32, 2 K bool); all fp32
+                     for one row in fp32) and the probabilities, H x T per query (fp32)
+    latent_masked    DSA with T <= 4 x index_topk: q_nope (H (N+R): a view of q's storage) for the absorbed
+                     query; SDPA over the latents in the model dtype: q (H X), out (H X), the latents (X per
+                     key), the boolean mask cast to the model dtype (T per query row), lse (H, fp32)
+    latent_gathered  DSA with T > 4 x index_topk (`attention_latent_gathered`): q_nope (H (N+R)); fp32: q (H X),
+                     the gathered latents (K X), out (H X), lse (H), mask (K); the rows (K, int64), o (H C) for
+                     W_uv
+  indexer            an "own" layer with the sparse-stage KL (`MLAttention.indexer_kl_sparse`), fp32: rows (K
+                     int64), q (I J), gathered keys (K J), head weights (I), ReLU(dots) (I K), k_norm's input,
+                     mean and rstd (J + 2), KL terms (2 K fp32, 2 K bool), weights_proj's fp32 copy of its
+                     input (D, a low-precision model only)
   dense MLP          input (D), gate and up outputs, SiLU output, product (4 x intermediate)
-  MoE                router input (D; fp32 copy in a low-precision model), scores (E, fp32), top-k ids (E int64:
-                     a slice of the sorted order's storage),
-                     weights (k + 1, fp32); dispatch per row: order and token (2 int64), expert output (D)
-                     and its weight (1, fp32), weighted output (D), row slot (int64); grouped experts
-                     (`experts_grouped`) per tile of 64 rows: the tile's rows (64 D), the three gathered
-                     expert matrices (3 D I: `index_select` copies, saved by `bmm`), gate, up, SiLU and
-                     product outputs (4 x 64 I); shared expert 4 x I_shared
+  MoE                router input (D, saved by the shared expert; its fp32 copy in a low-precision model), scores
+                     (E, fp32), top-k ids (E int64: a slice of the sorted order's storage), weights (k + 1,
+                     fp32); dispatch per row: order and token (2 int64), expert output (D) and its weight (1,
+                     fp32), weighted output (D), row slot (int64); grouped experts (`experts_grouped`) per tile
+                     of 64 rows: the tile's rows (64 D), the three gathered expert matrices (3 D I:
+                     `index_select` copies, saved by `bmm`), gate, up, SiLU and product outputs (4 x 64 I);
+                     shared expert 4 x I_shared
   MTP depth j        (L = T - j tokens) enorm (its input: the embedding's output), hnorm (in an fp32 model its
                      input is counted at the output head), eh_proj input (2 D), the block, shared_head.norm
   head               the packed window's ids (T + 1 per row, int64), final norm, output head inputs (D per main
                      and per MTP token), cross-entropy: log-softmax (vocab, fp32) and labels (int64; views of
-                     the window when B = 1) per scored token and a scalar per loss, RoPE angles (T R, fp32)
+                     the window when B = 1) per scored token and a scalar per loss
 
 With activation checkpointing (`glm5lab.parallel.activation_checkpoint`: every main block and every MTP call),
 each block keeps its input (D per token; an MTP depth the next tokens' embeddings: its other input, h^(j-1),
-is kept as the output head's input anyway) and the backward
-recomputes one block at a time: the step holds the head, every block's inputs and the largest block's
-saved tensors ("recompute_peak").
+is kept as the output head's input anyway) and the backward recomputes one block at a time: the step holds
+the head, every block's inputs and the largest block's saved tensors ("recompute_peak").
 
 Context parallelism (`cp`): each rank holds T / cp tokens (the queries' activations scale by 1 / cp) and
 the latents of all T keys gathered per MLA layer, (C + R) values per key, plus J per key for the indexer on
 an "own" layer (`cp_gather_bytes` gives the all-gather traffic). Planned (issue 38), not yet run: the
 gathered terms are what the issue's design keeps, not a measurement. Expert parallelism (`ep`): the MoE's
 rows per rank are the N x k assignments spread over ep ranks; balanced routing is assumed (every expert
-receives N x k / E rows), so a rank holds N x k rows of E / ep experts.
-Not counted: the model dtype's RoPE angle copies per call (bf16 training: a few [T, R/2] tensors), autograd
-metadata, the allocator's fragmentation, communication buffers, FSDP's unsharded weights.
+receives N x k / E rows), so a rank holds N x k rows of E / ep experts, with the one-process dispatcher's
+saved tensors (the all-to-all dispatcher's are not measured).
+Not counted: autograd metadata, the allocator's fragmentation, communication buffers, FSDP's unsharded
+weights; GPU kernels may save other tensors than the CPU kernels measured.
 """
 
 from __future__ import annotations
@@ -71,14 +74,15 @@ FP32, INT64, BOOL = 4, 8, 1
 EXPERT_TILE = 64
 """Rows per tile of `glm5lab.model.moe.experts_grouped` (its `tile` default)."""
 GATHER_MIN_KEYS_PER_TOPK = 4
+"""`glm5lab.model.mla.GATHER_MIN_KEYS_PER_TOPK`, restated here (the ledger imports no torch; a test ties them)."""
 DECODE_MAX_TOKENS = 16
 """`glm5lab.model.step.DECODE_MAX_TOKENS`: forwards of at most 16 tokens a row run the decode kernels (latent
 attention, `_grouped_mm` experts), whose saved tensors are not modelled."""
-"""`glm5lab.model.mla.GATHER_MIN_KEYS_PER_TOPK`, restated here (the ledger imports no torch)."""
 TOLERANCE = 0.05
-"""|formula / measured - 1| that `tests/test_activations.py` allows on every measured total (fp32,
-tiny preset): the routing of a random model is not balanced, so the MoE's tile count differs from the
-balanced one by a tile or two per layer."""
+"""|formula / measured - 1| that `tests/test_activations.py` allows on every measured total (tiny preset,
+fp32 and bf16; every block but the MoE is exact): the routing of a random model is not balanced, so the MoE's
+tile count differs from the balanced one by a tile or two per layer (observed: at most 2.8%, one tile short in
+one layer at 37 x 1)."""
 
 
 def _norm(width: int, nbytes: int, *, input_counted: bool = False) -> int:
