@@ -165,7 +165,7 @@ def test_cli_prints_activations_and_the_total_per_gpu():
     assert d["total_with_activations"] == d["per_gpu_bytes"]["total"] + a["total"]
     assert d["cp_gather"]["total"] == (32 + 8 + 16) * 2 / 2
     assert "micro-batch 2 x 64 tokens, 32 on each of cp 2 ranks" in text and "checkpointing on" in text
-    assert "total per GPU (weights, gradients, master weights, optimizer state, activations)" in text
+    assert "total per GPU (weights, gradients, master, optimizer state, activations)" in text
     assert "latent 40 B + indexer keys 16 B (layers with their own indexer) = 56 B" in text
 
 

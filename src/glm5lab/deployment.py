@@ -183,21 +183,21 @@ def _activation_lines(d: dict) -> list[str]:
     lines = [f"activations per GPU ({a['dtype']} model, micro-batch {a['batch']} x {a['seq_len']:,} tokens, "
              f"{a['seq_len'] // a['cp']:,} on each of cp {a['cp']} ranks; {dsa}, MTP {a['mtp_depth']} depths; balanced "
              f"routing over ep {a['ep']}; activation checkpointing {'on' if a['checkpointing'] else 'off'}):"]
+    rows = []
     kinds: dict[str, list[float]] = {}
     for layer in a["layers"]:
         kinds.setdefault(layer["kind"], []).append(layer["total"])
-    for kind, sizes in kinds.items():
-        lines.append(f"  {len(sizes)} x {kind + ' layer':<48}{_size(max(sizes)) + ' each':>54}")
+    rows += [(f"{len(sizes)} x {kind} layer, each", max(sizes)) for kind, sizes in kinds.items()]
     if a["mtp"]:
-        lines.append(f"  {'MTP layer, ' + str(len(a['mtp'])) + ' depths (' + a['mtp'][0]['kind'] + ')':<52}"
-                     f"{_size(sum(m['total'] for m in a['mtp'])):>54}")
-    lines.append(f"  {'head (embedding ids, final norm, output head, cross-entropy)':<76}{_size(a['head']):>28}")
+        rows.append((f"MTP layer ({a['mtp'][0]['kind']}), {len(a['mtp'])} depths", sum(m["total"] for m in a["mtp"])))
+    rows.append(("head (embedding ids, final norm, output head, cross-entropy)", a["head"]))
     if a["checkpointing"]:
-        lines.append(f"  {'kept: block inputs; + one block recomputed at a time (peak)':<52}"
-                     f"{_size(a['block_inputs']) + ' + ' + _size(a['recompute_peak']):>54}")
-    lines.append(f"  {'activations':<76}{_size(a['total']):>28}")
-    lines.append(f"  {'total per GPU (weights, gradients, master weights, optimizer state, activations)':<76}"
-                 f"{_size(d['total_with_activations']):>28}")
+        rows += [("kept with checkpointing: every block's input", a["block_inputs"]),
+                 ("+ the largest block, recomputed in the backward", a["recompute_peak"])]
+    rows += [("activations", a["total"]),
+             ("total per GPU (weights, gradients, master, optimizer state, activations)",
+              d["total_with_activations"])]
+    lines += [f"  {label:<76}{_amount(n):>28}" for label, n in rows]
     if "cp_gather" in d:
         g = d["cp_gather"]
         lines.append(f"context-parallel all-gather per token of the sequence per MLA layer (bytes a rank receives, "
@@ -222,6 +222,11 @@ def _ceil(n: int, d: int) -> int:
 
 def _size(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB ({n / 1e9:,.2f} GB)"
+
+
+def _amount(n: float) -> str:
+    """`_size`, or MiB (MB) below 1 GiB (a tiny model's activations would read 0.00 GiB)."""
+    return _size(n) if n >= 2**30 else f"{n / 2**20:,.2f} MiB ({n / 1e6:,.2f} MB)"
 
 
 def _labels(d: dict) -> dict[str, str]:
