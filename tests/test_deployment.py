@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from glm5lab import GLM5ForCausalLM, ModelConfig
+from glm5lab.activations import activations
 from glm5lab import ledger as lg
 from glm5lab.deployment import check_layout, deployment, optimizer_kinds, param_split, render_deployment
 
@@ -148,7 +149,39 @@ def test_cli_prints_the_train_accounts():
     assert "master weights (fp32)" in r.stdout and "with backward" in r.stdout
 
 
+def test_cli_prints_activations_and_the_total_per_gpu():
+    """--seq-len adds a step's activations (glm5lab.activations) and the total per GPU below the unchanged
+    accounts; --json carries them."""
+    args = ("--preset", "tiny", "--gpus", "8", "--ep", "2", "--mode", "train")
+    plain = run(*args).stdout
+    r = run(*args, "--seq-len", "64", "--micro-batch", "2", "--cp", "2", "--activation-checkpointing", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "\n".join(lines[:len(plain.strip().splitlines())]) == plain.strip()  # today's accounts, unchanged
+    text, d = "\n".join(lines[:-1]), json.loads(lines[-1])
+    cfg = ModelConfig.from_preset("tiny")
+    a = activations(cfg, seq_len=64, batch=2, dtype="bf16", checkpointing=True, cp=2, ep=2)
+    assert d["activations"] == a
+    assert d["total_with_activations"] == d["per_gpu_bytes"]["total"] + a["total"]
+    assert d["cp_gather"]["total"] == (32 + 8 + 16) * 2 / 2
+    assert "micro-batch 2 x 64 tokens, 32 on each of cp 2 ranks" in text and "checkpointing on" in text
+    assert "total per GPU (weights, gradients, master, optimizer state, activations)" in text
+    assert "latent 40 B + indexer keys 16 B (layers with their own indexer) = 56 B" in text
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4096", "--cp", "3"],
+     "--cp = 3 is not allowed: a divisor of --gpus / --ep = 8 / 2 = 4 (G = data replicas x cp x ep)"),
+    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4095", "--cp", "2"],
+     "--seq-len = 4095 is not allowed: a multiple of --cp = 2"),
+    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "10"], "--seq-len = 10 is not allowed: more than 19"),
+    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "64", "--micro-batch", "0"],
+     "--micro-batch = 0 is not allowed: an integer >= 1"),
+    (["--gpus", "8", "--ep", "8", "--mode", "serve", "--seq-len", "64"],
+     "--seq-len = 64 is not allowed: only with --gpus, --ep and --mode train"),
+    (["--gpus", "8", "--ep", "8", "--mode", "train", "--cp", "2"],
+     "--cp = 2 is not allowed: only with --gpus, --ep, --mode train and --seq-len"),
+    (["--activation-checkpointing"], "--activation-checkpointing = True is not allowed: only with --gpus, --ep"),
     (["--gpus", "8", "--ep", "3", "--mode", "serve"], "--ep = 3 is not allowed: a divisor of --gpus = 8"),
     (["--gpus", "8", "--mode", "serve"], "--ep is missing: --gpus, --ep and --mode go together"),
     (["--gpus", "8", "--ep", "8", "--mode", "infer"], "--mode = 'infer' is not allowed: one of ('train', 'serve')"),
@@ -164,5 +197,6 @@ def test_cli_refusals_are_one_line_and_exit_2(args, message):
 
 
 def test_accounts_import_no_torch():
-    code = "import sys, glm5lab.deployment, glm5lab.parallel.alltoall, glm5lab.ledger; assert 'torch' not in sys.modules"
+    code = ("import sys, glm5lab.deployment, glm5lab.parallel.alltoall, glm5lab.ledger, glm5lab.activations; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

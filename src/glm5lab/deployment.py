@@ -13,6 +13,7 @@ Optimizer state follows the kinds of `glm5lab.optim.groups.RULES` (torch-free, f
 
 from __future__ import annotations
 
+from glm5lab.activations import activations, cp_gather_bytes
 from glm5lab.parallel.alltoall import a2a_per_token, check_ep
 from glm5lab.config import ModelConfig
 from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
@@ -93,7 +94,7 @@ def train_bytes(cfg: ModelConfig, gpus: int, dtype: str) -> dict[str, int]:
     """Bytes per GPU in training (`SHARDING["train"]`: `per_gpu_params`, every parameter / G): weights
     and gradients in `dtype`; fp32 master weights (none when dtype is fp32: the weights are the master);
     optimizer state 4 B per Muon-kind and 8 B per AdamW-kind parameter / G (`optimizer_kinds`).
-    Activations, buffers and communication scratch are not counted."""
+    Activations are added by `with_activations`; buffers and communication scratch are not counted."""
     per_gpu = per_gpu_params(cfg, mode="train", gpus=gpus, ep=1)["total"]
     kinds, nbytes = optimizer_kinds(cfg), dtype_bytes(dtype)
     out = {"weights": per_gpu * nbytes, "gradients": per_gpu * nbytes,
@@ -143,6 +144,69 @@ def deployment(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = 
     return out
 
 
+def check_cp(cp: int, *, gpus: int, ep: int, seq_len: int, flag: str = "") -> None:
+    """Raise ValueError for a context-parallel size the training layout cannot hold: cp not an int >= 1, cp x ep
+    not dividing the GPUs (G = data replicas x cp x ep), or a sequence length cp does not divide."""
+    int_at_least(f"{flag}cp", cp, 1)
+    if (gpus // ep) % cp:
+        refuse(f"{flag}cp", cp, f"a divisor of {flag}gpus / {flag}ep = {gpus} / {ep} = {gpus // ep} (G = data replicas "
+               "x cp x ep)")
+    if seq_len % cp:
+        refuse(f"{flag}seq-len", seq_len, f"a multiple of {flag}cp = {cp} (each rank holds seq_len / cp tokens)")
+
+
+def with_activations(d: dict, cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, checkpointing: bool = False,
+                     cp: int = 1, flag: str = "") -> dict:
+    """The train accounts `d` (from `deployment`) with a step's activation bytes per GPU
+    (`glm5lab.activations.activations` at d's dtype and ep: a DSA stage with its indexer KL when the model has
+    DSA, MTP at 3 depths when it has an MTP layer) as "activations" (the per-layer figures, the settings, "total"),
+    "total_with_activations" (d's per-GPU total + activations) and, with cp > 1, "cp_gather" (`cp_gather_bytes`).
+    Raises ValueError (`check_cp`; a sequence or layer type `activations` refuses), naming `flag`-prefixed flags."""
+    int_at_least(f"{flag}seq-len", seq_len, 1)
+    int_at_least(f"{flag}micro-batch", micro_batch, 1)
+    check_cp(cp, gpus=d["gpus"], ep=d["ep"], seq_len=seq_len, flag=flag)
+    try:
+        a = activations(cfg, seq_len=seq_len, batch=micro_batch, dtype=d["dtype"], use_dsa=cfg.use_dsa,
+                        indexer_loss=cfg.use_dsa, checkpointing=checkpointing, cp=cp, ep=d["ep"])
+    except ValueError as e:
+        raise ValueError(str(e).replace("seq_len = ", f"{flag}seq-len = ", 1)) from None
+    out = {**d, "activations": a, "total_with_activations": d["per_gpu_bytes"]["total"] + a["total"]}
+    if cp > 1:
+        out["cp_gather"] = {**cp_gather_bytes(cfg, cp, dtype=d["dtype"]), "cp": cp}
+    return out
+
+
+def _activation_lines(d: dict) -> list[str]:
+    """The activation lines of `render_deployment` (train accounts `with_activations`)."""
+    a = d["activations"]
+    dsa = "a DSA sparse stage with its indexer KL" if a["use_dsa"] else "dense attention"
+    lines = [f"activations per GPU ({a['dtype']} model, micro-batch {a['batch']} x {a['seq_len']:,} tokens, "
+             f"{a['seq_len'] // a['cp']:,} on each of cp {a['cp']} ranks; {dsa}, MTP {a['mtp_depth']} depths; balanced "
+             f"routing over ep {a['ep']}; activation checkpointing {'on' if a['checkpointing'] else 'off'}):"]
+    rows = []
+    kinds: dict[str, list[float]] = {}
+    for layer in a["layers"]:
+        kinds.setdefault(layer["kind"], []).append(layer["total"])
+    rows += [(f"{len(sizes)} x {kind} layer, each", max(sizes)) for kind, sizes in kinds.items()]
+    if a["mtp"]:
+        rows.append((f"MTP layer ({a['mtp'][0]['kind']}), {len(a['mtp'])} depths", sum(m["total"] for m in a["mtp"])))
+    rows.append(("head (embedding ids, final norm, output head, cross-entropy)", a["head"]))
+    if a["checkpointing"]:
+        rows += [("kept with checkpointing: every block's input", a["block_inputs"]),
+                 ("+ the largest block, recomputed in the backward", a["recompute_peak"])]
+    rows += [("activations", a["total"]),
+             ("total per GPU (weights, gradients, master, optimizer state, activations)",
+              d["total_with_activations"])]
+    lines += [f"  {label:<76}{_amount(n):>28}" for label, n in rows]
+    if "cp_gather" in d:
+        g = d["cp_gather"]
+        lines.append(f"context-parallel all-gather per token of the sequence per MLA layer (bytes a rank receives, "
+                     f"(cp - 1) / cp of it, forward): latent {g['latent']:,.0f} B + indexer keys "
+                     f"{g['indexer_keys']:,.0f} B (layers with their own indexer) = {g['total']:,.0f} B; the "
+                     "backward's reduce-scatter as much")
+    return lines
+
+
 def _a2a(cfg: ModelConfig, ep: int, dtype: str, *, backward: bool) -> dict:
     """`a2a_per_token` + the MoE layer count and the per-token sums over the main MoE layers."""
     per_layer = a2a_per_token(cfg, ep=ep, dtype=dtype)
@@ -158,6 +222,11 @@ def _ceil(n: int, d: int) -> int:
 
 def _size(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB ({n / 1e9:,.2f} GB)"
+
+
+def _amount(n: float) -> str:
+    """`_size`, or MiB (MB) below 1 GiB (a tiny model's activations would read 0.00 GiB)."""
+    return _size(n) if n >= 2**30 else f"{n / 2**20:,.2f} MiB ({n / 1e6:,.2f} MB)"
 
 
 def _labels(d: dict) -> dict[str, str]:
@@ -186,4 +255,6 @@ def render_deployment(d: dict) -> str:
                  f"{a['dispatch']:,.0f} B + combine {a['combine']:,.0f} B; x {a['moe_layers']} MoE layers = "
                  f"{a['forward_per_token'] / 1e6:,.3f} MB per token"
                  + (f", {backward / 1e6:,.3f} MB with backward" if backward is not None else ""))
+    if "activations" in d:
+        lines += _activation_lines(d)
     return "\n".join(lines)

@@ -16,7 +16,8 @@ output; that convention gives 752B / 40.5B. 744B is the count with embedding and
 transformers' `GlmMoeDsaForCausalLM`, whose MTP layer is not built).
 
 Expert-parallel all-to-all bytes (`a2a_bytes`, `a2a_per_token`) live in `glm5lab.parallel.alltoall`; bytes per
-GPU for a training or serving layout in `glm5lab.deployment`.
+GPU for a training or serving layout in `glm5lab.deployment`; the activation bytes of a training step in
+`glm5lab.activations`.
 
 Sources: the GLM-5 report's appendix table; transformers' `GlmMoeDsaForCausalLM` (module structure, mirrored
 by `glm5lab.model`); DeepSeek-V2 section 2.1 (MLA, absorbed decode); DeepSeek-V3.2 (DSA lightning indexer).

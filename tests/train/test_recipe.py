@@ -275,6 +275,18 @@ def test_dry_run_prints_the_plan_of_the_cluster_recipe(capsys):
     assert "stage sparse_adaptation: steps 1,001-8,046 (7,046)" in out and "20,000,268,288 tokens" in out
     assert "1: 0.005," in out and "1000: 0.0002" in out  # the lr curve, start to end
     assert "memory per process (bf16 weights; ledger, `glm5lab ledger --gpus 14 --ep 1 --mode train`)" in out
+    # the largest stage that trains every parameter: its micro-batch's activations (glm5lab.activations)
+    from glm5lab.activations import activations
+
+    acts = activations(ModelConfig.from_preset("glm5"), seq_len=202752, batch=1, ep=1)["total"]
+    assert f"+ activations {acts / 2**30:,.1f} GiB (stage sparse_adaptation: micro-batch 1 x 202,752 tokens, " \
+           "activation checkpointing off;" in out
+
+
+def test_dry_run_says_why_activations_are_not_counted(capsys):
+    assert main(["train", "--recipe", "tiny", "--dry-run", "--seq-len", "12", "--threads", "1"]) == 0
+    assert "; activations not counted (stage sparse_adaptation: seq_len = 12 is not allowed: more than 19" in \
+        capsys.readouterr().out
 
 
 def test_default_out_names_the_recipe():

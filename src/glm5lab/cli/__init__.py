@@ -36,7 +36,7 @@ from glm5lab.cli.report import add_report_parser
 from glm5lab.cli.tokenize import add_tokenize_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.console import is_main_process, say, say_refusal
-from glm5lab.deployment import check_layout, deployment, render_deployment
+from glm5lab.deployment import check_layout, deployment, render_deployment, with_activations
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
 from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
@@ -67,6 +67,10 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                      batch=1 if args.batch is None else args.batch, flag="--")
         d = deployment(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
                        cache_dtype=args.cache_dtype, context=args.context, batch=args.batch or 1, name=label)
+        if args.seq_len is not None:
+            batch, cp = (1 if v is None else v for v in (args.micro_batch, args.cp))
+            d = with_activations(d, cfg, seq_len=args.seq_len, micro_batch=batch,
+                                 checkpointing=args.activation_checkpointing, cp=cp, flag="--")
         text = render_deployment(d)
     else:
         d = ledger(cfg, dtype=args.dtype, context=args.context, name=label, index_dtype=args.index_dtype)
@@ -88,6 +92,12 @@ def _deployment_asked(args: argparse.Namespace) -> bool:
     for name, value in (("batch", args.batch), ("cache-dtype", args.cache_dtype)):
         if value is not None and args.mode != "serve":
             refuse(f"--{name}", value, "only with --gpus, --ep and --mode serve")
+    if args.seq_len is not None and args.mode != "train":
+        refuse("--seq-len", args.seq_len, "only with --gpus, --ep and --mode train")
+    for name, value in (("micro-batch", args.micro_batch), ("cp", args.cp),
+                        ("activation-checkpointing", args.activation_checkpointing or None)):
+        if value is not None and (args.mode != "train" or args.seq_len is None):
+            refuse(f"--{name}", value, "only with --gpus, --ep, --mode train and --seq-len")
     return bool(given)
 
 
@@ -375,6 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "--mode serve only (default 1)")
     dep.add_argument("--cache-dtype", choices=list(DTYPES), help="element type of the cache, --mode serve only "
                      "(default: --dtype)")
+    dep.add_argument("--seq-len", dest="seq_len", type=int, metavar="T", help="--mode train only: also count the "
+                     "activation bytes of one training micro-batch of T-token sequences per GPU and the total per GPU "
+                     "(default: not counted; docs/ledger.md, \"Activations\")")
+    dep.add_argument("--micro-batch", dest="micro_batch", type=int, metavar="B", help="with --seq-len: sequences per "
+                     "micro-batch and GPU (default 1)")
+    dep.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
+                     help="with --seq-len: blocks recomputed in the backward (`glm5lab train "
+                     "--activation-checkpointing`; default off)")
+    dep.add_argument("--cp", type=int, metavar="C", help="with --seq-len: context-parallel ranks per sequence, each "
+                     "holding T / C tokens (a divisor of --gpus / --ep; default 1); adds the all-gather bytes")
     p.set_defaults(func=cmd_ledger)
     add_generate_parser(sub)
     add_ablate_parser(sub)

@@ -5,7 +5,8 @@ model's weights nor the corpus text (the run and `--dry-run` both call it, so th
 Per stage: steps, global batch (sequences and tokens per optimizer step), tokens, what trains and with which
 losses, the lr curve (start, after warm-up, end, and points between, by the stage's schedule); the run's
 optimizer and cadence; memory per process from the ledger (`glm5lab.deployment.deployment(..., mode="train")`:
-weights, gradients, master weights and optimizer state, FSDP over every process; activations are not counted);
+weights, gradients, master weights and optimizer state, FSDP over every process; plus the activations of the
+largest stage's micro-batch, `step_activations`);
 what a dry run does not check (`NOT_CHECKED`).
 """
 
@@ -177,12 +178,44 @@ def dry_run(args, nproc: int | None = None) -> str:
     tokens = sum(stage_tokens(s, world) for s in stages)
     b = d["per_gpu_bytes"]
     lines.append(f"total: {step:,} steps, {tokens:,} tokens")
-    lines.append(f"memory per process ({d['dtype']} weights; ledger, `glm5lab ledger --gpus {world} --ep {args.ep} "
-                 f"--mode train`): {_gib(b['total'])} = weights {_gib(b['weights'])} + gradients "
-                 f"{_gib(b['gradients'])} + master weights {_gib(b['master_weights'])} + optimizer state "
-                 f"{_gib(b['optimizer_state'])}; activations not counted")
+    stage, acts = step_activations(cfg, stages, dtype=d["dtype"], ep=args.ep,
+                                   checkpointing=args.activation_checkpointing)
+    memory = (f"memory per process ({d['dtype']} weights; ledger, `glm5lab ledger --gpus {world} --ep {args.ep} "
+              f"--mode train`): ")
+    parts = (f"weights {_gib(b['weights'])} + gradients {_gib(b['gradients'])} + master weights "
+             f"{_gib(b['master_weights'])} + optimizer state {_gib(b['optimizer_state'])}")
+    if isinstance(acts, str):
+        lines.append(f"{memory}{_gib(b['total'])} = {parts}; activations not counted ({acts})")
+    else:
+        ac = "on" if args.activation_checkpointing else "off"
+        lines.append(f"{memory}{_gib(b['total'] + acts['total'])} = {parts} + activations {_gib(acts['total'])} "
+                     f"(stage {stage.name}: micro-batch {stage.batch_size} x {stage.seq_len:,} tokens, activation "
+                     f"checkpointing {ac}; the ledger's by layer with --seq-len {stage.seq_len} --micro-batch "
+                     f"{stage.batch_size}{' --activation-checkpointing' if args.activation_checkpointing else ''})")
     lines.append(NOT_CHECKED)
     return "\n".join(lines)
+
+
+def step_activations(cfg, stages: list[Stage], *, dtype: str, ep: int, checkpointing: bool):
+    """(stage, `glm5lab.activations.activations` of one micro-batch of it) for the stage whose step holds the
+    most activation bytes among those that train every parameter (its seq_len, batch_size, DSA, indexer KL and
+    MTP depth; cp 1), or (None, why not counted): no stage trains every parameter (the indexer warm-up's
+    activations, of the indexer alone, are not modelled), or `activations` refuses (short sequences, layer types
+    other than MLA)."""
+    from glm5lab.activations import activations
+
+    best, why = (None, None), "no stage trains every parameter; the indexer warm-up's are not modelled"
+    for stage in (s for s in stages if s.trainable == "all"):
+        try:
+            a = activations(cfg, seq_len=stage.seq_len, batch=stage.batch_size, dtype=dtype, use_dsa=stage.use_dsa,
+                            indexer_loss=stage.indexer_weight > 0, mtp_depth=stage.mtp_depth,
+                            checkpointing=checkpointing, ep=ep)
+        except ValueError as e:
+            why = f"stage {stage.name}: {e}"
+            continue
+        if best[1] is None or a["total"] > best[1]["total"]:
+            best = (stage, a)
+    return best if best[0] is not None else (None, why)
 
 
 def stage_tokens(stage: Stage, world: int) -> int:
