@@ -37,6 +37,7 @@ from glm5lab.cli.tokenize import add_tokenize_parser
 from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.console import is_main_process, say, say_refusal
 from glm5lab.deployment import check_layout, deployment, render_deployment, with_activations
+from glm5lab.fit_plan import check_gpu_memory, fit_text
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
 from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
@@ -72,6 +73,10 @@ def cmd_ledger(args: argparse.Namespace) -> int:
             d = with_activations(d, cfg, seq_len=args.seq_len, micro_batch=batch,
                                  checkpointing=args.activation_checkpointing, cp=cp, flag="--")
         text = render_deployment(d)
+        if args.gpu_memory is not None:
+            text += "\n" + fit_text(cfg, gpus=args.gpus, ep=args.ep, cp=cp, checkpointing=args.activation_checkpointing,
+                                     act=dict(seq_len=args.seq_len, batch=batch), gpu_memory=args.gpu_memory,
+                                     dtype=args.dtype, nproc_flag="--gpus")
     else:
         d = ledger(cfg, dtype=args.dtype, context=args.context, name=label, index_dtype=args.index_dtype)
         text = render(d)
@@ -94,7 +99,9 @@ def _deployment_asked(args: argparse.Namespace) -> bool:
             refuse(f"--{name}", value, "only with --gpus, --ep and --mode serve")
     if args.seq_len is not None and args.mode != "train":
         refuse("--seq-len", args.seq_len, "only with --gpus, --ep and --mode train")
-    for name, value in (("micro-batch", args.micro_batch), ("cp", args.cp),
+    if args.gpu_memory is not None:
+        check_gpu_memory(args.gpu_memory)
+    for name, value in (("micro-batch", args.micro_batch), ("cp", args.cp), ("gpu-memory", args.gpu_memory),
                         ("activation-checkpointing", args.activation_checkpointing or None)):
         if value is not None and (args.mode != "train" or args.seq_len is None):
             refuse(f"--{name}", value, "only with --gpus, --ep, --mode train and --seq-len")
@@ -110,10 +117,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         fields["out"] = default_out(args)
     if args.nproc is not None and not args.dry_run:
         refuse("--nproc", args.nproc, "only with --dry-run (a run's process count is torchrun's)")
+    if args.gpu_memory is not None:
+        if not args.dry_run:
+            refuse("--gpu-memory", args.gpu_memory, "only with --dry-run")
+        check_gpu_memory(args.gpu_memory)
     if args.dry_run:
         from glm5lab.train.plan import dry_run
 
-        plan = dry_run(TrainArgs(**fields), nproc=args.nproc)
+        plan = dry_run(TrainArgs(**fields), nproc=args.nproc, gpu_memory=args.gpu_memory)
         if is_main_process():  # under torchrun every rank checks the plan; rank 0 prints it
             print(plan)
         return 0
@@ -332,6 +343,10 @@ def add_recipe_flags(p) -> None:
                    "ledger), then exit: no weights are built, no text is read")
     g.add_argument("--nproc", type=int, metavar="N", help="--dry-run only: the process count to plan for (default: "
                    "$WORLD_SIZE, else 1)")
+    g.add_argument("--gpu-memory", dest="gpu_memory", type=float, metavar="GIB", help="--dry-run only: say whether the "
+                   "plan fits in GIB GiB per GPU (weights, gradients, master weights, optimizer state, activations) "
+                   "and, if not, the smallest --nproc / --cp / --ep / --activation-checkpointing that does, up to "
+                   "4096 GPUs (docs/ledger.md, \"Fit verdict\")")
     g.add_argument("--lr", type=float, metavar="LR", help="the first stage's peak lr; every stage's lr and lr_end "
                    "are scaled by LR / the first stage's lr (the recipe's shape kept)")
     g.add_argument("--grad-accum", dest="grad_accum", type=int, metavar="A", help=RecipeHelp(
@@ -395,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "--activation-checkpointing`; default off)")
     dep.add_argument("--cp", type=int, metavar="C", help="with --seq-len: context-parallel ranks per sequence, each "
                      "holding T / C tokens (a divisor of --gpus / --ep; default 1); adds the all-gather bytes")
+    dep.add_argument("--gpu-memory", dest="gpu_memory", type=float, metavar="GIB", help="with --seq-len: say whether "
+                     "the total per GPU fits in GIB GiB and, if not, the smallest plan that does (--gpus, --cp, --ep, "
+                     "checkpointing; docs/ledger.md, \"Fit verdict\")")
     p.set_defaults(func=cmd_ledger)
     add_generate_parser(sub)
     add_ablate_parser(sub)

@@ -148,11 +148,13 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
     return data
 
 
-def dry_run(args, nproc: int | None = None) -> str:
+def dry_run(args, nproc: int | None = None, gpu_memory: float | None = None) -> str:
     """The plan of `args` (a `TrainArgs`) for `nproc` processes (default $WORLD_SIZE, else 1) as text, after
     `check_run`: a dry run refuses what the run would refuse before its first step, with the same line, but for
     what `NOT_CHECKED` names (said in its last line). No weights are built (the model only on the meta device)
-    and no text is read. Raises as `check_run`, and ValueError for a layout the ledger refuses (`check_layout`)."""
+    and no text is read. `gpu_memory` (GiB): add the fit verdict of `glm5lab.fit_plan` for the stage whose
+    activations are counted. Raises as `check_run`, and ValueError for a layout the ledger refuses (`check_layout`)
+    or a `gpu_memory` that is not a finite number > 0."""
     from glm5lab.deployment import deployment
 
     world = int_at_least("--nproc", nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1")), 1)
@@ -192,8 +194,23 @@ def dry_run(args, nproc: int | None = None) -> str:
                      f"(stage {stage.name}: micro-batch {stage.batch_size} x {stage.seq_len:,} tokens, activation "
                      f"checkpointing {ac}; the ledger's by layer with --seq-len {stage.seq_len} --micro-batch "
                      f"{stage.batch_size}{' --activation-checkpointing' if args.activation_checkpointing else ''})")
+    if gpu_memory is not None:
+        lines.append(_fit_line(cfg, stage, acts, world, args, gpu_memory))
     lines.append(NOT_CHECKED)
     return "\n".join(lines)
+
+
+def _fit_line(cfg, stage, acts, world: int, args, gpu_memory: float) -> str:
+    """`glm5lab.fit_plan`'s verdict for the counted stage, or why there is none (activations not counted)."""
+    from glm5lab.fit_plan import check_gpu_memory, fit_text
+
+    check_gpu_memory(gpu_memory)
+    if isinstance(acts, str):
+        return f"fit on {gpu_memory:g} GiB GPUs: not judged (activations not counted)"
+    act = dict(seq_len=stage.seq_len, batch=stage.batch_size, use_dsa=stage.use_dsa,
+               indexer_loss=stage.indexer_weight > 0, mtp_depth=stage.mtp_depth)
+    return fit_text(cfg, gpus=world, ep=args.ep, checkpointing=args.activation_checkpointing, act=act,
+                    gpu_memory=gpu_memory)
 
 
 def step_activations(cfg, stages: list[Stage], *, dtype: str, ep: int, checkpointing: bool):
