@@ -90,8 +90,8 @@ def test_cli_ledger_prints_the_verdict():
                 "--gpu-memory", repr(LIMIT / GIB))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == (
-        f"fit on {LIMIT / GIB:g} GiB GPUs: the plan (--gpus 2 --ep 2) needs 5.01 MiB per GPU: it does not fit. Smallest "
-        "plan that fits (fewest GPUs, then no cp, then the smallest ep, then checkpointing off): --gpus 4 --ep 2 "
+        f"fit on {LIMIT / GIB:g} GiB GPUs: the plan (--gpus 2 --ep 2) needs 5.01 MiB per GPU: it does not fit. "
+        "Smallest plan that fits (fewest GPUs, then no cp, then the smallest ep, then checkpointing off): --gpus 4 --ep 2 "
         "--activation-checkpointing, 1.97 MiB per GPU (weights 0.21 MiB + gradients 0.21 MiB + master weights 0.41 MiB "
         "+ optimizer state 0.48 MiB + activations 0.66 MiB)")
 
