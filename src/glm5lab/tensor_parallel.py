@@ -11,7 +11,7 @@ The layout, as `vllm/model_executor/models/deepseek_v2.py` builds it (`TP_LAYOUT
 | part | per GPU |
 |---|---|
 | MLA q_b_proj, kv_b_proj (column-parallel), o_proj (row-parallel) | / tp, by head |
-| MLA q_a_proj + kv_a_proj_with_mqa (one `MergedColumnParallelLinear(disable_tp=True)`), q_a / kv_a norms, biases | whole |
+| MLA q_a_proj + kv_a_proj_with_mqa (one `MergedColumnParallelLinear(disable_tp=True)`), their norms, biases | whole |
 | DSA indexer: wq_b, wk, weights_proj (`ReplicatedLinear`), k_norm | whole |
 | dense MLP, shared experts (gate/up column-, down row-parallel) | / tp, by intermediate size |
 | routed experts: split by expert over ep, by intermediate size over G / ep (moe-tp x ep = G) | / G |

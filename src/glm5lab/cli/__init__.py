@@ -397,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the whole ledger (or the deployment "
                    "accounts) as one JSON line, last")
     dep = p.add_argument_group("deployment accounts", "bytes per GPU with expert parallelism, printed instead "
-                               "of the ledger table; --gpus, --ep and --mode go together (docs/ledger.md)")
+                               "of the ledger table; --gpus, --ep and --mode go together, or --gpus, --tp and --mode "
+                               "serve (docs/ledger.md)")
     dep.add_argument("--gpus", type=int, metavar="G", help="GPUs in all (a multiple of --ep)")
     dep.add_argument("--ep", type=int, metavar="E", help="expert-parallel group size: routed experts are split "
                      "by expert over E GPUs (a divisor of --gpus and of the routed experts)")
@@ -405,9 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "weights, gradients, fp32 master weights and optimizer state per GPU. serve: experts by EP, "
                      "the rest replicated; weights and cache per GPU")
     dep.add_argument("--tp", type=int, metavar="T", help="--mode serve only: the tensor-parallel layout vLLM and "
-                     "SGLang serve with, instead of EP with the rest replicated: MLA heads, dense MLP and shared experts "
-                     "split over T GPUs, routed experts over all --gpus (by intermediate size, or by expert over --ep; "
-                     "--ep optional here); T divides the attention heads and --gpus (docs/ledger.md)")
+                     "SGLang serve with, instead of EP with the rest replicated: MLA heads, dense MLP and shared "
+                     "experts split over T GPUs, routed experts over all --gpus (by intermediate size, or by expert "
+                     "over --ep; --ep optional here); T divides the attention heads and --gpus (docs/ledger.md)")
     dep.add_argument("--batch", type=int, metavar="B", help="sequences of --context tokens cached per GPU, "
                      "--mode serve only (default 1)")
     dep.add_argument("--cache-dtype", choices=list(DTYPES), help="element type of the cache, --mode serve only "
