@@ -38,6 +38,7 @@ from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.console import is_main_process, say, say_refusal
 from glm5lab.deployment import check_layout, deployment, render_deployment, with_activations
 from glm5lab.fit_plan import check_gpu_memory, fit_text
+from glm5lab.tensor_parallel import check_tp, render_tp, tp_serve
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
 from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
@@ -64,6 +65,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         if args.index_dtype is not None:
             refuse("--index-dtype", args.index_dtype, "only for the ledger table (the deployment accounts keep the "
                    "indexer keys in --cache-dtype)")
+        if args.tp is not None:
+            return _print(*_tp_accounts(args, cfg, label), args.json)
         check_layout(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
                      batch=1 if args.batch is None else args.batch, flag="--")
         d = deployment(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
@@ -80,18 +83,38 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     else:
         d = ledger(cfg, dtype=args.dtype, context=args.context, name=label, index_dtype=args.index_dtype)
         text = render(d)
+    return _print(text, d, args.json)
+
+
+def _print(text: str, d: dict, as_json: bool) -> int:
     print(text)
-    if args.json:
+    if as_json:
         print(json.dumps(d))
     return 0
 
 
+def _tp_accounts(args: argparse.Namespace, cfg: ModelConfig, label: str) -> tuple[str, dict]:
+    """`glm5lab ledger --tp`: the tensor-parallel serving accounts (`glm5lab.tensor_parallel`), text and dict;
+    --ep defaults to 1 (every expert split by intermediate size over all --gpus)."""
+    ep = 1 if args.ep is None else args.ep
+    check_tp(cfg, gpus=args.gpus, tp=args.tp, ep=ep, mode=args.mode, flag="--")
+    check_layout(cfg, gpus=args.gpus, ep=ep, mode=args.mode, dtype=args.dtype,
+                 batch=1 if args.batch is None else args.batch, flag="--")
+    d = tp_serve(cfg, gpus=args.gpus, tp=args.tp, ep=ep, dtype=args.dtype, cache_dtype=args.cache_dtype,
+                 context=args.context, batch=args.batch or 1, name=label)
+    return render_tp(d), d
+
+
 def _deployment_asked(args: argparse.Namespace) -> bool:
-    """True when --gpus, --ep and --mode are all given; ValueError (exit 2) when only some are, or
-    when --batch / --cache-dtype come without --mode serve."""
-    given = [f for f in DEPLOYMENT_FLAGS if getattr(args, f) is not None]
-    for f in DEPLOYMENT_FLAGS:
+    """True when --gpus, --ep and --mode are all given (with --tp: --gpus and --mode, --ep optional); ValueError
+    (exit 2) when only some are, or when --batch / --cache-dtype come without --mode serve."""
+    given = [f for f in DEPLOYMENT_FLAGS + ("tp",) if getattr(args, f) is not None]
+    needed = ("gpus", "mode") if args.tp is not None else DEPLOYMENT_FLAGS
+    for f in needed:
         if given and getattr(args, f) is None:
+            if args.tp is not None:
+                raise ValueError(f"--{f} is missing: --tp goes with --gpus and --mode serve (given: "
+                                 f"{', '.join('--' + g for g in given)})")
             raise ValueError(f"--{f} is missing: --gpus, --ep and --mode go together (given: "
                              f"{', '.join('--' + g for g in given)})")
     for name, value in (("batch", args.batch), ("cache-dtype", args.cache_dtype)):
@@ -389,13 +412,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the whole ledger (or the deployment "
                    "accounts) as one JSON line, last")
     dep = p.add_argument_group("deployment accounts", "bytes per GPU with expert parallelism, printed instead "
-                               "of the ledger table; --gpus, --ep and --mode go together (docs/ledger.md)")
+                               "of the ledger table; --gpus, --ep and --mode go together, or --gpus, --tp and --mode "
+                               "serve (docs/ledger.md)")
     dep.add_argument("--gpus", type=int, metavar="G", help="GPUs in all (a multiple of --ep)")
     dep.add_argument("--ep", type=int, metavar="E", help="expert-parallel group size: routed experts are split "
                      "by expert over E GPUs (a divisor of --gpus and of the routed experts)")
     dep.add_argument("--mode", metavar="train|serve", help="train: FSDP over all GPUs, experts by EP then FSDP; "
                      "weights, gradients, fp32 master weights and optimizer state per GPU. serve: experts by EP, "
                      "the rest replicated; weights and cache per GPU")
+    dep.add_argument("--tp", type=int, metavar="T", help="--mode serve only: the tensor-parallel layout vLLM and "
+                     "SGLang serve with, instead of EP with the rest replicated: MLA heads, dense MLP and shared "
+                     "experts split over T GPUs, routed experts over all --gpus (by intermediate size, or by expert "
+                     "over --ep; --ep optional here); T divides the attention heads and --gpus (docs/ledger.md)")
     dep.add_argument("--batch", type=int, metavar="B", help="sequences of --context tokens cached per GPU, "
                      "--mode serve only (default 1)")
     dep.add_argument("--cache-dtype", choices=list(DTYPES), help="element type of the cache, --mode serve only "
