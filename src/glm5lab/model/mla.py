@@ -29,7 +29,6 @@ from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.step import LayerStep
 from glm5lab.model.topk import TopK
-from glm5lab.model.visibility import visible
 
 ATTN_IMPLS = ("auto", "naive", "absorbed")
 """Model-level choice of attention kernels (`GLM5ForCausalLM.forward(attn_impl=)`): "naive" sets
