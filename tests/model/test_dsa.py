@@ -75,9 +75,9 @@ def test_kl_to_indexer_hand_computed_and_zero_at_match():
     q2 = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
     expected = (0.0 + (0.25 * (0.25 / q1[0]).log() + 0.75 * (0.75 / q1[1]).log())
                 + (0.5 * (0.5 / q2[0]).log() + 0.5 * (0.5 / q2[2]).log())) / 3
-    assert torch.allclose(kl_to_indexer(target, scores, keep), expected, atol=1e-6)
+    assert torch.allclose(kl_to_indexer(target, scores, keep).mean(), expected, atol=1e-6)
     matched = torch.where(target > 0, target.log(), torch.full_like(target, -30.0))
-    assert kl_to_indexer(target, matched, keep).abs() < 1e-6
+    assert kl_to_indexer(target, matched, keep).abs().max() < 1e-6
 
 
 def test_indexer_loss_trains_only_the_indexer():

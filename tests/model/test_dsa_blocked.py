@@ -307,3 +307,28 @@ def test_score_blocks_make_nothing_on_the_cpu(q_offset):
     blocks = list(index_score_blocks(q, w, k, scale=J**-0.5, q_offset=q_offset, query_block=8, key_block=16))
     assert [t0 for t0, _ in blocks] == [0, 8, 16] and all(s.device.type == "meta" for _, s in blocks)
     assert visible(q_offset, 4, torch.arange(3, device="meta")).device.type == "meta"  # keys' device by default
+
+
+@pytest.mark.parametrize("layout", ["head_tail", "round_robin", "contiguous"])
+@pytest.mark.parametrize("T, k", [(24, 8), (16, 7), (40, 9)])
+def test_blocked_topk_at_explicit_positions_equals_one_process(layout, T, k):
+    """A context-parallel rank's queries (explicit positions [1, n], `glm5lab.model.visibility`) over all T
+    keys: the blocked kernel and the reference choose exactly the rows of the whole sequence's choice, on
+    every rank of a CP group of 2 and 4, with blocks that do not divide n or T."""
+    from glm5lab.parallel.context_parallel import positions
+
+    cfg, ix = _indexer()
+    x, q_lat, cos, sin = _inputs(cfg, 2, T, T)
+    whole, _, _ = _both(ix, x, q_lat, cos, sin, k, 0)
+    k_BSJ = ix.keys(x, cos, sin)
+    for cp in (2, 4):
+        for rank in range(cp):
+            pos = positions(T, cp, rank, layout)
+            xq, ql, cq, sq = x[:, pos], q_lat[:, pos], cos[pos], sin[pos]
+            ref = select_topk(ix.scores(xq, ql, k_BSJ, cq, sq, q_offset=pos[None]), k, q_offset=pos[None])
+            q_BTIJ, w_BTI = ix.queries(xq, ql, cq, sq)
+            fast = index_topk_blocked(q_BTIJ, w_BTI, k_BSJ, k, scale=ix.head_dim**-0.5, q_offset=pos[None],
+                                      query_block=3, key_block=5)
+            for got in (ref, fast):
+                assert torch.equal(got.idx_BTK, whole.idx_BTK[:, pos])
+                assert torch.equal(got.valid_BTK, whole.valid_BTK[:, pos])

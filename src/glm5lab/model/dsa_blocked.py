@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import torch
 
 from glm5lab.model.topk import TopK, check_k, select_topk_fast, valid_slots
-from glm5lab.model.visibility import visible
+from glm5lab.model.visibility import narrow_queries, query_positions, visible
 
 QUERY_BLOCK = 64
 KEY_BLOCK = 1024
@@ -59,8 +59,8 @@ def index_score_blocks(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
 
     q_BTIJ: queries (any float dtype, computed in fp32); w_BTI: head weights (fp32, as
     `LightningIndexer.queries` returns them); k_BSJ: keys of positions 0..S-1; scale: the dot
-    scale (1/sqrt(J)); q_offset: an int or a LongTensor [B] (query t of row b at position
-    q_offset[b] + t). The scores carry no gradient (inputs detached). Raises ValueError (at the
+    scale (1/sqrt(J)); q_offset: an int, a LongTensor [B] (query t of row b at position q_offset[b] + t) or
+    explicit positions [B|1, T] (`glm5lab.model.visibility`). The scores carry no gradient (inputs detached). Raises ValueError (at the
     call, not at the first block) for non-positive block sizes or shapes that do not agree."""
     _check_blocks(q_BTIJ, w_BTI, k_BSJ, query_block, key_block)
     return _score_blocks(q_BTIJ, w_BTI, k_BSJ, scale, q_offset, query_block, key_block)
@@ -78,16 +78,13 @@ def _check_blocks(q_BTIJ, w_BTI, k_BSJ, query_block: int, key_block: int) -> Non
 def _score_blocks(q_BTIJ, w_BTI, k_BSJ, scale: float, q_offset, query_block: int, key_block: int):
     B, T, I, J = q_BTIJ.shape
     S, f32, device = k_BSJ.shape[1], torch.float32, q_BTIJ.device
-    per_row = torch.is_tensor(q_offset)
-    # the rows' first and last offsets, read once (eager code: one host read per call), bound the
-    # keys a block can see (V) and the columns that need the causal mask (from `first`)
-    lo, hi = (int(q_offset.min()), int(q_offset.max())) if per_row else (q_offset, q_offset)
+    bounds = _block_bounds(q_offset, T, query_block, device)
     q_BTIJ, k_BSJ, w_BTI = (t.detach().to(f32) for t in (q_BTIJ, k_BSJ, w_BTI))  # selection: no gradient
     dots = torch.empty(query_block * I * key_block, dtype=f32, device=device)
     head_sum = torch.empty(query_block * key_block, dtype=f32, device=device)
-    for t0 in range(0, T, query_block):
+    for (lo, hi), t0 in zip(bounds, range(0, T, query_block), strict=True):
         t = min(query_block, T - t0)
-        V = min(S, hi + t0 + t)
+        V = min(S, hi + 1)
         scores_BtV = torch.empty(B, t, V, dtype=f32, device=device)
         for b in range(B):
             q_tIJ = q_BTIJ[b, t0:t0 + t].reshape(t * I, J)
@@ -98,16 +95,30 @@ def _score_blocks(q_BTIJ, w_BTI, k_BSJ, scale: float, q_offset, query_block: int
                 d_tIs.mul_(scale).relu_()
                 out_t1s = torch.bmm(w_t1I, d_tIs.view(t, I, s), out=head_sum[:t * s].view(t, 1, s))
                 scores_BtV[b, :, s0:s0 + s] = out_t1s[:, 0]
-        _mask_future(scores_BtV, q_offset, t0, first=min(V, lo + t0 + 1))
+        _mask_future(scores_BtV, narrow_queries(q_offset, t0, t), first=min(V, lo + 1))
         yield t0, scores_BtV
 
 
-def _mask_future(scores_BtV: torch.Tensor, q_offset, t0: int, *, first: int) -> None:
-    """-inf in place at keys after each query, for the columns from `first` on (every query of
-    the block sees the keys before it: first = the earliest row's offset + t0 + 1)."""
-    t, V = scores_BtV.shape[1:]
+def _block_bounds(q_offset, T: int, query_block: int, device) -> list[tuple[int, int]]:
+    """(first, last) query position of each block of `query_block` queries over all rows, read once (eager
+    code: one host read per call): they bound the keys a block can see and the columns that need the mask."""
+    if not torch.is_tensor(q_offset):
+        return [(q_offset + t0, q_offset + min(t0 + query_block, T) - 1) for t0 in range(0, T, query_block)]
+    pos_T = query_positions(q_offset, T, device)
+    pad = (-T) % query_block  # the last query's copies: they change no block's first or last position
+    lo_nq, hi_nq = (torch.cat([p_T, p_T[-1:].expand(pad)]).view(-1, query_block)
+                    for p_T in (pos_T.amin(0), pos_T.amax(0)))
+    return [tuple(b) for b in torch.stack([lo_nq.amin(1), hi_nq.amax(1)], dim=1).tolist()]
+
+
+def _mask_future(scores_BtV: torch.Tensor, q_offset, *, first: int) -> None:
+    """-inf in place at keys after each query of the block (q_offset: its queries' offsets, `narrow_queries`),
+    for the columns from `first` on (every query of the block sees the keys before it: first = its earliest
+    query position + 1)."""
+    V = scores_BtV.shape[-1]
+    t = scores_BtV.shape[1]
     keys_c = torch.arange(first, V, device=scores_BtV.device)
-    scores_BtV[..., first:].masked_fill_(~visible(q_offset + t0, t, keys_c, device=keys_c.device), float("-inf"))
+    scores_BtV[..., first:].masked_fill_(~visible(q_offset, t, keys_c, device=keys_c.device), float("-inf"))
 
 
 def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.Tensor, k: int, *, scale: float,
@@ -124,7 +135,7 @@ def index_topk_blocked(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, k_BSJ: torch.T
     with torch.no_grad():
         for t0, scores_BtV in index_score_blocks(q_BTIJ, w_BTI, k_BSJ, scale=scale, q_offset=q_offset,
                                                  query_block=query_block, key_block=key_block):
-            chosen = select_topk_fast(scores_BtV, k, q_offset=q_offset + t0).idx_BTK
+            chosen = select_topk_fast(scores_BtV, k, q_offset=narrow_queries(q_offset, t0, scores_BtV.shape[1])).idx_BTK
             idx_BTK[:, t0:t0 + scores_BtV.shape[1], :chosen.shape[-1]] = chosen
             if chosen.shape[-1] < K:  # an early block sees V < K keys: the invalid slots the reference
                 # holds there are the -inf keys V..K-1 in position order

@@ -39,7 +39,8 @@ class GQAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Causal GQA of each row's T new tokens over its S visible keys (`step`, see `glm5lab.model.step`;
-        uncached = offset 0). Returns out_BTD. Their K/V are written to the step's cache. `step.reference`: the
+        uncached = offset 0). Returns out_BTD. Their K/V are written to the step's cache (under context
+        parallelism: gathered from the group, G (X + V) values per token, as one process caches them). `step.reference`: the
         written-out masked softmax, else SDPA (with `is_causal` for an uncached full-attention call). The layer's
         `window` (an "swa" layer) limits each query to its last `window` keys. GQA layers never select keys."""
         B, T, _ = x_BTD.shape
@@ -52,7 +53,7 @@ class GQAttention(nn.Module):
         k_BSGX, v_BSGV = step.write("k", k_BTGX), step.write("v", v_BTGV)
         if step.reference:
             o_BTHV = attention_reference(q_BTHX, k_BSGX, v_BSGV, scale=self.scale, mask_BTS=step.mask(self.window))
-        elif not step.cached and self.window is None:
+        elif step.causal_prefix and self.window is None:
             o_BTHV = attention_causal(q_BTHX, k_BSGX, v_BSGV, scale=self.scale)
         else:
             o_BTHV = attention_masked(q_BTHX, k_BSGX, v_BSGV, scale=self.scale, mask_BTS=step.mask(self.window))

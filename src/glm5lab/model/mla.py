@@ -29,7 +29,6 @@ from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.step import LayerStep
 from glm5lab.model.topk import TopK
-from glm5lab.model.visibility import visible
 
 ATTN_IMPLS = ("auto", "naive", "absorbed")
 """Model-level choice of attention kernels (`GLM5ForCausalLM.forward(attn_impl=)`): "naive" sets
@@ -144,7 +143,9 @@ class MLAttention(nn.Module):
 
     def index_keys(self, x_BTD, step: LayerStep) -> torch.Tensor | None:
         """The indexer keys of all S keys ([B, S, J]) on an "own" layer: written to the cache
-        whenever it keeps them (later steps score them), computed uncached only when DSA runs."""
+        whenever it keeps them (later steps score them), computed uncached only when DSA runs (then from the
+        detached input: selection takes no gradient, and the indexer KL reuses them, training the indexer only;
+        under CP gathered from the group)."""
         if self.spec.indexer != "own":
             return None
         if step.cached:
@@ -153,7 +154,9 @@ class MLAttention(nn.Module):
                     raise ValueError("DSA is on but this cache holds no indexer keys (built for a dense model)")
                 return None
             return step.write("index_keys", self.indexer.keys(x_BTD, step.cos, step.sin))
-        return self.indexer.keys(x_BTD, step.cos, step.sin) if step.use_dsa and step.extent > step.index_topk else None
+        if not (step.use_dsa and step.extent > step.index_topk):
+            return None
+        return step.write("index_keys", self.indexer.keys(x_BTD.detach(), step.cos, step.sin))
 
     def forward(self, x_BTD: torch.Tensor, step: LayerStep) -> tuple[torch.Tensor, TopK | None, torch.Tensor | None]:
         """Causal self-attention of each row's T new tokens over its S visible keys (`step`, see
@@ -166,20 +169,21 @@ class MLAttention(nn.Module):
         B, T, _ = x_BTD.shape
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, step.cos, step.sin)
         latent_BSX = step.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
-        topk = self.select(x_BTD, q_lat, self.index_keys(x_BTD, step), step)
+        index_keys_BSJ = self.index_keys(x_BTD, step)
+        topk = self.select(x_BTD, q_lat, index_keys_BSJ, step)
         S = latent_BSX.shape[1]
         route = attention_route(reference=step.reference, absorbed=step.absorbed, sparse=topk is not None,
                                 decode_sized=step.decode_sized, S=S, index_topk=step.index_topk)
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
         own = self.spec.indexer == "own"
-        kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, c_BTC, k_pe_BTR), step.cos, step.sin, topk=topk,
-                              step_reference=step.reference) if own and step.indexer_loss else None)
+        kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, latent_BSX), step, topk=topk, index_keys_BSJ=index_keys_BSJ)
+              if own and step.indexer_loss else None)
         return self.o_proj(o_BTHV.reshape(B, T, -1)), topk if own else step.topk, kl
 
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""
         S = latent_BSX.shape[1]
-        plain_causal = not step.cached and self.window is None and topk is None  # SDPA's is_causal
+        plain_causal = step.causal_prefix and self.window is None and topk is None  # SDPA's is_causal
         no_mask = plain_causal or route == "latent_gathered"  # the top-k slots are the gathered keys' mask
         mask_BTS = None if no_mask else step.mask(self.window)
         if topk is not None and route != "latent_gathered":
@@ -199,55 +203,57 @@ class MLAttention(nn.Module):
                                              mask_BTS=mask_BTS)
         return torch.einsum("bthc,hvc->bthv", o_BTHC, self.absorbed_weights()[1])
 
-    def indexer_kl(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, *, topk: TopK | None,
-                   step_reference: bool = False) -> torch.Tensor:
+    def indexer_kl(self, x_BTD, q_lat_BTQ, projected, step: LayerStep, *, topk: TopK | None,
+                   index_keys_BSJ: torch.Tensor | None = None) -> torch.Tensor:
         """DSA indexer training loss (DeepSeek-V3.2, section 2.1): mean over queries of KL(p || softmax(index
         scores)), p = this layer's attention probabilities summed over heads and L1-normalised. Dense
         (warm-up): over all causal keys; sparse (`topk` given): both restricted to the selected keys, computed
-        at those keys only (`indexer_kl_sparse`, O(T K)) unless `step_reference` (the dense-mask reference
-        below: [B, H, T, S] logits, scores at every key, the same value). The indexer's inputs are detached,
-        so this loss trains the indexer only, and p carries no gradient. Returns a scalar fp32 tensor."""
-        if topk is not None and not step_reference:
-            return self.indexer_kl_sparse(x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, topk)
-        q_nope, q_pe, c_BTC, k_pe_BTR = projected
-        T = x_BTD.shape[1]
-        keep_BTS = visible(0, T, T, device=x_BTD.device)
+        at those keys only (`indexer_kl_sparse`, O(T K)) unless `step.reference` (the dense-mask reference
+        below: [B, H, T, S] logits, scores at every key, the same value). projected: (q_nope, q_pe, latent_BSX:
+        the [c | k_pe] of all S keys); index_keys_BSJ: the indexer keys of all S keys from the detached input
+        (`index_keys`; None: computed here). The indexer's inputs are detached, so this loss trains the
+        indexer only, and p carries no gradient. Under CP: the local queries over the gathered keys, the mean
+        being this rank's share (`Step.token_mean`). Returns a scalar fp32 tensor."""
+        if index_keys_BSJ is None:
+            index_keys_BSJ = step.write("index_keys", self.indexer.keys(x_BTD.detach(), step.cos, step.sin))
+        if topk is not None and not step.reference:
+            return self.indexer_kl_sparse(x_BTD, q_lat_BTQ, projected, step, topk, index_keys_BSJ)
+        q_nope, q_pe, latent_BSX = projected
+        keep_BTS = step.mask()
         if topk is not None:
-            keep_BTS = keep_BTS & topk_mask(topk, T)
+            keep_BTS = keep_BTS & topk_mask(topk, latent_BSX.shape[1])
         with torch.no_grad():
             q_BTHX = self.absorbed_query(q_nope, q_pe).float()
-            k_BTX = torch.cat([c_BTC, k_pe_BTR], dim=-1).float()
-            logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, k_BTX) * self.scale
+            logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, latent_BSX.float()) * self.scale
             probs_BHTS = logits_BHTS.masked_fill(~keep_BTS[:, None], float("-inf")).softmax(-1)
             target_BTS = probs_BHTS.sum(1) / probs_BHTS.shape[1]
-        x_in, q_lat_in = x_BTD.detach(), q_lat_BTQ.detach()
-        k_BSJ = self.indexer.keys(x_in, cos_TR2, sin_TR2)
-        scores_BTS = self.indexer.scores(x_in, q_lat_in, k_BSJ, cos_TR2, sin_TR2)
-        return kl_to_indexer(target_BTS, scores_BTS, keep_BTS)
+        scores_BTS = self.indexer.scores(x_BTD.detach(), q_lat_BTQ.detach(), index_keys_BSJ, step.cos, step.sin,
+                                         q_offset=step.offsets)
+        return step.token_mean(kl_to_indexer(target_BTS, scores_BTS, keep_BTS))
 
-    def indexer_kl_sparse(self, x_BTD, q_lat_BTQ, projected, cos_TR2, sin_TR2, topk: TopK) -> torch.Tensor:
+    def indexer_kl_sparse(self, x_BTD, q_lat_BTQ, projected, step: LayerStep, topk: TopK,
+                          index_keys_BSJ: torch.Tensor) -> torch.Tensor:
         """`indexer_kl` of the sparse stage over the K selected keys of each query: the target from
         the absorbed logits at the gathered latents, the index scores from
         `LightningIndexer.scores_at`. Same value and indexer gradients as the dense-mask form."""
-        q_nope, q_pe, c_BTC, k_pe_BTR = projected
+        q_nope, q_pe, latent_BSX = projected
         B = x_BTD.shape[0]
         rows_B11 = torch.arange(B, device=x_BTD.device)[:, None, None]
         with torch.no_grad():
             q_BTHX = self.absorbed_query(q_nope, q_pe).float()
-            kv_BTKX = torch.cat([c_BTC, k_pe_BTR], dim=-1).float()[rows_B11, topk.idx_BTK]
+            kv_BTKX = latent_BSX.float()[rows_B11, topk.idx_BTK]
             logits_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX, kv_BTKX) * self.scale
             probs_BTHK = logits_BTHK.masked_fill(~topk.valid_BTK[:, :, None], float("-inf")).softmax(-1)
             target_BTK = probs_BTHK.mean(2)
-        x_in, q_lat_in = x_BTD.detach(), q_lat_BTQ.detach()
-        k_BSJ = self.indexer.keys(x_in, cos_TR2, sin_TR2)
-        scores_BTK = self.indexer.scores_at(x_in, q_lat_in, k_BSJ, cos_TR2, sin_TR2, topk.idx_BTK)
-        return kl_to_indexer(target_BTK, scores_BTK, topk.valid_BTK)
+        scores_BTK = self.indexer.scores_at(x_BTD.detach(), q_lat_BTQ.detach(), index_keys_BSJ, step.cos, step.sin,
+                                            topk.idx_BTK)
+        return step.token_mean(kl_to_indexer(target_BTK, scores_BTK, topk.valid_BTK))
 
 
 def kl_to_indexer(target_BTS: torch.Tensor, scores_BTS: torch.Tensor, keep_BTS: torch.Tensor) -> torch.Tensor:
-    """mean_{b,t} sum_s p log(p / q), q = softmax of `scores_BTS` over the kept keys (fp32).
+    """fp32 [B, T]: per query sum_s p log(p / q), q = softmax of `scores_BTS` over the kept keys.
     target_BTS: a distribution over the kept keys (zero elsewhere). Terms with p = 0 count 0."""
     log_q_BTS = scores_BTS.float().masked_fill(~keep_BTS, float("-inf")).log_softmax(-1)
     p_log_p = torch.xlogy(target_BTS, target_BTS)
     p_log_q = (target_BTS * log_q_BTS.masked_fill(~keep_BTS, 0.0))
-    return (p_log_p - p_log_q).sum(-1).mean()
+    return (p_log_p - p_log_q).sum(-1)

@@ -102,7 +102,7 @@ class GLM5ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, mtp_depth: int = 0, attn_impl: str = "auto",
                 moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
-                cache: KVCache | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
+                cache: KVCache | None = None, logits_to_keep: int = 0, context_parallel=None) -> CausalLMOutput:
         """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings, ids in the vocab.
 
         cache: a `KVCache.for_model(self, ...)`; input_ids are then each row's next T tokens, at positions
@@ -117,7 +117,11 @@ class GLM5ForCausalLM(nn.Module):
         gathered expert weights where it does not run; tiled grouped otherwise) | "grouped" |
         "grouped_mm" | "gathered" | "loop" (the reference; see `glm5lab.model.moe`). use_dsa: override the config's switch for this call
         (training stages). indexer_loss: also compute the DSA indexer KL (`MLAttention.indexer_kl`).
-        Checks everything, the ids' range included (one host synchronisation); the per-token
+        context_parallel: a `glm5lab.parallel.context_parallel.ContextParallel` (training, uncached): every rank
+        of its group passes the whole sequence's input_ids and gets its own tokens' outputs only: logits and
+        hidden_states [B, T / cp, ...] at `context_parallel.positions(T)`, MTP depth j's logits at those of them
+        below T - j (a prefix), and the indexer loss as this rank's share (`ContextParallel.group_mean`: the
+        group's mean is one process's value). MLA and GQA full-attention layers only. Checks everything, the ids' range included (one host synchronisation); the per-token
         path of `glm5lab.infer` calls `step`, which checks shapes only. Raises ValueError on bad
         ids/shapes/options, TypeError on wrong types."""
         self._check_input(input_ids, mtp_depth)
@@ -130,6 +134,9 @@ class GLM5ForCausalLM(nn.Module):
                 raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache was built for {cache.batch}")
         options = dict(mtp_depth=mtp_depth, attn_impl=attn_impl, moe_impl=moe_impl, use_dsa=use_dsa,
                        indexer_loss=indexer_loss, logits_to_keep=logits_to_keep)
+        if context_parallel is not None:
+            self._check_context_parallel(input_ids, cache, logits_to_keep, context_parallel)
+            return self.step(input_ids, None, context_parallel=context_parallel, **options)
         if cache is None:
             return self.step(input_ids, None, **options)
         with cache.writing(input_ids.shape[1]):
@@ -137,20 +144,30 @@ class GLM5ForCausalLM(nn.Module):
 
     def step(self, input_ids: torch.Tensor, cache: KVCache | None, *, mtp_depth: int = 0, attn_impl: str = "auto",
              moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
-             logits_to_keep: int = 0, static: bool = False) -> CausalLMOutput:
+             logits_to_keep: int = 0, static: bool = False, context_parallel=None) -> CausalLMOutput:
         """`forward` without its checks of the ids' values and shapes (the caller made them once:
         `glm5lab.infer.prefill` / `decode_step` / `verify`); no host synchronisation on the way. With a cache,
         call it inside `cache.writing(T)` (which reserves and commits the tokens). Options as `forward`;
         raises ValueError for an unknown option value. static (with a cache): static shapes, keys over the
-        whole capacity (`KVCache.begin`), the form `torch.compile` traces (`glm5lab.infer.compiled`)."""
+        whole capacity (`KVCache.begin`), the form `torch.compile` traces (`glm5lab.infer.compiled`).
+        context_parallel: as `forward` (uncached; input_ids the whole sequence)."""
         cfg, T = self.config, input_ids.shape[1]
         options = self._options(attn_impl, moe_impl, use_dsa, indexer_loss)
         int_at_least("logits_to_keep (0 = all positions)", logits_to_keep, 0)
-        positions = cache.positions(T) if cache is not None else torch.arange(T, device=input_ids.device)
+        cp, own_ids = context_parallel, input_ids
+        if cp is not None:  # this rank's tokens at their global positions
+            positions = cp.positions(T, device=input_ids.device)
+            own_ids = input_ids.index_select(1, positions)
+        else:
+            positions = cache.positions(T) if cache is not None else torch.arange(T, device=input_ids.device)
         cos_TR2, sin_TR2 = rope_angles(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-        step = (cache.begin(T, cos_TR2, sin_TR2, static=static, **options) if cache is not None
-                else Step.uncached(T, cos_TR2, sin_TR2, **options))
-        x_BTD, topk, kls = self.model.embed_tokens(input_ids), None, []
+        if cache is not None:
+            step = cache.begin(T, cos_TR2, sin_TR2, static=static, **options)
+        elif cp is not None:
+            step = Step.split(cp, T, positions, cos_TR2, sin_TR2, **options)
+        else:
+            step = Step.uncached(T, cos_TR2, sin_TR2, **options)
+        x_BTD, topk, kls = self.model.embed_tokens(own_ids), None, []
         for i, layer in enumerate(self.model.layers):  # the last "own" layer's top-k goes on to the "shared" ones
             x_BTD, topk, kl = layer(x_BTD, step.layer(i, topk))
             kls += [] if kl is None else [kl]
@@ -200,6 +217,20 @@ class GLM5ForCausalLM(nn.Module):
         step = cache.begin(T, cos, sin, static=static, **self._options(attn_impl, moe_impl, None, False))
         h_BTD, _ = self.model.mtp_layers[0](hidden_BTD, self.model.embed_tokens(next_ids), step.layer(0))
         return h_BTD, (self.lm_head(h_BTD) if with_logits else None)
+
+    def _check_context_parallel(self, input_ids: torch.Tensor, cache, logits_to_keep: int, cp) -> None:
+        """ValueError in one line: CP with a cache or logits_to_keep, a layer CP does not run (sliding window,
+        Gated DeltaNet, SimpleGDN), or a length the CP layout cannot split (`check_split`)."""
+        from glm5lab.parallel.context_parallel import check_split
+
+        if cache is not None or logits_to_keep:
+            raise ValueError("context_parallel is for uncached training forwards: not with a cache or logits_to_keep")
+        for i, spec in enumerate(self.layer_specs + self.mtp_specs):
+            if spec.mixer != "attention":
+                where = f"layer {i}" if i < len(self.layer_specs) else "the MTP layer"
+                raise ValueError(f"context parallelism runs full-attention MLA and GQA layers only: {where} is a "
+                                 f"'{spec.mixer}' layer (mixer_types); train it without --cp")
+        check_split(input_ids.shape[1], cp.size, cp.layout)
 
     def _check_mtp_step(self, hidden_BTD: torch.Tensor, next_ids: torch.Tensor, cache: KVCache) -> None:
         if not self.config.num_nextn_predict_layers:

@@ -71,15 +71,17 @@ def mtp_unroll(mtp_layer, embed, lm_head, h0_BTD, input_ids_BT, depth: int, step
     norm, and the main forward's uncached `step` (its RoPE angles and options; each depth runs on its own step
     over L = T-j positions): logits[j-1] is [B, T-j, V]; depth j+1 receives depth j's post-norm state. The KL
     list has one entry per depth when the step asks for `indexer_loss` and the layer runs an indexer, else is
-    empty. One shared parameter set. Raises ValueError unless 1 <= depth <= T-1 (depth j reads token t+j)."""
+    empty. One shared parameter set. Under context parallelism (`step.context_parallel`) input_ids_BT is the
+    whole sequence, h0_BTD this rank's tokens, and depth j's logits those of its tokens below T - j. Raises ValueError unless 1 <= depth <= T-1 (depth j reads token t+j)."""
     T = input_ids_BT.shape[1]
     if not 1 <= depth <= T - 1:
         raise ValueError(f"mtp_depth={depth} is not allowed for a sequence of {T} tokens: 1..{T - 1} "
                          "(depth j reads token t+j)")
     h_BLD, logits, kls = h0_BTD, [], []
     for j in range(1, depth + 1):
-        L = T - j
-        h_BLD, kl = mtp_layer(h_BLD[:, :L], embed(input_ids_BT[:, j:]), step.narrowed(L).layer(0))
+        depth_step = step.narrowed(T - j)  # under CP: this rank's tokens below T - j, a prefix of its tokens
+        h_BLD, kl = mtp_layer(h_BLD[:, :depth_step.T], embed(depth_step.ids_ahead(input_ids_BT, j)),
+                              depth_step.layer(0))
         logits.append(lm_head(h_BLD))
         kls += [] if kl is None else [kl]
     return logits, kls

@@ -8,7 +8,10 @@ cache is the offset-0 case of the cached one: `Step.uncached` gives every row of
 `LayerStep.write` hands the new entries straight back instead of storing them. What a mixer reads:
 
     cos, sin       RoPE angles of the new tokens, [T, R/2] (uncached) or [B, T, R/2] (cached)
-    offsets        int 0 (uncached) or int64 [B]: row b's first new token sits at offsets[b]
+    offsets        int 0 (uncached) or int64 [B]: row b's first new token sits at offsets[b]; under context
+                   parallelism int64 [1, T], each token's global position (`glm5lab.model.visibility`)
+    context_parallel   the CP group's `ContextParallel` (None: one device holds the sequence); then T are
+                   this rank's tokens, S = extent the sequence's, and `write` gathers the keys of all ranks
     mask(window)   bool [B|1, T, S]: causal (and sliding-window) visibility
     write(name, new_BT)   the layer's entries of buffer `name` for all S keys
     state          the layer's `LayerState` in the cache (`glm5lab.model.cache`; None uncached)
@@ -62,11 +65,14 @@ class Step:
 
     def __init__(self, *, T: int, extent: int, cos: torch.Tensor, sin: torch.Tensor, offsets: int | torch.Tensor = 0,
                  cache=None, reference: bool = False, absorbed: bool = False, use_dsa: bool = False,
-                 index_topk: int = 0, moe_impl: str = "auto", indexer_loss: bool = False, static: bool = False):
+                 index_topk: int = 0, moe_impl: str = "auto", indexer_loss: bool = False, static: bool = False,
+                 context_parallel=None, seq_len: int | None = None):
         self.T, self.extent, self.cos, self.sin, self.offsets, self.cache = T, extent, cos, sin, offsets, cache
         self.reference, self.absorbed, self.use_dsa, self.index_topk = reference, absorbed, use_dsa, index_topk
         self.moe_impl, self.indexer_loss = moe_impl, indexer_loss
-        self.decode_sized = is_decode_sized(T)
+        self.context_parallel, self.seq_len = context_parallel, extent if seq_len is None else seq_len
+        # a CP forward is a slice of a long training sequence: the kernels of long forwards, as one process runs
+        self.decode_sized = is_decode_sized(T) and context_parallel is None
         self.static = static or torch.compiler.is_compiling()  # traced: no host reads, static shapes
         self._shared: dict = {}
 
@@ -75,17 +81,51 @@ class Step:
         """A forward over positions 0..T-1 with nothing cached (training, scoring)."""
         return cls(T=T, extent=T, cos=cos, sin=sin, **options)
 
+    @classmethod
+    def split(cls, context_parallel, seq_len: int, positions_T: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              **options) -> Step:
+        """This CP rank's share of an uncached forward over positions 0..seq_len-1: its tokens at `positions_T`
+        (`ContextParallel.positions`, ascending), keys gathered from the whole group."""
+        return cls(T=positions_T.numel(), extent=seq_len, cos=cos, sin=sin, offsets=positions_T[None],
+                   context_parallel=context_parallel, seq_len=seq_len, **options)
+
     def narrowed(self, L: int) -> Step:
-        """An uncached step over positions 0..L-1 with this step's options (the MTP depths of training)."""
+        """An uncached step over positions 0..L-1 with this step's options (the MTP depths of training); under
+        CP, this rank's tokens below L (the first `n_below(L)` of its tokens: they ascend)."""
         if self.cached:
             raise ValueError("narrowed() is for uncached steps (training)")
-        return Step(T=L, extent=L, cos=self.cos[:L], sin=self.sin[:L], reference=self.reference,
-                    absorbed=self.absorbed, use_dsa=self.use_dsa, index_topk=self.index_topk, moe_impl=self.moe_impl,
-                    indexer_loss=self.indexer_loss)
+        n = self.n_below(L)
+        cp = self.context_parallel
+        return Step(T=n, extent=L, cos=self.cos[:n], sin=self.sin[:n], offsets=0 if cp is None else self.offsets[:, :n],
+                    reference=self.reference, absorbed=self.absorbed, use_dsa=self.use_dsa, index_topk=self.index_topk,
+                    moe_impl=self.moe_impl, indexer_loss=self.indexer_loss, context_parallel=cp, seq_len=self.seq_len)
+
+    def n_below(self, L: int) -> int:
+        """How many of this forward's tokens sit at positions below L (uncached)."""
+        cp = self.context_parallel
+        return min(L, self.T) if cp is None else cp.held(self.seq_len, L)[cp.rank]
+
+    def ids_ahead(self, input_ids_BN: torch.Tensor, j: int) -> torch.Tensor:
+        """int64 [B, T]: the ids j positions after each of this (uncached) forward's tokens, from the whole
+        sequence's ids [B, N] (MTP depth j reads x_{t+j})."""
+        if self.context_parallel is None:
+            return input_ids_BN[:, j:j + self.T]
+        return input_ids_BN.index_select(1, self.offsets[0] + j)
+
+    def token_mean(self, values_BT: torch.Tensor) -> torch.Tensor:
+        """The mean of per-token values [B, T] over the forward's tokens; under CP this rank's share of the mean
+        over the whole sequence's B * extent tokens (`ContextParallel.group_mean`)."""
+        cp = self.context_parallel
+        return values_BT.mean() if cp is None else cp.group_mean(values_BT.sum(), values_BT.shape[0] * self.extent)
 
     @property
     def cached(self) -> bool:
         return self.cache is not None
+
+    @property
+    def causal_prefix(self) -> bool:
+        """Queries at positions 0..T-1 over keys 0..T-1, nothing cached nor split: SDPA's `is_causal` applies."""
+        return self.cache is None and self.context_parallel is None
 
     def shared(self, key, make):
         """`make()`, built once per forward and key and shared by the layers (masks, write slots)."""
@@ -129,6 +169,7 @@ class LayerStep:
     topk = property(lambda self: self._topk, doc="The selection handed on to this layer (IndexCache).")
     T, extent, cos, sin, offsets = (_from_step(n) for n in ("T", "extent", "cos", "sin", "offsets"))
     cached, reference, absorbed, static = (_from_step(n) for n in ("cached", "reference", "absorbed", "static"))
+    causal_prefix, context_parallel = _from_step("causal_prefix"), _from_step("context_parallel")
     use_dsa, index_topk, indexer_loss = (_from_step(n) for n in ("use_dsa", "index_topk", "indexer_loss"))
     moe_impl, decode_sized = _from_step("moe_impl"), _from_step("decode_sized")
 
@@ -139,5 +180,13 @@ class LayerStep:
     def write(self, name: str, new_BT: torch.Tensor) -> torch.Tensor:
         """Store new_BT ([B, T, ...]) in the layer's state; return buffer `name` [B, S, ...] in new_BT's
         dtype (`FullBuffers.write`: read back cast, fp8 keys dequantized; `WindowRing.write`: the keys of
-        `ring_key_positions`). With no cache, returns new_BT itself (S = T)."""
-        return new_BT if self._state is None else self._state.write(name, new_BT, self._step)
+        `ring_key_positions`). With no cache, returns new_BT itself (S = T), or under context parallelism the
+        whole sequence's entries [B, extent, ...] gathered from the CP group (`ContextParallel.gather`)."""
+        if self._state is not None:
+            return self._state.write(name, new_BT, self._step)
+        cp = self._step.context_parallel
+        return new_BT if cp is None else cp.gather(new_BT, self._step.seq_len, self._step.extent)
+
+    def token_mean(self, values_BT: torch.Tensor) -> torch.Tensor:
+        """`Step.token_mean`."""
+        return self._step.token_mean(values_BT)
