@@ -237,8 +237,9 @@ def test_ep_refusals():
         with pytest.raises(ValueError, match=rf"^--ep = {ep} is not allowed: {rule}$"):
             check_ep(ep, world, cfg)
     check_ep(1, 1, dense)  # no EP: nothing to check
-    with pytest.raises(ValueError, match=r"^--ep 2 does not divide the run's 1 process \(the world is dp x cp x ep "
-                                         r"ranks\): start it under torchrun --nproc-per-node 2 \(or a multiple of 2\)$"):
+    with pytest.raises(ValueError, match=r"^--cp 1 x --ep 2 = 2 does not divide the run's 1 process \(the "
+                                         r"world is dp x cp x ep ranks\): start it under torchrun "
+                                         r"--nproc-per-node 2 \(or a multiple of 2\)$"):
         check_mesh(1, 1, 2)
     assert [check_mesh(w, cp, ep) for w, cp, ep in ((8, 2, 2), (4, 1, 4), (6, 3, 1))] == [2, 1, 2]
 

@@ -67,14 +67,16 @@ REFUSED = [
     ("seq-len-0", lambda c: {"seq_len": 0}, 1, r"^--seq-len = 0 is not allowed: an integer >= 1$"),
     ("lr-0", lambda c: {"lr": 0.0}, 1, r"^--lr = 0.0 is not allowed: a finite number > 0$"),
     ("bias-rate", lambda c: {"bias_update_rate": -1.0}, 1, r"^--bias-update-rate = -1.0 is not allowed"),
-    ("ep-in-one-process", lambda c: {"ep": 2}, 1, r"^--ep 2 does not divide the run's 1 process \(the world is dp x "
-     r"cp x ep ranks\): start it under torchrun --nproc-per-node 2 \(or a multiple of 2\)$"),
-    ("ep-not-dividing-the-processes", lambda c: {"ep": 3}, 4, r"^--ep 3 does not divide the run's 4 processes \(the "
-     r"world is dp x cp x ep ranks\): run a multiple of 3 processes$"),
+    ("ep-in-one-process", lambda c: {"ep": 2}, 1, r"^--cp 1 x --ep 2 = 2 does not divide the run's 1 "
+     r"process \(the world is dp x cp x ep ranks\): start it under torchrun --nproc-per-node 2 \(or a multiple "
+     r"of 2\)$"),
+    ("ep-not-dividing-the-processes", lambda c: {"ep": 3}, 4, r"^--cp 1 x --ep 3 = 3 does not divide the run's 4 "
+     r"processes \(the world is dp x cp x ep ranks\): run a multiple of 3 processes$"),
     ("ep-not-dividing-the-experts", lambda c: {"ep": 3}, 3, r"^--ep = 3 is not allowed: a divisor of the routed "
      r"experts, n_routed_experts = 8$"),
-    ("cp-in-one-process", lambda c: {"cp": 2}, 1, r"^--cp 2 does not divide the run's 1 process \(the world is dp x "
-     r"cp x ep ranks\): start it under torchrun --nproc-per-node 2 \(or a multiple of 2\)$"),
+    ("cp-in-one-process", lambda c: {"cp": 2}, 1, r"^--cp 2 x --ep 1 = 2 does not divide the run's 1 "
+     r"process \(the world is dp x cp x ep ranks\): start it under torchrun --nproc-per-node 2 \(or a multiple "
+     r"of 2\)$"),
     ("cp-times-ep-not-dividing", lambda c: {"cp": 2, "ep": 2}, 6, r"^--cp 2 x --ep 2 = 4 does not divide the run's 6 "
      r"processes \(the world is dp x cp x ep ranks\): run a multiple of 4 processes$"),
     ("cp-0", lambda c: {"cp": 0}, 2, r"^--cp = 0 is not allowed: an integer >= 1$"),

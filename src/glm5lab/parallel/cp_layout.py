@@ -35,12 +35,10 @@ def check_mesh(world: int, cp: int, ep: int) -> int:
     int_at_least("--cp", cp, 1)
     int_at_least("--ep", ep, 1)
     if world % (cp * ep):
-        asked = " x ".join(f"--{name} {v}" for name, v in (("cp", cp), ("ep", ep)) if v > 1)
-        asked += f" = {cp * ep}" if cp > 1 and ep > 1 else ""
         fix = (f"start it under torchrun --nproc-per-node {cp * ep} (or a multiple of {cp * ep})" if world == 1 else
                f"run a multiple of {cp * ep} processes")
-        raise ValueError(f"{asked} does not divide the run's {world} process{'es' * (world > 1)} (the world is dp x "
-                         f"cp x ep ranks): {fix}")
+        raise ValueError(f"--cp {cp} x --ep {ep} = {cp * ep} does not divide the run's {world} "
+                         f"process{'es' * (world > 1)} (the world is dp x cp x ep ranks): {fix}")
     return world // (cp * ep)
 
 
