@@ -94,10 +94,12 @@ def fit_verdict(cfg: ModelConfig, *, gpus: int, ep: int, checkpointing: bool, ac
 
 
 def fit_text(cfg: ModelConfig, *, nproc_flag: str = "--nproc", **kw) -> str:
-    """`fit_verdict(cfg, **kw)` in words (`render_verdict`), with the cp-1-only search too when its plan needs cp.
+    """`fit_verdict(cfg, **kw)` in words (`render_verdict`), with the cp-1-only search too when the plan it found
+    (the asked one does not fit) needs cp.
     `nproc_flag`: how the GPU count is spelled (--nproc in the dry run, --gpus in the ledger)."""
     v = fit_verdict(cfg, **kw)
-    without_cp = fit_verdict(cfg, **kw, max_cp=1) if v["plan"] is not None and v["plan"]["cp"] > 1 else None
+    searched = not v["fits"] and v["plan"] is not None and v["plan"]["cp"] > 1  # a plan found with cp: say one without
+    without_cp = fit_verdict(cfg, **kw, max_cp=1) if searched else None
     return render_verdict(v, nproc_flag=nproc_flag, without_cp=without_cp)
 
 
@@ -124,9 +126,10 @@ def plan_flags(p: dict, *, nproc_flag: str = "--nproc") -> str:
 
 def render_verdict(v: dict, *, nproc_flag: str = "--nproc", without_cp: dict | None = None) -> str:
     """The verdict in lines: fits or not, and the plan to use (or why none up to the cap fits); `without_cp`: the
-    verdict of the same search with cp 1 only, printed after it when the plan found needs cp."""
+    verdict of the same search with cp 1 only, printed after it when the plan found (the asked one does not fit)
+    needs cp."""
     text = _verdict_line(v, nproc_flag)
-    if without_cp is not None and v["plan"] is not None and v["plan"]["cp"] > 1:
+    if without_cp is not None and not v["fits"] and v["plan"] is not None and v["plan"]["cp"] > 1:
         r = without_cp["plan"]
         text += "\nwithout --cp: " + (
             f"{plan_flags(r, nproc_flag=nproc_flag)}, {_gib(r['bytes']['total'])} per GPU ({_parts(r)})" if r else
