@@ -117,8 +117,8 @@ class AllToAllDispatcher:
 def apply_expert_parallel(model, mesh) -> EPStats:
     """Shard every MoE's routed experts by expert over `mesh["ep"]` (each rank keeps its E/ep
     experts: `Shard(0)` DTensors of the [E, I, D] / [E, D, I] weights) and give each MoE an
-    `AllToAllDispatcher` over that group. mesh: the run's DeviceMesh ("dp", "cp", "ep"; `dist.device_mesh`). Call before FSDP2
-    (`glm5lab.parallel.dist.shard_model` does). Returns the `EPStats` all the dispatchers share.
+    `AllToAllDispatcher` over that group. mesh: the run's DeviceMesh ("dp", "cp", "ep"; `dist.device_mesh`). Call
+    before FSDP2 (`glm5lab.parallel.dist.shard_model` does). Returns the `EPStats` all the dispatchers share.
     Raises ValueError when the model has no MoE layer or E is not divisible by ep."""
     from torch import nn
     from torch.distributed.tensor import Shard, distribute_tensor

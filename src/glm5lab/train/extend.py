@@ -84,8 +84,8 @@ def record_extension(run_dir: Path, args: dict, stages: list[Stage], from_steps:
 def resume_notes(saved: dict, ep: int, eval_tokens: int | None, *, cp: int = 1) -> list[str]:
     """The notice lines of a resume of the run whose run.json is `saved`: when it runs another `--ep` than the run
     started with (1 when not recorded): the experts are resharded on load; another `--cp` (1 when not recorded):
-    each sequence is split over cp ranks from here on, the rows of a step unchanged; when `eval_tokens` (None: no periodic
-    validation) is not the run's (or run.json has none: a run started before eval_tokens, whose periodic
+    each sequence is split over cp ranks from here on, the rows of a step unchanged; when `eval_tokens` (None: no
+    periodic validation) is not the run's (or run.json has none: a run started before eval_tokens, whose periodic
     validation scored eval_batches x batch windows): from the step it resumes at, the periodic validation scores
     another subset of the held-out split, so val_loss before and after that step do not compare."""
     notes, started_ep, started = [], saved["args"].get("ep") or 1, saved["args"].get("eval_tokens")

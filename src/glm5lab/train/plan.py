@@ -377,8 +377,9 @@ def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
 
 def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
     """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's global batch
-    (batch_size x grad_accum x world_size, the data-parallel slices: processes / cp), or whose held-out split holds no window. The message names --data (`named`;
-    else the default corpus), the token counts and what to change. Raises ValueError."""
+    (batch_size x grad_accum x world_size, the data-parallel slices: processes / cp), or whose held-out split holds
+    no window. The message names --data (`named`; else the default corpus), the token counts and what to change.
+    Raises ValueError."""
     where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
     for stage in stages:
         width, batch = stage.seq_len + 1, stage.batch_size * stage.grad_accum * world_size
@@ -444,7 +445,7 @@ def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[St
         if diff:
             raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
                              f"{diff[:8]} differ); resume with the run's own --preset/--config")
-    # another process count, --ep or --cp is allowed: the checkpoint is resharded and the global batch kept (`rescale_stages`)
+    # another process count, --ep or --cp is allowed: resharded on load, the global batch kept (`rescale_stages`)
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
     old = {"stages": saved_stages, **{k: saved["args"].get(k, default_recipe().settings().get(k, getattr(TrainArgs, k))) for k in keys}}
