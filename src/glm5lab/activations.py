@@ -56,8 +56,8 @@ the head, every block's inputs and the largest block's saved tensors ("recompute
 
 Context parallelism (`cp`): each rank holds T / cp tokens (the queries' activations scale by 1 / cp) and
 the latents of all T keys gathered per MLA layer, (C + R) values per key, plus J per key for the indexer on
-an "own" layer (`cp_gather_bytes` gives the all-gather traffic). Planned (issue 38), not yet run: the
-gathered terms are what the issue's design keeps, not a measurement. Expert parallelism (`ep`): the MoE's
+an "own" layer (`cp_gather_bytes` gives the all-gather traffic, which tests/model/test_context_parallel.py
+measures equal to `ContextParallel.gathered_bytes`). Expert parallelism (`ep`): the MoE's
 rows per rank are the N x k assignments spread over ep ranks; balanced routing is assumed (every expert
 receives N x k / E rows), so a rank holds N x k rows of E / ep experts, with the one-process dispatcher's
 saved tensors (the all-to-all dispatcher's are not measured).
