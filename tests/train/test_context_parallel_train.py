@@ -1,7 +1,8 @@
 """`glm5lab train --cp` under torchrun (gloo, CPU) against one process on the same global batch, all from one
 checkpoint (`shared_init`): `--cp 2` on 2 processes and `--cp 2 --ep 2` on 4 log the same per-step losses, grad
 norms and validation losses and end with the same weights (DSA on: index_topk 8 < seq_len 24; MTP; the indexer
-warm-up); each CP row logs what its gathers moved (`cp_gather_bytes`); and a `--cp 2` checkpoint resumes in one
+warm-up); each CP row logs what its gathers moved (`cp_gather_bytes`: the dense stage's equal to the ledger's
+latent bytes per token, `activations.cp_gather_bytes`); and a `--cp 2` checkpoint resumes in one
 process (no --cp: resharded, the same rows a step) to the uninterrupted one-process run's losses and weights."""
 
 import json
@@ -10,7 +11,10 @@ import shutil
 import subprocess
 import sys
 
+from glm5lab import ModelConfig
+from glm5lab.activations import cp_gather_bytes
 from glm5lab.checkpoints.export import load_checkpoint_model
+from glm5lab.parallel.context_parallel import data_rank
 from tests.conftest import free_port
 from tests.train.conftest import metrics_rows, shared_init, tiny_plan
 
@@ -82,6 +86,11 @@ def test_cp_runs_match_one_process_and_resume_in_one(corpus, tmp_path):
     # the same figure every step of a stage (same shapes, same gathers), summed over the ranks: 4 ranks of 2 rows
     # gather as much as 2 ranks of 4 rows
     per_stage = {r["stage"]: r["cp_gather_bytes"] for r in metrics_rows(cp2)}
+    # the dense stage gathers the latents only (no indexer runs): 4 layers and the MTP layer at depths 1-3, each
+    # rank receiving the other's 4 x 12 tokens (the MTP depths too: head_tail puts positions 6-17 on rank 1, so its
+    # count below T - j stays 12 and rank 0's is padded to it), on 2 ranks
+    cfg = ModelConfig.from_hf(corpus / "config.json")
+    assert per_stage["dense"] == 2 * (4 + 3) * 4 * 24 * cp_gather_bytes(cfg, 2, dtype="fp32")["latent"] == 107_520
     assert [r["cp_gather_bytes"] for r in metrics_rows(cp2)] == [per_stage[r["stage"]] for r in metrics_rows(cp2)]
     assert [r["cp_gather_bytes"] for r in metrics_rows(both)] == [r["cp_gather_bytes"] for r in metrics_rows(cp2)]
     # resume the --cp 2 run from its step-4 checkpoint in one process: steps 5 and 6 as the one-process run
@@ -96,3 +105,12 @@ def test_cp_runs_match_one_process_and_resume_in_one(corpus, tmp_path):
     assert all("cp_gather_bytes" not in r for r in after[4:])
     _same_rows(rows[4:], after[4:], "resumed")
     _same_weights(one, resumed, sum(STEPS))
+
+
+def test_a_cp_group_reads_one_data_slice():
+    """World rank r of a dp x cp x ep mesh (expert innermost) reads slice (r // (cp ep)) ep + r % ep of world / cp:
+    the cp ranks of a group (ep apart) share one, the ep ranks of a replica read their own."""
+    assert [data_rank(r, 2, 1) for r in range(4)] == [0, 0, 1, 1]
+    assert [data_rank(r, 2, 2) for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert [data_rank(r, 1, 2) for r in range(4)] == [0, 1, 2, 3]  # no CP: every rank its own, as before
+    assert [data_rank(r, 4, 1) for r in range(4)] == [0, 0, 0, 0]
