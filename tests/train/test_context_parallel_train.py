@@ -22,9 +22,10 @@ DRIVER = """
 import json, sys
 from glm5lab.parallel.dist import end_process
 from glm5lab.train.loop import TrainArgs, train
-out, plan, root, cp, ep, resume = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:7])
+out, plan, root = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+cp, ep, resume, ac = map(int, sys.argv[4:8])
 train(TrainArgs(init=root + "/init", data=root + "/texts", out=out, progress=False, eval_every=2, eval_tokens=96,
-                checkpoint_every=0, stage_plan=plan, cp=cp, ep=ep, resume=bool(resume)))
+                checkpoint_every=0, stage_plan=plan, cp=cp, ep=ep, resume=bool(resume), activation_checkpointing=bool(ac)))
 end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
 """
 STEPS = (3, 1, 2)
@@ -32,13 +33,14 @@ STEPS = (3, 1, 2)
 KEYS = ("loss", "lm_loss", "mtp_losses", "indexer_kl", "grad_norm", "val_loss", "tokens")
 
 
-def _train(tmp_path, corpus, name: str, nproc: int, batch: int, cp: int = 1, ep: int = 1, resume: bool = False):
+def _train(tmp_path, corpus, name: str, nproc: int, batch: int, cp: int = 1, ep: int = 1, resume: bool = False,
+           ac: bool = False):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}"] if nproc > 1 else [sys.executable])
     plan = json.dumps(tiny_plan(steps=STEPS, batch=batch))
     run = subprocess.run([*launch, str(tmp_path / "driver.py"), str(tmp_path / name), plan, str(corpus), str(cp),
-                          str(ep), str(int(resume))], env=env, capture_output=True, text=True, timeout=300)
+                          str(ep), str(int(resume)), str(int(ac))], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return tmp_path / name
 
@@ -69,7 +71,9 @@ def test_cp_runs_match_one_process_and_resume_in_one(corpus, tmp_path):
     shared_init(corpus)
     (tmp_path / "driver.py").write_text(DRIVER)
     one = _train(tmp_path, corpus, "one", 1, batch=4)
-    cp2 = _train(tmp_path, corpus, "cp2", 2, batch=4, cp=2)  # one data slice: both ranks read the 4 rows
+    # one data slice: both ranks read the 4 rows; with activation checkpointing (same losses; the recomputed
+    # gathers are not counted again)
+    cp2 = _train(tmp_path, corpus, "cp2", 2, batch=4, cp=2, ac=True)
     both = _train(tmp_path, corpus, "cp2ep2", 4, batch=2, cp=2, ep=2)  # two slices of 2 rows, each split over 2
     rows = metrics_rows(one)
     assert len(rows) == sum(STEPS) and all(r["tokens"] == 4 * 24 for r in rows)
