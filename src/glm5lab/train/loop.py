@@ -294,7 +294,7 @@ class _Loop:
         counted)}, then the count restarts; {} without --cp. Collective: every rank calls it."""
         if self.cp is None:
             return {}
-        t = torch.tensor([self.cp.gathered_bytes], dtype=torch.long)
+        t = torch.tensor([self.cp.gathered_bytes], dtype=torch.long, device=self.ctx.device)  # NCCL: on the GPU
         self.cp.gathered_bytes = 0
         torch.distributed.all_reduce(t)
         return {"cp_gather_bytes": int(t)}
