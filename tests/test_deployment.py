@@ -172,8 +172,9 @@ def test_cli_prints_activations_and_the_total_per_gpu():
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4096", "--cp", "3"],
      "--cp = 3 is not allowed: a divisor of --gpus / --ep = 8 / 2 = 4 (G = data replicas x cp x ep)"),
-    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4095", "--cp", "2"],
-     "--seq-len = 4095 is not allowed: a multiple of --cp = 2"),
+    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4094", "--cp", "2"],
+     "sequence length 4094 does not split over --cp 2 (head_tail layout): it must be a multiple of 4; choose "
+     "seq_len 4092 or 4096"),
     (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "10"], "--seq-len = 10 is not allowed: more than 19"),
     (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "64", "--micro-batch", "0"],
      "--micro-batch = 0 is not allowed: an integer >= 1"),

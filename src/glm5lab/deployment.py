@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from glm5lab.activations import activations, cp_gather_bytes
 from glm5lab.parallel.alltoall import a2a_per_token, check_ep
+from glm5lab.parallel.cp_layout import check_split
 from glm5lab.config import ModelConfig
 from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
                             mixer_kind, mtp_params, state)
@@ -146,13 +147,13 @@ def deployment(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = 
 
 def check_cp(cp: int, *, gpus: int, ep: int, seq_len: int, flag: str = "") -> None:
     """Raise ValueError for a context-parallel size the training layout cannot hold: cp not an int >= 1, cp x ep
-    not dividing the GPUs (G = data replicas x cp x ep), or a sequence length cp does not divide."""
+    not dividing the GPUs (G = data replicas x cp x ep), or a sequence length `glm5lab train --cp` would refuse
+    (`cp_layout.check_split` under the default layout: head_tail needs a multiple of 2 cp)."""
     int_at_least(f"{flag}cp", cp, 1)
     if (gpus // ep) % cp:
         refuse(f"{flag}cp", cp, f"a divisor of {flag}gpus / {flag}ep = {gpus} / {ep} = {gpus // ep} (G = data replicas "
                "x cp x ep)")
-    if seq_len % cp:
-        refuse(f"{flag}seq-len", seq_len, f"a multiple of {flag}cp = {cp} (each rank holds seq_len / cp tokens)")
+    check_split(seq_len, cp)
 
 
 def with_activations(d: dict, cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, checkpointing: bool = False,
