@@ -123,7 +123,7 @@ def test_glm5_dsa_recipe_is_the_reports_schedule():
         (1e-5, None, True, "all", 1.0)
     per_step = 14 * 202752
     assert sparse.steps == -(-20_000_000_000 // per_step) == 7046  # 20B tokens, rounded up to whole steps
-    with pytest.raises(ValueError, match=r"global_batch = 14 is not allowed with batch_size 1 x 4 process"):
+    with pytest.raises(ValueError, match=r"global_batch = 14 is not allowed with batch_size 1 x 4 data slice"):
         resolve(recipe, mtp_depth=3, has_indexer=True, world_size=4)
 
 

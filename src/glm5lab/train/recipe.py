@@ -349,7 +349,7 @@ def resolve(recipe: Recipe, *, mtp_depth: int, has_indexer: bool, world_size: in
             names: list[str] | None = None, steps: int | None = None, seq_len: int | None = None,
             batch_size: int | None = None, grad_accum: int | None = None, lr: float | None = None) -> list[Stage]:
     """The stages a run trains. mtp_depth: the model's MTP depths (0 without an MTP layer); has_indexer: whether
-    it holds DSA indexer weights; world_size: processes (W). The flags, in this order: seq_len, batch_size,
+    it holds DSA indexer weights; world_size: data slices (W: processes / cp, the ranks reading different rows). The flags, in this order: seq_len, batch_size,
     grad_accum replace every stage's (an explicit grad_accum wins over `global_batch`); `tokens` become steps;
     quick (the `quick` tables); names (--stages: these stages, in this order); steps (--steps: the total, split in
     proportion, as `default_stages`); lr (--lr: every stage's lr and lr_end times lr / the first stage's lr).
@@ -387,9 +387,9 @@ def _stage(spec: StageSpec, recipe: Recipe, mtp_depth: int, world_size: int, qui
         per_step = values["batch_size"] * world_size
         if spec.global_batch % per_step:
             raise ValueError(f"{where}: global_batch = {spec.global_batch} is not allowed with batch_size "
-                             f"{values['batch_size']} x {world_size} process(es): a multiple of {per_step} "
-                             "(grad_accum = global_batch / (batch_size x processes)); change batch_size or the "
-                             "process count")
+                             f"{values['batch_size']} x {world_size} data slice(s) (processes / --cp): a multiple of "
+                             f"{per_step} (grad_accum = global_batch / (batch_size x data slices)); change batch_size "
+                             "or the process count")
         values["grad_accum"] = spec.global_batch // per_step
     if spec.tokens is not None:
         values["steps"] = math.ceil(spec.tokens / (values["seq_len"] * values["batch_size"] * values["grad_accum"]
