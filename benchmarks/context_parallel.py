@@ -35,8 +35,10 @@ for each length, the layouts interleaved (contiguous, head_tail, round_robin, th
   this CPU its attention work is the same on every rank whatever the layout (GPU flash kernels skip masked
   blocks; there the dense stage is as unbalanced as the pair counts).
 
-    # default: 2 and 4 processes, 4K-32K tokens, the three layouts (about 10 min on a quiet 2-core CPU)
+    # default: 2 and 4 processes, 4K-32K tokens, the three layouts (295 s on 2 cores at load average 5-9)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/context_parallel.py
+    # the recorded run (BENCHMARKS.md, "Context parallelism"): 3 repeats, 702 s under the same load
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/context_parallel.py --repeats 3
     # a quick look: 2 processes, 4K and 8K
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/context_parallel.py --processes 2 --lengths 4096,8192
 
@@ -271,8 +273,8 @@ def print_report(records: list[dict], args, env: dict) -> None:
     print(f"context parallelism: batch 1, fp32 CPU, gloo, {args.threads} torch thread(s) per process, {cores} cores; "
           "model: bench_config (2 layers, MLA + DSA top-64, IndexCache shared layer, MoE)\n")
     print(markdown_table(["processes", "tokens", "layout", "stage", "step s (fwd+bwd)", "attention s max / mean rank",
-                          "attention max/mean", "pairs max/mean", "gathered bytes (rank 0, fwd)", "ledger bytes", "equal",
-                          "threads/process", "load (1 min) after each step"], rows))
+                          "attention max/mean", "pairs max/mean", "gathered bytes (rank 0, fwd)", "ledger bytes",
+                          "equal", "threads/process", "load (1 min) after each step"], rows))
     print(f"\n- step: forward + backward of stage_losses, the slowest rank's, median of {args.repeats} after "
           f"{args.warmup} warm-up round(s) at the first length; attention s: per rank (median over repeats), the "
           "largest and the mean over ranks; attention max/mean (median over repeats): per-rank forward time in the "
