@@ -2,7 +2,11 @@
 gloo, CPU), the bytes autograd saves in the rank's share of a training forward equal the formula's count per GPU
 with cp = 2 within `TOLERANCE` (tests/model/cp_activations_driver.py measures them as tests/test_activations.py
 measures one process's). Cases: DSA's gathered route (64 tokens x 2 rows, T > 4 x top-8), its masked route
-(24 x 3) and dense attention (64 x 2), the tiny preset without MTP. The formula at cp = 1 (no CP) must miss."""
+(24 x 3) and dense attention (64 x 2, 128 x 1), the tiny preset without MTP. The formula at cp = 1 (no CP) must
+miss. Observed ratios formula / measured: 1.023, 1.011, 1.004, 0.9996 (the DSA cases' excess is the MoE's tile
+count under balanced routing, as in one process). At cp 4 the dense cases give 1.005 and 0.9996, but a rank's
+few tokens (18 at 24 x 3) leave experts without rows, and the balanced-routing count is up to 11% over: not
+tested there."""
 
 import os
 import re
@@ -13,7 +17,7 @@ from glm5lab.activations import TOLERANCE
 from tests.conftest import free_port
 
 DRIVER = os.path.join(os.path.dirname(__file__), "cp_activations_driver.py")
-CASES = ["dsa:64:2", "dsa:24:3", "dense:64:2"]
+CASES = ["dsa:64:2", "dsa:24:3", "dense:64:2", "dense:128:1"]
 
 
 def test_cp_activation_formula_equals_the_saved_tensors_of_each_rank():
@@ -28,4 +32,6 @@ def test_cp_activation_formula_equals_the_saved_tensors_of_each_rank():
         got, want, one = int(got), int(want), int(one)
         print(f"rank {rank} {case}: measured {got:,} formula (cp 2) {want:,} ratio {want / got:.4f}")
         assert abs(want / got - 1) <= TOLERANCE, (rank, case, got, want)
+        if case.startswith("dense"):  # no DSA: within 1% (counting K/V per local token, not per key, was 2.8-4.5%)
+            assert abs(want / got - 1) <= 0.01, (rank, case, got, want)
         assert abs(one / got - 1) > TOLERANCE, (rank, case, got, one)  # without CP the count is far off
