@@ -100,7 +100,8 @@ def test_cli_ledger_prints_the_verdict():
     (["ledger", "--preset", "tiny", "--gpus", "2", "--ep", "2", "--mode", "train", "--seq-len", "32", "--gpu-memory",
       "0"], "glm5lab ledger: error: --gpu-memory = 0.0 is not allowed: a finite number > 0"),
     (["ledger", "--preset", "tiny", "--gpus", "2", "--ep", "2", "--mode", "train", "--gpu-memory", "80"],
-     "glm5lab ledger: error: --gpu-memory = 80.0 is not allowed: only with --gpus, --ep, --mode train and --seq-len"),
+     "glm5lab ledger: error: --gpu-memory = 80.0 is not allowed: only with --gpus, --ep and --mode serve, or --mode "
+     "train and --seq-len"),
     (["train", "--recipe", "tiny", "--dry-run", "--gpu-memory", "nan"],
      "glm5lab train: error: --gpu-memory = nan is not allowed: a finite number > 0"),
     (["train", "--recipe", "tiny", "--gpu-memory", "8"],

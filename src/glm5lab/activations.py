@@ -56,10 +56,11 @@ the head, every block's inputs and the largest block's saved tensors ("recompute
 
 Context parallelism (`cp`): each rank holds T / cp tokens (the queries' activations scale by 1 / cp) and
 the latents of all T keys gathered per MLA layer, (C + R) values per key, plus J per key for the indexer on
-an "own" layer (`cp_gather_bytes` gives the all-gather traffic); the dense route's per-head K/V are expanded
-from them for all T keys (cp per local token), and kv_b_proj's input is the gathered latents.
-`tests/model/test_cp_activations.py` measures a CP rank's saved tensors (cp 2, tiny preset: dense, DSA's masked and
-gathered routes) against the formula. Expert parallelism (`ep`): the MoE's
+an "own" layer (`cp_gather_bytes` gives the all-gather traffic, which tests/model/test_context_parallel.py
+measures equal to `ContextParallel.gathered_bytes`); the dense route's per-head K/V are expanded from them for
+all T keys (cp per local token), and kv_b_proj's input is the gathered latents. `tests/model/test_cp_activations.py`
+measures a CP rank's saved tensors (cp 2, tiny preset: dense, DSA's masked and gathered routes) against the
+formula. Expert parallelism (`ep`): the MoE's
 rows per rank are the N x k assignments spread over ep ranks; balanced routing is assumed (every expert
 receives N x k / E rows), so a rank holds N x k rows of E / ep experts, with the one-process dispatcher's
 saved tensors (the all-to-all dispatcher's are not measured).

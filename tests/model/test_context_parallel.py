@@ -101,3 +101,30 @@ def test_cp_refuses_a_cache_logits_to_keep_and_an_unsplittable_length(tiny_model
     cp.size = 3  # as a rank of a group of 3 sees it
     with pytest.raises(ValueError, match="sequence length 16 does not split over --cp 3"):
         tiny_model(ids, context_parallel=cp)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_dense_indexer_kl_in_query_blocks_equals_one_block(monkeypatch, sparse):
+    """The warm-up KL of a long sequence runs in checkpointed blocks of queries (`DENSE_KL_BLOCK_ELEMENTS`); here
+    forced to blocks of 1-3 queries: the same loss and indexer gradients as one block (the reference path with a
+    top-k too)."""
+    import glm5lab.model.mla as mla
+
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", use_dsa=True, num_nextn_predict_layers=1))
+    ids = torch.randint(0, 512, (2, 37), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(ids, mtp_depth=2, indexer_loss=True, use_dsa=sparse, attn_impl="naive" if sparse else "auto")
+        out.indexer_loss.backward()
+        return out.indexer_loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = run()
+    for elements in (2 * 16 * 37, 3 * 2 * 16 * 37):  # blocks of 1 and 3 queries (B = 2, 16 indexer heads)
+        monkeypatch.setattr(mla, "DENSE_KL_BLOCK_ELEMENTS", elements)
+        blocked, grads = run()
+        torch.testing.assert_close(blocked, whole, atol=1e-7, rtol=1e-5)
+        assert grads.keys() == whole_grads.keys() and all(".indexer." in n for n in grads)
+        for n in grads:
+            torch.testing.assert_close(grads[n], whole_grads[n], atol=1e-7, rtol=1e-4)

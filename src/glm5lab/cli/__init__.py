@@ -38,6 +38,7 @@ from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.console import is_main_process, say, say_refusal
 from glm5lab.deployment import check_layout, deployment, render_deployment, with_activations
 from glm5lab.fit_plan import check_gpu_memory, fit_text
+from glm5lab.serve_fit import serve_fit, serve_fit_text
 from glm5lab.tensor_parallel import check_tp, render_tp, tp_serve
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
@@ -66,7 +67,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
             refuse("--index-dtype", args.index_dtype, "only for the ledger table (the deployment accounts keep the "
                    "indexer keys in --cache-dtype)")
         if args.tp is not None:
-            return _print(*_tp_accounts(args, cfg, label), args.json)
+            text, d = _tp_accounts(args, cfg, label)
+            return _print(text + _serve_verdict(args, cfg, 1 if args.ep is None else args.ep), d, args.json)
         check_layout(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
                      batch=1 if args.batch is None else args.batch, flag="--")
         d = deployment(cfg, gpus=args.gpus, ep=args.ep, mode=args.mode, dtype=args.dtype,
@@ -75,8 +77,8 @@ def cmd_ledger(args: argparse.Namespace) -> int:
             batch, cp = (1 if v is None else v for v in (args.micro_batch, args.cp))
             d = with_activations(d, cfg, seq_len=args.seq_len, micro_batch=batch,
                                  checkpointing=args.activation_checkpointing, cp=cp, flag="--")
-        text = render_deployment(d)
-        if args.gpu_memory is not None:
+        text = render_deployment(d) + (_serve_verdict(args, cfg, args.ep) if args.mode == "serve" else "")
+        if args.gpu_memory is not None and args.mode == "train":
             text += "\n" + fit_text(cfg, gpus=args.gpus, ep=args.ep, cp=cp, checkpointing=args.activation_checkpointing,
                                      act=dict(seq_len=args.seq_len, batch=batch), gpu_memory=args.gpu_memory,
                                      dtype=args.dtype, nproc_flag="--gpus")
@@ -84,6 +86,15 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         d = ledger(cfg, dtype=args.dtype, context=args.context, name=label, index_dtype=args.index_dtype)
         text = render(d)
     return _print(text, d, args.json)
+
+
+def _serve_verdict(args: argparse.Namespace, cfg: ModelConfig, ep: int) -> str:
+    """With --gpu-memory, the serving layout's fit verdict line (`glm5lab.serve_fit`), after a newline; else ""."""
+    if args.gpu_memory is None:
+        return ""
+    v = serve_fit(cfg, gpus=args.gpus, ep=ep, tp=args.tp, gpu_memory=args.gpu_memory, dtype=args.dtype,
+                  cache_dtype=args.cache_dtype, context=args.context, batch=args.batch or 1)
+    return "\n" + serve_fit_text(v)
 
 
 def _print(text: str, d: dict, as_json: bool) -> int:
@@ -124,10 +135,12 @@ def _deployment_asked(args: argparse.Namespace) -> bool:
         refuse("--seq-len", args.seq_len, "only with --gpus, --ep and --mode train")
     if args.gpu_memory is not None:
         check_gpu_memory(args.gpu_memory)
-    for name, value in (("micro-batch", args.micro_batch), ("cp", args.cp), ("gpu-memory", args.gpu_memory),
+    for name, value in (("micro-batch", args.micro_batch), ("cp", args.cp),
                         ("activation-checkpointing", args.activation_checkpointing or None)):
         if value is not None and (args.mode != "train" or args.seq_len is None):
             refuse(f"--{name}", value, "only with --gpus, --ep, --mode train and --seq-len")
+    if args.gpu_memory is not None and (args.mode is None or (args.mode == "train" and args.seq_len is None)):
+        refuse("--gpu-memory", args.gpu_memory, "only with --gpus, --ep and --mode serve, or --mode train and --seq-len")
     return bool(given)
 
 
@@ -438,9 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "--activation-checkpointing`; default off)")
     dep.add_argument("--cp", type=int, metavar="C", help="with --seq-len: context-parallel ranks per sequence, each "
                      "holding T / C tokens (a divisor of --gpus / --ep; default 1); adds the all-gather bytes")
-    dep.add_argument("--gpu-memory", dest="gpu_memory", type=float, metavar="GIB", help="with --seq-len: say whether "
-                     "the total per GPU fits in GIB GiB and, if not, the smallest plan that does (--gpus, --cp, --ep, "
-                     "checkpointing; docs/ledger.md, \"Fit verdict\")")
+    dep.add_argument("--gpu-memory", dest="gpu_memory", type=float, metavar="GIB", help="--mode train with --seq-len: "
+                     "say whether the total per GPU fits in GIB GiB and, if not, the smallest plan that does (--gpus, "
+                     "--cp, --ep, checkpointing); --mode serve (EP or --tp layout): whether weights + cache fit, and "
+                     "if not the smallest layout of that kind that does (docs/ledger.md, \"Fit verdict\")")
     p.set_defaults(func=cmd_ledger)
     add_generate_parser(sub)
     add_ablate_parser(sub)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.attention import (
@@ -29,6 +30,7 @@ from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.step import LayerStep
 from glm5lab.model.topk import TopK
+from glm5lab.model.visibility import narrow_queries, visible
 
 ATTN_IMPLS = ("auto", "naive", "absorbed")
 """Model-level choice of attention kernels (`GLM5ForCausalLM.forward(attn_impl=)`): "naive" sets
@@ -38,6 +40,10 @@ GATHER_MIN_KEYS_PER_TOPK = 4
 masked SDPA over all keys is faster on CPU (BENCHMARKS.md, "Kernel choices"). Both compute
 exactly the same function."""
 ROUTES = ("reference", "expanded", "latent_masked", "latent_gathered")
+DENSE_KL_BLOCK_ELEMENTS = 2**26
+"""The dense indexer KL (the warm-up's) runs in blocks of queries once its [B, heads, T, S] logits or index dots
+would pass this many fp32 values (256 MiB): a 202,752-token sequence's warm-up would otherwise hold tens of GB
+per layer (with CP too: the local queries over all keys)."""
 
 
 def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_sized: bool, S: int,
@@ -209,7 +215,9 @@ class MLAttention(nn.Module):
         scores)), p = this layer's attention probabilities summed over heads and L1-normalised. Dense
         (warm-up): over all causal keys; sparse (`topk` given): both restricted to the selected keys, computed
         at those keys only (`indexer_kl_sparse`, O(T K)) unless `step.reference` (the dense-mask reference
-        below: [B, H, T, S] logits, scores at every key, the same value). projected: (q_nope, q_pe, latent_BSX:
+        below: [B, H, T, S] logits, scores at every key, the same value; past `DENSE_KL_BLOCK_ELEMENTS` per
+        forward, in blocks of queries, each recomputed in the backward (activation checkpointing), so a long
+        sequence's warm-up holds one block's [B, H | I, t, S] at a time). projected: (q_nope, q_pe, latent_BSX:
         the [c | k_pe] of all S keys); index_keys_BSJ: the indexer keys of all S keys from the detached input
         (`index_keys`; None: computed here). The indexer's inputs are detached, so this loss trains the
         indexer only, and p carries no gradient. Under CP: the local queries over the gathered keys, the mean
@@ -219,17 +227,36 @@ class MLAttention(nn.Module):
         if topk is not None and not step.reference:
             return self.indexer_kl_sparse(x_BTD, q_lat_BTQ, projected, step, topk, index_keys_BSJ)
         q_nope, q_pe, latent_BSX = projected
-        keep_BTS = step.mask()
+        (B, T), S = x_BTD.shape[:2], latent_BSX.shape[1]
+        rows = (x_BTD.detach(), q_lat_BTQ.detach(), q_nope.detach(), q_pe.detach())
+        keys = (latent_BSX.detach(), index_keys_BSJ)
+        tq = max(1, DENSE_KL_BLOCK_ELEMENTS // (B * max(self.n_heads, self.indexer.n_heads) * S))
+        if tq >= T:
+            return step.token_mean(self._dense_kl(*rows, *keys, step.cos, step.sin, step.offsets, topk))
+        parts = []
+        for t0 in range(0, T, tq):
+            t = min(tq, T - t0)
+            part = None if topk is None else TopK(topk.idx_BTK[:, t0:t0 + t], topk.valid_BTK[:, t0:t0 + t])
+            parts.append(checkpoint(self._dense_kl, *(r[:, t0:t0 + t] for r in rows), *keys, step.cos[t0:t0 + t],
+                                    step.sin[t0:t0 + t], narrow_queries(step.offsets, t0, t), part,
+                                    use_reentrant=False))
+        return step.token_mean(torch.cat(parts, dim=1))
+
+    def _dense_kl(self, x_BTD, q_lat_BTQ, q_nope, q_pe, latent_BSX, index_keys_BSJ, cos_TR2, sin_TR2, offsets,
+                  topk: TopK | None) -> torch.Tensor:
+        """fp32 [B, T]: the dense-form KL of each of T queries (at `offsets`: `glm5lab.model.visibility`) over the
+        S keys, restricted to `topk`'s keys when given; inputs detached but the indexer keys."""
+        S = latent_BSX.shape[1]
+        keep_BTS = visible(offsets, x_BTD.shape[1], S, device=x_BTD.device)
         if topk is not None:
-            keep_BTS = keep_BTS & topk_mask(topk, latent_BSX.shape[1])
+            keep_BTS = keep_BTS & topk_mask(topk, S)
         with torch.no_grad():
             q_BTHX = self.absorbed_query(q_nope, q_pe).float()
             logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, latent_BSX.float()) * self.scale
             probs_BHTS = logits_BHTS.masked_fill(~keep_BTS[:, None], float("-inf")).softmax(-1)
             target_BTS = probs_BHTS.sum(1) / probs_BHTS.shape[1]
-        scores_BTS = self.indexer.scores(x_BTD.detach(), q_lat_BTQ.detach(), index_keys_BSJ, step.cos, step.sin,
-                                         q_offset=step.offsets)
-        return step.token_mean(kl_to_indexer(target_BTS, scores_BTS, keep_BTS))
+        scores_BTS = self.indexer.scores(x_BTD, q_lat_BTQ, index_keys_BSJ, cos_TR2, sin_TR2, q_offset=offsets)
+        return kl_to_indexer(target_BTS, scores_BTS, keep_BTS)
 
     def indexer_kl_sparse(self, x_BTD, q_lat_BTQ, projected, step: LayerStep, topk: TopK,
                           index_keys_BSJ: torch.Tensor) -> torch.Tensor:
