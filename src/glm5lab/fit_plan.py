@@ -6,9 +6,10 @@ G) + `glm5lab.activations.activations` of one micro-batch (T / cp tokens a rank,
 `fit_verdict` checks the plan asked for against `gpu_memory` GiB and, when it does not fit, searches
 (`candidates`) in this order and returns the first that fits ("smallest"): fewest GPUs, then no cp (then the
 smallest cp), then the smallest ep, then checkpointing off. GPU counts searched: the plan's own and larger up to
-`cap`, powers of two and multiples of the plan's ep; cp: divisors of G / ep that divide T; ep: divisors of G and
-of n_routed_experts (1 only without MoE layers). cp > 1 is counted by the ledger's design (issue 38) but
-`glm5lab train` has no --cp yet: such a plan is marked "needs --cp, not yet runnable".
+`cap`, powers of two and multiples of the plan's ep; (cp, ep): those `check_mesh` allows at G (cp x ep divides G,
+the run's own rule), cp splitting T under the layout (`check_split`: T a multiple of 2 cp for head_tail); ep:
+divisors of n_routed_experts (1 only without MoE layers). A plan with cp > 1 runs as `glm5lab train --cp`; the
+verdict on such a plan also says the smallest plan without cp (`fit_text`).
 Pure arithmetic on `ModelConfig` (no torch); bytes; GiB = 2**30 bytes. docs/ledger.md, "Fit verdict".
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from glm5lab.activations import activations
 from glm5lab.config import ModelConfig
 from glm5lab.deployment import train_bytes
+from glm5lab.parallel.cp_layout import DEFAULT_LAYOUT, check_mesh, split_unit
 from glm5lab.validate import finite, int_at_least
 
 GIB = 2**30
@@ -36,24 +38,36 @@ def plan_dtype(gpus: int, dtype: str | None) -> str:
     return dtype or ("bf16" if gpus > 1 else "fp32")
 
 
-def candidates(cfg: ModelConfig, *, gpus: int, ep: int, seq_len: int, cap: int = CAP, max_cp: int | None = None):
+def candidates(cfg: ModelConfig, *, gpus: int, ep: int, seq_len: int, cap: int = CAP, max_cp: int | None = None,
+               layout: str = DEFAULT_LAYOUT):
     """Plans (G, cp, ep, checkpointing) in the search order of the module docstring, G from `gpus` to `cap`, cp at
-    most `max_cp` (None: any)."""
+    most `max_cp` (None: any) and splitting seq_len under `layout`."""
     worlds = {gpus} | {g for g in _powers_of_two(cap) if g >= gpus} | set(range(gpus - gpus % ep + ep, cap + 1, ep))
     moe = cfg.n_routed_experts and "sparse" in cfg.mlp_layer_types
     for g in sorted(worlds):
         eps = [e for e in _divisors(g) if moe and cfg.n_routed_experts % e == 0] or [1]
-        for cp in (c for c in _divisors(g) if seq_len % c == 0 and (max_cp is None or c <= max_cp)):
-            for e in (e for e in eps if (g // e) % cp == 0):
+        for cp in (c for c in _divisors(g) if seq_len % split_unit(c, layout) == 0 and (max_cp is None or c <= max_cp)):
+            for e in (e for e in eps if _mesh_ok(g, cp, e)):
                 for ckpt in (False, True):
                     yield g, cp, e, ckpt
 
 
+def _mesh_ok(world: int, cp: int, ep: int) -> bool:
+    """Whether `check_mesh` allows the layout (the run's rule, so a plan found here is one `glm5lab train` runs)."""
+    try:
+        check_mesh(world, cp, ep)
+    except ValueError:
+        return False
+    return True
+
+
 def fit_verdict(cfg: ModelConfig, *, gpus: int, ep: int, checkpointing: bool, act: dict, gpu_memory: float,
-                cp: int = 1, dtype: str | None = None, cap: int = CAP, max_cp: int | None = None) -> dict:
+                cp: int = 1, dtype: str | None = None, cap: int = CAP, max_cp: int | None = None,
+                layout: str = DEFAULT_LAYOUT) -> dict:
     """{"gpu_memory", "cap", "asked": the plan's bytes and settings, "fits": bool, "plan": the smallest plan that
     fits (the asked one when it fits; None when none up to `cap` does), "best_at_cap": the plan with the fewest
-    bytes at `cap` GPUs (when none fits)}, searching cp <= `max_cp` (None: any). A plan: {"gpus", "ep", "cp",
+    bytes at `cap` GPUs (when none fits)}, searching cp <= `max_cp` (None: any) that split the sequence under
+    `layout` (`--cp-layout`). A plan: {"gpus", "ep", "cp",
     "checkpointing", "dtype", "bytes": PARTS and "total", "activations": `activations`' dict}. dtype: None = bf16 on
     several GPUs, fp32 on one (the dry run's rule). Raises ValueError (`check_gpu_memory`; as `activations`)."""
     limit = check_gpu_memory(gpu_memory) * GIB
@@ -65,24 +79,28 @@ def fit_verdict(cfg: ModelConfig, *, gpus: int, ep: int, checkpointing: bool, ac
         return out
     acts: dict = {}
     out["plan"] = None
-    for g, c, e, ckpt in candidates(cfg, gpus=gpus, ep=ep, seq_len=act["seq_len"], cap=cap, max_cp=max_cp):
+    for g, c, e, ckpt in candidates(cfg, gpus=gpus, ep=ep, seq_len=act["seq_len"], cap=cap, max_cp=max_cp,
+                                    layout=layout):
         p = _plan(cfg, g, c, e, ckpt, act, dtype, acts)
         if p["bytes"]["total"] <= limit:
             out["plan"] = p
             return out
     top = max(gpus, cap)
     at_cap = [_plan(cfg, top, c, e, k, act, dtype, acts) for g, c, e, k in
-              candidates(cfg, gpus=top, ep=ep, seq_len=act["seq_len"], cap=top, max_cp=max_cp) if g == top]
+              candidates(cfg, gpus=top, ep=ep, seq_len=act["seq_len"], cap=top, max_cp=max_cp, layout=layout)
+              if g == top]
     out["best_at_cap"] = min(at_cap, key=lambda p: p["bytes"]["total"])
     return out
 
 
 def fit_text(cfg: ModelConfig, *, nproc_flag: str = "--nproc", **kw) -> str:
-    """`fit_verdict(cfg, **kw)` in words (`render_verdict`), with the cp-1-only search too when its plan needs cp.
+    """`fit_verdict(cfg, **kw)` in words (`render_verdict`), with the cp-1-only search too when the plan it found
+    (the asked one does not fit) needs cp.
     `nproc_flag`: how the GPU count is spelled (--nproc in the dry run, --gpus in the ledger)."""
     v = fit_verdict(cfg, **kw)
-    runnable = fit_verdict(cfg, **kw, max_cp=1) if v["plan"] is not None and v["plan"]["cp"] > 1 else None
-    return render_verdict(v, nproc_flag=nproc_flag, runnable=runnable)
+    searched = not v["fits"] and v["plan"] is not None and v["plan"]["cp"] > 1  # a plan found with cp: say one without
+    without_cp = fit_verdict(cfg, **kw, max_cp=1) if searched else None
+    return render_verdict(v, nproc_flag=nproc_flag, without_cp=without_cp)
 
 
 def _plan(cfg, g, cp, ep, ckpt, act, dtype, cache) -> dict:
@@ -106,17 +124,18 @@ def plan_flags(p: dict, *, nproc_flag: str = "--nproc") -> str:
     return flags + (" --activation-checkpointing" if p["checkpointing"] else "")
 
 
-def render_verdict(v: dict, *, nproc_flag: str = "--nproc", runnable: dict | None = None) -> str:
-    """The verdict in lines: fits or not, and the plan to use (or why none up to the cap fits); `runnable`: the
-    verdict of the same search with cp 1 only, printed after it when the plan found needs cp."""
+def render_verdict(v: dict, *, nproc_flag: str = "--nproc", without_cp: dict | None = None) -> str:
+    """The verdict in lines: fits or not, and the plan to use (or why none up to the cap fits); `without_cp`: the
+    verdict of the same search with cp 1 only, printed after it when the plan found (the asked one does not fit)
+    needs cp."""
     text = _verdict_line(v, nproc_flag)
-    if runnable is not None and v["plan"] is not None and v["plan"]["cp"] > 1:
-        r = runnable["plan"]
-        text += "\nwithout --cp (runnable today): " + (
+    if without_cp is not None and not v["fits"] and v["plan"] is not None and v["plan"]["cp"] > 1:
+        r = without_cp["plan"]
+        text += "\nwithout --cp: " + (
             f"{plan_flags(r, nproc_flag=nproc_flag)}, {_gib(r['bytes']['total'])} per GPU ({_parts(r)})" if r else
-            f"no plan up to {runnable['cap']:,} GPUs fits; the least at {runnable['best_at_cap']['gpus']:,}: "
-            f"{plan_flags(runnable['best_at_cap'], nproc_flag=nproc_flag)}, "
-            f"{_gib(runnable['best_at_cap']['bytes']['total'])}; {dominant(runnable['best_at_cap'])}")
+            f"no plan up to {without_cp['cap']:,} GPUs fits; the least at {without_cp['best_at_cap']['gpus']:,}: "
+            f"{plan_flags(without_cp['best_at_cap'], nproc_flag=nproc_flag)}, "
+            f"{_gib(without_cp['best_at_cap']['bytes']['total'])}; {dominant(without_cp['best_at_cap'])}")
     return text
 
 
@@ -128,10 +147,9 @@ def _verdict_line(v: dict, nproc_flag: str) -> str:
         return f"{head}: it fits"
     p = v["plan"]
     if p is not None:
-        note = "; needs --cp, not yet runnable (context parallelism is not built)" if p["cp"] > 1 else ""
         return (f"{head}: it does not fit. Smallest plan that fits (fewest GPUs, then no cp, then the smallest ep, "
                 f"then checkpointing off): {plan_flags(p, nproc_flag=nproc_flag)}, {_gib(p['bytes']['total'])} per "
-                f"GPU ({_parts(p)}){note}")
+                f"GPU ({_parts(p)})")
     b = v["best_at_cap"]
     return (f"{head}: it does not fit, and no plan up to {v['cap']:,} GPUs fits (any cp, ep, checkpointing). The "
             f"least at {b['gpus']:,} GPUs: {plan_flags(b, nproc_flag=nproc_flag)}, {_gib(b['bytes']['total'])} "

@@ -103,7 +103,10 @@ def test_a_resume_with_nothing_to_resume_is_a_user_error(tmp_path):
     (["--stages", "dense,dense"], "each stage at most once"),
     (["--preset", "glm5"], "GiB to train in fp32"),
     (["--out", "/proc/no/such"], "--out /proc/no/such: cannot create the run folder"),
-    (["--ep", "2"], "--ep = 2 is not allowed: 1 in one process; --ep 2 runs under torchrun --nproc-per-node 2"),
+    (["--ep", "2"], "--cp 1 x --ep 2 = 2 does not divide the run's 1 process (the world is dp x cp x ep "
+                    "ranks): start it under torchrun --nproc-per-node 2 (or a multiple of 2)"),
+    (["--cp", "2"], "--cp 2 x --ep 1 = 2 does not divide the run's 1 process (the world is dp x cp x ep "
+                    "ranks): start it under torchrun --nproc-per-node 2 (or a multiple of 2)"),
     (["--ep", "0"], "--ep = 0 is not allowed: an integer >= 1"),
 ])
 def test_user_errors_are_one_clear_line(corpus, tmp_path, args, message):

@@ -23,6 +23,7 @@ from glm5lab.model.dispatch import LocalDispatcher
 from glm5lab.parallel import dist as gdist
 from glm5lab.parallel.dist import end_process, session
 from glm5lab.parallel.alltoall import check_ep
+from glm5lab.parallel.context_parallel import check_mesh
 from glm5lab.parallel.expert_parallel import AllToAllDispatcher, EPStats, pop_ep_metrics
 from glm5lab.train.ep_check import HYPER, LR, ep_check_model, train_ep_check
 from tests.conftest import free_port, write_word_corpus
@@ -223,18 +224,24 @@ def test_dispatch_and_combine_across_ranks_equal_one_process(tmp_path):
 
 
 def test_ep_refusals():
+    """What --ep asks of the model (`check_ep`; the run's process count is `check_mesh`'s, below), and the GPU
+    count a ledger names."""
     tiny, dense = ModelConfig.from_preset("tiny"), ModelConfig.from_preset("tiny", first_k_dense_replace=4)
     cases = [
-        ((2, 1, tiny), r"1 in one process; --ep 2 runs under torchrun --nproc-per-node 2 \(or a multiple of 2\)"),
-        ((4, 6, tiny), r"a divisor of the run's 6 processes"),
-        ((3, 3, tiny), r"a divisor of the routed experts, n_routed_experts = 8"),
-        ((2, 2, dense), r"1 for a model without MoE layers \(n_routed_experts 8, mlp_layer_types \['dense'\]\)"),
+        ((4, 6, tiny), r"a divisor of 6 GPUs"),
+        ((3, None, tiny), r"a divisor of the routed experts, n_routed_experts = 8"),
+        ((2, None, dense), r"1 for a model without MoE layers \(n_routed_experts 8, mlp_layer_types \['dense'\]\)"),
         ((0, 2, tiny), r"an integer >= 1"),
     ]
     for (ep, world, cfg), rule in cases:
         with pytest.raises(ValueError, match=rf"^--ep = {ep} is not allowed: {rule}$"):
             check_ep(ep, world, cfg)
     check_ep(1, 1, dense)  # no EP: nothing to check
+    with pytest.raises(ValueError, match=r"^--cp 1 x --ep 2 = 2 does not divide the run's 1 process \(the "
+                                         r"world is dp x cp x ep ranks\): start it under torchrun "
+                                         r"--nproc-per-node 2 \(or a multiple of 2\)$"):
+        check_mesh(1, 1, 2)
+    assert [check_mesh(w, cp, ep) for w, cp, ep in ((8, 2, 2), (4, 1, 4), (6, 3, 1))] == [2, 1, 2]
 
 
 def test_ep_run_resumes_bit_exactly_and_a_checkpoint_starts_one(tmp_path, monkeypatch):

@@ -67,9 +67,35 @@ REFUSED = [
     ("seq-len-0", lambda c: {"seq_len": 0}, 1, r"^--seq-len = 0 is not allowed: an integer >= 1$"),
     ("lr-0", lambda c: {"lr": 0.0}, 1, r"^--lr = 0.0 is not allowed: a finite number > 0$"),
     ("bias-rate", lambda c: {"bias_update_rate": -1.0}, 1, r"^--bias-update-rate = -1.0 is not allowed"),
-    ("ep-in-one-process", lambda c: {"ep": 2}, 1, r"^--ep = 2 is not allowed: 1 in one process"),
-    ("ep-not-dividing-the-processes", lambda c: {"ep": 3}, 4, r"^--ep = 3 is not allowed: a divisor of the run's 4 "
-     r"processes$"),
+    ("ep-in-one-process", lambda c: {"ep": 2}, 1, r"^--cp 1 x --ep 2 = 2 does not divide the run's 1 "
+     r"process \(the world is dp x cp x ep ranks\): start it under torchrun --nproc-per-node 2 \(or a multiple "
+     r"of 2\)$"),
+    ("ep-not-dividing-the-processes", lambda c: {"ep": 3}, 4, r"^--cp 1 x --ep 3 = 3 does not divide the run's 4 "
+     r"processes \(the world is dp x cp x ep ranks\): run a multiple of 3 processes$"),
+    ("ep-not-dividing-the-experts", lambda c: {"ep": 3}, 3, r"^--ep = 3 is not allowed: a divisor of the routed "
+     r"experts, n_routed_experts = 8$"),
+    ("cp-in-one-process", lambda c: {"cp": 2}, 1, r"^--cp 2 x --ep 1 = 2 does not divide the run's 1 "
+     r"process \(the world is dp x cp x ep ranks\): start it under torchrun --nproc-per-node 2 \(or a multiple "
+     r"of 2\)$"),
+    ("cp-times-ep-not-dividing", lambda c: {"cp": 2, "ep": 2}, 6, r"^--cp 2 x --ep 2 = 4 does not divide the run's 6 "
+     r"processes \(the world is dp x cp x ep ranks\): run a multiple of 4 processes$"),
+    ("cp-0", lambda c: {"cp": 0}, 2, r"^--cp = 0 is not allowed: an integer >= 1$"),
+    ("cp-layout-unknown", lambda c: {"cp": 2, "cp_layout": "zigzag"}, 2, r"^--cp-layout = 'zigzag' is not allowed: "
+     r"one of \('head_tail', 'round_robin', 'contiguous'\)$"),
+    ("cp-seq-len-not-split", lambda c: {"cp": 2, "seq_len": 26}, 2, r"^stage 'dense': sequence length 26 does not "
+     r"split over --cp 2 \(head_tail layout\): it must be a multiple of 4; choose seq_len 24 or 28$"),
+    ("cp-seq-len-not-split-round-robin", lambda c: {"cp": 4, "seq_len": 26, "cp_layout": "round_robin"}, 4,
+     r"^stage 'dense': sequence length 26 does not split over --cp 4 \(round_robin layout\): it must be a multiple "
+     r"of 4; choose seq_len 24 or 28$"),
+    ("cp-with-compile", lambda c: {"cp": 2, "compile": True}, 2, r"^--compile with --cp 2 is not supported: the "
+     r"context-parallel gathers run eagerly; drop --compile \(or --cp\)$"),
+    ("cp-with-swa", lambda c: {"cp": 2, "config": _config(c, "swa", mixer_types=["attention", "swa", "attention",
+                                                                                "attention"], sliding_window=8)}, 2,
+     r"^--cp 2 is not supported for a model with SWA layers \(layer 1: mixer 'swa'\): context parallelism splits MLA "
+     r"and GQA attention only; train it without --cp$"),
+    ("cp-with-gated-deltanet", lambda c: {"cp": 2, "config": _config(c, "gdn", mixer_types=["attention", "attention",
+                                                                                           "gdn", "attention"])}, 2,
+     r"^--cp 2 is not supported for a model with Gated DeltaNet layers \(layer 2: mixer 'gdn'\)"),
     ("init-empty", lambda c: {"init": ""}, 1, r"^--init = '' is not allowed: a run folder"),
     ("mtp-too-long-for-seq", lambda c: {"seq_len": 3}, 1, r"^--seq-len 3 is too short for stage 'dense'"),
     ("unknown-stage", lambda c: {"stages": ["dense", "nope"]}, 1, r"^--stages: unknown stage\(s\) \['nope'\]"),

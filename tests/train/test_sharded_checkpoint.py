@@ -91,7 +91,7 @@ def test_each_rank_writes_its_shards_and_the_folder_is_complete(runs):
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "config.json", "generation_config.json",
                      "rng-00000.pt", "rng-00001.pt", "tokenizer.json", "tokenizer_config.json", "trainer_state.json"]
     state = json.loads((folder / "trainer_state.json").read_text())
-    assert state == {"format": "dcp", "world_size": 2, "ep": 2, "position": {"step": 7, "stage": 3, "in_stage": 0}}
+    assert state == {"format": "dcp", "world_size": 2, "ep": 2, "cp": 1, "position": {"step": 7, "stage": 3, "in_stage": 0}}
     assert sorted(p.name for p in (runs / "ep" / "checkpoints").iterdir()) == ["latest", "step-000004", "step-000007"]
     # the experts (E = 4, split by expert over 2 ranks) are not gathered: each rank's file holds about half
     sizes = [(folder / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]

@@ -71,7 +71,7 @@ def _rank_world(model) -> tuple[int, int] | None:
 def save(folder: Path, model, optimizer, state: dict, *, tokenizer=None) -> Path:
     """Write the run checkpoint `folder` (model and optimizer as laid out: sharded or not); collective when the model
     is sharded (every rank calls it). state: JSON data kept in trainer_state.json ({"position": {"step", "stage",
-    "in_stage"}, "ep"}; "format": "dcp" and "world_size" are added). Each rank writes its shards and its RNG state
+    "in_stage"}, "ep", "cp"}; "format": "dcp" and "world_size" are added). Each rank writes its shards and its RNG state
     into a hidden temp folder beside `folder`; rank 0 adds config.json, the tokenizer files (`tokenizer`: a
     `tokenizers.Tokenizer` or None) and trainer_state.json, then (after a barrier) renames it into place, replacing
     an earlier `folder`.

@@ -38,6 +38,7 @@ from glm5lab.config import ConfigError, ModelConfig
 from glm5lab.console import is_main_process, say, say_refusal
 from glm5lab.deployment import check_layout, deployment, render_deployment, with_activations
 from glm5lab.fit_plan import check_gpu_memory, fit_text
+from glm5lab.parallel.cp_layout import DEFAULT_LAYOUT, LAYOUTS
 from glm5lab.serve_fit import serve_fit, serve_fit_text
 from glm5lab.tensor_parallel import check_tp, render_tp, tp_serve
 from glm5lab.ledger import ledger, render
@@ -297,7 +298,7 @@ def add_train_parser(sub) -> None:
                        "metrics.jsonl, checkpoints (DCP: one part per process, docs/checkpoints.md), loss.png, "
                        "model/ (the last checkpoint as an HF folder) and summary.json into --out. Under "
                        "torchrun the model is built on the meta device and sharded with FSDP2 (--ep: and by "
-                       "expert).")
+                       "expert; --cp: each sequence split over N processes).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", metavar="NAME", help=RecipeHelp(
         f"model preset: one of {', '.join(PRESETS)} (default {{preset}}; tiny is the smallest: `--recipe tiny` trains "
@@ -353,6 +354,15 @@ def add_train_parser(sub) -> None:
     p.add_argument("--ep", type=int, metavar="N", help="expert parallelism under torchrun: routed experts split by "
                    "expert over groups of N processes, tokens sent to them by all-to-all (N divides the process "
                    "count and n_routed_experts; docs/training.md); default 1")
+    p.add_argument("--cp", type=int, metavar="N", help="context parallelism under torchrun: each sequence split "
+                   "over groups of N processes that read the same rows (queries local, MLA's latents and the DSA "
+                   "index keys all-gathered); the global batch stays the recipe's; N x --ep divides the process "
+                   "count, every stage's seq_len splits over N (--cp-layout), MLA/GQA attention layers only "
+                   "(docs/scaling.md, \"Context parallelism\"); default 1")
+    p.add_argument("--cp-layout", dest="cp_layout", choices=LAYOUTS, help="--cp: which positions each rank "
+                   "holds: head_tail (chunks r and 2N-1-r of 2N: equal causal work per rank; seq_len a multiple of "
+                   "2N), round_robin (token t on rank t %% N; seq_len a multiple of N) or contiguous (rank r the "
+                   f"r-th of N chunks: the unbalanced baseline); default {DEFAULT_LAYOUT}")
     p.add_argument("--activation-checkpointing", dest="activation_checkpointing", action="store_true",
                    help="recompute each decoder block and the MTP layer in the backward instead of keeping their "
                    "activations (about a third more compute, much less activation memory; same losses; "

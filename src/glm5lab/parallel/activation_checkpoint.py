@@ -17,6 +17,8 @@ What the recomputation must not repeat (each restored after it runs):
   forward's all-to-alls (the recomputation repeats the all-to-alls, collectively on every rank, but they are
   the forward's traffic again, not the step's); the backward's gradient bytes are counted by hooks on the
   forward's tensors, once.
+- `ContextParallel.gathered_bytes` of a context-parallel run (`glm5lab.parallel.context_parallel`, found on the
+  block's `LayerStep`): the recomputation gathers the latents again, the forward's traffic, not the step's.
 What it sees is the forward's: a block's inputs include the IndexCache selection handed on to it
 (`LayerStep.topk`), and it returns its selection and indexer KL (`DecoderLayer.forward`), so a re-run
 "shared" layer reads the selection it read in the forward.
@@ -64,6 +66,9 @@ def _recompute(forward, moes, args, kwargs):
     loads = [m.load for m in moes]
     ep = [m.dispatcher.stats for m in moes if hasattr(m.dispatcher, "stats")][:1]
     ep_counts = [(s.rows_in, s.bytes_out) for s in ep]
+    cps = [a.context_parallel for a in (*args, *kwargs.values())
+           if getattr(a, "context_parallel", None) is not None][:1]
+    cp_counts = [cp.gathered_bytes for cp in cps]
     try:
         return forward(*args, **kwargs)
     finally:
@@ -71,4 +76,6 @@ def _recompute(forward, moes, args, kwargs):
             m.load = load
         for s, (rows, sent) in zip(ep, ep_counts, strict=True):
             s.rows_in, s.bytes_out = rows, sent
+        for cp, gathered in zip(cps, cp_counts, strict=True):
+            cp.gathered_bytes = gathered
 

@@ -77,19 +77,16 @@ def a2a_per_token(cfg: ModelConfig, *, ep: int, dtype: str = "bf16") -> dict:
 
 def check_ep(ep: int, world_size: int | None, cfg: ModelConfig, *, name: str = "--ep",
              world: str | None = None) -> None:
-    """Refuse an expert-parallel size `ep` that is not an int >= 1, or, above 1: that does not divide `world_size`
-    (None: no world to divide), the routed experts, or that is asked of a model without MoE layers. `world` names
-    what `world_size` counts (e.g. deployment's "--gpus = 8"); None: the run's processes (torchrun's, or a dry run's
-    --nproc), where one process is refused with how to start more. Raises ValueError in `glm5lab.validate`'s form,
-    named `name` (`--ep = VALUE is not allowed: RULE`)."""
+    """Refuse an expert-parallel size `ep` that is not an int >= 1, or, above 1: that does not divide the
+    `world_size` GPUs a ledger lays out (`world` names them, e.g. "--gpus = 8"; world_size None: no count to
+    divide), the routed experts, or that is asked of a model without MoE layers. A run's process count is not
+    checked here: `glm5lab.parallel.context_parallel.check_mesh` is its one rule (dp x cp x ep). Raises ValueError
+    in `glm5lab.validate`'s form, named `name` (`--ep = VALUE is not allowed: RULE`)."""
     int_at_least(name, ep, 1)
     if ep == 1:
         return
-    if world_size == 1 and world is None:
-        refuse(name, ep, f"1 in one process; --ep {ep} runs under torchrun --nproc-per-node {ep} (or a multiple "
-               f"of {ep})")
     if world_size is not None and world_size % ep:
-        refuse(name, ep, "a divisor of " + (world or f"the run's {world_size} processes"))
+        refuse(name, ep, "a divisor of " + (world or f"{world_size} GPUs"))
     if not cfg.n_routed_experts or "sparse" not in cfg.mlp_layer_types:
         refuse(name, ep, f"1 for a model without MoE layers (n_routed_experts {cfg.n_routed_experts}, "
                f"mlp_layer_types {sorted(set(cfg.mlp_layer_types))})")

@@ -31,26 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from glm5lab.validate import int_at_least, one_of
+from glm5lab.parallel.cp_layout import DEFAULT_LAYOUT, LAYOUTS, check_mesh, check_split, data_rank, split_unit
+from glm5lab.validate import one_of
 
-LAYOUTS = ("head_tail", "round_robin", "contiguous")
-DEFAULT_LAYOUT = "head_tail"
-
-
-def split_unit(cp: int, layout: str) -> int:
-    """The number a sequence length must be a multiple of under `layout` (2 cp for head_tail, else cp)."""
-    return 2 * cp if layout == "head_tail" else cp
-
-
-def check_split(T: int, cp: int, layout: str = DEFAULT_LAYOUT) -> None:
-    """Raise ValueError in one line unless T tokens split evenly over cp ranks under `layout`."""
-    int_at_least("cp", cp, 1)
-    one_of("context-parallel layout", layout, LAYOUTS)
-    unit = split_unit(cp, layout)
-    if T % unit:
-        raise ValueError(f"sequence length {T} does not split over --cp {cp} ({layout} layout): it must be a "
-                         f"multiple of {unit}; choose seq_len {T - T % unit} or {T + unit - T % unit}")
-
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "ContextParallel", "check_mesh", "check_split", "data_rank", "positions",
+           "split_unit"]
 
 def positions(T: int, cp: int, rank: int, layout: str = DEFAULT_LAYOUT, *, device=None) -> torch.Tensor:
     """int64 [T / cp]: the global positions rank `rank` of a CP group of `cp` holds, ascending. Raises
@@ -66,17 +51,6 @@ def positions(T: int, cp: int, rank: int, layout: str = DEFAULT_LAYOUT, *, devic
     c = T // (2 * cp)
     head, tail = torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
     return torch.cat([head, tail]).to(device)
-
-
-def check_mesh(world: int, cp: int, ep: int) -> int:
-    """The data-parallel size dp of a world of `world` ranks laid out as dp x cp x ep (expert innermost, then
-    context). Raises ValueError in one line unless cp and ep are ints >= 1 whose product divides the world."""
-    int_at_least("--cp", cp, 1)
-    int_at_least("--ep", ep, 1)
-    if world % (cp * ep):
-        raise ValueError(f"--cp {cp} x --ep {ep} = {cp * ep} does not divide the run's {world} processes: the "
-                         f"world is dp x cp x ep ranks, so cp x ep must be a divisor of {world}")
-    return world // (cp * ep)
 
 
 class ContextParallel:

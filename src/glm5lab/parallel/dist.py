@@ -5,7 +5,9 @@ CPUs) and `shard_model` applies `fully_shard` to every decoder block, the MTP la
 Each rank reads its slice of every global batch (`BatchStream(rank=, world_size=)`), so N ranks
 with batch B see what one process with batch N*B sees. A single process skips all of it. With
 `--ep N` (`shard_model(..., ep=N)`) the routed experts are also split by expert over groups of N
-ranks and tokens reach them by all-to-all (`glm5lab.parallel.expert_parallel`). Under torchrun the model is built on
+ranks and tokens reach them by all-to-all (`glm5lab.parallel.expert_parallel`); with `--cp N` each sequence is split
+over groups of N ranks that read the same rows (`context_parallel`: `glm5lab.parallel.context_parallel`). One place
+builds the ("dp", "cp", "ep") mesh: `device_mesh`. Under torchrun the model is built on
 the meta device (`build_meta`), sharded, then allocated and each rank draws its own shards (`materialize`): no rank
 holds or draws the whole model.
 Source: torch.distributed.fsdp.fully_shard (FSDP2) documentation; torchtitan's parallelize step.
@@ -31,9 +33,13 @@ _joined = False
 
 @dataclass
 class DistContext:
+    """This process's place in the run; `mesh`: the ("dp", "cp", "ep") DeviceMesh `shard_model` built (`device_mesh`;
+    None in one process or before sharding)."""
+
     rank: int
     world_size: int
     device: torch.device
+    mesh: object | None = None
 
     @property
     def is_main(self) -> bool:
@@ -70,17 +76,33 @@ def setup() -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size(), device)
 
 
-def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = None, ep: int = 1):
-    """Move to the device; with several ranks, shard parameters with FSDP2 (and, with ep > 1, the
-    routed experts by expert: expert parallelism). Returns the module to call (the same object:
-    fully_shard works in place).
+def device_mesh(ctx: DistContext, *, cp: int = 1, ep: int = 1):
+    """The run's 3-D DeviceMesh ("dp", "cp", "ep") of world / (cp ep) x cp x ep ranks, expert innermost, then
+    context (rank r: EP index r % ep, CP index (r // ep) % cp); None in one process (after the same check). The one
+    place the mesh is built: `shard_model` calls it and keeps it as `ctx.mesh`. Raises ValueError (`check_mesh`)."""
+    from glm5lab.parallel.context_parallel import check_mesh
 
-    The world is a 2-D DeviceMesh (data, expert) of world_size/ep x ep ranks, expert innermost.
-    Everything but the routed experts is FSDP2-sharded over the whole world, as without --ep. With
-    ep > 1 each MoE's routed experts are split by expert over the "ep" dimension and FSDP2-sharded
-    over the "dp" dimension (the other data-parallel ranks), and their gradients are divided by the
-    whole world size, as every other gradient (`glm5lab.parallel.expert_parallel`). Raises ValueError
-    for an ep that does not divide the world size or the routed experts (`check_ep`).
+    dp = check_mesh(ctx.world_size, cp, ep)
+    if ctx.world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(ctx.device.type, (dp, cp, ep), mesh_dim_names=("dp", "cp", "ep"))
+
+
+def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = None, ep: int = 1, cp: int = 1):
+    """Move to the device; with several ranks, build the mesh (`device_mesh(ctx, cp=cp, ep=ep)`, kept as
+    `ctx.mesh`: `context_parallel` reads its "cp" group) and shard parameters with FSDP2 (and, with ep > 1, the
+    routed experts by expert: expert parallelism). Returns the module to call (the same object: fully_shard works
+    in place).
+
+    Everything but the routed experts is FSDP2-sharded over the whole world, with or without --ep and --cp (the
+    ranks of a CP group compute different tokens of the same rows, so their gradients are averaged like any data-
+    parallel rank's). With ep > 1 each MoE's routed experts are split by expert over the "ep" dimension and
+    FSDP2-sharded over the flattened ("dp", "cp") dimensions (the other ranks holding the same experts), and their
+    gradients are divided by the whole world size, as every other gradient (`glm5lab.parallel.expert_parallel`).
+    Raises ValueError for a cp x ep that does not divide the world size (`check_mesh`) or an ep that does not divide
+    the routed experts (`check_ep`).
 
     param_dtype: FSDP2 mixed precision (e.g. torch.bfloat16): parameters are all-gathered and
     computed in this dtype, gradients reduced in fp32, master weights stay fp32. The `KeepFP32`
@@ -91,20 +113,21 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
     from glm5lab.parallel.alltoall import check_ep
     from glm5lab.parallel.expert_parallel import apply_expert_parallel
 
-    check_ep(ep, ctx.world_size, model.config)
+    check_ep(ep, None, model.config)
+    ctx.mesh = device_mesh(ctx, cp=cp, ep=ep)
     # a meta model (`build_meta`) is allocated on the device by `materialize`
     if not any(p.is_meta for p in model.parameters()):
         model.to(ctx.device)
     if ctx.world_size == 1:
         return model
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from glm5lab.model.moe import MoE
     from glm5lab.model.precision import KeepFP32
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+    mesh = ctx.mesh
     world = mesh._flatten("world")
+    replicas = mesh["dp", "cp"]._flatten("dp_cp")  # the ranks that hold the same experts
     if ep > 1:
         apply_expert_parallel(model, mesh)
     low = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -114,14 +137,36 @@ def shard_model(model, ctx: DistContext, *, param_dtype: torch.dtype | None = No
         if param_dtype is not None and keep:
             fully_shard(keep, mesh=world, mp_policy=fp32)
         for moe in (m for m in layer.modules() if isinstance(m, MoE) and ep > 1):
-            fully_shard(moe.experts, mesh=mesh["dp"], mp_policy=low)
+            fully_shard(moe.experts, mesh=replicas, mp_policy=low)
             moe.experts.set_gradient_divide_factor(float(ctx.world_size))  # the mean over every rank's batch
-            # sum, then divide (gloo has no PREMUL_SUM); not on a 1-rank "dp" (ep = world size), where torch 2.13's
-            # FSDP2 would divide by the factor twice (its no-communication path divides, then its post-divide)
+            # sum, then divide (gloo has no PREMUL_SUM); not on a 1-rank replica group (ep = world size), where torch
+            # 2.13's FSDP2 would divide by the factor twice (its no-communication path divides, then its post-divide)
             moe.experts.set_force_sum_reduction_for_comms(ctx.world_size > ep)
         fully_shard(layer, mesh=world, mp_policy=low)
     fully_shard(model, mesh=world, mp_policy=low)
     return model
+
+
+def context_parallel(ctx: DistContext, cp: int, layout: str):
+    """The run's `ContextParallel` over the "cp" group of the mesh `shard_model` built (`ctx.mesh`), in `layout`;
+    None when cp is 1 (the model then runs as without CP). Raises ValueError when cp > 1 and the mesh has no such
+    "cp" dimension (shard_model not called with this cp)."""
+    from glm5lab.parallel.context_parallel import ContextParallel
+
+    if cp == 1:
+        return None
+    if ctx.mesh is None or ctx.mesh["cp"].size() != cp:
+        raise ValueError(f"--cp {cp}: the run's mesh has no \"cp\" dimension of {cp} ranks (shard the model with "
+                         f"shard_model(..., cp={cp}) first)")
+    return ContextParallel(ctx.mesh.get_group("cp"), layout)
+
+
+def data_slice(ctx: DistContext, cp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(the data slice this rank reads, how many slices): `context_parallel.data_rank` of world / cp slices; the
+    ranks of a CP group read the same rows (`BatchStream(rank=, world_size=)` takes these two)."""
+    from glm5lab.parallel.context_parallel import data_rank
+
+    return data_rank(ctx.rank, cp, ep), ctx.world_size // cp
 
 
 def build_meta(cfg):

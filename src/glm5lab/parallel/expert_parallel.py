@@ -16,7 +16,7 @@ The MoE seam (`glm5lab.model.moe.MoE.forward`) is route -> dispatch -> local exp
               weights in fp32 and add them to their tokens (`LocalDispatcher.combine`).
 
 Expert e lives on EP index e // L (contiguous blocks, as `Shard(0)` of the [E, ...] weights). The
-world is a 2-D mesh (data, expert), expert innermost: rank r has EP index r % ep. `apply_expert_parallel`
+world is a mesh (data, context, expert), expert innermost: rank r has EP index r % ep. `apply_expert_parallel`
 (called by `glm5lab.parallel.dist.shard_model`) makes every MoE's expert weights DTensors sharded by
 expert over the "ep" mesh dimension and swaps in the dispatcher; the model code stays single-device
 (`Experts` computes on its local shard, `to_local`). `EPStats` records what the all-to-alls moved.
@@ -117,8 +117,8 @@ class AllToAllDispatcher:
 def apply_expert_parallel(model, mesh) -> EPStats:
     """Shard every MoE's routed experts by expert over `mesh["ep"]` (each rank keeps its E/ep
     experts: `Shard(0)` DTensors of the [E, I, D] / [E, D, I] weights) and give each MoE an
-    `AllToAllDispatcher` over that group. mesh: a 2-D DeviceMesh ("dp", "ep"). Call before FSDP2
-    (`glm5lab.parallel.dist.shard_model` does). Returns the `EPStats` all the dispatchers share.
+    `AllToAllDispatcher` over that group. mesh: the run's DeviceMesh ("dp", "cp", "ep"; `dist.device_mesh`). Call
+    before FSDP2 (`glm5lab.parallel.dist.shard_model` does). Returns the `EPStats` all the dispatchers share.
     Raises ValueError when the model has no MoE layer or E is not divisible by ep."""
     from torch import nn
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -132,7 +132,7 @@ def apply_expert_parallel(model, mesh) -> EPStats:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     ep_mesh, stats = mesh["ep"], EPStats()
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    check_ep(ep_mesh.size(), dist.get_world_size(), model.config)
+    check_ep(ep_mesh.size(), None, model.config)  # the mesh divides the world (`check_mesh`)
     for moe in moes:
         for name, p in list(moe.experts.named_parameters(recurse=False)):
             # a meta model (`dist.build_meta`): cut locally, no values to scatter (`dist.materialize` fills them)

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from glm5lab import ModelConfig
+from glm5lab.parallel.cp_layout import DEFAULT_LAYOUT
 from glm5lab.train.recipe import TrainHyper, load_recipe, resolve
 from glm5lab.train.stages import Stage
 
@@ -49,6 +50,11 @@ class TrainArgs:
     ep: int = 1
     """Expert-parallel size (`--ep`, under torchrun): routed experts split by expert over groups of `ep` ranks
     (`glm5lab.parallel.expert_parallel`); it divides the process count and n_routed_experts."""
+    cp: int = 1
+    """Context-parallel size (`--cp`, under torchrun): each sequence split over groups of `cp` ranks that read the
+    same rows (`glm5lab.parallel.context_parallel`); cp x ep divides the process count (`check_mesh`)."""
+    cp_layout: str = DEFAULT_LAYOUT
+    """`--cp-layout`: which positions each CP rank holds (`glm5lab.parallel.context_parallel.LAYOUTS`)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block and the MTP layer in the backward (`--activation-checkpointing`;
     `glm5lab.parallel.activation_checkpoint`); losses and gradients equal a run without it."""

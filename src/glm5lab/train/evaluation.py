@@ -4,7 +4,9 @@ behind bits per byte (`glm5lab.evals.bpb`).
 Legend: N windows, L = seq_len, B = stage batch size, V vocab. A window w [L + 1] gives inputs
 w[:-1] and targets w[1:]. Every rank evaluates every window it is given (no sharding of the
 validation rows and so no reduction across ranks: under FSDP2 each rank must run the same
-forwards anyway), so every figure is the same on every rank and for any world size.
+forwards anyway), so every figure is the same on every rank and for any world size. Under context
+parallelism the ranks of a CP group split each window (`context_parallel=`): each scores its own
+positions and the group sums the CE, so the figures still equal one process's.
 
 The periodic validation scores a set fixed by tokens (`eval_tokens`: the first
 ceil(eval_tokens / L) windows, `subset_windows`), so the same recipe scores the same targets
@@ -57,13 +59,15 @@ def subset_windows(eval_tokens: int, seq_len: int) -> int:
 
 @torch.no_grad()
 def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_windows: int | None,
-                 byte_lengths_V: torch.Tensor | None = None) -> Evaluation:
+                 byte_lengths_V: torch.Tensor | None = None, *, context_parallel=None) -> Evaluation:
     """Next-token CE of `model` on the first n_windows validation windows (rows[: n_windows]; None = every
     window; the periodic validation passes `subset_windows(eval_tokens, seq_len)`), in batches of
     stage.batch_size (the last possibly shorter), with the stage's DSA switch. byte_lengths_V: int64 [V] UTF-8
     bytes per id (`token_byte_lengths`); the byte count covers exactly the targets the CE is taken over. Each
     batch is moved to the model's device; the model is left in train mode (eval-mode forwards count no expert
-    load, so validation never steers the router bias) and, under FSDP2, resharded."""
+    load, so validation never steers the router bias) and, under FSDP2, resharded. context_parallel: a
+    `ContextParallel` (None: the whole window here): the model returns this rank's positions' logits, their CE is
+    summed over the CP group (collective: every rank of it calls this with the same windows)."""
     rows = windows_NL1 if n_windows is None else windows_NL1[:n_windows]
     device = next(model.parameters()).device
     model.eval()
@@ -71,15 +75,23 @@ def evaluate_nll(model, windows_NL1: torch.Tensor, stage: Stage, n_windows: int 
     for i in range(0, len(rows), stage.batch_size):
         rows_BL1 = rows[i:i + stage.batch_size]  # read per batch: a token folder's windows are never all loaded
         batch = rows_BL1.to(device)
-        logits_BLV = model(batch[:, :-1], use_dsa=stage.use_dsa).logits
-        nll = F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="none")
+        labels_BL = batch[:, 1:]
+        if context_parallel is None:
+            logits_BLV = model(batch[:, :-1], use_dsa=stage.use_dsa).logits
+        else:  # this rank's positions' logits [B, L / cp, V], scored against their labels
+            logits_BLV = model(batch[:, :-1], use_dsa=stage.use_dsa, context_parallel=context_parallel).logits
+            labels_BL = context_parallel.local(labels_BL)
+        nll = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten(), reduction="none")
         sums.append(nll.double().sum())
         targets += rows_BL1[:, 1:].numel()
         utf8 += 0 if byte_lengths_V is None else target_bytes(byte_lengths_V, rows_BL1[:, 1:])
     model.train()
+    total = torch.stack(sums).sum()
+    if context_parallel is not None and context_parallel.group is not None:
+        torch.distributed.all_reduce(total, group=context_parallel.group)  # the group's positions: every target
     if hasattr(model, "reshard"):  # FSDP2 leaves the root unsharded after a forward without backward
         model.reshard()
-    return Evaluation(float(torch.stack(sums).sum()), targets, None if byte_lengths_V is None else utf8)
+    return Evaluation(float(total), targets, None if byte_lengths_V is None else utf8)
 
 
 def run_byte_lengths(tokenizer, vocab_size: int) -> torch.Tensor | None:

@@ -81,15 +81,20 @@ def record_extension(run_dir: Path, args: dict, stages: list[Stage], from_steps:
     (run_dir / "summary.json").unlink(missing_ok=True)
 
 
-def resume_notes(saved: dict, ep: int, eval_tokens: int | None) -> list[str]:
+def resume_notes(saved: dict, ep: int, eval_tokens: int | None, *, cp: int = 1) -> list[str]:
     """The notice lines of a resume of the run whose run.json is `saved`: when it runs another `--ep` than the run
-    started with (1 when not recorded): the experts are resharded on load; when `eval_tokens` (None: no periodic
-    validation) is not the run's (or run.json has none: a run started before eval_tokens, whose periodic
+    started with (1 when not recorded): the experts are resharded on load; another `--cp` (1 when not recorded):
+    each sequence is split over cp ranks from here on, the rows of a step unchanged; when `eval_tokens` (None: no
+    periodic validation) is not the run's (or run.json has none: a run started before eval_tokens, whose periodic
     validation scored eval_batches x batch windows): from the step it resumes at, the periodic validation scores
     another subset of the held-out split, so val_loss before and after that step do not compare."""
     notes, started_ep, started = [], saved["args"].get("ep") or 1, saved["args"].get("eval_tokens")
     if started_ep != ep:
         notes.append(f"resuming with --ep {ep} a run started with --ep {started_ep}: its experts are resharded on load")
+    started_cp = saved["args"].get("cp") or 1
+    if started_cp != cp:
+        notes.append(f"resuming with --cp {cp} a run started with --cp {started_cp}: each sequence is now split over "
+                     f"{cp} rank{'s' * (cp > 1)}; every step trains the same rows (the global batch is kept)")
     if eval_tokens is not None and started != eval_tokens:
         was = ("its run.json has none (started before --eval-tokens)" if started is None
                else f"it started with {started:,}")
@@ -101,7 +106,8 @@ def resume_notes(saved: dict, ep: int, eval_tokens: int | None) -> list[str]:
 
 def rescale_stages(stages: list[Stage], started: int, world_size: int) -> tuple[list[Stage], str | None]:
     """The stages of a run that started with `started` processes, for `world_size` processes, keeping each
-    stage's global batch (batch_size x grad_accum x processes): the per-process batch_size scaled when
+    stage's global batch (batch_size x grad_accum x processes; under --cp, processes are the data-parallel slices,
+    processes / cp: a CP group reads one): the per-process batch_size scaled when
     batch_size x started divides by world_size, else grad_accum when grad_accum x started does. Returns
     (stages, the notice line to show, or None when the count is unchanged). Raises ValueError when neither
     divides (naming the stage, its batch and the process counts)."""

@@ -8,7 +8,9 @@ Multi-process: run the same script under `torchrun`; the model is sharded with F
 each rank reads its slice of every global batch and writes its own shards of each checkpoint
 (`glm5lab.checkpoints.dcp`, the one format at every process count; a resume may change the process count:
 `glm5lab.checkpoints.resume`); a finished run exports its last checkpoint to RUN/model/, the HF folder; `ep`
-(`--ep N`) adds expert parallelism (`glm5lab.parallel.expert_parallel`) and its figures to `metrics.jsonl`. Under
+(`--ep N`) adds expert parallelism (`glm5lab.parallel.expert_parallel`) and its figures to `metrics.jsonl`; `cp`
+(`--cp N`) splits each sequence over groups of N ranks that read the same rows (`glm5lab.parallel.context_parallel`:
+the losses and validation take `context_parallel=`; `cp_gather_bytes` in `metrics.jsonl`). Under
 torchrun each rank builds the model on the meta device and allocates and draws only its shards (`dist.build_meta`,
 `dist.materialize`: seeded by `seed` and the rank, not one process's values); a run that starts from weights
 (--resume, --init) skips the random init (`build_model`). `compile=True` (`--compile`)
@@ -112,11 +114,11 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     model = build_model(args, cfg, ctx.world_size)
     data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
         model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=plan.checkpoint, say=say)
-    check_data_fits(data, stages, ctx.world_size, named=args.data is not None)
+    check_data_fits(data, stages, ctx.world_size // args.cp, named=args.data is not None)
     if args.eval_every:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)
     _wrap_blocks(model, args, ctx)  # activation checkpointing, per-block compile: before fully_shard
-    shard = dist.shard_model(model, ctx, ep=args.ep)  # before the optimizer: FSDP2 replaces the parameters
+    shard = dist.shard_model(model, ctx, ep=args.ep, cp=args.cp)  # before the optimizer: FSDP2 replaces the parameters
     if args.resume or args.init:  # allocate this rank's shards for the weights loaded next (no random init)
         allocate(model, ctx.device)
     elif ctx.world_size > 1:  # a fresh run under torchrun: allocate and draw this rank's shards
@@ -142,7 +144,8 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
         _notice(f"extending {run_dir} by {extended} steps to {sum(s.steps for s in stages)}: the last stage "
                 f"{last.name!r} now runs {last.steps} steps ({lr})")
     metrics = MetricsLog(run_dir / "metrics.jsonl", start["step"] if args.resume else None) if ctx.is_main else None
-    loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics)
+    loop = _Loop(args, model, shard, optimizer, data, stages, ctx, run_dir, metrics,
+                 dist.context_parallel(ctx, args.cp, args.cp_layout))
     if args.tensorboard and ctx.is_main:
         from glm5lab.train.tensorboard import TensorBoardLog
 
@@ -210,11 +213,14 @@ def _write_run_files(run_dir: Path, args: TrainArgs, cfg: ModelConfig, stages, c
 
 class _Loop:
     """`run_stages` with what a run adds: per-stage `BatchStream`s of this rank's rows, autocast,
-    and after each step its metrics record, periodic validation, progress and checkpoints."""
+    and after each step its metrics record, periodic validation, progress and checkpoints. cp: the run's
+    `ContextParallel` (`dist.context_parallel`; None without --cp): the losses and validation split each sequence
+    over its group, whose ranks read the same rows (data slice `dist.data_slice`)."""
 
-    def __init__(self, args, model, shard, optimizer, data: TrainingData, stages, ctx, run_dir, metrics):
+    def __init__(self, args, model, shard, optimizer, data: TrainingData, stages, ctx, run_dir, metrics, cp=None):
         self.args, self.model, self.shard, self.opt, self.data = args, model, shard, optimizer, data
-        self.stages, self.ctx, self.run_dir, self.metrics = stages, ctx, run_dir, metrics
+        self.stages, self.ctx, self.run_dir, self.metrics, self.cp = stages, ctx, run_dir, metrics, cp
+        self.data_rank, self.slices = dist.data_slice(ctx, args.cp, args.ep)
         self.total_steps = sum(s.steps for s in stages)
         self.step = 0
         self.last_val = None  # (step, loss, tokens) of the latest periodic validation
@@ -224,6 +230,8 @@ class _Loop:
             from glm5lab.train.compile import CompiledLosses
 
             self.losses = CompiledLosses(shard)
+        elif cp is not None:
+            self.losses = functools.partial(stage_losses, shard, context_parallel=cp)
         else:
             self.losses = functools.partial(stage_losses, shard)
 
@@ -247,12 +255,12 @@ class _Loop:
 
     def batch(self, index: int, stage: Stage, i: int) -> torch.Tensor:
         """This rank's windows [A * B, T + 1] of step i of stage `index` (A = grad_accum micro-batches of B), on
-        the device: its stage's BatchStream (batch size A * B, so the global batch is A * B * W), seeded by the
-        run's seed and the stage index."""
+        the device: its stage's BatchStream (batch size A * B, so the global batch is A * B * S over the S = W / cp
+        data slices; the ranks of a CP group read the same slice), seeded by the run's seed and the stage index."""
         if self.stream[0] != index:
             self.stream = (index, BatchStream(pack(self.data.train_tokens, stage.seq_len), stage.batch_size * stage.grad_accum,
-                                              seed=self.args.seed * 1000 + index, rank=self.ctx.rank,
-                                              world_size=self.ctx.world_size))
+                                              seed=self.args.seed * 1000 + index, rank=self.data_rank,
+                                              world_size=self.slices))
         return self.stream[1].batch(i).to(self.ctx.device)
 
     def step_losses(self, window: torch.Tensor, stage: Stage):
@@ -262,11 +270,11 @@ class _Loop:
     def after_step(self, done: StepDone) -> None:
         stage, i, window = done.stage, done.i, done.batch
         self.step = done.step
-        tokens = window.shape[0] * (window.shape[1] - 1) * self.ctx.world_size
+        tokens = window.shape[0] * (window.shape[1] - 1) * self.slices
         record = {**dist.mean_over_ranks(done.losses.to_log(), self.ctx), "lr": done.lr, "grad_norm": done.grad_norm,
                   "tokens": tokens, "tokens_per_s": tokens / done.seconds, "step_time_s": done.seconds,
-                  "expert_load": done.expert_load, **pop_ep_metrics(self.model), "step": self.step,
-                  "stage": stage.name, "stage_step": i + 1}
+                  "expert_load": done.expert_load, **pop_ep_metrics(self.model), **self.pop_cp_metrics(),
+                  "step": self.step, "stage": stage.name, "stage_step": i + 1}
         if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
             result = self.validate(stage)
             record.update(val_loss=result.loss, val_tokens=result.tokens)
@@ -280,19 +288,35 @@ class _Loop:
         if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
             self.checkpoint(done.index, i + 1, stage)
 
+    def pop_cp_metrics(self) -> dict:
+        """{"cp_gather_bytes": the bytes the CP all-gathers of this step's forwards received, summed over every
+        rank (each rank: `ContextParallel.gathered_bytes`, padding included; the backward's reduce-scatters are not
+        counted)}, then the count restarts; {} without --cp. Collective: every rank calls it."""
+        if self.cp is None:
+            return {}
+        t = torch.tensor([self.cp.gathered_bytes], dtype=torch.long, device=self.ctx.device)  # NCCL: on the GPU
+        self.cp.gathered_bytes = 0
+        torch.distributed.all_reduce(t)
+        return {"cp_gather_bytes": int(t)}
+
     def validate(self, stage: Stage):
         """The periodic validation: the held-out windows of the first eval_tokens targets (a subset fixed by
         tokens, the same for any batch layout: `subset_windows`; `finish` scores the whole split with the same
         definition, `Evaluation.loss`)."""
         val = pack(self.data.val_tokens, stage.seq_len)
-        return evaluate_nll(self.shard, val, stage, subset_windows(self.args.eval_tokens, stage.seq_len))
+        result = evaluate_nll(self.shard, val, stage, subset_windows(self.args.eval_tokens, stage.seq_len),
+                              context_parallel=self.cp)
+        if self.cp is not None:  # the next step's cp_gather_bytes count its training forwards only
+            self.cp.gathered_bytes = 0
+        return result
 
     def checkpoint(self, stage_index: int, in_stage: int, stage: Stage) -> None:
         if in_stage == stage.steps:
             stage_index, in_stage = stage_index + 1, 0
         position = {"step": self.step, "stage": stage_index, "in_stage": in_stage}
         folder = self.run_dir / "checkpoints" / f"step-{self.step:06d}"  # each rank writes its own shards
-        save(folder, self.model, self.opt, {"position": position, "ep": self.args.ep}, tokenizer=self.data.tokenizer)
+        save(folder, self.model, self.opt, {"position": position, "ep": self.args.ep, "cp": self.args.cp},
+             tokenizer=self.data.tokenizer)
         if self.ctx.is_main:
             mark_latest(folder)
 
@@ -300,7 +324,7 @@ class _Loop:
         """Per stage, from the whole metrics.jsonl (so a resumed run reports its full history):
         `stage_summary` of its records."""
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
-        return [stage_summary(stage, [r for r in rows if r["stage"] == stage.name], self.ctx.world_size)
+        return [stage_summary(stage, [r for r in rows if r["stage"] == stage.name], self.slices)
                 for stage in self.stages]
 
     def finish(self) -> dict:
@@ -312,7 +336,8 @@ class _Loop:
         last = self.stages[-1]
         val = pack(self.data.val_tokens, last.seq_len)
         byte_lengths = run_byte_lengths(self.data.tokenizer, self.model.config.vocab_size)
-        result = evaluate_nll(self.shard, val, last, None, byte_lengths_V=byte_lengths)  # every window
+        result = evaluate_nll(self.shard, val, last, None, byte_lengths_V=byte_lengths,  # every window
+                              context_parallel=self.cp)
         subset = {} if self.last_val is None else {"val_subset_loss": self.last_val[1],
                                                    "val_subset_tokens": self.last_val[2]}
         summary = {**summary_fields(result), **subset,
@@ -340,7 +365,7 @@ short stage: a fifth of it, at least 1): single steps are noisy."""
 def stage_summary(stage: Stage, rows: list[dict], world_size: int = 1) -> dict:
     """One stage of summary.json from its metrics records `rows`: steps, tokens (the target tokens
     the records say were trained on, over every process; a record without `tokens`, from before they
-    were logged, counts the plan's batch x seq_len x `world_size`), the loss shown
+    were logged, counts the plan's batch x seq_len x `world_size`, the data-parallel slices), the loss shown
     (`reported`: lm_loss, or indexer_kl for a stage without LM objective), its mean over the first
     and over the last `smooth_steps` steps (None when the stage ran before a resume and its
     records are missing), and `val_end`, the validation (subset) loss at the stage's last step."""

@@ -42,7 +42,7 @@ class RunPlan:
     """What `check_run` resolved. args: the `TrainArgs` with the recipe applied (`with_recipe`) and --init's folder
     resolved; cfg: the model config; stages: the stages to train (on --resume: the run's own, extended and rescaled
     to this process count); extended: the steps a --resume adds (0 otherwise); notices: lines to say before the run
-    (a stage whose DSA keeps every key, a resume at another process count or --ep, an optimizer with nothing to
+    (a stage whose DSA keeps every key, a resume at another process count, --ep or --cp, an optimizer with nothing to
     split, a token folder split with another seed than --seed); checkpoint: the checkpoint the run continues
     (--resume's first complete one) or starts from (--init), else None; data: a token folder's `TrainingData` (opened,
     nothing read: `token_folder_data`), which the run trains on, else None (a text corpus: the run reads it)."""
@@ -69,6 +69,7 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     RunFolderInUse), FileExistsError, FileNotFoundError."""
     from glm5lab.checkpoints.folder import resume_candidates
     from glm5lab.parallel.alltoall import check_ep
+    from glm5lab.parallel.context_parallel import check_mesh
     from glm5lab.checkpoints.resume import first_complete
     from glm5lab.train.run_lock import refuse_if_held
 
@@ -80,26 +81,68 @@ def check_run(args, world_size: int, *, probe: bool = True) -> RunPlan:
     run_dir = Path(args.out)
     check_run_dir(run_dir, args.resume, probe=probe)
     cfg = model_config(args)
-    check_ep(args.ep, world_size, cfg)
-    stages = resolve_stages(args, cfg, world_size)
+    check_mesh(world_size, args.cp, args.ep)  # the one rule of the process count: dp x cp x ep
+    check_ep(args.ep, None, cfg)
+    slices = world_size // args.cp  # data-parallel slices: a CP group reads one
+    stages = resolve_stages(args, cfg, slices)
     notices = []
     check_stage_lengths(stages, cfg, warn=notices.append)
     check_objectives(stages, cfg)
+    check_context_parallel(args, cfg, stages)
     extended = 0
     if args.resume:
         resume_candidates(run_dir)  # no checkpoint at all: say so before comparing plans
         saved = json.loads((run_dir / "run.json").read_text())
-        started = saved.get("world_size", 1)  # the plan is compared as the run resolved it, then rescaled
-        planned = stages if started == world_size else resolve_stages(args, cfg, started)
+        started = data_slices(saved)  # the plan is compared as the run resolved it, then rescaled
+        planned = stages if started == slices else resolve_stages(args, cfg, started)
         planned, extended = check_same_plan(run_dir, saved, args, planned, cfg)
         check_not_finished(run_dir, extended)
-        stages, note = rescale_stages(planned, started, world_size)  # the same global batch
-        notices += [line for line in [note] if line]  # nothing changes silently: nor --ep, nor --eval-tokens
-        notices += resume_notes(saved, args.ep, args.eval_tokens if args.eval_every else None)
+        stages, note = rescale_stages(planned, started, slices)  # the same global batch
+        notices += [line for line in [note] if line]  # nothing changes silently: nor --ep, --cp, --eval-tokens
+        notices += resume_notes(saved, args.ep, args.eval_tokens if args.eval_every else None, cp=args.cp)
     notices += [line for line in [_optimizer_notice(cfg, args.optimizer)] if line]
     checkpoint = first_complete(run_dir) if args.resume else (Path(args.init) if args.init else None)
-    data = _check_data(args, cfg, stages, world_size, checkpoint, say=notices.append)
+    data = _check_data(args, cfg, stages, slices, checkpoint, say=notices.append)
     return RunPlan(args, cfg, stages, extended, notices, checkpoint, data)
+
+
+def data_slices(saved: dict) -> int:
+    """The data-parallel slices a run (`saved`: its run.json) read each global batch in: its processes / its --cp
+    (a CP group reads one slice; run.json without "cp": 1)."""
+    return saved.get("world_size", 1) // (saved["args"].get("cp") or 1)
+
+
+CP_MIXERS = {"attention": None, "swa": "SWA", "gdn": "Gated DeltaNet", "simple_gdn": "SimpleGDN"}
+"""Each mixer type (`ModelConfig.mixer_types`) and, when context parallelism refuses it, its name in the refusal
+(the model refuses it too): only attention layers (MLA, GQA) gather the keys of other ranks."""
+
+
+def check_context_parallel(args, cfg, stages: list[Stage]) -> None:
+    """--cp-layout is a known layout (`context_parallel.LAYOUTS`); with --cp above 1: no --compile, a model of
+    attention layers only (not SWA, Gated DeltaNet or SimpleGDN: `CP_MIXERS`; the MTP layer's mixer included), and
+    every stage's seq_len split evenly by the layout (`check_split`). Raises ValueError in one line naming the
+    flag or layer type. The process count is `check_mesh`'s."""
+    from glm5lab.parallel.context_parallel import LAYOUTS, check_split
+    from glm5lab.validate import one_of
+
+    one_of("--cp-layout", args.cp_layout, LAYOUTS)
+    if args.cp == 1:
+        return
+    if args.compile:
+        raise ValueError(f"--compile with --cp {args.cp} is not supported: the context-parallel gathers run "
+                         "eagerly; drop --compile (or --cp)")
+    specs = [*cfg.layers, *([cfg.mtp_layer] if cfg.mtp_layer is not None else [])]
+    for i, spec in enumerate(specs):
+        if CP_MIXERS[spec.mixer] is not None:
+            where = "the MTP layer" if i == len(cfg.layers) else f"layer {i}"
+            raise ValueError(f"--cp {args.cp} is not supported for a model with {CP_MIXERS[spec.mixer]} layers "
+                             f"({where}: mixer {spec.mixer!r}): context parallelism splits MLA and GQA attention "
+                             "only; train it without --cp")
+    for stage in stages:
+        try:
+            check_split(stage.seq_len, args.cp, args.cp_layout)
+        except ValueError as e:
+            raise ValueError(f"stage {stage.name!r}: {e}") from None
 
 
 def check_objectives(stages: list[Stage], cfg) -> None:
@@ -162,8 +205,9 @@ def dry_run(args, nproc: int | None = None, gpu_memory: float | None = None) -> 
     args, cfg, stages = plan.args, plan.cfg, plan.stages
     source = args.init or args.config
     d = deployment(cfg, gpus=world, ep=args.ep, mode="train", dtype="bf16" if world > 1 else "fp32")
+    cp = f", cp {args.cp} ({args.cp_layout})" if args.cp > 1 else ""
     lines = [f"plan of `glm5lab train` (recipe {args.recipe or 'small'}; model {source or args.preset}) for "
-             f"{world} process{'es' * (world > 1)}, ep {args.ep}: checked as the run checks it before its first "
+             f"{world} process{'es' * (world > 1)}, ep {args.ep}{cp}: checked as the run checks it before its first "
              "step; no weights are built and no text is read",
              *(f"notice: {line}" for line in plan.notices),
              f"optimizer {args.optimizer} (weight decay {args.weight_decay}, grad clip {args.grad_clip}, router bias "
@@ -175,15 +219,15 @@ def dry_run(args, nproc: int | None = None, gpu_memory: float | None = None) -> 
                      "steps it trained keep their lr)")
     step = 0
     for stage in stages:
-        lines += stage_lines(stage, world, first_step=step + 1)
+        lines += stage_lines(stage, world, first_step=step + 1, cp=args.cp)
         step += stage.steps
-    tokens = sum(stage_tokens(s, world) for s in stages)
+    tokens = sum(stage_tokens(s, world // args.cp) for s in stages)
     b = d["per_gpu_bytes"]
     lines.append(f"total: {step:,} steps, {tokens:,} tokens")
-    stage, acts = step_activations(cfg, stages, dtype=d["dtype"], ep=args.ep,
+    stage, acts = step_activations(cfg, stages, dtype=d["dtype"], ep=args.ep, cp=args.cp,
                                    checkpointing=args.activation_checkpointing)
     memory = (f"memory per process ({d['dtype']} weights; ledger, `glm5lab ledger --gpus {world} --ep {args.ep} "
-              f"--mode train`): ")
+              f"{f'--cp {args.cp} ' if args.cp > 1 else ''}--mode train`): ")
     parts = (f"weights {_gib(b['weights'])} + gradients {_gib(b['gradients'])} + master weights "
              f"{_gib(b['master_weights'])} + optimizer state {_gib(b['optimizer_state'])}")
     if isinstance(acts, str):
@@ -209,14 +253,14 @@ def _fit_line(cfg, stage, acts, world: int, args, gpu_memory: float) -> str:
         return f"fit on {gpu_memory:g} GiB GPUs: not judged (activations not counted)"
     act = dict(seq_len=stage.seq_len, batch=stage.batch_size, use_dsa=stage.use_dsa,
                indexer_loss=stage.indexer_weight > 0, mtp_depth=stage.mtp_depth)
-    return fit_text(cfg, gpus=world, ep=args.ep, checkpointing=args.activation_checkpointing, act=act,
-                    gpu_memory=gpu_memory)
+    return fit_text(cfg, gpus=world, ep=args.ep, cp=args.cp, checkpointing=args.activation_checkpointing, act=act,
+                    gpu_memory=gpu_memory, layout=args.cp_layout)
 
 
-def step_activations(cfg, stages: list[Stage], *, dtype: str, ep: int, checkpointing: bool):
+def step_activations(cfg, stages: list[Stage], *, dtype: str, ep: int, checkpointing: bool, cp: int = 1):
     """(stage, `glm5lab.activations.activations` of one micro-batch of it) for the stage whose step holds the
     most activation bytes among those that train every parameter (its seq_len, batch_size, DSA, indexer KL and
-    MTP depth; cp 1), or (None, why not counted): no stage trains every parameter (the indexer warm-up's
+    MTP depth; T / cp tokens a rank), or (None, why not counted): no stage trains every parameter (the indexer warm-up's
     activations, of the indexer alone, are not modelled), or `activations` refuses (short sequences, layer types
     other than MLA)."""
     from glm5lab.activations import activations
@@ -226,7 +270,7 @@ def step_activations(cfg, stages: list[Stage], *, dtype: str, ep: int, checkpoin
         try:
             a = activations(cfg, seq_len=stage.seq_len, batch=stage.batch_size, dtype=dtype, use_dsa=stage.use_dsa,
                             indexer_loss=stage.indexer_weight > 0, mtp_depth=stage.mtp_depth,
-                            checkpointing=checkpointing, ep=ep)
+                            checkpointing=checkpointing, ep=ep, cp=cp)
         except ValueError as e:
             why = f"stage {stage.name}: {e}"
             continue
@@ -236,20 +280,25 @@ def step_activations(cfg, stages: list[Stage], *, dtype: str, ep: int, checkpoin
 
 
 def stage_tokens(stage: Stage, world: int) -> int:
-    """Target tokens a stage trains on: steps x seq_len x batch_size x grad_accum x world."""
+    """Target tokens a stage trains on: steps x seq_len x batch_size x grad_accum x world (the data-parallel slices:
+    processes / cp)."""
     return stage.steps * stage.seq_len * stage.batch_size * stage.grad_accum * world
 
 
-def stage_lines(stage: Stage, world: int, first_step: int) -> list[str]:
-    """A stage's lines of the plan: size, objective, lr curve (`lr_points` and `schedule_text`)."""
+def stage_lines(stage: Stage, world: int, first_step: int, cp: int = 1) -> list[str]:
+    """A stage's lines of the plan: size, objective, lr curve (`lr_points` and `schedule_text`); `world` processes,
+    of which each group of `cp` reads one data slice."""
 
-    sequences = stage.batch_size * stage.grad_accum * world
+    slices = world // cp
+    sequences = stage.batch_size * stage.grad_accum * slices
     n = stage.steps
     curve = ", ".join(f"{i + 1}: {stage.lr_at(i):.3g}" for i in lr_points(stage))
+    who = (f"{world} process{'es' * (world > 1)}" if cp == 1 else
+           f"{slices} data slice{'s' * (slices > 1)} ({world} processes / --cp {cp}, each sequence split over {cp})")
     return [f"stage {stage.name}: steps {first_step:,}-{first_step + n - 1:,} ({n:,}), global batch {sequences:,} "
-            f"sequences = {stage.batch_size} per micro-batch x {stage.grad_accum} micro-batches x {world} "
-            f"process{'es' * (world > 1)} of {stage.seq_len:,} tokens ({sequences * stage.seq_len:,} tokens a step), "
-            f"{stage_tokens(stage, world):,} tokens",
+            f"sequences = {stage.batch_size} per micro-batch x {stage.grad_accum} micro-batches x {who} "
+            f"of {stage.seq_len:,} tokens ({sequences * stage.seq_len:,} tokens a step), "
+            f"{stage_tokens(stage, slices):,} tokens",
             f"  trains {stage.trainable}, dsa {'on' if stage.use_dsa else 'off'}, loss {objective_name(stage)} "
             f"(lm {stage.lm_weight}, mtp {list(stage.mtp_weights)}, indexer {stage.indexer_weight})",
             f"  lr (stage step: lr): {curve}  [{schedule_text(stage)}]"]
@@ -328,8 +377,9 @@ def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
 
 def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
     """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's global batch
-    (batch_size x grad_accum x world_size), or whose held-out split holds no window. The message names --data (`named`;
-    else the default corpus), the token counts and what to change. Raises ValueError."""
+    (batch_size x grad_accum x world_size, the data-parallel slices: processes / cp), or whose held-out split holds
+    no window. The message names --data (`named`; else the default corpus), the token counts and what to change.
+    Raises ValueError."""
     where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
     for stage in stages:
         width, batch = stage.seq_len + 1, stage.batch_size * stage.grad_accum * world_size
@@ -384,7 +434,7 @@ def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[St
                      model_config: ModelConfig) -> tuple[list[Stage], int]:
     """A resumed run (`saved`: its run.json) must continue the plan it started with: same model config (checked
     first, before any data is read), stages (as resolved for the process count the run started with), data, seed
-    and optimizer. Another process count or --ep is not refused: the checkpoint is resharded on load and
+    and optimizer. Another process count, --ep or --cp is not refused: the checkpoint is resharded on load and
     `rescale_stages` keeps each stage's global batch. The one change of plan allowed is more steps
     (`glm5lab.train.extend.extend_plan`). Returns (the plan to train, steps added: 0 unless extended)."""
     saved_cfg = run_dir / "config.json"
@@ -395,7 +445,7 @@ def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[St
         if diff:
             raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
                              f"{diff[:8]} differ); resume with the run's own --preset/--config")
-    # another process count or --ep is allowed: the checkpoint is resharded and the global batch kept (`rescale_stages`)
+    # another process count, --ep or --cp is allowed: resharded on load, the global batch kept (`rescale_stages`)
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
     old = {"stages": saved_stages, **{k: saved["args"].get(k, default_recipe().settings().get(k, getattr(TrainArgs, k))) for k in keys}}
