@@ -57,7 +57,10 @@ the head, every block's inputs and the largest block's saved tensors ("recompute
 Context parallelism (`cp`): each rank holds T / cp tokens (the queries' activations scale by 1 / cp) and
 the latents of all T keys gathered per MLA layer, (C + R) values per key, plus J per key for the indexer on
 an "own" layer (`cp_gather_bytes` gives the all-gather traffic, which tests/model/test_context_parallel.py
-measures equal to `ContextParallel.gathered_bytes`). Expert parallelism (`ep`): the MoE's
+measures equal to `ContextParallel.gathered_bytes`); the dense route's per-head K/V are expanded from them for
+all T keys (cp per local token), and kv_b_proj's input is the gathered latents. `tests/model/test_cp_activations.py`
+measures a CP rank's saved tensors (cp 2, tiny preset: dense, DSA's masked and gathered routes) against the
+formula. Expert parallelism (`ep`): the MoE's
 rows per rank are the N x k assignments spread over ep ranks; balanced routing is assumed (every expert
 receives N x k / E rows), so a rank holds N x k rows of E / ep experts, with the one-process dispatcher's
 saved tensors (the all-to-all dispatcher's are not measured).
@@ -111,11 +114,14 @@ def mla_bytes(cfg: ModelConfig, spec: LayerSpec, T: int, *, dtype: str, use_dsa:
     kv_in = X * FP32 if nb == FP32 else C * FP32  # kv_a_layernorm's fp32 input: the [c | k_pe] storage in fp32
     a = _norm(Q, nb) + kv_in + FP32 + C * nb + (D + Q + H * V) * nb
     route = attention_route(cfg, spec, T, use_dsa=use_dsa)
+    # expanded K/V are per key: under CP each rank expands all T gathered keys (cp per local token), and kv_b_proj
+    # reads the gathered latents (their storage is "cp_gathered"), not the local ones
+    kv_b_in = X * nb if cp == 1 else 0
     if route == "expanded" and N + R != V:  # CPU's math fallback: q, k, v upcast to fp32 and the probabilities;
         v = H * (N + V) if batch == 1 and nb == FP32 else H * V  # one row's v is a view of kv_b_proj's output
-        a += X * nb + (2 * H * (N + R) + v + H * T) * FP32
+        a += kv_b_in + (H * (N + R) + cp * (H * (N + R) + v) + H * T) * FP32
     elif route == "expanded":  # the fused kernel: q, k, v (a view of kv_b_proj's output), lse in fp32, and out,
-        a += X * nb + (2 * H * (N + R) + H * (N + V)) * nb + H * FP32  # which is o_proj's input (counted above)
+        a += kv_b_in + (H * (N + R) + cp * (H * (N + R) + H * (N + V))) * nb + H * FP32  # out: o_proj's input
     elif route == "latent_masked":  # SDPA in the model dtype over the latents, its boolean mask cast to it
         a += H * (N + R) * nb + (2 * H * X + X + T) * nb + H * FP32
     else:
