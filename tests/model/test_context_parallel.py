@@ -20,9 +20,10 @@ DRIVER = os.path.join(os.path.dirname(__file__), "cp_driver.py")
 
 
 @pytest.mark.parametrize("nproc, layout, T, kind", [(2, "head_tail", 48, "mla"), (4, "round_robin", 48, "mla"),
-                                                    (2, "contiguous", 40, "gqa")])
+                                                    (2, "contiguous", 40, "gqa"), (2, "head_tail", 4, "mla")])
 def test_cp_equals_one_process(nproc, layout, T, kind):
-    """Every rank compares its CP results with one process's (the driver's docstring lists what)."""
+    """Every rank compares its CP results with one process's (the driver's docstring lists what). T = 4: at MTP
+    depth 3 (positions below 1) rank 1 holds no position, an empty [B, 0, ...] forward (was a reshape error)."""
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                           f"--master_port={free_port()}", DRIVER, layout, str(T), kind],
