@@ -58,6 +58,9 @@ def test_split_and_mesh_rules_are_one_line():
     with pytest.raises(ValueError, match=r"sequence length 30 does not split over --cp 4 \(head_tail layout\): it "
                                          r"must be a multiple of 8; choose seq_len 24 or 32"):
         check_split(30, 4)
+    with pytest.raises(ValueError, match=r"sequence length 2 does not split over --cp 2 \(head_tail layout\): it "
+                                         r"must be a multiple of 4; choose seq_len 4$"):
+        check_split(2, 2)  # shorter than one unit: no length 0 offered
     check_split(30, 3, "round_robin")
     assert check_mesh(8, 2, 2) == 2
     with pytest.raises(ValueError, match=r"--cp 4 x --ep 1 = 4 does not divide the run's 6 processes"):
