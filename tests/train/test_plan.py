@@ -5,6 +5,7 @@ the lr table of every schedule."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -169,6 +170,19 @@ def test_the_dry_run_refuses_what_the_run_refuses_with_the_same_line(corpus, mon
         train(args)
     assert type(run.value) is type(dry.value) and str(run.value) == str(dry.value)
     assert sorted(p.name for p in corpus.iterdir()) == before  # no folder left behind by either
+
+
+def test_the_dry_runs_ledger_command_runs_under_its_cp_layout(corpus, capsys):
+    """The memory line names the ledger command of the plan: under --cp-layout round_robin at a length head_tail
+    does not split (26 over cp 2), that command carries --cp-layout and the ledger runs it (it refused it before:
+    the ledger knew head_tail's rule only)."""
+    text = dry_run(_base(corpus, cp=2, cp_layout="round_robin", seq_len=26), nproc=2)
+    m = re.search(r"ledger, `glm5lab ledger (.*?)`\).*with (--seq-len \d+ --micro-batch \d+)", text)
+    assert m and "--cp 2 --cp-layout round_robin " in m[1], text
+    capsys.readouterr()
+    assert main(["ledger", "--config", str(corpus / "config.json"), *m[1].split(), *m[2].split()]) == 0
+    assert "26 tokens, 13 on each of cp 2 ranks" in capsys.readouterr().out
+    assert "--cp-layout" not in dry_run(_base(corpus, cp=2, seq_len=24), nproc=2)  # the default: not said
 
 
 def test_the_dry_run_says_what_it_does_not_check(corpus, capsys):

@@ -227,7 +227,7 @@ def dry_run(args, nproc: int | None = None, gpu_memory: float | None = None) -> 
     stage, acts = step_activations(cfg, stages, dtype=d["dtype"], ep=args.ep, cp=args.cp,
                                    checkpointing=args.activation_checkpointing)
     memory = (f"memory per process ({d['dtype']} weights; ledger, `glm5lab ledger --gpus {world} --ep {args.ep} "
-              f"{f'--cp {args.cp} ' if args.cp > 1 else ''}--mode train`): ")
+              f"{_cp_flags(args)}--mode train`): ")
     parts = (f"weights {_gib(b['weights'])} + gradients {_gib(b['gradients'])} + master weights "
              f"{_gib(b['master_weights'])} + optimizer state {_gib(b['optimizer_state'])}")
     if isinstance(acts, str):
@@ -242,6 +242,15 @@ def dry_run(args, nproc: int | None = None, gpu_memory: float | None = None) -> 
         lines.append(_fit_line(cfg, stage, acts, world, args, gpu_memory))
     lines.append(NOT_CHECKED)
     return "\n".join(lines)
+
+
+def _cp_flags(args) -> str:
+    """The ledger's --cp (and --cp-layout, when not the default) of the run, each followed by a space."""
+    from glm5lab.parallel.cp_layout import DEFAULT_LAYOUT
+
+    if args.cp == 1:
+        return ""
+    return f"--cp {args.cp} " + (f"--cp-layout {args.cp_layout} " if args.cp_layout != DEFAULT_LAYOUT else "")
 
 
 def _fit_line(cfg, stage, acts, world: int, args, gpu_memory: float) -> str:
