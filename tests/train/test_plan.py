@@ -224,6 +224,15 @@ def test_the_cli_dry_run_is_one_error_line_like_the_run(corpus, capsys):
     assert capsys.readouterr().err == dry == "glm5lab train: error: --grad-accum = 0 is not allowed: an integer >= 1\n"
 
 
+def test_a_cp_layout_without_cp_is_refused_not_ignored(corpus, capsys):
+    argv = ["train", "--config", str(corpus / "config.json"), "--data", str(corpus / "texts"), "--out",
+            str(corpus / "run"), "--cp-layout", "round_robin", "--threads", "1", "--no-progress"]
+    for dry in (["--dry-run"], []):
+        assert main([*argv, *dry]) == 2
+        assert capsys.readouterr().err == "glm5lab train: error: --cp-layout = 'round_robin' is not allowed: only with --cp\n"
+    assert not (corpus / "run").exists()
+
+
 SCHEDULES = """
 [defaults]
 seq_len = 24

@@ -157,6 +157,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         fields["out"] = default_out(args)
     if args.nproc is not None and not args.dry_run:
         refuse("--nproc", args.nproc, "only with --dry-run (a run's process count is torchrun's)")
+    if args.cp_layout is not None and args.cp is None:  # else ignored: one process holds every position
+        refuse("--cp-layout", args.cp_layout, "only with --cp")
     if args.gpu_memory is not None:
         if not args.dry_run:
             refuse("--gpu-memory", args.gpu_memory, "only with --dry-run")
