@@ -99,9 +99,12 @@ def test_cp_refuses_a_cache_logits_to_keep_and_an_unsplittable_length(tiny_model
     cp = ContextParallel(None, "round_robin")
     cache = KVCache.for_model(tiny_model, batch=1, capacity=32)
     ids = torch.zeros(1, 16, dtype=torch.long)
-    for kwargs in (dict(cache=cache), dict(logits_to_keep=1)):
-        with pytest.raises(ValueError, match="uncached training forwards"):
+    for kwargs, got in ((dict(cache=cache), "a cache"), (dict(logits_to_keep=1), "logits_to_keep=1")):
+        with pytest.raises(ValueError, match=f"uncached training forwards: got {got}; allowed: no cache, "
+                                             r"logits_to_keep=0 \(every position\)$"):
             tiny_model(ids, context_parallel=cp, **kwargs)
+    with pytest.raises(TypeError, match="context_parallel must be a .*ContextParallel or None, got str$"):
+        tiny_model(ids, context_parallel="cp")
     cp.size = 3  # as a rank of a group of 3 sees it
     with pytest.raises(ValueError, match="sequence length 16 does not split over --cp 3"):
         tiny_model(ids, context_parallel=cp)
