@@ -361,7 +361,8 @@ def add_train_parser(sub) -> None:
                    "count and n_routed_experts; docs/training.md); default 1")
     p.add_argument("--cp", type=int, metavar="N", help="context parallelism under torchrun: each sequence split "
                    "over groups of N processes that read the same rows (queries local, MLA's latents and the DSA "
-                   "index keys all-gathered); the global batch stays the recipe's; N x --ep divides the process "
+                   "index keys all-gathered); a step's sequences are those of world / N data-parallel processes (the recipe's "
+                   "global_batch, or --batch-size x world / N); N x --ep divides the process "
                    "count, every stage's seq_len splits over N (--cp-layout), MLA/GQA attention layers only "
                    "(docs/scaling.md, \"Context parallelism\"); default 1")
     p.add_argument("--cp-layout", dest="cp_layout", choices=LAYOUTS, help="--cp: which positions each rank "
