@@ -79,6 +79,12 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def recent_loads(self, n: int) -> list[list[list[int]]]:
+        """The `expert_load` of the last n steps logged (oldest first): a resumed run's balance window
+        (`balance_metrics`) continues as if never stopped."""
+        rows = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        return [r["expert_load"] for r in rows if r.get("expert_load")][-n:]
+
     def last_validation(self) -> tuple[int, float, int] | None:
         """(step, val_loss, val_tokens) of the latest periodic validation logged, or None: what a
         resumed run shows and reports as the subset's final figure (JSON floats round-trip exactly)."""
@@ -227,7 +233,8 @@ class _Loop:
         self.step = 0
         self.last_val = None  # (step, loss, tokens) of the latest periodic validation
         self.stream = (None, None)  # (stage index, its BatchStream)
-        self.loads = collections.deque(maxlen=DEAD_WINDOW)  # the last steps' expert loads (`balance_metrics`)
+        # the last steps' expert loads (`balance_metrics`; the main rank's, which writes them, resumes them)
+        self.loads = collections.deque(metrics.recent_loads(DEAD_WINDOW) if metrics else (), maxlen=DEAD_WINDOW)
         self.tb = None  # a TensorBoardLog (--tensorboard, main rank)
         if args.compile and ctx.world_size == 1:  # under torchrun the blocks are compiled (`_wrap_blocks`)
             from glm5lab.train.compile import CompiledLosses
@@ -294,7 +301,7 @@ class _Loop:
 
     def balance(self, expert_load: list[list[int]]) -> dict:
         """The step's per-layer balance figures (`glm5lab.train.balance.balance_metrics`: max/mean load, CV, dead
-        experts over the last `DEAD_WINDOW` steps of this process's run; a resume starts the window afresh)."""
+        experts over the last `DEAD_WINDOW` steps, a resumed run's window refilled from metrics.jsonl)."""
         self.loads.append(expert_load)
         return balance_metrics(list(self.loads))
 
