@@ -172,7 +172,6 @@ class MLAttention(nn.Module):
         them) to the step's cache. DSA is active when `step.use_dsa`, the layer selects ("own"/"shared") and S >
         index_topk. The kernel is `attention_route`'s. Raises ValueError when DSA is on for a cache without
         indexer keys, or for a "shared" layer with no earlier selection."""
-        B, T, _ = x_BTD.shape
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, step.cos, step.sin)
         latent_BSX = step.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
         index_keys_BSJ = self.index_keys(x_BTD, step)
@@ -184,7 +183,7 @@ class MLAttention(nn.Module):
         own = self.spec.indexer == "own"
         kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, latent_BSX), step, topk=topk, index_keys_BSJ=index_keys_BSJ)
               if own and step.indexer_loss else None)
-        return self.o_proj(o_BTHV.reshape(B, T, -1)), topk if own else step.topk, kl
+        return self.o_proj(o_BTHV.flatten(2)), topk if own else step.topk, kl
 
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""
