@@ -26,6 +26,7 @@ from glm5lab.parallel.dist import end_process, session
 PARAMS = {
     "mat": ((8, 5), "muon", None),
     "mat_odd": ((5, 6), "muon", None),
+    "mat_twin": ((8, 5), "muon", None),  # the shape of "mat": gathered with it, one collective for both
     "experts": ((3, 6, 4), "muon", None),
     "ep_experts": ((6, 4, 6), "muon", None),
     "split_even": ((8, 6), "muon_split", 4),

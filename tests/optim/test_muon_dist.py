@@ -1,5 +1,6 @@
 """MuonAdamW on FSDP2 and expert-parallel shards (gloo, CPU): the same params as one process, each Newton-Schulz
-block computed exactly once in the world, no all-gather. One `torch.distributed.run` launch of 4 processes
+block computed exactly once in the world, one gather and one scatter per shape group of gathered matrices, no
+all-gather. One `torch.distributed.run` launch of 4 processes
 (tests/optim/muon_dist_driver.py) covers sharding over 4 ranks and over 2 ranks (two copies of 2).
 
 Tolerance: PARAM_ATOL 2e-7 max abs on params (~0.02) after 3 fp32 steps; observed 0 (bit-exact) at n = 2 and 4
@@ -24,6 +25,7 @@ PARAM_ATOL = 2e-7
 TABLE = {
     "mat": (1, "G", "G"),  # [8, 5] "muon": rows split over ranks
     "mat_odd": (1, "G", "G"),  # [5, 6] "muon": uneven rows, an empty shard at n=4
+    "mat_twin": (1, "G", "G"),  # [8, 5] "muon", the shape of "mat": one shape group with it
     "experts": (3, "L", "L"),  # [3, 6, 4] Shard(0) on a 1-D mesh; an empty shard at n=4
     "ep_experts": (6, "L", "L"),  # [6, 4, 6] EP Shard(0) under FSDP2: (_StridedShard(0), Shard(0))
     "split_even": (4, "L", "L"),  # [8, 6] 4 heads of 2 rows; chunk 4 or 2 rows
@@ -32,6 +34,11 @@ TABLE = {
     "split_kv": (8, "L", "L"),  # [12, 6] 4 heads of 3 rows cut (2, 1) ("muon-split-kv"); chunk 6 or 3 rows
     "split_kv_straddle": (10, "G", "G"),  # [15, 4] 5 heads of 3 rows cut (1, 2); chunk 8 or 4 rows: straddles
 }
+
+
+TWINS = {"mat_twin": "mat"}
+"""A gathered param -> the earlier one of the same global shape: they share a shape group (one gather, one scatter,
+one owner)."""
 
 
 def _route(name: str, n: int) -> str:
@@ -71,8 +78,9 @@ def test_sharded_steps_equal_one_process(cases, n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_each_block_is_orthogonalised_once(cases, n):
     """Every step, each expert / head block / matrix is orthogonalised by exactly one rank of its world: local
-    blocks by the rank holding them, a gathered matrix whole by its owner alone (mesh rank k mod n, k-th gathered)."""
-    owners = {name: k % n for k, name in enumerate(_gathered(n))}
+    blocks by the rank holding them, a gathered matrix whole by its owner alone (mesh rank k mod n for the k-th
+    shape group of gathered matrices)."""
+    owners = _owners(n)
     for world in _worlds(cases[n], n):
         for step in range(3):
             for name, (blocks, _, _) in TABLE.items():
@@ -85,11 +93,23 @@ def test_each_block_is_orthogonalised_once(cases, n):
     assert len(set(owners.values())) == min(n, len(owners))  # owners take turns
 
 
+def _owners(n: int) -> dict[str, int]:
+    """Gathered param -> owner mesh rank: k mod n for the k-th shape group (a twin: its twin's)."""
+    owners, groups = {}, 0
+    for name in _gathered(n):
+        if name in TWINS:
+            owners[name] = owners[TWINS[name]]
+        else:
+            owners[name], groups = groups % n, groups + 1
+    return owners
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_only_gathered_matrices_communicate(cases, n):
-    """Per step and rank: one gather and one scatter per gathered matrix, nothing else (no all-gather, nothing
-    for local experts or heads); an optimizer over local-path params only issues no collective at all."""
-    g = len(_gathered(n))
+    """Per step and rank: one gather and one scatter per shape group of gathered matrices, nothing else (no
+    all-gather, nothing for local experts or heads); an optimizer over local-path params only issues no
+    collective at all."""
+    g = len(_gathered(n)) - len(TWINS)
     for rank in cases[n]:
         assert rank["comms"] == [{"c10d.gather_": g, "c10d.scatter_": g}] * 3
         assert rank["local_comm"] == 0

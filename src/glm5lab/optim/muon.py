@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -30,7 +31,8 @@ from torch.optim.optimizer import Optimizer, required
 
 from glm5lab.model.local import local
 from glm5lab.parallel import muon_dist
-from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, check_sections, muon_split, newton_schulz
+from glm5lab.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, check_sections
+from glm5lab.optim.ns_batch import Job, NSSettings, orthogonalize_batched
 from glm5lab.validate import int_at_least, is_int, one_of
 
 KINDS = ("muon", "muon_split", "adamw")
@@ -95,9 +97,11 @@ class MuonAdamW(Optimizer):
     shape, heads, sections or hyperparameter, naming it. Params may be FSDP2 / expert-parallel DTensors
     (`_orthogonalized`).
 
-    on_orthogonalize: optional hook `(param, count)` called on each Newton-Schulz call with the param whose update
-    it orthogonalises and how many matrices it takes (B for a batch [B, M, N], 1 for one matrix; so each expert,
-    each head block and each plain matrix counts once); for tests and accounting. Not part of state_dict().
+    on_orthogonalize: optional hook `(param, count)` called for each piece of an update queued for Newton-Schulz
+    (`ns_batch.pieces`: the whole update, or each section of a split one) with the param and how many matrices the
+    piece holds (E experts, H head blocks, 1 plain matrix; so each expert, each head block or section and each plain
+    matrix counts once, though same-shape pieces of many params then share one batched call); for tests and
+    accounting. Not part of state_dict().
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -142,8 +146,7 @@ class MuonAdamW(Optimizer):
                     _adamw_update(p, self.state[p], group)
                 else:
                     muon.append((p, group, _momentum_update(p, self.state[p], group)))
-        directions = _orthogonalized([(u, g["kind"], g["heads"], _ns(g, p, self.on_orthogonalize),
-                                       g.get("sections")) for p, g, u in muon])
+        directions = _orthogonalized([_job(p, g, u, self.on_orthogonalize) for p, g, u in muon])
         for (p, group, _), ortho in zip(muon, directions, strict=True):
             lr, shape = group["lr"], block_shape(p, group["kind"], group["heads"])
             p_ = local(p)
@@ -183,73 +186,66 @@ def _momentum_update(p: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
     return muon_dist.like(grad, update) if isinstance(grad, DTensor) else update
 
 
-def _ns(group: dict, p: torch.Tensor, on_orthogonalize) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The group's Newton-Schulz, reporting each call's matrix count to on_orthogonalize(p, count) when given.
-    With `sections`, each section's result is scaled by adjust_lr(1, fn, section) / adjust_lr(1, fn, head block),
-    so that the step's lr for the head block (`block_shape`) becomes each section's own."""
-    ns = partial(newton_schulz, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["ns_eps"])
-    if group.get("sections") is not None:
-        fn, head = group["adjust_lr_fn"], block_shape(p, group["kind"], group["heads"])
-        plain = ns
-
-        def ns(G: torch.Tensor) -> torch.Tensor:
-            return plain(G) * (adjust_lr(1.0, fn, tuple(G.shape[-2:])) / adjust_lr(1.0, fn, head))
-    if on_orthogonalize is None:
-        return ns
-
-    def counted(G: torch.Tensor) -> torch.Tensor:
-        on_orthogonalize(p, G.shape[0] if G.ndim == 3 else 1)
-        return ns(G)
-    return counted
+def _job(p: torch.Tensor, group: dict, update: torch.Tensor, on_orthogonalize) -> Job:
+    """The `ns_batch.Job` of p's update (a DTensor stays one; `_orthogonalized` takes its local shard). With
+    `sections`, each section's result is scaled by adjust_lr(1, fn, section) / adjust_lr(1, fn, head block), so
+    that the step's lr for the head block (`block_shape`) becomes each section's own. on_orthogonalize(p, count)
+    is called for each piece (each section of a split update, else the whole update) with its block count."""
+    kind, heads, sections = group["kind"], group["heads"], group.get("sections")
+    settings = NSSettings(group["ns_steps"], tuple(group["ns_coefficients"]), group["ns_eps"])
+    scales = None
+    if sections is not None:
+        sections = tuple(sections)
+        fn, head = group["adjust_lr_fn"], block_shape(p, kind, heads)
+        scales = tuple(adjust_lr(1.0, fn, (s, p.shape[1])) / adjust_lr(1.0, fn, head) for s in sections)
+    count = None if on_orthogonalize is None else partial(on_orthogonalize, p)
+    return Job(update, kind, heads, update.shape[0], settings, sections, scales, count)
 
 
-def _direction(x: torch.Tensor, kind: str, heads: int | None, rows: int, ns, sections=None) -> torch.Tensor:
-    """NS per block of x, a whole update or a shard of whole blocks: [E, M, N] per expert, [R, N] whole ("muon"),
-    or [R, N] per block of rows // heads rows ("muon_split"; rows: the whole update's M; each head block cut into
-    `sections` when given). Empty x is returned as is."""
-    if x.numel() == 0:
-        return x.clone()
-    if kind == "muon_split":
-        return muon_split(x, x.shape[0] // (rows // heads), orthogonalize=ns,
-                          sections=None if sections is None else tuple(sections))
-    return ns(x)
-
-
-def _orthogonalized(items: list[tuple]) -> list[torch.Tensor]:
-    """The Muon direction of each (update, kind, heads, ns, sections): NS of each block (a plain matrix, each head
-    block or head section for "muon_split", each expert for 3-D), laid out like its update. Each block is computed
-    once in the world:
+def _orthogonalized(jobs: list[Job]) -> list[torch.Tensor]:
+    """The Muon direction of each job's update: NS of each block (a plain matrix, each head block or head section
+    for "muon_split", each expert for 3-D), laid out like its update. Each block is computed once in the world:
     - a plain tensor (one process): here, whole;
     - a DTensor, by `muon_dist.route` (global shapes and placements, so every rank agrees):
       LOCAL when the local shard is whole blocks (3-D experts sharded along dim 0 by FSDP2, EP or both; a matrix
       whose shard boundaries fall on head boundaries): NS on the shard where it lives, no communication;
-      GATHER otherwise ((Shard(0),) on a 1-D mesh): the matrix is gathered once to one owner (mesh rank
-      k mod n for the k-th such update, so owners take turns), orthogonalised there, and each rank is sent back
-      only its rows: one gather and one scatter per matrix, no all-gather. Gathers are issued first, local
-      blocks computed while they are in flight, and each owner's scatter starts as soon as its result is ready.
-    Raises ValueError (from route) for another DTensor layout."""
-    out: list[torch.Tensor | None] = [None] * len(items)
-    gathers = []  # (index, owner, (work, send, parts))
-    for i, (u, kind, heads, _, _) in enumerate(items):
-        if isinstance(u, DTensor) and muon_dist.route(u, kind, heads) == muon_dist.GATHER:
-            owner = len(gathers) % u.device_mesh.size()
-            gathers.append((i, owner, muon_dist.gather_rows(u, owner)))
-    gathered = {i for i, _, _ in gathers}
-    for i, (u, kind, heads, ns, sections) in enumerate(items):
-        if i in gathered:
-            continue
-        direction = partial(_direction, kind=kind, heads=heads, rows=u.shape[0], ns=ns, sections=sections)
-        out[i] = muon_dist.local_shard(u, direction) if isinstance(u, DTensor) else direction(u)
+      GATHER otherwise ((Shard(0),) on a 1-D mesh): the matrix is gathered once to one owner, orthogonalised
+      there, and each rank is sent back only its rows; updates of one global shape on one mesh travel together
+      (a shape group: mesh rank k mod n owns the k-th group, in order of first appearance, so owners take turns),
+      one gather and one scatter per shape group, no all-gather, and the owner orthogonalises the group's
+      matrices as one batch. Gathers are issued first, local blocks computed while they are in flight, and each
+      owner's scatter starts as soon as its group's results are ready.
+    The plain and LOCAL blocks go through `ns_batch.orthogonalize_batched` together: one Newton-Schulz call per
+    block shape and settings. Raises ValueError (from route) for another DTensor layout."""
+    out: list[torch.Tensor | None] = [None] * len(jobs)
+    groups: dict[tuple, list[int]] = {}  # (global shape, dtype, mesh) -> indices of the GATHER updates, in order
+    for i, job in enumerate(jobs):
+        u = job.x
+        if isinstance(u, DTensor) and muon_dist.route(u, job.kind, job.heads) == muon_dist.GATHER:
+            groups.setdefault((tuple(u.shape), u.dtype, u.device_mesh), []).append(i)
+    gathers = []  # (indices, owner, (work, send, parts))
+    for k, members in enumerate(groups.values()):
+        owner = k % jobs[members[0]].x.device_mesh.size()
+        gathers.append((members, owner, muon_dist.gather_rows([jobs[i].x for i in members], owner)))
+    gathered = {i for members in groups.values() for i in members}
+    here = [i for i in range(len(jobs)) if i not in gathered]
+    shards = [replace(jobs[i], x=local(jobs[i].x)) for i in here]
+    for i, direction in zip(here, orthogonalize_batched(shards), strict=True):
+        u = jobs[i].x
+        out[i] = muon_dist.like(u, direction) if isinstance(u, DTensor) else direction
     scatters = []
-    for i, owner, (work, _, parts) in gathers:
+    for members, owner, (work, _, parts) in gathers:
         work.wait()
-        u, kind, heads, ns, sections = items[i]
-        whole = None if parts is None else _direction(torch.cat(parts)[: u.shape[0]], kind, heads, u.shape[0], ns,
-                                                      sections)
-        scatters.append((i, muon_dist.scatter_rows(u, owner, whole)))
-    for i, (work, recv, _) in scatters:
+        updates = [jobs[i].x for i in members]
+        results = None
+        if parts is not None:
+            results = orthogonalize_batched([replace(jobs[i], x=w) for i, w in
+                                             zip(members, muon_dist.wholes(updates, parts), strict=True)])
+        scatters.append((members, muon_dist.scatter_rows(updates, owner, results)))
+    for members, (work, recv, _) in scatters:
         work.wait()
-        out[i] = muon_dist.rows_like(items[i][0], recv)
+        for i, shard in zip(members, muon_dist.rows_like([jobs[i].x for i in members], recv), strict=True):
+            out[i] = shard
     return out
 
 

@@ -1,15 +1,18 @@
 """Orthogonalisation of update matrices: the Newton-Schulz iteration Muon runs, its exact SVD
 twin, and the per-head split of Muon Split.
 
-Legend: M rows, N cols, B batch of independent matrices, H heads. `newton_schulz` is the fast path;
-`orthogonalize_exact` is the reference it approximates (same signature, compared in
-`tests/optim/test_newton_schulz.py`). Derivation and observed singular-value range: docs/optim.md. Sources:
+Legend: M rows, N cols, B batch of independent matrices, H heads, m = min(M, N), n = max(M, N).
+`newton_schulz` is the fast path; `orthogonalize_exact` is the reference it approximates (same signature, compared
+in `tests/optim/test_newton_schulz.py`). `newton_schulz_gram` is the same iteration run on the m x m Gram matrix,
+`newton_schulz` its reference; `orthogonalize_ns` picks one of the two per shape (`GRAM_MIN_ASPECT`). Derivation
+and observed singular-value range: docs/optim.md. Sources:
 Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024) and
 `torch.optim._muon._zeropower_via_newtonschulz`; GLM-5 report (Muon Split).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -19,6 +22,17 @@ from glm5lab.validate import is_int
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic p(x) = a x + b x^3 + c x^5 (Keller Jordan's Muon)."""
 NS_EPS = 1e-7
+GRAM_MIN_ASPECT = math.inf
+"""`orthogonalize_ns` takes the Gram form when n >= GRAM_MIN_ASPECT * m: never, for now. At 2.0 (where it pays on
+this CPU, below) `tests/train/test_fsdp.py` fails: two FSDP processes end 1.4e-4 away from one process after 6
+steps, over its 1e-4 bar (plain form: within it). In fp32 R = X X^T squares the condition number, so the rounding
+differences between one process and the sharded run (gradient reduction order, batch composition) come out of the
+Gram form amplified (against the plain form: up to 1.1e-3 relative on ill-conditioned updates). Its FLOPs per
+matrix are 4 m^2 n + (8 steps - 6) m^3 against the plain form's steps (4 m^2 n + 2 m^3): at 5 steps 42 against
+50 m^3 at n = 2 m, 50 against 90 at n = 4 m, and more than the plain form's at n = m (38 against 30). Measured on
+one CPU thread, fp32 (BENCHMARKS.md, "Newton-Schulz in batches"): 1.2x faster on the small preset's
+[32, 128, 256] stacks (aspect 2), 1.4-1.9x at aspect 2.7-16, 0.8x on square [64, 64] blocks; the whole optimizer
+step 1.13-1.19x."""
 
 
 def _check_matrix(G: torch.Tensor, who: str) -> None:
@@ -42,11 +56,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, *, coefficients: tuple[float,
     if steps < 0:
         raise ValueError(f"newton_schulz steps must be >= 0, got {steps}")
     a, b, c = coefficients
-    X = G.float()
-    tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
-    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    X, tall = _normalized_wide(G, eps)
     for _ in range(steps):  # fused: B = b A + c A A, X = a X + B X (two baddbmm, no temporaries)
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c) if A.dim() == 3 else torch.addmm(A, A, A, beta=b, alpha=c)
@@ -54,6 +64,61 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, *, coefficients: tuple[float,
     if tall:
         X = X.mT
     return X.contiguous().to(G.dtype)
+
+
+def _normalized_wide(G: torch.Tensor, eps: float) -> tuple[torch.Tensor, bool]:
+    """(X, tall): G in fp32, transposed to [.., m, n] when M > N (tall) and made contiguous (a transposed operand
+    runs the batched matmuls ~1.6x slower on CPU), divided by its Frobenius norm per matrix (clamped at eps)."""
+    X = G.float()
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT.contiguous()
+    return X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps), tall
+
+
+def newton_schulz_gram(G: torch.Tensor, steps: int = 5, *,
+                       coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """`newton_schulz` run on the Gram matrix: the same polynomial iteration, cheaper when n >> m.
+
+    Same signature, contract and errors as `newton_schulz`, which is its reference (tests/optim/test_newton_schulz.py
+    ties them: GRAM_TOL). With X0 the normalised [m, n] matrix, newton_schulz's step X <- H(A) X, H(A) = a I + b A +
+    c A^2, A = X X^T, keeps X_k = Q_k X0 with Q_k an m x m polynomial in R0 = X0 X0^T; so iterate on R and Q alone:
+    H = a I + b R + c R R;  Q <- H Q;  R <- H R H (R and H commute) and return Q X0: only two m x n products
+    (R0 and the last). FLOPs: 4 m^2 n + (8 steps - 6) m^3 (`GRAM_MIN_ASPECT` says where it pays). In exact
+    arithmetic the two forms are equal; in fp32 they differ by rounding (observed ~1e-6 absolute)."""
+    _check_matrix(G, "newton_schulz_gram")
+    if steps < 0:
+        raise ValueError(f"newton_schulz_gram steps must be >= 0, got {steps}")
+    a, b, c = coefficients
+    X, tall = _normalized_wide(G, eps)
+    mm, addmm = (torch.bmm, torch.baddbmm) if X.dim() == 3 else (torch.mm, torch.addmm)
+    if steps > 0:
+        R, Q = mm(X, X.mT), None
+        for k in range(steps):
+            H = addmm(R, R, R, beta=b, alpha=c)
+            H.diagonal(dim1=-2, dim2=-1).add_(a)
+            Q = H if Q is None else mm(H, Q)
+            if k < steps - 1:
+                R = mm(mm(H, R), H)
+        X = mm(Q, X)
+    if tall:
+        X = X.mT
+    return X.contiguous().to(G.dtype)
+
+
+def uses_gram(rows: int, cols: int, steps: int) -> bool:
+    """Whether `orthogonalize_ns` takes the Gram form for [rows, cols] matrices: n >= GRAM_MIN_ASPECT * m, steps
+    >= 1 (m = min, n = max); GRAM_MIN_ASPECT is read at each call."""
+    return steps >= 1 and max(rows, cols) >= GRAM_MIN_ASPECT * min(rows, cols)
+
+
+def orthogonalize_ns(G: torch.Tensor, steps: int = 5, *,
+                     coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """What Muon runs: `newton_schulz_gram` where `uses_gram` says so for G's last two dims, else `newton_schulz`.
+    Same signature, contract and errors as `newton_schulz`."""
+    _check_matrix(G, "orthogonalize_ns")
+    fn = newton_schulz_gram if uses_gram(G.size(-2), G.size(-1), steps) else newton_schulz
+    return fn(G, steps, coefficients=coefficients, eps=eps)
 
 
 def orthogonalize_exact(G: torch.Tensor) -> torch.Tensor:
