@@ -14,7 +14,8 @@ Each figure: process CPU seconds (one thread: the time the call ran, which waiti
 inflate) and wall seconds. `--repeats` calls each, the minimum CPU time kept. The cached logits are checked
 against the uncached ones (max |diff| printed). Goal: cached (the first chunk) <= 1.25 x uncached (CPU seconds)
 at every T.
-Prints a table, then one JSON line (threads and load average at the start and end).
+Prints a table, then one JSON line (`glm5lab.environment.env_facts`: threads, load average at the start, git
+commit; the load average at the end).
 """
 
 from __future__ import annotations
@@ -135,19 +136,21 @@ def main(argv=None) -> dict:
         rec = worker(lengths[0], args.chunks[0], args.repeats)
         print_json_line(rec)
         return rec
-    load0 = os.getloadavg()[0]
+    from glm5lab.environment import env_facts, load_average
+
+    env = env_facts("cpu")
     points = [point(args, T) for T in lengths]
+    env["load_average_end"] = load_average()
     print(f"\ncached prefill vs the uncached forward, dense MLA, one bench layer, fp32, {args.threads} thread(s); "
           f"CPU seconds (wall); the baseline at chunk {args.chunks[0]}\n")
     heads = [h for c in args.chunks for h in (f"cached, chunk {c}", "/ uncached", "max |diff| logit")]
     print(markdown_table(["T", "uncached", "baseline cached", "/ uncached", *heads],
                          [_row(pt, args.chunks) for pt in points]))
     met = all(pt["cached"][args.chunks[0]]["over_uncached"] <= GOAL for pt in points)
-    rec = {"benchmark": "cached_prefill", "threads": args.threads, "chunks": args.chunks, "repeats": args.repeats,
-           "baseline": str(args.baseline) if args.baseline else None, "load_avg_start": load0,
-           "load_avg_end": os.getloadavg()[0], "goal": GOAL, "goal_met": met, "points": points}
+    rec = {"benchmark": "cached_prefill", "env": env, "chunks": args.chunks, "repeats": args.repeats,
+           "baseline": str(args.baseline) if args.baseline else None, "goal": GOAL, "goal_met": met, "points": points}
     print(f"\ngoal cached (chunk {args.chunks[0]}) <= {GOAL} x uncached at every T: {'met' if met else 'missed'}; "
-          f"load average {load0:.2f} -> {rec['load_avg_end']:.2f}")
+          f"load average {env['load_average_start']} -> {env['load_average_end']}")
     print_json_line(rec)
     return rec
 
