@@ -175,6 +175,10 @@ def test_cli_prints_activations_and_the_total_per_gpu():
     (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4094", "--cp", "2"],
      "sequence length 4094 does not split over --cp 2 (head_tail layout): it must be a multiple of 4; choose "
      "seq_len 4092 or 4096"),
+    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4094", "--cp", "4", "--cp-layout", "round_robin"],
+     "sequence length 4094 does not split over --cp 4 (round_robin layout): it must be a multiple of 4"),
+    (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "4096", "--cp-layout", "round_robin"],
+     "--cp-layout = 'round_robin' is not allowed: only with --cp"),
     (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "10"], "--seq-len = 10 is not allowed: more than 19"),
     (["--gpus", "8", "--ep", "2", "--mode", "train", "--seq-len", "64", "--micro-batch", "0"],
      "--micro-batch = 0 is not allowed: an integer >= 1"),
@@ -195,6 +199,18 @@ def test_cli_refusals_are_one_line_and_exit_2(args, message):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("glm5lab ledger: error: ") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+
+
+def test_cli_splits_the_sequence_under_train_s_cp_layout():
+    """--cp-layout: the seq-len rule of `glm5lab train --cp-layout` (round_robin splits 4094 over cp 2, head_tail
+    does not), with the same accounts (the bytes depend on T / cp, not on which positions a rank holds)."""
+    args = ("--preset", "glm5", "--gpus", "8", "--ep", "2", "--mode", "train", "--cp", "2", "--json")
+    rr = run(*args, "--seq-len", "4094", "--cp-layout", "round_robin")
+    assert rr.returncode == 0, rr.stderr
+    assert "(head_tail layout)" in run(*args, "--seq-len", "4094").stderr
+    ht, rr4096 = (json.loads(run(*args, "--seq-len", "4096", *x).stdout.splitlines()[-1])
+                  for x in ((), ("--cp-layout", "round_robin")))
+    assert ht == rr4096
 
 
 def test_accounts_import_no_torch():

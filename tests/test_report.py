@@ -238,6 +238,9 @@ def test_expert_load_caption_states_what_the_records_show(run, tmp_path):
                       "indexer_warmup (2 steps): " in text
     assert "From step 6 on, at least 95% of steps are under 2x; the last step at or above it is step 5 (of 9)." \
         in text and "balances them" not in text
+    # the table's balance columns at the last step: every expert at 1 (max / mean 1, CV 0), none dead in 9 steps
+    assert "| MoE layer | assignments | max | min | max / mean | CV | dead experts |" in text
+    assert f"| layer 1 | {n} | 1 | 1 | 1.000 | 0.000 | 0 |" in text
 
 
 def test_compare_puts_a_table_and_overlaid_curves_in_the_report(run, tmp_path, capsys):

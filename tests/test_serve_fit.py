@@ -40,7 +40,7 @@ def test_tp_search_order_fewest_gpus_then_smallest_tp():
 def test_cli_prints_the_verdict_and_refuses_it_without_a_mode(capsys):
     assert main(["ledger", "--gpus", "8", "--tp", "8", "--mode", "serve", "--dtype", "fp8", "--gpu-memory", "80"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        "fit on 80 GiB GPUs: --gpus 8 --tp 8 --ep 1 needs 99.99 GiB per GPU (weights + cache): it does not fit. "
-        "Smallest layout of this kind that fits: --gpus 16 --tp 8 --ep 1, 57.24 GiB per GPU")
+        "fit on 80 GiB GPUs: --gpus 8 --tp 8 --ep 1 needs 100.0 GiB per GPU (weights + cache): it does not fit. "
+        "Smallest layout of this kind that fits: --gpus 16 --tp 8 --ep 1, 57.2 GiB per GPU")
     assert main(["ledger", "--gpu-memory", "80"]) == 2
     assert "--gpu-memory = 80.0 is not allowed: only with --gpus, --ep and --mode serve" in capsys.readouterr().err

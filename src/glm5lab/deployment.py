@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from glm5lab.activations import activations, cp_gather_bytes
 from glm5lab.parallel.alltoall import a2a_per_token, check_ep
-from glm5lab.parallel.cp_layout import check_split
+from glm5lab.parallel.cp_layout import DEFAULT_LAYOUT, check_split
 from glm5lab.config import ModelConfig
 from glm5lab.ledger import (attention_params, attention_weights, indexer_params, indexer_weights, main_params,
                             mixer_kind, mtp_params, state)
@@ -145,19 +145,19 @@ def deployment(cfg: ModelConfig, *, gpus: int, ep: int, mode: str, dtype: str = 
     return out
 
 
-def check_cp(cp: int, *, gpus: int, ep: int, seq_len: int, flag: str = "") -> None:
+def check_cp(cp: int, *, gpus: int, ep: int, seq_len: int, flag: str = "", layout: str = DEFAULT_LAYOUT) -> None:
     """Raise ValueError for a context-parallel size the training layout cannot hold: cp not an int >= 1, cp x ep
     not dividing the GPUs (G = data replicas x cp x ep), or a sequence length `glm5lab train --cp` would refuse
-    (`cp_layout.check_split` under the default layout: head_tail needs a multiple of 2 cp)."""
+    under `layout` (`cp_layout.check_split`: head_tail, the default, needs a multiple of 2 cp, the others of cp)."""
     int_at_least(f"{flag}cp", cp, 1)
     if (gpus // ep) % cp:
         refuse(f"{flag}cp", cp, f"a divisor of {flag}gpus / {flag}ep = {gpus} / {ep} = {gpus // ep} (G = data replicas "
                "x cp x ep)")
-    check_split(seq_len, cp)
+    check_split(seq_len, cp, layout)
 
 
 def with_activations(d: dict, cfg: ModelConfig, *, seq_len: int, micro_batch: int = 1, checkpointing: bool = False,
-                     cp: int = 1, flag: str = "") -> dict:
+                     cp: int = 1, flag: str = "", layout: str = DEFAULT_LAYOUT) -> dict:
     """The train accounts `d` (from `deployment`) with a step's activation bytes per GPU
     (`glm5lab.activations.activations` at d's dtype and ep: a DSA stage with its indexer KL when the model has
     DSA, MTP at 3 depths when it has an MTP layer) as "activations" (the per-layer figures, the settings, "total"),
@@ -165,7 +165,7 @@ def with_activations(d: dict, cfg: ModelConfig, *, seq_len: int, micro_batch: in
     Raises ValueError (`check_cp`; a sequence or layer type `activations` refuses), naming `flag`-prefixed flags."""
     int_at_least(f"{flag}seq-len", seq_len, 1)
     int_at_least(f"{flag}micro-batch", micro_batch, 1)
-    check_cp(cp, gpus=d["gpus"], ep=d["ep"], seq_len=seq_len, flag=flag)
+    check_cp(cp, gpus=d["gpus"], ep=d["ep"], seq_len=seq_len, flag=flag, layout=layout)
     try:
         a = activations(cfg, seq_len=seq_len, batch=micro_batch, dtype=d["dtype"], use_dsa=cfg.use_dsa,
                         indexer_loss=cfg.use_dsa, checkpointing=checkpointing, cp=cp, ep=d["ep"])

@@ -132,27 +132,27 @@ def render_verdict(v: dict, *, nproc_flag: str = "--nproc", without_cp: dict | N
     if without_cp is not None and not v["fits"] and v["plan"] is not None and v["plan"]["cp"] > 1:
         r = without_cp["plan"]
         text += "\nwithout --cp: " + (
-            f"{plan_flags(r, nproc_flag=nproc_flag)}, {_gib(r['bytes']['total'])} per GPU ({_parts(r)})" if r else
+            f"{plan_flags(r, nproc_flag=nproc_flag)}, {gib_text(r['bytes']['total'])} per GPU ({_parts(r)})" if r else
             f"no plan up to {without_cp['cap']:,} GPUs fits; the least at {without_cp['best_at_cap']['gpus']:,}: "
             f"{plan_flags(without_cp['best_at_cap'], nproc_flag=nproc_flag)}, "
-            f"{_gib(without_cp['best_at_cap']['bytes']['total'])}; {dominant(without_cp['best_at_cap'])}")
+            f"{gib_text(without_cp['best_at_cap']['bytes']['total'])}; {dominant(without_cp['best_at_cap'])}")
     return text
 
 
 def _verdict_line(v: dict, nproc_flag: str) -> str:
     a, lim = v["asked"], v["gpu_memory"]
     head = (f"fit on {lim:g} GiB GPUs: the plan ({plan_flags(a, nproc_flag=nproc_flag)}) needs "
-            f"{_gib(a['bytes']['total'])} per GPU")
+            f"{gib_text(a['bytes']['total'])} per GPU")
     if v["fits"]:
         return f"{head}: it fits"
     p = v["plan"]
     if p is not None:
         return (f"{head}: it does not fit. Smallest plan that fits (fewest GPUs, then no cp, then the smallest ep, "
-                f"then checkpointing off): {plan_flags(p, nproc_flag=nproc_flag)}, {_gib(p['bytes']['total'])} per "
+                f"then checkpointing off): {plan_flags(p, nproc_flag=nproc_flag)}, {gib_text(p['bytes']['total'])} per "
                 f"GPU ({_parts(p)})")
     b = v["best_at_cap"]
     return (f"{head}: it does not fit, and no plan up to {v['cap']:,} GPUs fits (any cp, ep, checkpointing). The "
-            f"least at {b['gpus']:,} GPUs: {plan_flags(b, nproc_flag=nproc_flag)}, {_gib(b['bytes']['total'])} "
+            f"least at {b['gpus']:,} GPUs: {plan_flags(b, nproc_flag=nproc_flag)}, {gib_text(b['bytes']['total'])} "
             f"({_parts(b)}); {dominant(b)}")
 
 
@@ -160,7 +160,7 @@ def dominant(p: dict) -> str:
     """Which term of plan `p` dominates, in words; for activations, the largest block and its largest part."""
     parts = {k: p["bytes"][k] for k in PARTS}
     top = max(parts, key=parts.get)
-    line = f"the largest term is {top.replace('_', ' ')} ({_gib(parts[top])})"
+    line = f"the largest term is {top.replace('_', ' ')} ({gib_text(parts[top])})"
     if top != "activations":
         return line
     a = p["activations"]
@@ -170,15 +170,16 @@ def dominant(p: dict) -> str:
     name = max(sub, key=sub.get)
     what = "kept: every block's input plus the largest block recomputed" if a["checkpointing"] else "every block's"
     return (f"{line}, {what}; the largest block ({big['kind']}, T / cp = {a['seq_len'] // a['cp']:,} tokens) holds "
-            f"{_gib(big['total'])}, most of it {name} ({_gib(sub[name])}; docs/ledger.md, \"Activations\")")
+            f"{gib_text(big['total'])}, most of it {name} ({gib_text(sub[name])}; docs/ledger.md, \"Activations\")")
 
 
 def _parts(p: dict) -> str:
-    return " + ".join(f"{k.replace('_', ' ')} {_gib(p['bytes'][k])}" for k in PARTS)
+    return " + ".join(f"{k.replace('_', ' ')} {gib_text(p['bytes'][k])}" for k in PARTS)
 
 
-def _gib(n: float) -> str:
-    """GiB to 0.1, or MiB below 1 GiB (a tiny model's plan would read 0.0 GiB)."""
+def gib_text(n: float) -> str:
+    """Bytes in GiB to 0.1, or in MiB below 1 GiB (a tiny model's figures would read 0.0 GiB): how the dry run, the
+    fit verdicts and the serving verdict print sizes."""
     return f"{n / GIB:,.1f} GiB" if n >= GIB else f"{n / 2**20:,.2f} MiB"
 
 

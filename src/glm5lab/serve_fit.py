@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from glm5lab.config import ModelConfig
 from glm5lab.deployment import serve_bytes
-from glm5lab.fit_plan import CAP, GIB, check_gpu_memory
+from glm5lab.fit_plan import CAP, GIB, check_gpu_memory, gib_text
 from glm5lab.tensor_parallel import check_tp, tp_serve
 
 
@@ -65,14 +65,14 @@ def _tp_layouts(cfg: ModelConfig, gpus: int, ep: int, tp: int, cap: int):
 def serve_fit_text(v: dict) -> str:
     """The verdict in one line."""
     a, lim = v["asked"], v["gpu_memory"]
-    head = f"fit on {lim:g} GiB GPUs: {_flags(a)} needs {a['bytes'] / GIB:,.2f} GiB per GPU (weights + cache)"
+    head = f"fit on {lim:g} GiB GPUs: {_flags(a)} needs {gib_text(a['bytes'])} per GPU (weights + cache)"
     if v["fits"]:
         return f"{head}: it fits"
     p = v["plan"]
     if p is None:
         return f"{head}: it does not fit, and no layout of this kind up to {v['cap']:,} GPUs does"
     return (f"{head}: it does not fit. Smallest layout of this kind that fits: {_flags(p)}, "
-            f"{p['bytes'] / GIB:,.2f} GiB per GPU")
+            f"{gib_text(p['bytes'])} per GPU")
 
 
 def _flags(p: dict) -> str:

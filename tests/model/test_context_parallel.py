@@ -20,9 +20,10 @@ DRIVER = os.path.join(os.path.dirname(__file__), "cp_driver.py")
 
 
 @pytest.mark.parametrize("nproc, layout, T, kind", [(2, "head_tail", 48, "mla"), (4, "round_robin", 48, "mla"),
-                                                    (2, "contiguous", 40, "gqa")])
+                                                    (2, "contiguous", 40, "gqa"), (2, "head_tail", 4, "mla")])
 def test_cp_equals_one_process(nproc, layout, T, kind):
-    """Every rank compares its CP results with one process's (the driver's docstring lists what)."""
+    """Every rank compares its CP results with one process's (the driver's docstring lists what). T = 4: at MTP
+    depth 3 (positions below 1) rank 1 holds no position, an empty [B, 0, ...] forward (was a reshape error)."""
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                           f"--master_port={free_port()}", DRIVER, layout, str(T), kind],
@@ -57,6 +58,9 @@ def test_split_and_mesh_rules_are_one_line():
     with pytest.raises(ValueError, match=r"sequence length 30 does not split over --cp 4 \(head_tail layout\): it "
                                          r"must be a multiple of 8; choose seq_len 24 or 32"):
         check_split(30, 4)
+    with pytest.raises(ValueError, match=r"sequence length 2 does not split over --cp 2 \(head_tail layout\): it "
+                                         r"must be a multiple of 4; choose seq_len 4$"):
+        check_split(2, 2)  # shorter than one unit: no length 0 offered
     check_split(30, 3, "round_robin")
     assert check_mesh(8, 2, 2) == 2
     with pytest.raises(ValueError, match=r"--cp 4 x --ep 1 = 4 does not divide the run's 6 processes"):
@@ -95,9 +99,12 @@ def test_cp_refuses_a_cache_logits_to_keep_and_an_unsplittable_length(tiny_model
     cp = ContextParallel(None, "round_robin")
     cache = KVCache.for_model(tiny_model, batch=1, capacity=32)
     ids = torch.zeros(1, 16, dtype=torch.long)
-    for kwargs in (dict(cache=cache), dict(logits_to_keep=1)):
-        with pytest.raises(ValueError, match="uncached training forwards"):
+    for kwargs, got in ((dict(cache=cache), "a cache"), (dict(logits_to_keep=1), "logits_to_keep=1")):
+        with pytest.raises(ValueError, match=f"uncached training forwards: got {got}; allowed: no cache, "
+                                             r"logits_to_keep=0 \(every position\)$"):
             tiny_model(ids, context_parallel=cp, **kwargs)
+    with pytest.raises(TypeError, match="context_parallel must be a .*ContextParallel or None, got str$"):
+        tiny_model(ids, context_parallel="cp")
     cp.size = 3  # as a rank of a group of 3 sees it
     with pytest.raises(ValueError, match="sequence length 16 does not split over --cp 3"):
         tiny_model(ids, context_parallel=cp)

@@ -78,4 +78,5 @@ def _check_ep_run(ep, one):
         per_rank = 2 * 2 * (3 * 24 + sum(23 - j for j in range(depths)))
         assert sum(r["ep_tokens"]) == 2 * per_rank and len(r["ep_tokens"]) == 2, r
         assert r["ep_imbalance"] == max(r["ep_tokens"]) / per_rank
+        assert r["ep_token_share"] == [round(n / (2 * per_rank), 4) for n in r["ep_tokens"]]
         assert 0 < r["a2a_bytes"] and r["a2a_bytes"] % (64 * 4) == 0  # whole fp32 rows of width 64

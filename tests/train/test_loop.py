@@ -30,6 +30,12 @@ def test_run_writes_metrics_checkpoints_plot_and_summary(corpus):
     assert rows[4]["indexer_kl"] is not None and len(rows[4]["mtp_losses"]) == 1  # MTP run for its indexer
     assert len(rows[0]["expert_load"]) == 4  # 3 MoE layers + the MTP layer
     assert sum(rows[0]["expert_load"][0]) == 2 * 24 * 2  # batch * seq * top-k
+    loads = [r["expert_load"] for r in rows]
+    for k, r in enumerate(rows):  # the balance figures of each step, from that step's and the window's loads
+        assert r["load_max_mean"] == [round(max(x) / (sum(x) / len(x)), 4) for x in r["expert_load"]]
+        assert len(r["load_cv"]) == 4 and all(v >= 0 for v in r["load_cv"])
+        window = loads[max(0, k + 1 - 20):k + 1]
+        assert r["dead_experts"] == [sum(all(step[i][e] == 0 for step in window) for e in range(8)) for i in range(4)]
     assert (run / "loss.png").stat().st_size > 10_000
     assert json.loads((run / "summary.json").read_text())["steps"] == 9
     assert summary["val_loss"] < math.log(320)  # below the uniform guess after 9 steps

@@ -5,6 +5,7 @@ the lr table of every schedule."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -171,6 +172,19 @@ def test_the_dry_run_refuses_what_the_run_refuses_with_the_same_line(corpus, mon
     assert sorted(p.name for p in corpus.iterdir()) == before  # no folder left behind by either
 
 
+def test_the_dry_runs_ledger_command_runs_under_its_cp_layout(corpus, capsys):
+    """The memory line names the ledger command of the plan: under --cp-layout round_robin at a length head_tail
+    does not split (26 over cp 2), that command carries --cp-layout and the ledger runs it (it refused it before:
+    the ledger knew head_tail's rule only)."""
+    text = dry_run(_base(corpus, cp=2, cp_layout="round_robin", seq_len=26), nproc=2)
+    m = re.search(r"ledger, `glm5lab ledger (.*?)`\).*with (--seq-len \d+ --micro-batch \d+)", text)
+    assert m and "--cp 2 --cp-layout round_robin " in m[1], text
+    capsys.readouterr()
+    assert main(["ledger", "--config", str(corpus / "config.json"), *m[1].split(), *m[2].split()]) == 0
+    assert "26 tokens, 13 on each of cp 2 ranks" in capsys.readouterr().out
+    assert "--cp-layout" not in dry_run(_base(corpus, cp=2, seq_len=24), nproc=2)  # the default: not said
+
+
 def test_the_dry_run_says_what_it_does_not_check(corpus, capsys):
     """A text corpus too short for the batch: the run refuses it when it reads it; the dry run plans and says that
     it did not read the text (its last line, `NOT_CHECKED`), which docs/recipes.md repeats."""
@@ -208,6 +222,15 @@ def test_the_cli_dry_run_is_one_error_line_like_the_run(corpus, capsys):
     dry = capsys.readouterr().err
     assert main(argv) == 2
     assert capsys.readouterr().err == dry == "glm5lab train: error: --grad-accum = 0 is not allowed: an integer >= 1\n"
+
+
+def test_a_cp_layout_without_cp_is_refused_not_ignored(corpus, capsys):
+    argv = ["train", "--config", str(corpus / "config.json"), "--data", str(corpus / "texts"), "--out",
+            str(corpus / "run"), "--cp-layout", "round_robin", "--threads", "1", "--no-progress"]
+    for dry in (["--dry-run"], []):
+        assert main([*argv, *dry]) == 2
+        assert capsys.readouterr().err == "glm5lab train: error: --cp-layout = 'round_robin' is not allowed: only with --cp\n"
+    assert not (corpus / "run").exists()
 
 
 SCHEDULES = """

@@ -76,13 +76,14 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                        cache_dtype=args.cache_dtype, context=args.context, batch=args.batch or 1, name=label)
         if args.seq_len is not None:
             batch, cp = (1 if v is None else v for v in (args.micro_batch, args.cp))
+            layout = args.cp_layout or DEFAULT_LAYOUT
             d = with_activations(d, cfg, seq_len=args.seq_len, micro_batch=batch,
-                                 checkpointing=args.activation_checkpointing, cp=cp, flag="--")
+                                 checkpointing=args.activation_checkpointing, cp=cp, flag="--", layout=layout)
         text = render_deployment(d) + (_serve_verdict(args, cfg, args.ep) if args.mode == "serve" else "")
         if args.gpu_memory is not None and args.mode == "train":
             text += "\n" + fit_text(cfg, gpus=args.gpus, ep=args.ep, cp=cp, checkpointing=args.activation_checkpointing,
                                      act=dict(seq_len=args.seq_len, batch=batch), gpu_memory=args.gpu_memory,
-                                     dtype=args.dtype, nproc_flag="--gpus")
+                                     dtype=args.dtype, nproc_flag="--gpus", layout=layout)
     else:
         d = ledger(cfg, dtype=args.dtype, context=args.context, name=label, index_dtype=args.index_dtype)
         text = render(d)
@@ -140,6 +141,8 @@ def _deployment_asked(args: argparse.Namespace) -> bool:
                         ("activation-checkpointing", args.activation_checkpointing or None)):
         if value is not None and (args.mode != "train" or args.seq_len is None):
             refuse(f"--{name}", value, "only with --gpus, --ep, --mode train and --seq-len")
+    if args.cp_layout is not None and args.cp is None:
+        refuse("--cp-layout", args.cp_layout, "only with --cp")
     if args.gpu_memory is not None and (args.mode is None or (args.mode == "train" and args.seq_len is None)):
         refuse("--gpu-memory", args.gpu_memory, "only with --gpus, --ep and --mode serve, or --mode train and --seq-len")
     return bool(given)
@@ -154,6 +157,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         fields["out"] = default_out(args)
     if args.nproc is not None and not args.dry_run:
         refuse("--nproc", args.nproc, "only with --dry-run (a run's process count is torchrun's)")
+    if args.cp_layout is not None and args.cp is None:  # else ignored: one process holds every position
+        refuse("--cp-layout", args.cp_layout, "only with --cp")
     if args.gpu_memory is not None:
         if not args.dry_run:
             refuse("--gpu-memory", args.gpu_memory, "only with --dry-run")
@@ -356,7 +361,8 @@ def add_train_parser(sub) -> None:
                    "count and n_routed_experts; docs/training.md); default 1")
     p.add_argument("--cp", type=int, metavar="N", help="context parallelism under torchrun: each sequence split "
                    "over groups of N processes that read the same rows (queries local, MLA's latents and the DSA "
-                   "index keys all-gathered); the global batch stays the recipe's; N x --ep divides the process "
+                   "index keys all-gathered); a step's sequences are those of world / N data-parallel processes (the recipe's "
+                   "global_batch, or --batch-size x world / N); N x --ep divides the process "
                    "count, every stage's seq_len splits over N (--cp-layout), MLA/GQA attention layers only "
                    "(docs/scaling.md, \"Context parallelism\"); default 1")
     p.add_argument("--cp-layout", dest="cp_layout", choices=LAYOUTS, help="--cp: which positions each rank "
@@ -461,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "--activation-checkpointing`; default off)")
     dep.add_argument("--cp", type=int, metavar="C", help="with --seq-len: context-parallel ranks per sequence, each "
                      "holding T / C tokens (a divisor of --gpus / --ep; default 1); adds the all-gather bytes")
+    dep.add_argument("--cp-layout", dest="cp_layout", choices=LAYOUTS, help="with --cp: `glm5lab train --cp-layout`, "
+                     "whose rule --seq-len must meet (head_tail: a multiple of 2 C; round_robin, contiguous: of C; "
+                     "default head_tail)")
     dep.add_argument("--gpu-memory", dest="gpu_memory", type=float, metavar="GIB", help="--mode train with --seq-len: "
                      "say whether the total per GPU fits in GIB GiB and, if not, the smallest plan that does (--gpus, "
                      "--cp, --ep, checkpointing); --mode serve (EP or --tp layout): whether weights + cache fit, and "

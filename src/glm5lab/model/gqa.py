@@ -57,4 +57,4 @@ class GQAttention(nn.Module):
             o_BTHV = attention_causal(q_BTHX, k_BSGX, v_BSGV, scale=self.scale)
         else:
             o_BTHV = attention_masked(q_BTHX, k_BSGX, v_BSGV, scale=self.scale, mask_BTS=step.mask(self.window))
-        return self.o_proj(o_BTHV.reshape(B, T, -1))
+        return self.o_proj(o_BTHV.flatten(2))  # flatten, not reshape(B, T, -1): a CP rank's MTP depth may hold T = 0

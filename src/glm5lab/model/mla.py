@@ -190,7 +190,6 @@ class MLAttention(nn.Module):
         them) to the step's cache. DSA is active when `step.use_dsa`, the layer selects ("own"/"shared") and S >
         index_topk. The kernel is `attention_route`'s. Raises ValueError when DSA is on for a cache without
         indexer keys, or for a "shared" layer with no earlier selection."""
-        B, T, _ = x_BTD.shape
         q_nope, q_pe, q_lat, c_BTC, k_pe_BTR = self.project(x_BTD, step.cos, step.sin)
         latent_BSX = step.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
         index_keys_BSJ = self.index_keys(x_BTD, step)
@@ -198,12 +197,12 @@ class MLAttention(nn.Module):
         S = latent_BSX.shape[1]
         route = attention_route(reference=step.reference, absorbed=step.absorbed, sparse=topk is not None,
                                 decode_sized=step.decode_sized, S=S, index_topk=step.index_topk, cached=step.cached,
-                                T=T, latent_max_T=self.latent_max_T)
+                                T=x_BTD.shape[1], latent_max_T=self.latent_max_T)
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
         own = self.spec.indexer == "own"
         kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, latent_BSX), step, topk=topk, index_keys_BSJ=index_keys_BSJ)
               if own and step.indexer_loss else None)
-        return self.o_proj(o_BTHV.reshape(B, T, -1)), topk if own else step.topk, kl
+        return self.o_proj(o_BTHV.flatten(2)), topk if own else step.topk, kl
 
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""

@@ -219,12 +219,18 @@ class GLM5ForCausalLM(nn.Module):
         return h_BTD, (self.lm_head(h_BTD) if with_logits else None)
 
     def _check_context_parallel(self, input_ids: torch.Tensor, cache, logits_to_keep: int, cp) -> None:
-        """ValueError in one line: CP with a cache or logits_to_keep, a layer CP does not run (sliding window,
-        Gated DeltaNet, SimpleGDN), or a length the CP layout cannot split (`check_split`)."""
-        from glm5lab.parallel.context_parallel import check_split
+        """TypeError when cp is not a `ContextParallel`; ValueError in one line: CP with a cache or logits_to_keep, a
+        layer CP does not run (sliding window, Gated DeltaNet, SimpleGDN), or a length the CP layout cannot split
+        (`check_split`)."""
+        from glm5lab.parallel.context_parallel import ContextParallel, check_split
 
+        if not isinstance(cp, ContextParallel):
+            raise TypeError(f"context_parallel must be a glm5lab.parallel.context_parallel.ContextParallel or None, "
+                            f"got {type(cp).__name__}")
         if cache is not None or logits_to_keep:
-            raise ValueError("context_parallel is for uncached training forwards: not with a cache or logits_to_keep")
+            got = "a cache" if cache is not None else f"logits_to_keep={logits_to_keep}"
+            raise ValueError(f"context_parallel is for uncached training forwards: got {got}; allowed: no cache, "
+                             "logits_to_keep=0 (every position)")
         for i, spec in enumerate(self.layer_specs + self.mtp_specs):
             if spec.mixer != "attention":
                 where = f"layer {i}" if i < len(self.layer_specs) else "the MTP layer"

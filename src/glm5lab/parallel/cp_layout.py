@@ -23,8 +23,10 @@ def check_split(T: int, cp: int, layout: str = DEFAULT_LAYOUT) -> None:
     one_of("context-parallel layout", layout, LAYOUTS)
     unit = split_unit(cp, layout)
     if T % unit:
+        below, above = T - T % unit, T + unit - T % unit
+        choose = f"{below} or {above}" if below else f"{above}"  # never a length of 0
         raise ValueError(f"sequence length {T} does not split over --cp {cp} ({layout} layout): it must be a "
-                         f"multiple of {unit}; choose seq_len {T - T % unit} or {T + unit - T % unit}")
+                         f"multiple of {unit}; choose seq_len {choose}")
 
 
 def check_mesh(world: int, cp: int, ep: int) -> int:

@@ -156,7 +156,8 @@ def dispatcher_stats(model) -> tuple[EPStats, int, int] | None:
 def pop_ep_metrics(model) -> dict:
     """The step's expert-parallel figures over the whole world (collective: every rank calls it):
     `ep_tokens` (rows each EP index received, summed over data-parallel replicas, MoE layers and
-    MTP depths), `ep_imbalance` (busiest EP index / mean; 1.0 when balanced) and `a2a_bytes`
+    MTP depths), `ep_token_share` (each EP index's share of them), `ep_imbalance` (busiest EP index / mean; 1.0
+    when balanced) and `a2a_bytes`
     (token payload the all-to-alls sent between ranks, forward and backward; equals
     `glm5lab.parallel.alltoall.a2a_bytes` of the step's routing counts). {} for a model without EP."""
     found = dispatcher_stats(model)
@@ -169,4 +170,5 @@ def pop_ep_metrics(model) -> dict:
     dist.all_reduce(t)
     tokens = [int(v) for v in t[:ep].tolist()]
     mean = sum(tokens) / ep
-    return {"ep_tokens": tokens, "ep_imbalance": max(tokens) / mean if mean else 1.0, "a2a_bytes": int(t[ep])}
+    return {"ep_tokens": tokens, "ep_token_share": [round(n / sum(tokens), 4) if mean else 0.0 for n in tokens],
+            "ep_imbalance": max(tokens) / mean if mean else 1.0, "a2a_bytes": int(t[ep])}

@@ -11,7 +11,8 @@ from pathlib import Path
 from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullFormatter, NullLocator
 
 from glm5lab.ablate.results import figure, save_png
-from glm5lab.report.series import BALANCED, imbalance, perplexity
+from glm5lab.report.series import BALANCED, perplexity
+from glm5lab.train.balance import DEAD_WINDOW, balance_metrics, max_mean
 from glm5lab.train.plot import (LM, VAL, WHOLE, beside, draw_kl, draw_lm, draw_losses, mark_stages, mtp_mean,
                                 smoothed, smoothing_steps, stage_mean, stage_spans, subset_label, whole_label)
 
@@ -60,26 +61,37 @@ def _stage_panel(ax, rows: list[dict], k: int, summary: dict, kl_objective: bool
 
 
 def expert_load(metrics: list[dict], path: Path, names: list[str] | None = None) -> Path | None:
-    """Load imbalance over time: per MoE layer, max expert load / mean expert load each step (1.0 = perfectly
-    balanced), the line at `series.BALANCED` the report's caption counts against, stage boundaries."""
+    """Load balance over time, per MoE layer, three panels sharing the step axis (`glm5lab.train.balance`): max
+    expert load / mean (1.0 = perfectly balanced; the line at `series.BALANCED` the report's caption counts
+    against), the coefficient of variation of the experts' loads, and the dead experts (no token in the last
+    `DEAD_WINDOW` steps); stage boundaries marked."""
     rows = [r for r in metrics if r.get("expert_load")]
     if not rows:
         return None
     plt = figure()
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8.4), sharex=True)
     colors = plt.get_cmap("viridis")
-    n = len(rows[0]["expert_load"])
-    for layer in range(n):
-        name = names[layer] if names and layer < len(names) else f"MoE layer {layer}"
-        ax.plot([r["step"] for r in rows], [imbalance(r["expert_load"][layer]) for r in rows], linewidth=0.8,
-                color=colors(layer / max(n - 1, 1)), label=name)
-    ax.axhline(1.0, color="k", linewidth=0.6)
-    ax.axhline(BALANCED, color="tab:red", linewidth=0.8, linestyle="--", label=f"{BALANCED:g}x (caption's threshold)")
-    ax.set(xlabel="step", ylabel="max / mean tokens per expert")
-    ax.set_ylim(bottom=0.9)
-    ax.grid(alpha=0.3)
-    mark_stages(ax, stage_spans(rows), title="expert load imbalance per MoE layer")
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    n, steps = len(rows[0]["expert_load"]), [r["step"] for r in rows]
+    history = [r["expert_load"] for r in rows]
+    per_step = [balance_metrics(history[:k + 1]) for k in range(len(history))]
+    panels = (("load_max_mean", "max / mean tokens per expert"), ("load_cv", "CV of tokens per expert"),
+              ("dead_experts", f"dead experts (no token in {DEAD_WINDOW} steps)"))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for layer in range(n):
+            name = names[layer] if names and layer < len(names) else f"MoE layer {layer}"
+            ax.plot(steps, [m[key][layer] for m in per_step], linewidth=0.8, color=colors(layer / max(n - 1, 1)),
+                    label=name)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(1.0, color="k", linewidth=0.6)
+    axes[0].axhline(BALANCED, color="tab:red", linewidth=0.8, linestyle="--", label=f"{BALANCED:g}x (caption's threshold)")
+    axes[0].set_ylim(bottom=0.9)
+    top = max((max(m["dead_experts"]) for m in per_step), default=0)
+    axes[2].set_ylim(-0.2, max(top, 1) + 0.5)
+    axes[2].yaxis.get_major_locator().set_params(integer=True)
+    axes[2].set_xlabel("step")
+    mark_stages(axes[0], stage_spans(rows), title="expert load balance per MoE layer")
+    axes[2].legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
     return save_png(fig, path, tight=True)
 
 
@@ -94,7 +106,7 @@ def expert_parallel(metrics: list[dict], path: Path) -> Path | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in rows]
     left.plot(steps, [r["ep_imbalance"] for r in rows], linewidth=0.9, label=f"EP ranks ({len(rows[0]['ep_tokens'])})")
-    left.plot(steps, [max(imbalance(layer) for layer in r["expert_load"]) for r in rows], linewidth=0.8,
+    left.plot(steps, [max(max_mean(layer) for layer in r["expert_load"]) for r in rows], linewidth=0.8,
               color="tab:gray", label="experts (worst MoE layer)")
     left.axhline(1.0, color="k", linewidth=0.6)
     left.set(xlabel="step", ylabel="max / mean rows received")

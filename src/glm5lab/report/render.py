@@ -10,7 +10,8 @@ from glm5lab.ablate.results import markdown_table
 from glm5lab.report import compare
 from glm5lab.report.attention_costs import render_section as attention_costs_section
 from glm5lab.report.long_context import render_section as long_context_section
-from glm5lab.report.series import BALANCED, imbalance, load_stats, perplexity, stage_rows
+from glm5lab.report.series import BALANCED, load_stats, perplexity, stage_rows
+from glm5lab.train.balance import DEAD_WINDOW, balance_metrics
 
 
 def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
@@ -143,15 +144,18 @@ def _probes(probed, pngs, curve: str) -> str:
 
 
 def _load(rec, pngs, names: list[str]) -> str:
-    last = next((r["expert_load"] for r in reversed(rec.metrics) if r.get("expert_load")), None)
-    if not last:
+    history = [r["expert_load"] for r in rec.metrics if r.get("expert_load")]
+    if not history:
         return ""
-    rows = [[names[i] if i < len(names) else i, sum(layer), max(layer), min(layer), imbalance(layer)]
-            for i, layer in enumerate(last)]
+    last, figures = history[-1], balance_metrics(history)
+    rows = [[names[i] if i < len(names) else i, sum(layer), max(layer), min(layer), figures["load_max_mean"][i],
+             figures["load_cv"][i], figures["dead_experts"][i]] for i, layer in enumerate(last)]
     return ("## Expert load\n\n" + _load_caption(rec)
             + "\n\nExpert assignments (tokens x top-k; the MTP layer's over its depths) at the last step, per MoE "
-            "layer:\n\n" + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean"], rows)
-            + _img(pngs, "load", "expert load imbalance over time") + expert_parallel_section(rec, pngs))
+            f"layer; CV: standard deviation / mean of the experts' loads; dead: experts with no token in any of the "
+            f"last {min(DEAD_WINDOW, len(history))} steps:\n\n"
+            + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean", "CV", "dead experts"], rows)
+            + _img(pngs, "load", "expert load balance over time") + expert_parallel_section(rec, pngs))
 
 
 def expert_parallel_section(rec, pngs) -> str:
@@ -163,10 +167,13 @@ def expert_parallel_section(rec, pngs) -> str:
     total, tokens = sum(r["a2a_bytes"] for r in rows), sum(r.get("tokens") or 0 for r in rows)
     ranked = sorted(r["ep_imbalance"] for r in rows)
     per_token = f", {total / tokens:,.0f} bytes per training token" if tokens else ""
+    last = rows[-1]["ep_tokens"]
+    shares = ", ".join(f"{100 * n / max(sum(last), 1):.1f}%" for n in last)
     return (f"\n### Expert parallelism\n\n{len(rows[0]['ep_tokens'])} EP ranks (`--ep`). Over {len(rows)} steps "
             f"the all-to-alls moved {total / 2**20:,.1f} MiB of token rows between ranks (dispatch and combine, "
             f"forward and backward){per_token}. EP imbalance (rows the busiest EP rank received / the mean): "
-            f"median {ranked[len(ranked) // 2]:.2f}x, at most {ranked[-1]:.2f}x.\n"
+            f"median {ranked[len(ranked) // 2]:.2f}x, at most {ranked[-1]:.2f}x. Share of the rows each EP rank "
+            f"received at the last step: {shares}.\n"
             + _img(pngs, "ep", "expert-parallel load and all-to-all bytes"))
 
 

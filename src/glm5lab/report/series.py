@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from glm5lab.train.balance import max_mean
 from glm5lab.train.plot import stage_spans
 
 BALANCED = 2.0  # max / mean expert load under which the report calls a step balanced
@@ -30,20 +31,15 @@ def stage_rows(rec) -> tuple[list[str], list[list]]:
     return header, rows
 
 
-def imbalance(layer: list[int]) -> float:
-    """max / mean tokens per expert of one MoE layer at one step (1.0 = balanced)."""
-    return max(layer) / max(sum(layer) / len(layer), 1e-9)
-
-
 def load_stats(metrics: list[dict], share: float = 0.95) -> dict | None:
-    """Expert-load imbalance of the worst MoE layer per step (max over layers of `imbalance`):
+    """Expert-load imbalance of the worst MoE layer per step (max over layers of `balance.max_mean`):
     {"stages": [(stage, steps, median, fraction of steps under BALANCED, max)], "last_over": the
     last step at or above BALANCED (None: none is), "settled": the first step from which at
     least `share` of the steps are under BALANCED, "steps"}; None without expert_load records."""
     rows = [r for r in metrics if r.get("expert_load")]
     if not rows:
         return None
-    worst = [(r["step"], max(imbalance(layer) for layer in r["expert_load"])) for r in rows]
+    worst = [(r["step"], max(max_mean(layer) for layer in r["expert_load"])) for r in rows]
     out = []
     for name, a, b in stage_spans(rows):
         w = [v for step, v in worst if a <= step <= b]

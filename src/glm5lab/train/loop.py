@@ -21,6 +21,7 @@ block in the backward; `tensorboard` also logs the metrics to `tb/`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -43,6 +44,7 @@ from glm5lab.parallel.expert_parallel import pop_ep_metrics
 from glm5lab.train.extend import continue_position, record_extension
 from glm5lab.train.losses import stage_losses
 from glm5lab.train.args import TrainArgs
+from glm5lab.train.balance import DEAD_WINDOW, balance_metrics
 from glm5lab.train.plan import check_data_fits, check_eval_subset, check_fits, check_run
 from glm5lab.train.recipe import load_recipe
 from glm5lab.checkpoints.export import export_checkpoint
@@ -225,6 +227,7 @@ class _Loop:
         self.step = 0
         self.last_val = None  # (step, loss, tokens) of the latest periodic validation
         self.stream = (None, None)  # (stage index, its BatchStream)
+        self.loads = collections.deque(maxlen=DEAD_WINDOW)  # the last steps' expert loads (`balance_metrics`)
         self.tb = None  # a TensorBoardLog (--tensorboard, main rank)
         if args.compile and ctx.world_size == 1:  # under torchrun the blocks are compiled (`_wrap_blocks`)
             from glm5lab.train.compile import CompiledLosses
@@ -273,7 +276,8 @@ class _Loop:
         tokens = window.shape[0] * (window.shape[1] - 1) * self.slices
         record = {**dist.mean_over_ranks(done.losses.to_log(), self.ctx), "lr": done.lr, "grad_norm": done.grad_norm,
                   "tokens": tokens, "tokens_per_s": tokens / done.seconds, "step_time_s": done.seconds,
-                  "expert_load": done.expert_load, **pop_ep_metrics(self.model), **self.pop_cp_metrics(),
+                  "expert_load": done.expert_load, **self.balance(done.expert_load), **pop_ep_metrics(self.model),
+                  **self.pop_cp_metrics(),
                   "step": self.step, "stage": stage.name, "stage_step": i + 1}
         if self.args.eval_every and (self.step % self.args.eval_every == 0 or i + 1 == stage.steps):
             result = self.validate(stage)
@@ -287,6 +291,12 @@ class _Loop:
         self.bar.update(1)  # draws the postfix of this step
         if (self.args.checkpoint_every and self.step % self.args.checkpoint_every == 0) or i + 1 == stage.steps:
             self.checkpoint(done.index, i + 1, stage)
+
+    def balance(self, expert_load: list[list[int]]) -> dict:
+        """The step's per-layer balance figures (`glm5lab.train.balance.balance_metrics`: max/mean load, CV, dead
+        experts over the last `DEAD_WINDOW` steps of this process's run; a resume starts the window afresh)."""
+        self.loads.append(expert_load)
+        return balance_metrics(list(self.loads))
 
     def pop_cp_metrics(self) -> dict:
         """{"cp_gather_bytes": the bytes the CP all-gathers of this step's forwards received, summed over every

@@ -22,6 +22,7 @@ from glm5lab import ModelConfig
 from glm5lab.checkpoints.export import resolve_checkpoint
 from glm5lab.checkpoints.folder import has_checkpoint
 from glm5lab.data.pipeline import TrainingData
+from glm5lab.fit_plan import gib_text
 from glm5lab.train.args import TrainArgs, model_config, resolve_stages, with_recipe
 from glm5lab.train.evaluation import subset_windows
 from glm5lab.train.extend import FREE, extend_plan, rescale_stages, resume_notes
@@ -227,14 +228,14 @@ def dry_run(args, nproc: int | None = None, gpu_memory: float | None = None) -> 
     stage, acts = step_activations(cfg, stages, dtype=d["dtype"], ep=args.ep, cp=args.cp,
                                    checkpointing=args.activation_checkpointing)
     memory = (f"memory per process ({d['dtype']} weights; ledger, `glm5lab ledger --gpus {world} --ep {args.ep} "
-              f"{f'--cp {args.cp} ' if args.cp > 1 else ''}--mode train`): ")
-    parts = (f"weights {_gib(b['weights'])} + gradients {_gib(b['gradients'])} + master weights "
-             f"{_gib(b['master_weights'])} + optimizer state {_gib(b['optimizer_state'])}")
+              f"{_cp_flags(args)}--mode train`): ")
+    parts = (f"weights {gib_text(b['weights'])} + gradients {gib_text(b['gradients'])} + master weights "
+             f"{gib_text(b['master_weights'])} + optimizer state {gib_text(b['optimizer_state'])}")
     if isinstance(acts, str):
-        lines.append(f"{memory}{_gib(b['total'])} = {parts}; activations not counted ({acts})")
+        lines.append(f"{memory}{gib_text(b['total'])} = {parts}; activations not counted ({acts})")
     else:
         ac = "on" if args.activation_checkpointing else "off"
-        lines.append(f"{memory}{_gib(b['total'] + acts['total'])} = {parts} + activations {_gib(acts['total'])} "
+        lines.append(f"{memory}{gib_text(b['total'] + acts['total'])} = {parts} + activations {gib_text(acts['total'])} "
                      f"(stage {stage.name}: micro-batch {stage.batch_size} x {stage.seq_len:,} tokens, activation "
                      f"checkpointing {ac}; the ledger's by layer with --seq-len {stage.seq_len} --micro-batch "
                      f"{stage.batch_size}{' --activation-checkpointing' if args.activation_checkpointing else ''})")
@@ -242,6 +243,15 @@ def dry_run(args, nproc: int | None = None, gpu_memory: float | None = None) -> 
         lines.append(_fit_line(cfg, stage, acts, world, args, gpu_memory))
     lines.append(NOT_CHECKED)
     return "\n".join(lines)
+
+
+def _cp_flags(args) -> str:
+    """The ledger's --cp (and --cp-layout, when not the default) of the run, each followed by a space."""
+    from glm5lab.parallel.cp_layout import DEFAULT_LAYOUT
+
+    if args.cp == 1:
+        return ""
+    return f"--cp {args.cp} " + (f"--cp-layout {args.cp_layout} " if args.cp_layout != DEFAULT_LAYOUT else "")
 
 
 def _fit_line(cfg, stage, acts, world: int, args, gpu_memory: float) -> str:
@@ -330,11 +340,6 @@ def schedule_text(stage: Stage) -> str:
     else:
         text += f"{stage.schedule} to {stage.lr_end:.3g}"
     return text + ("" if stage.decay_steps is None else f" by step {stage.decay_steps}, then held")
-
-
-def _gib(nbytes: int) -> str:
-    """Bytes in GiB, or in MiB below 1 GiB (a tiny model's figures would read 0.0 GiB)."""
-    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.2f} MiB"
 
 
 def check_fits(cfg: ModelConfig, world_size: int = 1, local_world_size: int = 1) -> None:
