@@ -274,8 +274,11 @@ def test_dsa_topk_engages_in_cached_decode(tiny, dense):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_dense_model_cached_equals_full_recompute(dense, impl):
-    ids = rand_ids(21, 2, 24)
-    got, _ = decode(dense, ids, [18, 1, 3, 2], impl=impl)  # 18 > DECODE_MAX_TOKENS: expanded K/V under auto
+    """Chunks past DECODE_MAX_TOKENS take, under auto, the latent route up to latent_max_queries (25 at tiny's
+    widths: 18 and 25 here), the expanded one past it (26)."""
+    assert dense.model.layers[0].self_attn.latent_max_T == 25
+    ids = rand_ids(21, 2, 72)
+    got, _ = decode(dense, ids, [18, 1, 25, 26, 2], impl=impl)
     assert_close(got, full(dense, ids))
 
 

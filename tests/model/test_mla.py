@@ -23,7 +23,8 @@ IMPL_OPTIONS = {"naive": dict(reference=True), "absorbed": dict(absorbed=True), 
 
 
 def _layer(spec_changes=None, layer_index=0, **changes):
-    cfg = ModelConfig.from_preset("tiny", index_topk=K, qk_nope_head_dim=5, v_head_dim=7, kv_lora_rank=11, **changes)
+    widths = dict(qk_nope_head_dim=5, v_head_dim=7, kv_lora_rank=11)
+    cfg = ModelConfig.from_preset("tiny", index_topk=K, **(widths | changes))
     torch.manual_seed(0)
     spec = dataclasses.replace(cfg.layers[layer_index], **(spec_changes or {}))
     layer = MLAttention(cfg, spec)
@@ -99,50 +100,64 @@ def test_unknown_impl_is_refused():
 
 # ---------------------------------------------------------------- the route table
 
-ROUTE_TABLE = [  # (reference, absorbed, sparse, T, S, route), index_topk = K: 4 x K = 24 keys
+LATENT_MAX_T = 20
+"""The table's latent_max_T (a cached dense call of at most 20 queries a row attends in the latent space)."""
+ROUTE_TABLE = [  # (reference, absorbed, sparse, cached, T, S, route), index_topk = K: 4 x K = 24 keys
     # reference: always the reference, whatever else holds
-    (True, False, False, 1, 1, "reference"),
-    (True, False, True, 17, 97, "reference"),
-    (True, True, True, 16, 96, "reference"),
-    (True, True, False, 17, 17, "reference"),
+    (True, False, False, False, 1, 1, "reference"),
+    (True, False, True, False, 17, 97, "reference"),
+    (True, True, True, False, 16, 96, "reference"),
+    (True, True, False, False, 17, 17, "reference"),
     # absorbed + top-k: gathered, at any T and S
-    (False, True, True, 1, 7, "latent_gathered"),
-    (False, True, True, 16, 96, "latent_gathered"),
-    (False, True, True, 17, 96, "latent_gathered"),
-    (False, True, True, 17, 97, "latent_gathered"),
+    (False, True, True, False, 1, 7, "latent_gathered"),
+    (False, True, True, False, 16, 96, "latent_gathered"),
+    (False, True, True, False, 17, 96, "latent_gathered"),
+    (False, True, True, False, 17, 97, "latent_gathered"),
     # absorbed, no top-k: masked latent, at any T and S
-    (False, True, False, 1, 1, "latent_masked"),
-    (False, True, False, 16, 16, "latent_masked"),
-    (False, True, False, 17, 17, "latent_masked"),
-    (False, True, False, 17, 97, "latent_masked"),
+    (False, True, False, False, 1, 1, "latent_masked"),
+    (False, True, False, False, 16, 16, "latent_masked"),
+    (False, True, False, False, 17, 17, "latent_masked"),
+    (False, True, False, False, 17, 97, "latent_masked"),
     # auto, top-k, T <= 16: gathered at any S
-    (False, False, True, 1, 7, "latent_gathered"),
-    (False, False, True, 16, 16, "latent_gathered"),
-    (False, False, True, 16, 96, "latent_gathered"),
-    (False, False, True, 16, 97, "latent_gathered"),
+    (False, False, True, False, 1, 7, "latent_gathered"),
+    (False, False, True, False, 16, 16, "latent_gathered"),
+    (False, False, True, False, 16, 96, "latent_gathered"),
+    (False, False, True, False, 16, 97, "latent_gathered"),
     # auto, top-k, T > 16, S > 16 x topk: gathered
-    (False, False, True, 17, 25, "latent_gathered"),
-    (False, False, True, 97, 97, "latent_gathered"),
+    (False, False, True, False, 17, 25, "latent_gathered"),
+    (False, False, True, False, 97, 97, "latent_gathered"),
     # auto, top-k, T > 16, S <= 4 x topk: masked latent (visible & top-k)
-    (False, False, True, 17, 17, "latent_masked"),
-    (False, False, True, 17, 24, "latent_masked"),
-    (False, False, True, 24, 24, "latent_masked"),
+    (False, False, True, False, 17, 17, "latent_masked"),
+    (False, False, True, False, 17, 24, "latent_masked"),
+    (False, False, True, False, 24, 24, "latent_masked"),
     # auto, no top-k, T <= 16: masked latent
-    (False, False, False, 1, 1, "latent_masked"),
-    (False, False, False, 16, 16, "latent_masked"),
-    (False, False, False, 16, 97, "latent_masked"),
+    (False, False, False, False, 1, 1, "latent_masked"),
+    (False, False, False, False, 16, 16, "latent_masked"),
+    (False, False, False, False, 16, 97, "latent_masked"),
     # auto, no top-k, T > 16: expanded
-    (False, False, False, 17, 17, "expanded"),
-    (False, False, False, 17, 96, "expanded"),
-    (False, False, False, 97, 97, "expanded"),
+    (False, False, False, False, 17, 17, "expanded"),
+    (False, False, False, False, 17, 96, "expanded"),
+    (False, False, False, False, 97, 97, "expanded"),
 ]
 
 
-@pytest.mark.parametrize("reference, absorbed, sparse, T, S, route", ROUTE_TABLE)
-def test_attention_route_follows_the_table(reference, absorbed, sparse, T, S, route):
+@pytest.mark.parametrize("reference, absorbed, sparse, cached, T, S, route", ROUTE_TABLE)
+def test_attention_route_follows_the_table(reference, absorbed, sparse, cached, T, S, route):
     assert DECODE_MAX_TOKENS == 16 and mla.GATHER_MIN_KEYS_PER_TOPK == 4  # the table's 16 and 4
     assert attention_route(reference=reference, absorbed=absorbed, sparse=sparse, decode_sized=is_decode_sized(T), S=S,
-                           index_topk=K) == route
+                           index_topk=K, cached=cached, T=T, latent_max_T=LATENT_MAX_T) == route
+
+
+def test_latent_max_queries_is_the_flop_break_even():
+    """C(N+V) / (2(C+R) - (N+R+V)), floored: 512 * 448 / 640 = 358 at GLM-5's widths (the bench preset's too);
+    a config whose latent is narrower than the expanded key and value never re-expands."""
+    for preset in ("glm5", "bench"):
+        assert mla.latent_max_queries(ModelConfig.from_preset(preset)) == 358
+    cfg, layer = _layer()
+    C, R, N, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    assert layer.latent_max_T == C * (N + V) // (2 * (C + R) - (N + R + V))
+    narrow = ModelConfig.from_preset("tiny", kv_lora_rank=2, qk_rope_head_dim=2, qk_nope_head_dim=8, v_head_dim=8)
+    assert mla.latent_max_queries(narrow) == narrow.max_position_embeddings
 
 
 def test_route_table_covers_every_route():
@@ -161,7 +176,7 @@ PREFIX, LENGTHS = 9, (3, 9)  # cached rows sit at offsets 3 and 9 (row 0's slots
 def _cached_step(cfg, layer, T, use_dsa, **options):
     """A cache of 2 rows at lengths LENGTHS (prefilled under no_grad with a fixed prefix, then
     truncated) and the step of the next T tokens. Fresh per call: a forward writes its cache."""
-    cache = KVCache(cfg, (layer.spec,), 2, PREFIX + 24, dtype=torch.float32, device="cpu")
+    cache = KVCache(cfg, (layer.spec,), 2, PREFIX + 32, dtype=torch.float32, device="cpu")
     x_pre = torch.randn(2, PREFIX, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         cos, sin = rope_angles(cache.positions(PREFIX), cfg.qk_rope_head_dim, cfg.rope_theta)
@@ -209,7 +224,8 @@ def test_every_route_equals_the_reference_forward_and_backward(scenario, cached,
     S = step.extent
     assert (topk is not None) == (scenario == "dsa" and S > K)
     assert natural == attention_route(reference=False, absorbed=False, sparse=topk is not None,
-                                      decode_sized=is_decode_sized(T), S=S, index_topk=K)
+                                      decode_sized=is_decode_sized(T), S=S, index_topk=K, cached=cached, T=T,
+                                      latent_max_T=layer.latent_max_T)
     ref_grads = grads(ref, *params)
     routes = [r for r in ROUTES if r != "latent_gathered" or topk is not None]  # gathering needs a top-k
     assert natural in routes
@@ -245,3 +261,22 @@ def test_cached_rows_at_different_offsets_equal_their_uncached_forward(scenario,
             seq = torch.cat([x_pre[b:b + 1, :L], x[b:b + 1]], dim=1)
             alone, _, _ = layer(seq, uncached_step(cfg, L + T, use_dsa=use_dsa, reference=True).layer(0))
             assert_close(cached[b:b + 1], alone[:, L:])
+
+
+@pytest.mark.parametrize("T", [17, 24, 25, 26])
+@pytest.mark.parametrize("scenario", ["dense", "swa"])
+def test_cached_dense_calls_attend_in_the_latent_space_up_to_the_break_even(scenario, T):
+    """A cached dense call (a prefill chunk; SWA's over [ring | chunk]) longer than decode-sized takes the latent
+    route up to `latent_max_queries` queries a row (25 at tiny's widths), the expanded one past it; either equals
+    the reference forward and backward."""
+    spec_changes, use_dsa = SCENARIOS[scenario]
+    cfg, layer = _layer(spec_changes, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32)
+    assert layer.latent_max_T == 25
+    x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(T), requires_grad=True)
+    params = (x, layer.q_b_proj.weight, layer.kv_b_proj.weight)
+    ref, natural, _ = _forced(layer, x, _cached_step(cfg, layer, T, use_dsa)[0], "reference")
+    assert natural == ("latent_masked" if T <= 25 else "expanded")
+    out, _, _ = layer(x, _cached_step(cfg, layer, T, use_dsa)[0].layer(0))
+    assert_close(out, ref)
+    for a, b in zip(grads(out, *params), grads(ref, *params), strict=True):
+        assert_close(a, b)

@@ -46,29 +46,46 @@ would pass this many fp32 values (256 MiB): a 202,752-token sequence's warm-up w
 per layer (with CP too: the local queries over all keys)."""
 
 
+def latent_max_queries(cfg: ModelConfig) -> int:
+    """The most queries per row for which a cached call's latent route costs fewer FLOPs than its expanded one,
+    per cached key and head: latent = T x 2(C+R) (the 576-wide latent as key and as value) against expanded =
+    C(N+V) (re-expanding the key through kv_b_proj, every call) + T x (N+R+V). T <= C(N+V) / (2(C+R) - (N+R+V)):
+    358 at GLM-5's widths (and the bench preset's); this CPU's break-even for 256-query calls over 8K keys lies
+    between 384 and 512 (BENCHMARKS.md, "Cached prefill"). Uncached calls expand each key once, so the expanded
+    route stays theirs."""
+    C, R, N, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    extra = 2 * (C + R) - (N + R + V)
+    return C * (N + V) // extra if extra > 0 else cfg.max_position_embeddings
+
+
 def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_sized: bool, S: int,
-                    index_topk: int) -> str:
+                    index_topk: int, cached: bool, T: int, latent_max_T: int) -> str:
     """The kernel of one MLA attention call: the route table. decode_sized: at most `DECODE_MAX_TOKENS` (16)
     queries per row (`Step.decode_sized`: decode, verification: per token only the 576-wide latent is read, never
-    per-head K/V); S keys (the cache extent, or T uncached); `sparse`: DSA selected top-k keys for this call.
+    per-head K/V); S keys (the cache extent, or T uncached); `sparse`: DSA selected top-k keys for this call;
+    `cached`: the call reads a cache (a prefill chunk, SWA's [ring | chunk] included); T queries per row;
+    latent_max_T: `latent_max_queries` of the layer's config.
 
-        reference  absorbed  top-k  decode-sized  S (keys)       route
-        yes        -         any    any           any            reference
-        no         yes       yes    any           any            latent_gathered
-        no         yes       no     any           any            latent_masked
-        no         no        yes    yes           any            latent_gathered
-        no         no        yes    no            > 4 x topk     latent_gathered
-        no         no        yes    no            <= 4 x topk    latent_masked (mask: visible & top-k)
-        no         no        no     yes           any            latent_masked
-        no         no        no     no            any            expanded
+        reference  absorbed  top-k  decode-sized  S (keys)     cached, T        route
+        yes        -         any    any           any          any              reference
+        no         yes       yes    any           any          any              latent_gathered
+        no         yes       no     any           any          any              latent_masked
+        no         no        yes    yes           any          any              latent_gathered
+        no         no        yes    no            > 4 x topk   any              latent_gathered
+        no         no        yes    no            <= 4 x topk  any              latent_masked (mask: visible & top-k)
+        no         no        no     yes           any          any              latent_masked
+        no         no        no     no            any          cached, T <= max latent_masked (no re-expansion)
+        no         no        no     no            any          otherwise        expanded
 
     reference: per-head K/V expanded from the latent, explicit boolean mask, written-out softmax
     (`attention_reference`; transformers' eager path). expanded: the same K/V through SDPA (`is_causal` for an
     uncached full-attention call, else the mask). latent_masked: absorbed attention over the 576-wide latents
     under the mask (`attention_latent_masked`). latent_gathered: absorbed attention over each query's gathered
-    top-k latents only (`attention_latent_gathered`, DSA's core attention). Cached or not and the sliding
-    window enter only through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0. All
-    routes compute the same function (tests/model/test_mla.py ties each to the reference)."""
+    top-k latents only (`attention_latent_gathered`, DSA's core attention). The sliding window enters only
+    through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0, but a cached dense call
+    of up to latent_max_T queries attends in the latent space, since the expanded route would re-expand the
+    per-head K/V of every cached key for every call (quadratic over a chunked prefill). All routes compute the
+    same function (tests/model/test_mla.py ties each to the reference)."""
     if reference:
         return "reference"
     if absorbed:
@@ -77,7 +94,7 @@ def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_siz
         return "latent_gathered" if sparse else "latent_masked"
     if sparse:
         return "latent_gathered" if S > GATHER_MIN_KEYS_PER_TOPK * index_topk else "latent_masked"
-    return "expanded"
+    return "latent_masked" if cached and T <= latent_max_T else "expanded"
 
 
 class MLAttention(nn.Module):
@@ -91,6 +108,7 @@ class MLAttention(nn.Module):
                          cfg.v_head_dim, cfg.kv_lora_rank)
         self.n_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = H, N, R, V, C
         self.scale = cfg.qk_head_dim**-0.5
+        self.latent_max_T = latent_max_queries(cfg)
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (N + R), bias=False)
@@ -178,7 +196,8 @@ class MLAttention(nn.Module):
         topk = self.select(x_BTD, q_lat, index_keys_BSJ, step)
         S = latent_BSX.shape[1]
         route = attention_route(reference=step.reference, absorbed=step.absorbed, sparse=topk is not None,
-                                decode_sized=step.decode_sized, S=S, index_topk=step.index_topk)
+                                decode_sized=step.decode_sized, S=S, index_topk=step.index_topk, cached=step.cached,
+                                T=x_BTD.shape[1], latent_max_T=self.latent_max_T)
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
         own = self.spec.indexer == "own"
         kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, latent_BSX), step, topk=topk, index_keys_BSJ=index_keys_BSJ)
