@@ -65,6 +65,7 @@ class ContextParallel:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.gathered_bytes = 0
         self._orders: dict = {}
+        self._held: dict = {}
 
     def positions(self, T: int, device=None) -> torch.Tensor:
         """int64 [T / cp]: this rank's global positions of a T-token sequence (`positions`)."""
@@ -72,8 +73,10 @@ class ContextParallel:
 
     def held(self, T: int, L: int) -> list[int]:
         """Per CP rank, how many of its positions of a T-token sequence lie below L (a prefix of them: they
-        ascend)."""
-        return [int((positions(T, self.size, r, self.layout) < L).sum()) for r in range(self.size)]
+        ascend). Computed once per (T, L): every layer's gather asks."""
+        if (T, L) not in self._held:
+            self._held[T, L] = [int((positions(T, self.size, r, self.layout) < L).sum()) for r in range(self.size)]
+        return self._held[T, L]
 
     def local(self, x_BT: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor [B, T, ...] (dim 1 indexed by `positions`)."""
