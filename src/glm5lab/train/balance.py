@@ -12,7 +12,7 @@ and `dead_experts` (experts that got no token in any of the last `DEAD_WINDOW` s
 
 from __future__ import annotations
 
-import math
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,8 @@ def max_mean(load_E: list[int]) -> float:
 def cv(load_E: list[int]) -> float:
     """Coefficient of variation of one layer's loads: population standard deviation / mean (0.0 = balanced and
     with no tokens; sqrt(E - 1) when one expert takes every token)."""
-    mean = sum(load_E) / len(load_E)
-    return math.sqrt(sum((x - mean) ** 2 for x in load_E) / len(load_E)) / mean if mean else 0.0
+    mean = statistics.fmean(load_E)
+    return statistics.pstdev(load_E) / mean if mean else 0.0
 
 
 def dead_experts(window_SE: list[list[int]]) -> int:
