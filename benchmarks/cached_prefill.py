@@ -134,7 +134,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="4096,8192,16384,32768", help="context lengths T, comma-separated")
     p.add_argument("--chunks", default="auto,2048",
-                   help="prefill chunks (integers or auto), comma-separated; the first is the goal's (generate's: auto)")
+                   help="prefill chunks (integers or auto), comma-separated; the first is the goal's (auto: "
+                   "generate's)")
     p.add_argument("--baseline-chunk", type=int, default=256, help="the baseline's chunk (generate's before issue 39)")
     p.add_argument("--repeats", type=int, default=1, help="calls per figure (the minimum CPU time kept)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when anything else runs)")

@@ -54,8 +54,8 @@ def test_dense_prefill_equals_the_uncached_forward(chunk):
         got, routes = _routes(model, lambda: prefill(model, ids, cache, chunk=chunk).logits_BV)
     assert_close(got, want)
     layers = model.config.num_hidden_layers
-    expect = {31: ["expanded_blocked"] * 3 + ["latent_masked"], 40: ["expanded_blocked"] * 2 + ["latent_masked"]}.get(chunk,
-                                                                                              ["expanded_blocked"])
+    blocked, latent = "expanded_blocked", "latent_masked"
+    expect = {31: [blocked] * 3 + [latent], 40: [blocked] * 2 + [latent]}.get(chunk, [blocked])
     assert routes == [r for r in expect for _ in range(layers)]
 
 

@@ -33,8 +33,10 @@ def _inputs(T: int, offset: int, X: int, stale: int = 2):
     return q, latent
 
 
-SHAPES = [(T, offset, X, V) for T in (1, BLOCK - 1, BLOCK + 1) for offset in (0, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 1)
-          for X, V in ((7, 5), (5, 7), (6, 6))]
+OFFSETS = (0, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 1)
+WIDTHS = ((7, 5), (5, 7), (6, 6))
+"""(X, V): q/k wider than the value, narrower, equal (the fused kernel pads the narrower side)."""
+SHAPES = [(T, offset, X, V) for T in (1, BLOCK - 1, BLOCK + 1) for offset in OFFSETS for X, V in WIDTHS]
 
 
 @pytest.mark.parametrize("T, offset, X, V", SHAPES)

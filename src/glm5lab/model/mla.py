@@ -85,14 +85,14 @@ def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_siz
 
     reference: per-head K/V expanded from the latent, explicit boolean mask, written-out softmax
     (`attention_reference`; transformers' eager path). expanded: the same K/V through SDPA (`is_causal` for an
-    uncached full-attention call, else the mask). expanded_blocked: the same K/V expanded `KEY_BLOCK` cached keys
-    at a time, the chunk's own keys under `is_causal`, no mask (`attention_expanded_blocked`). latent_masked: absorbed attention over the 576-wide latents
-    under the mask (`attention_latent_masked`). latent_gathered: absorbed attention over each query's gathered
-    top-k latents only (`attention_latent_gathered`, DSA's core attention). The sliding window enters only
-    through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0, but a cached dense call
-    of up to latent_max_T queries attends in the latent space, since the expanded route would re-expand the
-    per-head K/V of every cached key for every call (quadratic over a chunked prefill). All routes compute the
-    same function (tests/model/test_mla.py ties each to the reference)."""
+    uncached full-attention call, else the mask). expanded_blocked: the same K/V expanded `KEY_BLOCK` cached keys at
+    a time, the chunk's own keys under `is_causal`, no mask (`attention_expanded_blocked`). latent_masked: absorbed
+    attention over the 576-wide latents under the mask (`attention_latent_masked`). latent_gathered: absorbed
+    attention over each query's gathered top-k latents only (`attention_latent_gathered`, DSA's core attention). The
+    sliding window enters only through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0, but
+    a cached dense call of up to latent_max_T queries attends in the latent space, since the expanded route would
+    re-expand the per-head K/V of every cached key for every call (quadratic over a chunked prefill). All routes
+    compute the same function (tests/model/test_mla.py ties each to the reference)."""
     if reference:
         return "reference"
     if absorbed:
