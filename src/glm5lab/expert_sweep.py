@@ -236,17 +236,19 @@ def _reps(plan: SweepPlan, seconds: float) -> int:
 
 
 def _measure_cell(plan: SweepPlan, cell: Cell, kernels: list[str], matmul) -> dict:
-    """{(kernel, direction) or "peak": [(wall, cpu), ...]}: a warm-up forward and backward of each, then
+    """{(kernel, direction) or "peak": [(wall, cpu), ...]}: a warm-up forward (and backward) of each, then
     `rounds` interleaved rounds of each kernel's timed forwards and backwards (each backward after its own
     untimed forward), the matmul once per round."""
     forward = {k: (lambda k=k: cell.forward(k)) for k in kernels}
     reps = {}
     for k in kernels:
-        wf, _ = timed(forward[k], plan.device)  # a warm-up call whose time sizes the timed repeats
-        y = forward[k]()
-        wb, _ = timed(lambda y=y: cell.backward(y), plan.device)
-        reps[k] = {"forward": _reps(plan, wf), "backward": _reps(plan, wb)}
-        del y
+        wf, _ = timed(forward[k], plan.device)  # warm-up calls whose times size the timed repeats
+        reps[k] = {"forward": _reps(plan, wf)}
+        if "backward" in plan.directions:
+            y = forward[k]()
+            wb, _ = timed(lambda y=y: cell.backward(y), plan.device)
+            reps[k]["backward"] = _reps(plan, wb)
+            del y
     mm_fn, _ = matmul
     mm_fn()
     samples: dict = {"peak": []}
@@ -264,33 +266,38 @@ def _measure_cell(plan: SweepPlan, cell: Cell, kernels: list[str], matmul) -> di
     return samples
 
 
+def _why_not(plan: SweepPlan, kernel: str, cell: Cell, shape: ExpertShape) -> str | None:
+    """Why `kernel` is not timed at this cell (it does not run here, or it would exceed `max_bytes`), or None."""
+    nbytes = kernel_bytes(kernel, cell.counts.cpu(), shape, cell.x.element_size())
+    why = kernel_runs(kernel, cell.x, cell.weights[0])
+    if why is None and nbytes > plan.max_bytes:
+        why = f"memory: about {nbytes / 2**30:.1f} GiB > {plan.max_bytes / 2**30:.1f} GiB"
+    return why
+
+
 def sweep(plan: SweepPlan, progress: Callable[[str], None] | None = None) -> dict:
     """Measure every (shape, skew, tokens per expert, kernel, direction) of `plan`.
 
     Returns {"time_basis", "peak": {"flops_per_s" (the run's median), "samples"}, "points": [{shape, skew,
     tokens_per_expert, max_count, kernel, direction, flops, wall_s, cpu_s, flops_per_s, share}], "skipped":
-    [{shape, skew, tokens_per_expert, kernel, reason}], "stopped_at" (tokens per expert at which `budget_s`
-    ended the sweep, or None)}. Times are medians per call; share = flops_per_s / the run's peak."""
+    [{shape, skew, tokens_per_expert, kernel, reason}], "stopped_at" (tokens per expert after which `budget_s`
+    ended the sweep before its last point, or None)}. Times are medians per call; share = flops_per_s / the
+    run's peak."""
     basis = plan.time_basis()
     matmul = matmul_case(plan.peak_n, device=plan.device, dtype=plan.dtype)
     raw, skipped, peaks, stopped = [], [], [], None
     start = time.perf_counter()
     for shape in plan.shapes:
+        if stopped is not None:
+            break
         for m in plan.tokens:
             for skew in plan.skews:
                 counts = expert_counts(skew, shape.experts, m)
                 cell = Cell.make(shape, counts, device=plan.device, dtype=plan.dtype, seed=plan.seed)
-                kernels = []
-                for k in plan.kernels:
-                    why = kernel_runs(k, cell.x, cell.weights[0])
-                    nbytes = kernel_bytes(k, counts, shape, cell.x.element_size())
-                    if why is None and nbytes > plan.max_bytes:
-                        why = f"memory: about {nbytes / 2**30:.1f} GiB > {plan.max_bytes / 2**30:.1f} GiB"
-                    if why:
-                        skipped.append({"shape": shape.name, "skew": skew, "tokens_per_expert": m, "kernel": k,
-                                        "reason": why})
-                    else:
-                        kernels.append(k)
+                why = {k: _why_not(plan, k, cell, shape) for k in plan.kernels}
+                skipped += [{"shape": shape.name, "skew": skew, "tokens_per_expert": m, "kernel": k, "reason": r}
+                            for k, r in why.items() if r]
+                kernels = [k for k, r in why.items() if not r]
                 samples = _measure_cell(plan, cell, kernels, matmul)
                 del cell
                 peaks += [matmul[1] / (c if basis == "cpu" else w) for w, c in samples.pop("peak")]
@@ -302,7 +309,7 @@ def sweep(plan: SweepPlan, progress: Callable[[str], None] | None = None) -> dic
                                 "cpu_s": statistics.median(c for _, c in ts)})
                 if progress:
                     progress(f"{shape.name} {skew} m={m}: {', '.join(kernels)} ({time.perf_counter() - start:.0f} s)")
-            if plan.budget_s is not None and time.perf_counter() - start > plan.budget_s:
+            if plan.budget_s is not None and time.perf_counter() - start > plan.budget_s and m != plan.tokens[-1]:
                 stopped = m
                 break
     peak = statistics.median(peaks)

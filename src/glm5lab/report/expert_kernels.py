@@ -24,14 +24,16 @@ REPORT_BUDGET_S = 8.0
 
 def measure_for_report(cfg, *, quick: bool = False) -> dict:
     """The report's sweep at `cfg`'s expert shape (CPU fp32, one torch thread, restored after): uniform
-    routing, forward only, every kernel that runs, REPORT_TOKENS tokens per expert until REPORT_BUDGET_S
-    (quick: 1 and 16, for tests). Returns `glm5lab.expert_sweep.sweep`'s record plus shape and threads."""
+    routing, forward only, every kernel that runs (while its `kernel_bytes` fit 1 GiB), REPORT_TOKENS
+    tokens per expert until REPORT_BUDGET_S (quick: 1 and 16, for tests). Returns
+    `glm5lab.expert_sweep.sweep`'s record plus shape, threads, device and dtype."""
     import torch
 
     shape = ExpertShape.of_config(cfg, "this run")
     plan = SweepPlan(shapes=[shape], skews=["uniform"], tokens=[1, 16] if quick else list(REPORT_TOKENS),
                      kernels=list(KERNELS), directions=["forward"], device=torch.device("cpu"), dtype=torch.float32,
-                     rounds=1, target_s=0.005 if quick else 0.05, max_bytes=2**30, budget_s=REPORT_BUDGET_S,
+                     rounds=1, target_s=0.005 if quick else 0.02, max_reps=10, max_bytes=2**30,
+                     budget_s=REPORT_BUDGET_S,
                      peak_n=256 if quick else 1024)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -87,6 +89,14 @@ def plot(record: dict, path: Path, *, marker: float | None = None, title: str = 
     return save_png(fig, Path(path), tight=True)
 
 
+def report_title(record: dict) -> str:
+    """The report figure's title: the shape, how it was timed and the peak."""
+    sh = record["shape"]
+    return (f"Expert kernels at this run's shape ({sh['experts']} experts of {sh['hidden']} x {sh['intermediate']}), "
+            f"CPU fp32, 1 thread, uniform routing, forward: useful FLOP/s / a matmul's "
+            f"({record['peak']['flops_per_s'] / 1e9:.1f} GFLOP/s, CPU time)")
+
+
 def run_tokens_per_expert(metrics: list[dict]) -> float | None:
     """Mean assignments per expert at the run's last step in its first MoE layer (tokens x top-K / E, the
     step's micro-batches together), from metrics.jsonl's expert_load; None without it."""
@@ -126,7 +136,8 @@ def render_section(record: dict | None, png: str | None, tokens_per_expert: floa
             f"a share of a {record['peak']['n']}-square matmul timed beside it "
             f"({record['peak']['flops_per_s'] / 1e9:.1f} GFLOP/s).{stopped}{here} Skewed routing and the backward: "
             "BENCHMARKS.md, \"Expert kernels\" (`benchmarks/expert_kernels.py`).\n\n"
-            + markdown_table(["kernel", *[f"{m:,} tokens/expert" for m in tokens]], rows)
+            + "Share of the peak at each mean number of tokens per expert:\n\n"
+            + markdown_table(["kernel", *[f"{m:,}" for m in tokens]], rows)
             + f"\n\nHalf of the peak reached (tokens per expert): {half}."
             + (f" Not run: {', '.join(skipped)}." if skipped else "") + "\n"
             + (f"\n![expert kernels]({png})\n" if png else ""))
