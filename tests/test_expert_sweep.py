@@ -64,6 +64,13 @@ def test_bad_skew_arguments_are_refused_by_name():
                   device=torch.device("cpu"), dtype=torch.float32)
 
 
+def test_time_basis_is_cpu_time_on_cpu_and_synchronised_wall_time_on_cuda():
+    def plan(device):
+        return SweepPlan(shapes=[TINY], skews=["uniform"], tokens=[1], kernels=["loop"], directions=["forward"],
+                         device=torch.device(device), dtype=torch.float32)
+    assert plan("cpu").time_basis() == "cpu" and plan("cuda").time_basis() == "wall"
+
+
 def test_kernel_bytes_by_hand():
     counts = torch.tensor([65, 1])
     small = SHAPES["small"]
