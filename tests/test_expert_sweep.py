@@ -112,9 +112,12 @@ def _line(shares: dict[int, float], kernel="grouped", direction="forward") -> li
 
 
 def test_half_peak_is_the_first_point_at_half_or_never_with_the_best():
-    pts = _line({1: 0.1, 16: 0.3, 64: 0.55, 256: 0.45, 1024: 0.7}) + _line({1: 0.2, 16: 0.4}, kernel="loop")
-    assert half_peak(pts, "s", "uniform", "grouped", "forward")["first"] == 64
-    assert half_peak_text(pts, "s", "uniform", "grouped", "forward") == "from 64"
+    pts = (_line({1: 0.1, 16: 0.3, 64: 0.55, 256: 0.45, 1024: 0.7}) + _line({1: 0.2, 16: 0.4}, kernel="loop")
+           + _line({1: 0.2, 16: 0.5, 64: 0.9}, kernel="grouped_mm"))
+    h = half_peak(pts, "s", "uniform", "grouped", "forward")
+    assert (h["first"], h["below_again"], h["best"]) == (64, 256, (0.7, 1024))
+    assert half_peak_text(pts, "s", "uniform", "grouped", "forward") == "at 64, under again from 256"
+    assert half_peak_text(pts, "s", "uniform", "grouped_mm", "forward") == "from 16"  # 0.5 counts as half
     assert half_peak_text(pts, "s", "uniform", "loop", "forward") == "never (best 40% at 16)"
     assert half_peak_text(pts, "s", "uniform", "loop", "backward") == "not measured"
 

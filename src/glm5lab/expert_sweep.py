@@ -321,23 +321,27 @@ def sweep(plan: SweepPlan, progress: Callable[[str], None] | None = None) -> dic
 
 
 def half_peak(points: list[dict], shape: str, skew: str, kernel: str, direction: str) -> dict:
-    """{"first": the smallest tokens per expert whose share >= HALF (None if none), "best": (share, tokens per
-    expert) of the highest share measured, "measured": bool} for one line of the sweep."""
+    """{"first": the smallest tokens per expert whose share >= HALF (None if none), "below_again": the first
+    larger tokens per expert whose share is under HALF again (None if none), "best": (share, tokens per expert)
+    of the highest share measured, "measured": bool} for one line of the sweep."""
     line = sorted((p["tokens_per_expert"], p["share"]) for p in points
                   if (p["shape"], p["skew"], p["kernel"], p["direction"]) == (shape, skew, kernel, direction))
     if not line:
-        return {"first": None, "best": None, "measured": False}
+        return {"first": None, "below_again": None, "best": None, "measured": False}
     first = next((m for m, s in line if s >= HALF), None)
+    below = next((m for m, s in line if first is not None and m > first and s < HALF), None)
     best = max(line, key=lambda t: t[1])
-    return {"first": first, "best": (best[1], best[0]), "measured": True}
+    return {"first": first, "below_again": below, "best": (best[1], best[0]), "measured": True}
 
 
 def half_peak_text(points: list[dict], shape: str, skew: str, kernel: str, direction: str) -> str:
-    """'from 64 tokens per expert', 'never (best 41% at 1024)' or 'not measured'."""
+    """'from 64', 'at 64, under again from 256', 'never (best 41% at 1,024)' or 'not measured'."""
     h = half_peak(points, shape, skew, kernel, direction)
     if not h["measured"]:
         return "not measured"
-    if h["first"] is not None:
-        return f"from {h['first']:,}"
-    share, m = h["best"]
-    return f"never (best {100 * share:.0f}% at {m:,})"
+    if h["first"] is None:
+        share, m = h["best"]
+        return f"never (best {100 * share:.0f}% at {m:,})"
+    if h["below_again"] is not None:
+        return f"at {h['first']:,}, under again from {h['below_again']:,}"
+    return f"from {h['first']:,}"

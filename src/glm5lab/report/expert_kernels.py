@@ -83,8 +83,11 @@ def plot(record: dict, path: Path, *, marker: float | None = None, title: str = 
     for row in axes:
         row[0].set_ylabel("share of the matmul peak (useful FLOPs)")
     axes[0][0].legend(fontsize=7)
+    env = record.get("env", {})
     fig.suptitle(title or (f"Expert kernels: useful FLOP/s / the same run's matmul peak "
-                           f"({record['peak']['flops_per_s'] / 1e9:.0f} GFLOP/s, {record['time_basis']} time)"),
+                           f"({record['peak']['flops_per_s'] / 1e9:.0f} GFLOP/s, {record['time_basis']} time), "
+                           f"{env.get('device')} {record.get('dtype')}, {env.get('torch_threads')} thread(s), "
+                           f"git {str(env.get('git_commit'))[:7]}; skews and shapes: glm5lab.expert_sweep"),
                  fontsize=10)
     return save_png(fig, Path(path), tight=True)
 
