@@ -34,15 +34,16 @@ FULL_TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 
 
 def plan_of(args, device) -> SweepPlan:
-    """The sweep `args` ask for (`--quick`: the small shape, two skews, 1-256 tokens, short timings)."""
+    """The sweep `args` ask for (`--quick`: the small shape, two skews, 1-256 tokens, short timings). The peak
+    matmul: 8192-square on CUDA (a smaller one measures launch overhead, not the peak), else 2048 (quick 512)."""
+    peak_n = 8192 if device.type == "cuda" else 512 if args.quick else 2048
     if args.quick:
         return SweepPlan(shapes=[SHAPES["small"]], skews=["uniform", "one_hot"], tokens=[1, 16, 256],
                          kernels=list(KERNELS), directions=list(DIRECTIONS), device=device, dtype=DTYPES[args.dtype],
-                         rounds=1, target_s=0.01, peak_n=512)
+                         rounds=1, target_s=0.01, peak_n=peak_n)
     return SweepPlan(shapes=list(SHAPES.values()), skews=list(SKEWS), tokens=FULL_TOKENS, kernels=list(KERNELS),
                      directions=list(DIRECTIONS), device=device, dtype=DTYPES[args.dtype], rounds=args.rounds,
-                     target_s=args.target_s, max_bytes=int(args.max_gib * 2**30),
-                     peak_n=8192 if device.type == "cuda" else 2048)
+                     target_s=args.target_s, max_bytes=int(args.max_gib * 2**30), peak_n=peak_n)
 
 
 def table(record: dict) -> str:

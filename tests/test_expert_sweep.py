@@ -152,3 +152,18 @@ def test_benchmark_quick_writes_its_record_table_and_figure(tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["points"] == rec["points"]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(rec["half_peak"]["small|grouped|forward"]) == {"uniform", "one_hot"}
+
+
+def test_benchmark_plans_a_peak_matmul_big_enough_for_a_gpu():
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import expert_kernels as bench
+
+    quick = argparse.Namespace(quick=True, dtype="bf16")
+    assert bench.plan_of(quick, torch.device("cuda")).peak_n == 8192
+    assert bench.plan_of(quick, torch.device("cpu")).peak_n == 512
+    full = argparse.Namespace(quick=False, dtype="bf16", rounds=2, target_s=0.1, max_gib=4.0)
+    cuda = bench.plan_of(full, torch.device("cuda"))
+    assert (cuda.peak_n, cuda.dtype, cuda.max_bytes, len(cuda.shapes), cuda.tokens[-1]) == (
+        8192, torch.bfloat16, 4 * 2**30, 2, 4096)
