@@ -9,6 +9,7 @@ import math
 from glm5lab.ablate.results import markdown_table
 from glm5lab.report import compare
 from glm5lab.report.attention_costs import render_section as attention_costs_section
+from glm5lab.report.expert_kernels import render_section as expert_kernels_section, run_tokens_per_expert
 from glm5lab.report.long_context import render_section as long_context_section
 from glm5lab.report.series import BALANCED, load_stats, perplexity, stage_rows
 from glm5lab.train.balance import DEAD_WINDOW, balance_metrics
@@ -16,18 +17,20 @@ from glm5lab.train.balance import DEAD_WINDOW, balance_metrics
 
 def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
            generated: dict, moe_names: list[str], long_context: dict | None = None, others: list | None = None,
-           attention_costs: dict | None = None) -> str:
+           attention_costs: dict | None = None, expert_kernels: dict | None = None) -> str:
     """Assemble report.md (`rec`: a RunRecord; `pngs`: name -> file name or None; moe_names: the
     names of metrics.jsonl's `expert_load` entries; long_context: the recorded long-context
     cost curve, `glm5lab.report.long_context.load_record()`, shown in the throughput section;
     others: RunRecords compared against, the "Comparison" section after Quality; attention_costs: the
-    recorded mixer comparison, `glm5lab.report.attention_costs.load_record()`, shown after the curve)."""
+    recorded mixer comparison, `glm5lab.report.attention_costs.load_record()`, shown after the curve;
+    expert_kernels: the sweep at the run's expert shape, `glm5lab.report.expert_kernels.measure_for_report`,
+    shown in the expert-load section, None when not measured)."""
     curve = long_context_section(long_context, pngs.get("long_context"))
     curve += attention_costs_section(attention_costs, pngs.get("attention_costs"))
     parts = [_header(rec, generated), _quality(rec, pngs), compare.section(rec, others or [], pngs.get("compare")),
              _tokens(rec), _params(ledger_text),
-             _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names), _ablations(rec),
-             _evals(rec), _environment(env, rec), _seeds(rec, probed)]
+             _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names, expert_kernels),
+             _ablations(rec), _evals(rec), _environment(env, rec), _seeds(rec, probed)]
     return "\n".join(p for p in parts if p)
 
 
@@ -143,7 +146,7 @@ def _probes(probed, pngs, curve: str) -> str:
     return "".join(out)
 
 
-def _load(rec, pngs, names: list[str]) -> str:
+def _load(rec, pngs, names: list[str], kernels: dict | None = None) -> str:
     history = [r["expert_load"] for r in rec.metrics if r.get("expert_load")]
     if not history:
         return ""
@@ -155,7 +158,8 @@ def _load(rec, pngs, names: list[str]) -> str:
             f"layer; CV: standard deviation / mean of the experts' loads; dead: experts with no token in any of the "
             f"last {min(DEAD_WINDOW, len(history))} steps:\n\n"
             + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean", "CV", "dead experts"], rows)
-            + _img(pngs, "load", "expert load balance over time") + expert_parallel_section(rec, pngs))
+            + _img(pngs, "load", "expert load balance over time") + expert_parallel_section(rec, pngs)
+            + expert_kernels_section(kernels, pngs.get("expert_kernels"), run_tokens_per_expert(rec.metrics)))
 
 
 def expert_parallel_section(rec, pngs) -> str:
