@@ -65,6 +65,10 @@ def test_report_holds_every_section_with_the_runs_numbers(run):
     assert re.search(rf"\| bf16 \| \d+ \| \d+ \| {bf16} \|", text)
     assert "| 1 | 32 | 4 |" in text and "| 2 | 32 | 4 |" in text           # batch, prompt length, new tokens
     assert "mean acceptance length **" in text and "| MLA | 4.2 |" in text  # MTP probe; the ablation beside
+    by_context = text[text.index("Against context"):text.index("![acceptance by draft position]")]
+    assert "| prompt length | verifications | acceptance length | position 1 | position 2 | position 3 |" in by_context
+    assert re.search(r"\| 16 \| \d+ \| [\d.]+ \|", by_context) and re.search(r"\| 32 \| \d+ \| [\d.]+ \|", by_context)
+    assert "and after prompts of 16, 32 tokens." in text
     assert cfg["model_type"] == "glm_moe_dsa"
     for name in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text):
         if "/" in name:

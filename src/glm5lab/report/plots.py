@@ -217,19 +217,38 @@ def retrieval(rows: list[dict], path: Path) -> Path | None:
     return save_png(fig, path, tight=True)
 
 
-def acceptance(result: dict | None, path: Path) -> Path | None:
-    """Accepted fraction per draft position (None without an MTP measurement)."""
+def acceptance(result: dict | None, path: Path, by_context: list[dict] | None = None) -> Path | None:
+    """Accepted fraction per draft position (None without an MTP measurement); with `by_context` (the probe's
+    "acceptance_by_context" rows) a second panel: each position's accepted fraction against context length."""
     if not result or "acceptance_rate" not in result:
         return None
     plt = figure()
     rates = result["acceptance_rate"]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    done = [r for r in by_context or [] if "acceptance_rate" in r]
+    fig, axes = plt.subplots(1, 2 if done else 1, figsize=(11 if done else 6, 3.8), squeeze=False)
+    ax = axes[0][0]
     ax.bar(range(1, len(rates) + 1), rates)
     ax.set(xlabel="draft position", ylabel="accepted fraction (with all earlier drafts)", ylim=(0, 1),
-           title=f"MTP acceptance: mean length {result['acceptance_length']:.2f}")
+           title=f"MTP acceptance: mean length {result['acceptance_length']:.2f} ({result['prompt_length']}-token "
+                 "prompts)")
     ax.set_xticks(range(1, len(rates) + 1))
     ax.grid(alpha=0.3, axis="y")
+    if done:
+        _acceptance_by_context(axes[0][1], done)
     return save_png(fig, path, tight=True)
+
+
+def _acceptance_by_context(ax, rows: list[dict]) -> None:
+    """One line per draft position: accepted fraction (with all earlier drafts) against prompt length."""
+    lengths = [r["context_length"] for r in rows]
+    for i in range(len(rows[0]["acceptance_rate"])):
+        ax.plot(lengths, [r["acceptance_rate"][i] for r in rows], "o-", label=f"draft position {i + 1}")
+    ax.set(xlabel="prompt length (tokens)", ylabel="accepted fraction (with all earlier drafts)", xscale="log",
+           ylim=(0, 1), title="MTP acceptance against context")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def two_five_labels(y: float, _pos) -> str:

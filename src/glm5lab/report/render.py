@@ -142,8 +142,24 @@ def _probes(probed, pngs, curve: str) -> str:
                    "verification (the report: 2.76 for GLM-5 at 4 steps, on its own prompts).\n\n")
         out.append(markdown_table(["draft position", "accepted (with all earlier)"],
                                   [[i + 1, r] for i, r in enumerate(acc["acceptance_rate"])]))
+        out.append(_acceptance_by_context(probed.get("acceptance_by_context") or []))
         out.append(_img(pngs, "acceptance", "acceptance by draft position"))
     return "".join(out)
+
+
+def _acceptance_by_context(rows: list[dict]) -> str:
+    """The per-position acceptance against prompt length, as a table and what it measures ("" without rows)."""
+    if not rows:
+        return ""
+    k = max((len(r["acceptance_rate"]) for r in rows if "acceptance_rate" in r), default=0)
+    table = [[r["context_length"], r.get("verify_steps"), r.get("acceptance_length"),
+              *(r["acceptance_rate"] if "acceptance_rate" in r else [None] * k), r.get("skipped")] for r in rows]
+    return ("\nAgainst context (the same decoding after held-out prompts of each length). The drafts are "
+            "checked against the model's own greedy continuation: past the length the run trained at, a small "
+            "model's continuation falls into repeated phrases where the chained drafts rarely all hold, so the "
+            "later positions fall first (docs/inference.md, \"Where drafts are rejected\").\n\n"
+            + markdown_table(["prompt length", "verifications", "acceptance length",
+                              *(f"position {i + 1}" for i in range(k)), "skipped"], table))
 
 
 def _load(rec, pngs, names: list[str], kernels: dict | None = None) -> str:
@@ -258,4 +274,6 @@ def _probe_sizes(sizes: dict) -> str:
     return (f"Probe sizes: throughput at {pairs}, each decoding {sizes['decode_tokens']} new tokens; retrieval at "
             f"context lengths {lengths}, {sizes['retrieval_rows']} examples each; MTP acceptance with "
             f"{sizes['draft_steps']} drafts per verification on {sizes['acceptance_rows']} held-out prompts of "
-            f"{sizes['acceptance_prompt']} tokens, {sizes['acceptance_tokens']} new tokens each.")
+            f"{sizes['acceptance_prompt']} tokens, {sizes['acceptance_tokens']} new tokens each"
+            + (f", and after prompts of {', '.join(str(n) for n in sizes['acceptance_contexts'])} tokens"
+               if sizes.get("acceptance_contexts") else "") + ".")

@@ -43,7 +43,8 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
             "load": plots.expert_load(rec.metrics, _tmp(out, "expert_load.png"), _moe_names(cfg)),
             "ep": plots.expert_parallel(rec.metrics, _tmp(out, "expert_parallel.png")),
             "retrieval": plots.retrieval(probed["retrieval"], _tmp(out, "retrieval.png")) if probed else None,
-            "acceptance": plots.acceptance(probed["acceptance"], _tmp(out, "acceptance.png")) if probed else None,
+            "acceptance": plots.acceptance(probed["acceptance"], _tmp(out, "acceptance.png"),
+                                           probed.get("acceptance_by_context")) if probed else None,
             "compare": plots.compare([(str(r.run_dir), r.metrics, r.summary) for r in [rec, *others]],
                                      _tmp(out, "compare.png")) if others else None}
     curve = long_context.load_record()
