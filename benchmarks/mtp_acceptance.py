@@ -17,7 +17,8 @@ main model's plain greedy continuation of `--new-tokens` tokens. On the sequence
 of a round starting there); "agree j" = depth j alone. Two regions per sequence: **text** (the prompt's last
 `--new-tokens` positions: held-out text) and **gen** (the greedy continuation: what acceptance measures). Each
 gen position is also classed by the smallest period p <= 6 with which the continuation repeats over the
-window t - 2p + 1 .. t + 4 (0 = none): where the continuation loops. Prints a table and a final JSON line;
+window t - 2p + 1 .. t + 4 (0 = none): where the continuation loops; and by whether its next 4 tokens
+x_{t+1..t+4} copy a 4-gram that occurs earlier in the sequence (`copies`). Prints a table and a final JSON line;
 one thread unless --threads.
 """
 
@@ -49,6 +50,12 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("dense", "dsa"), default="dense", help="DSA off (dense) or on")
     p.add_argument("--threads", type=int, default=1)
     return p.parse_args(argv)
+
+
+def copied(seq: list[int], t: int) -> bool:
+    """Whether seq[t+1 .. t+4] occurs as a 4-gram in seq[0 .. t]."""
+    gram, hist = seq[t + 1:t + 5], seq[:t + 1]
+    return any(hist[i:i + 4] == gram for i in range(len(hist) - 3))
 
 
 def period(seq: list[int], t: int, longest: int = 6) -> int:
@@ -84,7 +91,7 @@ def chain(model, stream: sm.Stream, ids_1S: torch.Tensor, t: int, *, reset: bool
 
 def blank() -> dict:
     return {"positions": 0, **{f"{a}_agree": [0] * DEPTHS for a in ARMS}, **{f"{a}_cum": [0] * DEPTHS for a in ARMS},
-            "loops": {}}
+            "loops": {}, "copies": {}}
 
 
 @torch.no_grad()
@@ -115,10 +122,11 @@ def measure_context(model, checkpoint, L: int, args) -> dict:
                         r[f"{arm}_agree"][j] += hit
                         ok = ok and hit
                         r[f"{arm}_cum"][j] += ok
-                p = period(seq, t)
-                c = r["loops"].setdefault(p, [0, 0])  # positions, all 3 training-forward depths agree
-                c[0] += 1
-                c[1] += all(train[j][t] == want[j] for j in range(DEPTHS))
+                ok = all(train[j][t] == want[j] for j in range(DEPTHS))
+                for key, cls in (("loops", period(seq, t)), ("copies", int(copied(seq, t)))):
+                    c = r[key].setdefault(cls, [0, 0])  # positions, all 3 training-forward depths agree
+                    c[0] += 1
+                    c[1] += ok
     return regions
 
 
@@ -129,8 +137,9 @@ def rows_of(results: dict) -> list[list]:
             n = max(r["positions"], 1)
             f = lambda key: " / ".join(f"{x / n:.2f}" for x in r[key])  # noqa: E731
             loop = sum(v[0] for p, v in r["loops"].items() if p) / n
+            copy, new = r["copies"].get(1, [0, 0]), r["copies"].get(0, [0, 0])
             rows.append([L, name, r["positions"], f("train_agree"), f("train_cum"), f("draft_cum"), f("reset_cum"),
-                         f"{loop:.2f}"])
+                         f"{loop:.2f}", f"{copy[0] / n:.2f}", f"{copy[1]}/{copy[0]}", f"{new[1]}/{new[0]}"])
     return rows
 
 
@@ -147,11 +156,13 @@ def main(argv=None) -> dict:
           f"{torch.get_num_threads()} thread(s), load average {load0} -> {load_average()}, {time.time() - t0:.0f} s")
     print(markdown_table(["context", "region", "positions", "train: agree d1 / d2 / d3",
                           "train: cumulative 1 / 2 / 3", "draft: cumulative", "draft, positions reset: cumulative",
-                          "in a loop (period <= 6)"], rows_of(results)))
+                          "in a loop (period <= 6)", "copying a 4-gram", "cumulative 3 where copying",
+                          "elsewhere"], rows_of(results)))
     record = {"benchmark": "mtp_acceptance", "model": str(checkpoint), "attention": args.attention,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
               "load_average": [load0, load_average()], "seconds": round(time.time() - t0, 1), "pid": os.getpid(),
-              "results": {str(L): {n: {**r, "loops": {str(p): v for p, v in sorted(r["loops"].items())}}
+              "results": {str(L): {n: {**r, "loops": {str(p): v for p, v in sorted(r["loops"].items())},
+                                       "copies": {str(p): v for p, v in sorted(r["copies"].items())}}
                                    for n, r in regions.items()} for L, regions in results.items()}}
     print_json_line(record)
     return record

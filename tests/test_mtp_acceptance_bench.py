@@ -1,6 +1,6 @@
 """`benchmarks/mtp_acceptance.py`: its teacher-forced draft chain is the draft path `glm5lab.infer.steps.draft`
 runs (fed the drafts `draft` chose, it returns them, token ids exactly, fp32), its depth 1 is the training
-forward's, the MTP cache is left as it was, and the loop classifier finds hand-made periods."""
+forward's, the MTP cache is left as it was, and the loop and copy classifiers find hand-made periods and repeated 4-grams."""
 
 from __future__ import annotations
 
@@ -49,3 +49,4 @@ def test_period_finds_the_shortest_repeat_over_the_window():
     assert ma.period([9, 9, 1, 2, 1, 2, 1, 2, 1, 2], 5) == 2   # 2 .. 9 alternate
     assert ma.period([7, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1], 6) == 3
     assert ma.period([1, 2, 1, 2, 1, 2], 3) == 0               # the window runs past the end: too short
+    assert ma.copied([5, 1, 2, 3, 4, 9, 1, 2, 3, 4], 5) and not ma.copied([5, 1, 2, 3, 4, 9, 1, 2, 3, 8], 5)
