@@ -6,7 +6,8 @@ What is tied to what:
   conversion, bit for bit, on all 254 codes that are numbers (-0 keeps its sign, both subnormal ranges); the two
   NaN codes give +-1.875 (documented) and a key can hold them only with a NaN scale, so it scores NaN both ways.
   The other route (torch's conversion, what CUDA and torch.compile take) is forced here by patching
-  `fp8_keys.moves_bits` and gives the same scores bit for bit.
+  `fp8_keys.moves_bits` and gives the same scores bit for bit. `index_scores_fp8`'s three routes over the keys
+  (`dsa_blocked.fp8_route`: reused buffers, blocks, whole) are each forced the same way.
 - `index_scores_fp8`, `LightningIndexer.scores` / `topk` (reference and blocked) and `index_topk_blocked` on
   `Fp8Keys` against `scores` on `Fp8Keys.dequantize()` + `select_topk`. Scores: |fast - ref| <= TOL_TERMS x M,
   M = sum_i |w_i| c sum_j |q_ij k_j| per (query, key) (the magnitude of the summed terms), TOL_TERMS =
@@ -118,14 +119,25 @@ def check_scores(fast, ref, M, J, I):
     assert bool((err <= tol_terms(J, I) * M[finite]).all()), f"max err / M {float((err / M[finite]).max()):.3g}"
 
 
-@pytest.mark.parametrize("route", ["bits", "torch"])
+def force_route(monkeypatch, route: str) -> None:
+    """Make `index_scores_fp8` take `route` on the CPU, with the conversion the route has where it runs (the bits
+    moved in eager CPU "buffers", torch's conversion for "blocks" (compiled) and "whole" (CUDA))."""
+    monkeypatch.setattr("glm5lab.model.dsa_blocked.fp8_route", lambda device: route)
+    if route != "buffers":
+        monkeypatch.setattr(fp8_keys, "moves_bits", lambda device: False)
+
+
+def test_route_table():
+    from glm5lab.model.dsa_blocked import fp8_route
+    assert fp8_route(torch.device("cpu")) == "buffers" and fp8_route(torch.device("meta")) == "whole"
+
+
+@pytest.mark.parametrize("route", ["buffers", "blocks", "whole"])
 @pytest.mark.parametrize("B,T,S,I,J,key_block", [
     (1, 1, 1, 1, 3, 4096), (2, 1, 7, 4, 17, 3), (2, 3, 8, 4, 17, 8), (1, 9, 9, 2, 3, 4), (2, 16, 1000, 4, 128, 256),
     (1, 1, 4099, 4, 128, 4096)])
 def test_index_scores_fp8_equal_reference_within_tolerance(monkeypatch, route, B, T, S, I, J, key_block):
-    if route == "torch":
-        monkeypatch.setattr(fp8_keys, "moves_bits", lambda device: False)
-        monkeypatch.setattr("glm5lab.model.dsa_blocked.moves_bits", lambda device: False)
+    force_route(monkeypatch, route)
     q, w, keys = random_case(B, T, S, I, J, seed=S + J)
     c = J**-0.5
     fast = index_scores_fp8(q, w, keys, scale=c, key_block=key_block)
@@ -140,13 +152,14 @@ def test_index_scores_fp8_equal_reference_within_tolerance(monkeypatch, route, B
         check_scores(fast * 256, ref, terms(q, w, keys, c), J, I)
 
 
-def test_both_routes_give_the_same_bits(monkeypatch):
-    """Moving the bits scales the dot products by 2^-8 and the dot scale by 2^8, both exact: the same scores."""
+@pytest.mark.parametrize("route", ["blocks", "whole"])
+def test_routes_give_the_same_bits(monkeypatch, route):
+    """Moving the bits scales the dot products by 2^-8 and the dot scale by 2^8, both exact: the same scores as
+    torch's conversion, by blocks or whole (wherever the matmul rounds the same in both shapes, as here)."""
     q, w, keys = random_case(2, 3, 600, 4, 128, seed=9)
     bits = index_scores_fp8(q, w, keys, scale=128**-0.5, key_block=128)
-    monkeypatch.setattr("glm5lab.model.dsa_blocked.moves_bits", lambda device: False)
-    monkeypatch.setattr(fp8_keys, "moves_bits", lambda device: False)
-    assert torch.equal(index_scores_fp8(q, w, keys, scale=128**-0.5), bits)
+    force_route(monkeypatch, route)
+    assert torch.equal(index_scores_fp8(q, w, keys, scale=128**-0.5, key_block=128), bits)
 
 
 # ---------------------------------------------------------------- 3. the indexer and its top-k

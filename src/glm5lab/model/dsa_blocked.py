@@ -49,7 +49,7 @@ from collections.abc import Iterator
 
 import torch
 
-from glm5lab.model.fp8_keys import Fp8Keys, matmul_values, moves_bits
+from glm5lab.model.fp8_keys import Fp8Keys, matmul_values
 from glm5lab.model.precision import fp32_compute
 from glm5lab.model.topk import TopK, check_k, select_topk_fast, valid_slots
 from glm5lab.model.visibility import narrow_queries, query_positions, visible
@@ -148,33 +148,59 @@ class KeyBlocks:
             out.copy_(head_sum_ts)
 
 
+def fp8_route(device: torch.device) -> str:
+    """How `index_scores_fp8` goes over the keys (BENCHMARKS.md, "FP8 indexer keys", issue 39):
+
+        device  mode      route      what
+        CPU     eager     "buffers"  key blocks converted into reused buffers, the bits moved (`matmul_values`)
+        CPU     compiled  "blocks"   key blocks, each converted by torch (inductor fuses the conversion; the fp32
+                                     copy stays one block, not S keys)
+        other   any       "whole"    all keys converted by torch, then one matmul (a block loop would cost
+                                     kernel launches in eager CUDA)
+    """
+    if device.type != "cpu":
+        return "whole"
+    return "blocks" if torch.compiler.is_compiling() else "buffers"
+
+
 def index_scores_fp8(q_BTIJ: torch.Tensor, w_BTI: torch.Tensor, keys: Fp8Keys, *, scale: float,
                      key_block: int = FP8_DECODE_KEY_BLOCK) -> torch.Tensor:
     """fp32 [B, T, S]: sum_i w_i ReLU(scale * q_i . k) at every key, no causal mask, for fp8 keys scored without
-    dequantizing (module doc): `LightningIndexer.scores`' fast path, for a few queries (the decode step). On the
-    CPU in eager mode key block by key block through one reused buffer (`fp8_keys.moves_bits`); elsewhere (CUDA,
-    torch.compile) in one pass, torch's conversion then one matmul (a loop of blocks would cost a kernel launch
-    each). No host read either way. Arguments as `index_score_blocks`; key_block >= 1."""
+    dequantizing (module doc): `LightningIndexer.scores`' fast path, for a few queries (the decode step), by
+    `fp8_route`'s route. No host read. Arguments as `index_score_blocks`; key_block >= 1."""
     _check_blocks(q_BTIJ, w_BTI, keys, 1, key_block)
+    route = fp8_route(q_BTIJ.device)
+    with torch.no_grad(), fp32_compute(q_BTIJ.device):
+        q_BTIJ, w_BTI = q_BTIJ.float(), w_BTI.float()
+        if route == "buffers":
+            return _scores_in_buffers(q_BTIJ, w_BTI, keys, scale, key_block)
+        S = keys.shape[1]
+        step = S if route == "whole" else key_block
+        return torch.cat([_scores_of(q_BTIJ, w_BTI, keys.k8_BSJ[:, s0:s0 + step], keys.scale_BS[:, s0:s0 + step],
+                                     scale) for s0 in range(0, S, step)], dim=-1)
+
+
+def _scores_of(q_BTIJ, w_BTI, k8_BSJ, scale_BS, scale: float) -> torch.Tensor:
+    """The scores of keys k8_BSJ x scale_BS, [B, T, S], the reference's products but the key scale after."""
+    k_BSJ, unit = matmul_values(k8_BSJ)
+    dots_BTIS = torch.einsum("btij,bsj->btis", q_BTIJ, k_BSJ) * (scale / unit)
+    return torch.einsum("bti,btis->bts", w_BTI, dots_BTIS.relu()) * scale_BS.float()[:, None, :]
+
+
+def _scores_in_buffers(q_BTIJ, w_BTI, keys: Fp8Keys, scale: float, key_block: int) -> torch.Tensor:
     B, T, I, J = q_BTIJ.shape
     S, device = keys.shape[1], q_BTIJ.device
-    with torch.no_grad(), fp32_compute(device):
-        q_BTIJ, w_BTI = q_BTIJ.float(), w_BTI.float()
-        if not moves_bits(device):
-            k_BSJ, unit = matmul_values(keys.k8_BSJ)
-            dots_BTIS = torch.einsum("btij,bsj->btis", q_BTIJ, k_BSJ) * (scale / unit)
-            return torch.einsum("bti,btis->bts", w_BTI, dots_BTIS.relu()) * keys.scale_BS.float()[:, None, :]
-        blocks, scores_BTS = KeyBlocks(keys, key_block), torch.empty(B, T, S, dtype=torch.float32, device=device)
-        dots = torch.empty(T * I * min(S, key_block), dtype=torch.float32, device=device)
-        for b in range(B):
-            q_TIJ, w_T1I = q_BTIJ[b].reshape(T * I, J), w_BTI[b, :, None, :]
-            for s0 in range(0, S, key_block):
-                s = min(key_block, S - s0)
-                k_sJ, unit = blocks.block(b, s0, s)
-                d_TIs = torch.mm(q_TIJ, k_sJ.T, out=dots[:T * I * s].view(T * I, s))
-                d_TIs.mul_(scale / unit).relu_()
-                blocks.scaled(torch.bmm(w_T1I, d_TIs.view(T, I, s))[:, 0], b, s0, s, out=scores_BTS[b, :, s0:s0 + s])
-        return scores_BTS
+    blocks, scores_BTS = KeyBlocks(keys, key_block), torch.empty(B, T, S, dtype=torch.float32, device=device)
+    dots = torch.empty(T * I * min(S, key_block), dtype=torch.float32, device=device)
+    for b in range(B):
+        q_TIJ, w_T1I = q_BTIJ[b].reshape(T * I, J), w_BTI[b, :, None, :]
+        for s0 in range(0, S, key_block):
+            s = min(key_block, S - s0)
+            k_sJ, unit = blocks.block(b, s0, s)
+            d_TIs = torch.mm(q_TIJ, k_sJ.T, out=dots[:T * I * s].view(T * I, s))
+            d_TIs.mul_(scale / unit).relu_()
+            blocks.scaled(torch.bmm(w_T1I, d_TIs.view(T, I, s))[:, 0], b, s0, s, out=scores_BTS[b, :, s0:s0 + s])
+    return scores_BTS
 
 
 def _block_bounds(q_offset, T: int, query_block: int, device) -> list[tuple[int, int]]:
