@@ -75,7 +75,9 @@ from glm5lab.model.cache import KVCache
 from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, Fp8Keys, dequantize, fp8_roundtrip, matmul_values, \
     quantize_per_token
 
-GOALS = {"recall": 0.99, "bytes_ratio": 4.0, "step_ratio": 1.0}
+GOALS = {"recall": 0.99, "bytes_ratio": 4.0, "step_ratio": 1.0, "recall_change": 1e-4, "nll_change": 1e-5}
+"""Issue 39's "recall and loss unchanged": within 1e-4 of recall (the 4th decimal printed) and 1e-5 nats (fp32
+rounding of the scores moves only near-ties: the share of queries whose selection differs is printed)."""
 
 
 def dequantizing(cache: KVCache) -> KVCache:
@@ -159,7 +161,8 @@ def rotated_roundtrip(H: torch.Tensor):
 class RecallProbe:
     """Wraps each "own" indexer's `topk`: also selects from the keys passed through each variant's key map
     and records, per layer, recall = |variant top-k n fp32 top-k| / k of every query at position >= k, and for
-    "fp8_scaled" whether its selection equals variant "fp8"'s exactly (`same`, per query)."""
+    "fp8_scaled" whether its selection equals variant "fp8"'s exactly, as a list and as a set (`same`, per
+    query: [N, 2] bool)."""
 
     def __init__(self, model, variants: dict):
         self.variants, self.recalls, self.same, self.originals = variants, {}, {}, []
@@ -181,7 +184,9 @@ class RecallProbe:
                     chosen[name] = got.idx_BTK[0, keep_T]
                     self.recalls.setdefault((name, i), []).append(_recall(ref.idx_BTK[0, keep_T], chosen[name]))
                 if "fp8_scaled" in chosen:
-                    self.same.setdefault(i, []).append((chosen["fp8_scaled"] == chosen["fp8"]).all(-1))
+                    a, b = chosen["fp8_scaled"], chosen["fp8"]
+                    same_set = (a.sort(-1).values == b.sort(-1).values).all(-1)
+                    self.same.setdefault(i, []).append(torch.stack([(a == b).all(-1), same_set], -1))
             return ref
         return probed
 
@@ -267,11 +272,13 @@ def hadamard_nll(model, ids, chunk: int, key_map) -> float:
 
 
 def same_selection(same: dict) -> dict:
-    """Per layer and over all: the share of queries whose fp8-scaled selection equals the fp8 one exactly."""
+    """Per layer and over all: the share of queries whose fp8-scaled selection equals the fp8 one exactly, the
+    same indices in the same order ("list") and the same indices in any order ("set")."""
     layers = {i: torch.cat(v) for i, v in sorted(same.items())}
-    allq = torch.cat(list(layers.values())) if layers else torch.zeros(0, dtype=torch.bool)
-    return {"per_layer": {i: float(v.float().mean()) for i, v in layers.items()},
-            "all": float(allq.float().mean()) if allq.numel() else None, "queries": int(allq.numel())}
+    allq = torch.cat(list(layers.values())) if layers else torch.zeros(0, 2, dtype=torch.bool)
+    share = lambda v, c: float(v[:, c].float().mean()) if v.shape[0] else None  # noqa: E731
+    return {"per_layer": {i: {"list": share(v, 0), "set": share(v, 1)} for i, v in layers.items()},
+            "list": share(allq, 0), "set": share(allq, 1), "queries": int(allq.shape[0])}
 
 
 def summarise(recalls: dict, variants: dict) -> dict:
@@ -438,13 +445,18 @@ def print_tables(rec: dict) -> None:
               "recall 1) and next-token NLL (nats) with fp32 vs fp8 index keys:\n")
         print(markdown_table(["context", "keys", "windows", "targets", "recall mean", "recall min layer",
                               "recall 1", "NLL fp32 keys", "NLL these keys", "delta NLL", "load avg"], rows))
-        rows = [[L, f"{r['same_selection_scaled_vs_dequant']['all']:.4f}", r["same_selection_scaled_vs_dequant"]["queries"],
-                 f"{r['nll']['fp8']:.6f}", f"{r['nll']['fp8_dequant']:.6f}", f"{r['nll']['fp8'] - r['nll']['fp8_dequant']:+.2e}"]
-                for L, r in q.items()]
-        print("\nIssue 39: fp8 keys scored without dequantizing (fp8, pass fp8) against the path before it (fp8 "
-              "dequant): share of queries whose selection is identical, and the NLL of both passes:\n")
-        print(markdown_table(["context", "same selection", "queries", "NLL fp8 (scaled after the dot)",
-                              "NLL fp8 dequant (before)", "difference"], rows))
+        rows = []
+        for L, r in q.items():
+            same, rec_ = r["same_selection_scaled_vs_dequant"], r["recall"]
+            rows.append([L, same["queries"], f"{same['list']:.5f}", f"{same['set']:.5f}",
+                         f"{rec_['fp8_scaled']['mean_over_layers'] - rec_['fp8']['mean_over_layers']:+.1e}",
+                         f"{r['nll']['fp8']:.6f}", f"{r['nll']['fp8_dequant']:.6f}",
+                         f"{r['nll']['fp8'] - r['nll']['fp8_dequant']:+.2e}"])
+        print("\nIssue 39: fp8 keys scored without dequantizing (fp8 scaled; pass fp8) against the path before it "
+              "(fp8; pass fp8 dequant): share of queries selecting the same keys in the same order / as a set, the "
+              "recall difference and the NLL of both passes:\n")
+        print(markdown_table(["context", "queries", "same list", "same set", "recall mean difference",
+                              "NLL fp8 (scaled after the dot)", "NLL fp8 dequant (before)", "difference"], rows))
     d = rec["decode"]
     if d:
         b, ms = d["index_key_bytes_read"], d["ms"]
@@ -483,11 +495,12 @@ def goals(rec: dict) -> dict:
             out[f"recall_{L}_hadamard"] = (h["min_over_layers"] >= GOALS["recall"],
                                            f"with the Hadamard rotation {h['min_over_layers']:.4f} >= {GOALS['recall']}")
     for L, r in rec["quality"].items():
-        same = r["same_selection_scaled_vs_dequant"]["all"]
+        s8, s = r["recall"]["fp8"], r["recall"]["fp8_scaled"]
+        dr = max(abs(s["mean_over_layers"] - s8["mean_over_layers"]), abs(s["min_over_layers"] - s8["min_over_layers"]))
         dn = r["nll"]["fp8"] - r["nll"]["fp8_dequant"]
-        out[f"same_{L}"] = (same == 1.0 and abs(dn) <= 1e-5,
-                            f"issue 39 at {L}: selections of fp8 scaled == fp8 dequant for {same:.4f} of queries, "
-                            f"NLL difference {dn:+.2e} (all equal, |difference| <= 1e-5)")
+        out[f"unchanged_{L}"] = (dr <= GOALS["recall_change"] and abs(dn) <= GOALS["nll_change"],
+                                 f"issue 39 at {L}: recall (mean, min layer) moves by {dr:.1e} <= "
+                                 f"{GOALS['recall_change']} and NLL by {dn:+.1e} nats, |.| <= {GOALS['nll_change']}")
     d = rec["decode"]
     if d:
         for m in d["modes"]:

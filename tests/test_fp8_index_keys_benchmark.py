@@ -52,8 +52,9 @@ def test_quick_run_on_a_tiny_run_folder(run_folder, capsys):
             assert all(p["queries"] == r["windows"] * (L - 4) for p in s["per_layer"].values())
             assert 0.5 < s["min_over_layers"] <= s["mean_over_layers"] <= 1
         # issue 39: fp8 keys scored without dequantizing select what the dequantized ones did, same loss
-        assert r["same_selection_scaled_vs_dequant"]["all"] == 1.0
-        assert r["same_selection_scaled_vs_dequant"]["queries"] == 2 * r["windows"] * (L - 4)
+        same = r["same_selection_scaled_vs_dequant"]
+        assert same["list"] == same["set"] == 1.0 and same["queries"] == 2 * r["windows"] * (L - 4)
+        assert rec["goals"][f"unchanged_{L}"]["met"]
         assert abs(r["nll"]["fp8"] - r["nll"]["fp8_dequant"]) <= 1e-5
     d = rec["decode"]
     assert d["index_key_bytes_read"] == {"fp32": 300 * 128 * 4, "fp8": 300 * (128 + 4), "fp8_dequant": 300 * (128 + 4)}
