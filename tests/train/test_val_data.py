@@ -1,0 +1,144 @@
+"""`glm5lab train --val-data PATH` and `glm5lab eval perplexity RUN PATH`: a held-out set the user names, read in
+each format (text, JSONL, a token folder's validation split), scored by the validation instead of the document
+split, recorded in summary.json and the report, refused in one line when it cannot be scored, kept on --resume; and
+eval perplexity gives the run's own validation figures on the same text."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from glm5lab.cli import format_summary, main
+from glm5lab.data.heldout import check_window, held_out_set
+from glm5lab.data.tokenize import tokenize_corpus
+from glm5lab.data.tokenizer import eot_id, load_tokenizer
+from glm5lab.train.loop import TrainArgs, train
+from glm5lab.train.plan import check_run
+from tests.conftest import write_word_corpus
+from tests.train.conftest import tiny_plan
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 9-step tiny run on texts/ validating on --val-data held/ (two other documents), and its root folder."""
+    root = tmp_path_factory.mktemp("valdata")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GLM5LAB_CACHE", str(root / "cache"))
+        from glm5lab import ModelConfig
+
+        write_word_corpus(root / "texts")
+        write_word_corpus(root / "held", docs=2, words_per_doc=700, seed=5)
+        (root / "config.json").write_text(json.dumps(ModelConfig.from_preset("tiny", vocab_size=320).to_hf()))
+        args = _args(root, val_data=str(root / "held"))
+        summary = train(args)
+        yield root, args, summary
+
+
+def _args(root, **kw) -> TrainArgs:
+    kw = {"out": str(root / "run"), **kw}
+    return TrainArgs(config=str(root / "config.json"), data=str(root / "texts"), progress=False, eval_every=3,
+                     eval_tokens=96, checkpoint_every=3, stage_plan=tiny_plan(), **kw)
+
+
+@pytest.fixture
+def cache(trained, monkeypatch):
+    root = trained[0]
+    monkeypatch.setenv("GLM5LAB_CACHE", str(root / "cache"))
+    return root
+
+
+def _tok(root):
+    return load_tokenizer(root / "run" / "model" / "tokenizer.json")
+
+
+def test_the_validation_scores_the_named_set_and_the_summary_says_so(trained):
+    root, _, summary = trained
+    held = summary["val_set"]
+    assert held["path"] == str(root / "held") and held["kind"] == "text" and held["documents"] == 2
+    # every window of seq_len 24 + 1 of the set: 24 targets each
+    assert summary["val_tokens"] == held["tokens"] // 25 * 24
+    assert f"held-out tokens of --val-data {root / 'held'} (perplexity" in format_summary(summary)
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_tokens"] for r in rows if "val_loss" in r] == [96] * 4  # steps 3, 4, 6, 9: the first 4 windows
+    run = json.loads((root / "run" / "run.json").read_text())
+    assert run["args"]["val_data"] == str(root / "held")
+
+
+def test_eval_perplexity_gives_the_summarys_figures(trained, cache, capsys):
+    root, _, summary = trained
+    assert main(["eval", "perplexity", str(root / "run"), str(root / "held"), "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    got = json.loads((root / "run" / "evals" / "perplexity.json").read_text())
+    assert got["loss"] == pytest.approx(summary["val_loss"], abs=1e-6)
+    assert got["bits_per_byte"] == pytest.approx(summary["val_bits_per_byte"], abs=1e-6)
+    assert got["tokens"] == summary["val_tokens"] and got["bytes"] == summary["val_bytes"]
+    assert f"loss {got['loss']:.4f} nats/token, perplexity {got['perplexity']:.2f}, " in out
+    assert f"{got['bits_per_byte']:.4f} bits/byte" in out and f"{got['tokens']:,} tokens scored" in out
+
+
+def test_the_report_names_the_set(trained):
+    from glm5lab.report.render import _val_set
+
+    root, _, summary = trained
+    assert _val_set(summary) == f"the held-out set `--val-data {root / 'held'}`, 2 documents"
+    assert _val_set({"val_set": {"kind": "split"}}) == _val_set({}) == "the whole held-out split"
+
+
+def test_text_and_jsonl_are_every_document_joined(trained, cache, tmp_path):
+    root = trained[0]
+    tok = _tok(root)
+    (tmp_path / "one.txt").write_text("the king and the queen\n")
+    ids = np.asarray(held_out_set(tmp_path / "one.txt", tok).tokens)
+    assert ids.tolist() == tok.encode("the king and the queen\n", add_special_tokens=False).ids
+    lines = ["the sea", "", "love and war"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" if t else "\n" for t in lines))
+    held = held_out_set(tmp_path / "docs.jsonl", tok)
+    want = tok.encode("the sea", add_special_tokens=False).ids + [eot_id(tok)] + \
+        tok.encode("love and war", add_special_tokens=False).ids
+    assert np.asarray(held.tokens).tolist() == want and held.record["documents"] == 2 and held.record["kind"] == "text"
+
+
+def test_a_token_folder_gives_its_validation_split(trained, cache, tmp_path):
+    root = trained[0]
+    tok_file = root / "run" / "model" / "tokenizer.json"
+    tokenize_corpus(root / "texts", tmp_path / "tokens", tokenizer=str(tok_file), vocab_size=320, progress=False)
+    held = held_out_set(tmp_path / "tokens", _tok(root))
+    from glm5lab.data.shards import open_token_folder
+
+    assert np.array_equal(np.asarray(held.tokens), np.asarray(open_token_folder(tmp_path / "tokens").val))
+    assert held.record["kind"] == "token folder"
+    tokenize_corpus(root / "texts", tmp_path / "other", vocab_size=300, progress=False)  # another (trained) BPE
+    with pytest.raises(ValueError, match=r"^--val-data = .*other.* another tokenizer \(sha256 \w{12}\) than the "
+                       r"run's \(\w{12}\)"):
+        held_out_set(tmp_path / "other", _tok(root))
+
+
+def test_refusals_are_one_line(trained, cache, tmp_path):
+    root = trained[0]
+    tok = _tok(root)
+    with pytest.raises(ValueError, match=r"^--val-data = '.*nowhere' is not allowed: no such file or folder"):
+        check_run(_args(root, out=str(tmp_path / "r"), val_data=str(tmp_path / "nowhere")), 1)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        held_out_set(tmp_path / "empty.jsonl", tok)
+    (tmp_path / "short.txt").write_text("the king")
+    held = held_out_set(tmp_path / "short.txt", tok)
+    with pytest.raises(ValueError, match=rf"holds {len(held.tokens)} tokens under the run's tokenizer, fewer than one "
+                       r"validation window of seq_len 24 \+ 1 = 25 tokens"):
+        check_window(held, 24)
+    with pytest.raises(ValueError, match=r"^--val-data = .*short.txt.* fewer than one validation window"):
+        train(_args(root, out=str(tmp_path / "r"), val_data=str(tmp_path / "short.txt")))
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_resume_keeps_the_set(trained, cache, tmp_path):
+    root, args, _ = trained
+    (tmp_path / "other.txt").write_text("the fool sings " * 100)
+    with pytest.raises(ValueError, match=rf"^--resume: the run in .* validates on --val-data {root / 'held'}, this "
+                       rf"resume asks for --val-data {tmp_path / 'other.txt'}: "):
+        check_run(replace(args, resume=True, val_data=str(tmp_path / "other.txt")), 1)
+    with pytest.raises(ValueError, match=r"this resume asks for no --val-data \(the corpus's document split\)"):
+        check_run(replace(args, resume=True, val_data=None), 1)
+    with pytest.raises(ValueError, match="already complete"):  # the same set passes on to the next check
+        check_run(replace(args, resume=True, val_data=str(root / "held") + "/"), 1)
