@@ -142,3 +142,46 @@ def test_a_resume_keeps_the_set(trained, cache, tmp_path):
         check_run(replace(args, resume=True, val_data=None), 1)
     with pytest.raises(ValueError, match="already complete"):  # the same set passes on to the next check
         check_run(replace(args, resume=True, val_data=str(root / "held") + "/"), 1)
+
+
+DRIVER = """
+import json, sys
+from glm5lab.parallel.dist import end_process
+from glm5lab.train.loop import TrainArgs, train
+out, plan, root, cp = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+train(TrainArgs(init=root + "/init", data=root + "/texts", out=out, progress=False, eval_every=2, eval_tokens=96,
+                checkpoint_every=0, stage_plan=plan, cp=cp, val_data=root + "/held"))
+end_process()  # leave as every multi-process run does (glm5lab.parallel.dist.end_process)
+"""
+
+
+def test_under_torchrun_with_cp_the_set_scores_as_in_one_process(corpus, tmp_path):
+    """--cp 2 on 2 processes (gloo, CPU) validates on --val-data as one process does: the periodic and the final
+    figures within 1e-5 (the CP group sums its positions' CE)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+    from tests.train.conftest import metrics_rows, shared_init
+
+    shared_init(corpus)
+    write_word_corpus(corpus / "held", docs=2, words_per_doc=400, seed=7)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    plan = json.dumps(tiny_plan(steps=(2, 1, 1), batch=2))
+    runs = {}
+    for name, nproc in (("one", 1), ("cp2", 2)):
+        launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                   f"--master_port={free_port()}"] if nproc > 1 else [sys.executable])
+        r = subprocess.run([*launch, str(tmp_path / "driver.py"), str(tmp_path / name), plan, str(corpus), str(nproc)],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    one, cp2 = runs["one"], runs["cp2"]
+    assert one["val_set"] == cp2["val_set"] and one["val_set"]["path"] == str(corpus / "held")
+    assert one["val_tokens"] == cp2["val_tokens"] and one["val_bytes"] == cp2["val_bytes"]
+    for key in ("val_loss", "val_bits_per_byte", "val_subset_loss"):
+        assert abs(one[key] - cp2[key]) <= 1e-5, (key, one[key], cp2[key])
+    periodic = [[r["val_loss"] for r in metrics_rows(tmp_path / n) if "val_loss" in r] for n in ("one", "cp2")]
+    assert len(periodic[0]) == 3 and max(abs(a - b) for a, b in zip(*periodic, strict=True)) <= 1e-5
