@@ -144,6 +144,24 @@ def test_a_resume_keeps_the_set(trained, cache, tmp_path):
         check_run(replace(args, resume=True, val_data=str(root / "held") + "/"), 1)
 
 
+def test_a_run_resumed_on_its_set_ends_as_the_uninterrupted_one(trained, cache, tmp_path, monkeypatch):
+    from tests.train.conftest import train_killed_at
+
+    root, args, summary = trained
+    args = replace(args, out=str(tmp_path / "r"))
+    train_killed_at(5, args, monkeypatch)
+    resumed = train(replace(args, resume=True))
+    for key in ("val_loss", "val_bits_per_byte", "val_subset_loss", "val_tokens", "val_set"):
+        assert resumed[key] == summary[key], key
+
+
+def test_the_flag_names_the_default_run_folder():
+    from glm5lab.cli import build_parser, default_out
+
+    args = build_parser().parse_args(["train", "--val-data", "sets/wiki.valid.txt"])
+    assert args.val_data == "sets/wiki.valid.txt" and default_out(args) == "runs/small-val-wiki.valid"
+
+
 DRIVER = """
 import json, sys
 from glm5lab.parallel.dist import end_process
@@ -185,3 +203,16 @@ def test_under_torchrun_with_cp_the_set_scores_as_in_one_process(corpus, tmp_pat
         assert abs(one[key] - cp2[key]) <= 1e-5, (key, one[key], cp2[key])
     periodic = [[r["val_loss"] for r in metrics_rows(tmp_path / n) if "val_loss" in r] for n in ("one", "cp2")]
     assert len(periodic[0]) == 3 and max(abs(a - b) for a, b in zip(*periodic, strict=True)) <= 1e-5
+
+
+def test_a_comparison_of_runs_on_other_sets_says_they_differ():
+    from types import SimpleNamespace
+
+    from glm5lab.report.compare import section
+
+    def rec(name, val_data):
+        return SimpleNamespace(run_dir=name, run={"args": {"val_data": val_data}, "stages": []}, config={}, metrics=[],
+                               summary={"val_loss": 4.0, "val_tokens": 96})
+
+    assert "**The held-out splits differ** (val_data not the same" in section(rec("a", "x"), [rec("b", "y")], None)
+    assert "Every run was validated on the same held-out split" in section(rec("a", "x"), [rec("b", "x")], None)
