@@ -120,7 +120,7 @@ def test_refusals_are_one_line(trained, cache, tmp_path):
     with pytest.raises(ValueError, match=r"^--val-data = '.*nowhere' is not allowed: no such file or folder"):
         check_run(_args(root, out=str(tmp_path / "r"), val_data=str(tmp_path / "nowhere")), 1)
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match=r"^--val-data .*empty.jsonl: .*empty"):
         held_out_set(tmp_path / "empty.jsonl", tok)
     (tmp_path / "short.txt").write_text("the king")
     held = held_out_set(tmp_path / "short.txt", tok)

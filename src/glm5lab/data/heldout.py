@@ -45,7 +45,8 @@ def held_out_set(path, tokenizer, *, name: str = "--val-data", say: Callable[[st
     """The held-out set at `path` under `tokenizer` (a `tokenizers.Tokenizer`: the run's). A token folder gives its
     validation split; anything else is tokenized whole into the cache (a fill said through `say`). Raises
     ValueError in one line naming `name` and `path`: a missing path, a token folder written with another tokenizer
-    (both sha256 named), a set of 0 tokens; and as `open_corpus` (an empty file or folder, bad UTF-8, ...)."""
+    (both sha256 named), a set of 0 tokens, and `open_corpus`'s refusals (an empty file or folder, bad UTF-8, ...)
+    after them."""
     check_exists(path, name)
     if is_token_folder(path):
         folder = open_token_folder(path)
@@ -59,7 +60,10 @@ def held_out_set(path, tokenizer, *, name: str = "--val-data", say: Callable[[st
     else:
         from glm5lab.data.tokenize import cached_held_out_folder
 
-        where = cached_held_out_folder(path, tokenizer, say=say)
+        try:
+            where = cached_held_out_folder(path, tokenizer, say=say)
+        except ValueError as e:  # the reader's own line (an empty file or folder, bad UTF-8, ...), named
+            raise ValueError(f"{name} {path}: {e}") from None
         folder = open_token_folder(where)
         tokens, kind, documents = folder.val, "text", folder.index["splits"]["val"]["documents"]
     if len(tokens) == 0:
