@@ -97,6 +97,9 @@ def test_text_and_jsonl_are_every_document_joined(trained, cache, tmp_path):
     want = tok.encode("the sea", add_special_tokens=False).ids + [eot_id(tok)] + \
         tok.encode("love and war", add_special_tokens=False).ids
     assert np.asarray(held.tokens).tolist() == want and held.record["documents"] == 2 and held.record["kind"] == "text"
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": ["the sea", "love and war"]}), tmp_path / "docs.parquet")
+    assert np.asarray(held_out_set(tmp_path / "docs.parquet", tok).tokens).tolist() == want
 
 
 def test_a_token_folder_gives_its_validation_split(trained, cache, tmp_path):
