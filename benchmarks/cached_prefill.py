@@ -1,19 +1,20 @@
 """Cached prefill against the uncached forward (issue 39, item 3): dense MLA, one `bench` layer.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cached_prefill.py --threads 1 --baseline /tmp/old   # 4K-32K
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cached_prefill.py --lengths 1024 --chunks 256 --threads 1  # smoke
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cached_prefill.py --lengths 1024 --chunks auto --threads 1  # smoke
 
 The model is `long_context.py --costs`'s dense MLA (`mixer_costs.make_models(["dense"])`: the bench preset's
 widths, one layer, a 256-wide dense MLP, vocab 4096, seed 0, fp32 CPU). Per T (`--lengths`), interleaved:
 - cached: `glm5lab.infer.prefill(model, ids, KVCache.for_model(model, 1, T + 1), chunk=c)` for each c in
-  `--chunks` (the first, 256, is what `generate` runs; the cache allocated inside the timed call);
-- baseline: the first chunk's call in a subprocess whose `glm5lab` is `--baseline`/src (a worktree of the code
-  before the change), the same model (same seed) and ids;
+  `--chunks` (the first, "auto", is what `generate` runs: `prefill_chunk_for(model)`, 4096 for this all-dense
+  model since issue 39; the cache allocated inside the timed call);
+- baseline: the call at `--baseline-chunk` (256: `generate`'s before issue 39) in a subprocess whose `glm5lab` is
+  `--baseline`/src (a worktree of the code before the change), the same model (same seed) and ids;
 - uncached: `model(ids, logits_to_keep=1)` (per-head K/V, causal SDPA): the goal's denominator.
 Each figure: process CPU seconds (one thread: the time the call ran, which waiting for a core does not
 inflate) and wall seconds. `--repeats` calls each, the minimum CPU time kept. The cached logits are checked
-against the uncached ones (max |diff| printed). Goal: cached (the first chunk) <= 1.25 x uncached (CPU seconds)
-at every T.
+against the uncached ones (max |diff| printed). Goal: cached (the first chunk, generate's) <= 1.25 x uncached
+(CPU seconds) at every T.
 Prints a table, then one JSON line (`glm5lab.environment.env_facts`: threads, load average at the start, git
 commit; the load average at the end).
 """
@@ -56,7 +57,11 @@ def _timed(fn, repeats: int) -> dict:
     return best
 
 
-def _cached(model, ids, chunk: int):
+def _chunk(arg: str):
+    return arg if arg == "auto" else int(arg)
+
+
+def _cached(model, ids, chunk):
     from glm5lab.infer import prefill
     from glm5lab.model.cache import KVCache
 
@@ -77,7 +82,7 @@ def worker(T: int, chunk: int, repeats: int) -> dict:
 def baseline(src: Path, T: int, chunk: int, repeats: int) -> dict:
     """`worker` in a subprocess importing glm5lab from `src` (one thread, as this process)."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--worker", "--lengths", str(T), "--chunk", str(chunk), "--repeats", str(repeats)]
+    cmd = [sys.executable, __file__, "--worker", "--lengths", str(T), "--chunks", str(chunk), "--repeats", str(repeats)]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     rec = json.loads(out.strip().splitlines()[-1])
     if not rec["glm5lab"].startswith(str(src)):
@@ -92,7 +97,7 @@ def point(args, T: int) -> dict:
         model(ids[:, :512], logits_to_keep=1)
         _cached(model, ids[:, :512], args.chunks[0])
         new = {c: _timed(lambda c=c: _cached(model, ids, c), args.repeats) for c in args.chunks}
-        old = baseline(args.baseline / "src", T, args.chunks[0], args.repeats) if args.baseline else None
+        old = baseline(args.baseline / "src", T, args.baseline_chunk, args.repeats) if args.baseline else None
         ref = _timed(lambda: model(ids, logits_to_keep=1).logits[0, -1], args.repeats)
     rec = {"T": T, "uncached": {k: ref[k] for k in ("cpu", "wall")},
            "cached": {c: {"cpu": r["cpu"], "wall": r["wall"], "over_uncached": r["cpu"] / ref["cpu"],
@@ -105,7 +110,15 @@ def point(args, T: int) -> dict:
     return rec
 
 
-def _row(p: dict, chunks: list[int]) -> list:
+def _auto_chunk(T: int) -> int | None:
+    """What chunk="auto" means for the model here (None: this glm5lab has no `prefill_chunk_for`)."""
+    import glm5lab.infer
+
+    pick = getattr(glm5lab.infer, "prefill_chunk_for", None)
+    return None if pick is None else pick(_model_and_ids(T)[0])
+
+
+def _row(p: dict, chunks: list) -> list:
     def f(r):
         return f"{r['cpu']:.2f} ({r['wall']:.2f})" if r else "-"
 
@@ -120,20 +133,23 @@ def _row(p: dict, chunks: list[int]) -> list:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="4096,8192,16384,32768", help="context lengths T, comma-separated")
-    p.add_argument("--chunks", default="256,2048",
-                   help="prefill chunks, comma-separated; the first is the goal's and the baseline's (generate's 256)")
+    p.add_argument("--chunks", default="auto,2048",
+                   help="prefill chunks (integers or auto), comma-separated; the first is the goal's (auto: "
+                   "generate's)")
+    p.add_argument("--baseline-chunk", type=int, default=256, help="the baseline's chunk (generate's before issue 39)")
     p.add_argument("--repeats", type=int, default=1, help="calls per figure (the minimum CPU time kept)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when anything else runs)")
     p.add_argument("--baseline", type=Path, default=None, help="a worktree of the code before the change")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    lengths, args.chunks = [int(t) for t in args.lengths.split(",")], [int(c) for c in args.chunks.split(",")]
-    if min(lengths) < 513 or min(args.chunks) < 1 or args.repeats < 1 or args.threads < 1:
+    lengths, args.chunks = [int(t) for t in args.lengths.split(",")], [_chunk(c) for c in args.chunks.split(",")]
+    if (min(lengths) < 513 or min(c for c in (*args.chunks, 1) if c != "auto") < 1 or args.baseline_chunk < 1
+            or args.repeats < 1 or args.threads < 1):
         p.error(f"--lengths must be > 512, --chunks, --repeats and --threads >= 1, got {args.lengths}, "
                 f"{args.chunks}, {args.repeats}, {args.threads}")
     torch.set_num_threads(args.threads)
     if args.worker:
-        rec = worker(lengths[0], args.chunks[0], args.repeats)
+        rec = worker(lengths[0], args.chunks[0], args.repeats)  # the baseline's call: --chunks <baseline-chunk>
         print_json_line(rec)
         return rec
     from glm5lab.environment import env_facts, load_average
@@ -142,12 +158,15 @@ def main(argv=None) -> dict:
     points = [point(args, T) for T in lengths]
     env["load_average_end"] = load_average()
     print(f"\ncached prefill vs the uncached forward, dense MLA, one bench layer, fp32, {args.threads} thread(s); "
-          f"CPU seconds (wall); the baseline at chunk {args.chunks[0]}\n")
-    heads = [h for c in args.chunks for h in (f"cached, chunk {c}", "/ uncached", "max |diff| logit")]
+          f"CPU seconds (wall); the baseline at chunk {args.baseline_chunk}\n")
+    auto = _auto_chunk(lengths[0])
+    heads = [h for c in args.chunks for h in (f"cached, chunk {c}" + (f" ({auto})" if c == "auto" else ""),
+                                              "/ uncached", "max |diff| logit")]
     print(markdown_table(["T", "uncached", "baseline cached", "/ uncached", *heads],
                          [_row(pt, args.chunks) for pt in points]))
     met = all(pt["cached"][args.chunks[0]]["over_uncached"] <= GOAL for pt in points)
-    rec = {"benchmark": "cached_prefill", "env": env, "chunks": args.chunks, "repeats": args.repeats,
+    rec = {"benchmark": "cached_prefill", "env": env, "chunks": args.chunks, "baseline_chunk": args.baseline_chunk,
+           "auto_chunk": auto, "repeats": args.repeats,
            "baseline": str(args.baseline) if args.baseline else None, "goal": GOAL, "goal_met": met, "points": points}
     print(f"\ngoal cached (chunk {args.chunks[0]}) <= {GOAL} x uncached at every T: {'met' if met else 'missed'}; "
           f"load average {env['load_average_start']} -> {env['load_average_end']}")

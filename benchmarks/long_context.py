@@ -107,6 +107,15 @@ WARMUP_TOKENS = 4608
 """Warm-up length: past 4 x index_topk = 1024 keys, so the DSA prefill's warm-up runs both routes."""
 
 
+def _chunk(text: str):
+    """--prefill-chunk: "auto" or an integer >= 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--prefill-chunk must be auto or an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768,65536", help="contexts T, comma-separated")
@@ -114,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3 below 16K, 2 below 64K, 1 above)")
     p.add_argument("--decode-steps", type=int, default=20, help="timed decode steps per case (median)")
     p.add_argument("--chunk", type=int, default=256, help="DSA prefill chunk (and the sparse-core part's query chunk)")
+    p.add_argument("--prefill-chunk", dest="prefill_chunk", type=_chunk, default="auto",
+                   help="--costs: every mixer's prefill chunk (default auto: generate's, 4096 for dense MLA, else 256)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs bf16 (untested)")
     p.add_argument("--seed", type=int, default=0)

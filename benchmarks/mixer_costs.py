@@ -12,15 +12,17 @@ random init `--seed`), fp32 CPU, contexts T = `--lengths`, for (`MIXERS`):
   Gated DeltaNet     1 layer, `mixer_types=["gdn"]` (8 heads, k = 256, v = 256: the attention's widths);
   SimpleGDN          1 layer, `mixer_types=["simple_gdn"]` on a GQA layer (8 q/kv heads of 256).
 Each, the same way (what `glm5lab.generate` runs):
-- prefill: `glm5lab.infer.prefill(model, ids, KVCache.for_model(model, 1, T + 1), chunk=--chunk)`,
+- prefill: `glm5lab.infer.prefill(model, ids, KVCache.for_model(model, 1, T + 1), chunk=--prefill-chunk)`
+  (default "auto", `generate`'s: 4096 for dense MLA since issue 39, 256 for the others),
   the cache allocated inside the timed call; seconds, per layer, and the time inside the token
   mixers (`MixerClock`: every layer's `self_attn`, projections included); peak-memory rise
   (`common.PeakMemory`, as issue 14: cache included). Beside dense MLA, issue 14's best dense
   reference: the uncached forward `model(ids, logits_to_keep=1)` (per-head K/V, causal SDPA), up to
   `--reference-cap` tokens (128 s at 64K in issue 14).
-  Dense MLA's chunked prefill (and the 1:1 model's, half dense) re-expands per-head K/V of every
-  cached key for each chunk (the "expanded" route): O(T^2) work at a low rate, the slowest case;
-  above `--dense-cap` tokens it is not run ("-" in the tables);
+  Dense MLA's chunked prefill (and the 1:1 model's, half dense) re-expanded per-head K/V of every
+  cached key for each 256-query chunk before issue 39 (since then 4096-query chunks, the key-blocked
+  "expanded_blocked" route; the 1:1 model's 256-query chunks attend in the latent space): O(T^2) work,
+  the slowest case; above `--dense-cap` tokens it is not run ("-" in the tables);
 - decode: one `glm5lab.infer.decode_step` at T cached tokens, rolled back after each step
   (`KVCache.truncate`, not timed: a Gated DeltaNet / ring rollback replays), median of
   `--decode-steps` after 3 warm-up steps, all mixers interleaved. Where the prefill was capped the
@@ -136,7 +138,7 @@ class MixerClock:
         self.total = 0.0
 
 
-def cached_prefill(model, ids, chunk: int, keep: dict):
+def cached_prefill(model, ids, chunk, keep: dict):
     """`glm5lab.infer.prefill` into a fresh cache of T + 1 slots (kept in keep["cache"]); the logits [V]."""
     from glm5lab.infer import prefill
     from glm5lab.model.cache import KVCache
@@ -214,7 +216,7 @@ def costs_point(args, models: dict, ids, tok, device, clocks: dict) -> dict:
     --reference-cap), decode, state; per layer = total / the model's layers."""
     T, keeps = ids.shape[1], {k: {} for k in models}
     run = [k for k in models if not (k in CAPPED and args.dense_cap and T > args.dense_cap)]
-    cases = {k: (lambda m=models[k], kp=keeps[k]: cached_prefill(m, ids, args.chunk, kp)) for k in run}
+    cases = {k: (lambda m=models[k], kp=keeps[k]: cached_prefill(m, ids, args.prefill_chunk, kp)) for k in run}
     if not args.reference_cap or T <= args.reference_cap:
         cases["dense_reference"] = lambda m=models["dense"]: m(ids, logits_to_keep=1).logits[0, -1]
     pre = measure_calls(cases, repeats=repeats_for(args, T), device=device,
@@ -345,7 +347,7 @@ def run(args) -> dict:
     tok = torch.randint(0, 4096, (1,), generator=gen).to(device)
     warm = ids_all[:, :min(max_T, WARMUP_TOKENS)]
     for m in models.values():
-        cached_prefill(m, warm, args.chunk, {})
+        cached_prefill(m, warm, args.prefill_chunk, {})
     models["dense"](warm, logits_to_keep=1)  # the uncached reference's warm-up
     points = [costs_point(args, models, ids_all[:, :T], tok, device, clocks) for T in args.length_list]
     env["load_average_end"] = load_average()

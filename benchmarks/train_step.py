@@ -55,6 +55,10 @@ must equal its eager twin's (`COMPILED_RTOL`).
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_step.py --threads 1
     # top ops of one full step
     .venv/bin/python benchmarks/train_step.py --profile ours
+    # only the full step, eager and compiled (scripts/gpu_check.sh: bf16 on CUDA, its MFU)
+    .venv/bin/python benchmarks/train_step.py --device cuda --cases ours,ours-compiled
+
+--cases times a subset; the ratios and goals that need a case not timed print "not measured" (null in the JSON).
 
 Prints a markdown table, then one JSON line with every figure.
 """
@@ -111,6 +115,7 @@ MoE layers (5 + MTP) of 256 experts hold 38M expert parameters: each of the six 
 benchmark builds fits in ~0.6 GB with its gradients and optimizer state."""
 QUICK = {"preset": "tiny", "batch_size": 2, "seq_len": 32, "steps": 1, "repeats": 2, "warmup": 1, "mm_size": 512}
 """--quick: a run that checks the script (its compile time dominates), not one to quote."""
+CASES = ("ours", "ours-compiled", "ours-plain", "ours-plain-compiled", "hf", "hf-loop")
 COMPILED = {"ours-compiled": "ours", "ours-plain-compiled": "ours-plain"}
 """Each compiled case and its eager twin (same initial weights, same step but the losses' forward
 and backward compiled)."""
@@ -134,7 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs under bf16 autocast")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--mm-size", type=int, default=None, help="matmul peak size n (default 2048 CPU, 8192 CUDA)")
-    p.add_argument("--profile", choices=("ours", "ours-compiled", "ours-plain", "ours-plain-compiled", "hf", "hf-loop"),
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"cases to time, comma-separated (default all: {','.join(CASES)})")
+    p.add_argument("--profile", choices=CASES,
                    default=None, help="instead of the benchmark: profile one step of this case, print top ops by "
                    "self CPU time")
     p.add_argument("--profile-rows", type=int, default=25)
@@ -145,6 +152,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.case_list = [c for c in args.cases.split(",") if c]
+    bad = sorted(set(args.case_list) - set(CASES))
+    if bad or not args.case_list:
+        p.error(f"--cases {args.cases!r} is not allowed: one or more of {', '.join(CASES)}")
+    if args.profile:
+        args.case_list = [args.profile]
+    args.case_list = [c for c in CASES if c in args.case_list]
     return args
 
 
@@ -265,8 +279,9 @@ def build_cases(args, device):
     cfg = model_config(args)
     full_stage, plain_stage = stages_for(cfg, args)
     ours = GLM5ForCausalLM(cfg).train()
-    hf = transformers_twin_of(ours, args, device)  # saved from CPU, before `ours` moves
-    hf_loop = transformers_twin_of(ours, args, device, experts_implementation="eager")
+    hf = transformers_twin_of(ours, args, device)  # saved from CPU, before `ours` moves (also the parity check's)
+    hf_loop = transformers_twin_of(ours, args, device, experts_implementation="eager") if "hf-loop" in \
+        args.case_list else None
     ours_c, ours_plain, ours_plain_c = (copy.deepcopy(ours).to(device) for _ in range(3))
     ours = ours.to(device)
     windows = torch.randint(0, cfg.vocab_size, (args.steps, args.batch_size, args.seq_len + 1), device=device)
@@ -285,14 +300,15 @@ def build_cases(args, device):
         return lambda w: cross_entropy(model(input_ids=w[:, :-1], use_cache=False).logits, w[:, 1:])
 
     compiled_plain = CompiledLosses(ours_plain_c)
-    cases = {
-        "ours": full(ours),
-        "ours-compiled": full(ours_c, CompiledLosses(ours_c)),
-        "ours-plain": plain(ours_plain, lambda w: stage_losses(ours_plain, w, plain_stage).total),
-        "ours-plain-compiled": plain(ours_plain_c, lambda w: compiled_plain(w, plain_stage).total),
-        "hf": plain(hf, hf_loss(hf)),
-        "hf-loop": plain(hf_loop, hf_loss(hf_loop)),
+    make = {
+        "ours": lambda: full(ours),
+        "ours-compiled": lambda: full(ours_c, CompiledLosses(ours_c)),
+        "ours-plain": lambda: plain(ours_plain, lambda w: stage_losses(ours_plain, w, plain_stage).total),
+        "ours-plain-compiled": lambda: plain(ours_plain_c, lambda w: compiled_plain(w, plain_stage).total),
+        "hf": lambda: plain(hf, hf_loss(hf)),
+        "hf-loop": lambda: plain(hf_loop, hf_loss(hf_loop)),
     }
+    cases = {name: make[name]() for name in args.case_list}
     info = {"cfg": cfg, "full_stage": full_stage, "attn_implementation": hf.config._attn_implementation,
             "experts_implementation": hf.config._experts_implementation,
             "parity": same_weights_check(ours_plain, hf, windows[0], cfg, autocast)}
@@ -321,6 +337,8 @@ def compiled_check(first_losses: dict, device) -> dict:
     SystemExit above COMPILED_RTOL (CPU fp32 only)."""
     out = {}
     for case, twin in COMPILED.items():
+        if case not in first_losses or twin not in first_losses:
+            continue
         rel = abs(first_losses[case] - first_losses[twin]) / abs(first_losses[twin])
         if device.type == "cpu" and rel > COMPILED_RTOL:
             raise SystemExit(f"{case} and {twin} disagree on the first loss ({first_losses[case]} vs "
@@ -388,13 +406,16 @@ def headline(res: dict, goals: dict) -> dict:
     ratios beside it, mfu and muon_split_share (full step, eager), and which of `goals` are met
     (ratios at least their target, muon_split_share at most)."""
     tps = lambda k: res[k]["tokens_per_s"]  # noqa: E731
-    h = {"speedup": tps("ours-plain") / tps("hf"), "compiled_speedup": tps("ours-plain-compiled") / tps("hf"),
-         "speedup_vs_loop": tps("ours-plain") / tps("hf-loop"),
-         "compile_gain_plain": tps("ours-plain-compiled") / tps("ours-plain"),
-         "compile_gain_full": tps("ours-compiled") / tps("ours"),
-         "mfu": res["ours"]["mfu"], "mfu_compiled": res["ours-compiled"]["mfu"],
-         "muon_split_share": res["ours"]["optimizer_share"]}
-    h["met"] = {k: (h[k] <= target if k == "muon_split_share" else h[k] >= target) for k, target in goals.items()}
+    ratio = lambda a, b: tps(a) / tps(b) if a in res and b in res else None  # noqa: E731
+    of = lambda k, field: res[k][field] if k in res else None  # noqa: E731
+    h = {"speedup": ratio("ours-plain", "hf"), "compiled_speedup": ratio("ours-plain-compiled", "hf"),
+         "speedup_vs_loop": ratio("ours-plain", "hf-loop"),
+         "compile_gain_plain": ratio("ours-plain-compiled", "ours-plain"),
+         "compile_gain_full": ratio("ours-compiled", "ours"),
+         "mfu": of("ours", "mfu"), "mfu_compiled": of("ours-compiled", "mfu"),
+         "muon_split_share": of("ours", "optimizer_share")}
+    h["met"] = {k: None if h[k] is None else (h[k] <= target if k == "muon_split_share" else h[k] >= target)
+                for k, target in goals.items()}
     return h
 
 
@@ -434,22 +455,24 @@ def print_report(res: dict, info, args, peak: tuple[float, list[float]], first_l
           f"- {args.repeats} repeats x {args.steps} steps after {args.warmup} warm-up (and the first call); "
           f"load average at start {env['load_average_start']}, end {env['load_average_end']}")
     par, comp = info["parity"], info["compiled_check"]
+    loss = lambda k: _shown(first_losses.get(k), ".6f")  # noqa: E731
     print(f"- same weights: loss on {par['tokens']} tokens (dense in both) ours {par['ours']:.7f}, transformers "
           f"{par['hf']:.7f} (relative {par['relative']:.1e})\n"
-          f"- first training loss (full length) ours like for like {first_losses['ours-plain']:.6f} (compiled: "
-          f"relative {comp['ours-plain-compiled']:.1e}), transformers {first_losses['hf']:.6f}, full step "
-          f"{first_losses['ours']:.6f} (compiled: relative {comp['ours-compiled']:.1e})")
-    print(f"- compiled / eager tokens/s: like for like {h['compile_gain_plain']:.2f}x, full step "
-          f"{h['compile_gain_full']:.2f}x; compiled like for like / transformers {h['compiled_speedup']:.2f}x; "
-          f"ours like for like / transformers' per-expert loop {h['speedup_vs_loop']:.2f}x")
-    print(f"- goal like-for-like speedup >= {GOALS['speedup']:.0f}x: {speedup:.2f}x ({_verdict(met['speedup'])})")
+          f"- first training loss (full length) ours like for like {loss('ours-plain')} (compiled: "
+          f"relative {_shown(comp.get('ours-plain-compiled'), '.1e')}), transformers {loss('hf')}, full step "
+          f"{loss('ours')} (compiled: relative {_shown(comp.get('ours-compiled'), '.1e')})")
+    print(f"- compiled / eager tokens/s: like for like {_shown(h['compile_gain_plain'], '.2f', 'x')}, full step "
+          f"{_shown(h['compile_gain_full'], '.2f', 'x')}; compiled like for like / transformers "
+          f"{_shown(h['compiled_speedup'], '.2f', 'x')}; ours like for like / transformers' per-expert loop "
+          f"{_shown(h['speedup_vs_loop'], '.2f', 'x')}")
+    print(f"- goal like-for-like speedup >= {GOALS['speedup']:.0f}x: {_goal(speedup, '.2f', 'x', met['speedup'])}")
     if "speedup_vs_loop" in goals:
         print(f"- goal like-for-like speedup over transformers' per-expert loop >= {goals['speedup_vs_loop']:.0f}x: "
-              f"{h['speedup_vs_loop']:.2f}x ({_verdict(met['speedup_vs_loop'])})")
-    print(f"- goal MFU of the full step >= {GOALS['mfu']:.0%}: {mfu:.1%} ({_verdict(met['mfu'])}; compiled "
-          f"{h['mfu_compiled']:.1%})")
-    print(f"- goal Muon Split step <= {GOALS['muon_split_share']:.0%} of the full step: {share:.1%} "
-          f"({_verdict(met['muon_split_share'])})\n")
+              f"{_goal(h['speedup_vs_loop'], '.2f', 'x', met['speedup_vs_loop'])}")
+    print(f"- goal MFU of the full step >= {GOALS['mfu']:.0%}: {_goal(mfu, '.1%', '', met['mfu'])} (compiled "
+          f"{_shown(h['mfu_compiled'], '.1%')})")
+    print(f"- goal Muon Split step <= {GOALS['muon_split_share']:.0%} of the full step: "
+          f"{_goal(share, '.1%', '', met['muon_split_share'])}\n")
 
 
 def json_record(res: dict, info, args, peak: tuple[float, list[float]], first_losses: dict, env: dict) -> dict:
@@ -458,24 +481,25 @@ def json_record(res: dict, info, args, peak: tuple[float, list[float]], first_lo
     h = headline(res, goals)
     return {
         "benchmark": "train_step",
-        "ours_tokens_per_s": round(res["ours"]["tokens_per_s"], 1),
-        "ours_compiled_tokens_per_s": round(res["ours-compiled"]["tokens_per_s"], 1),
-        "ours_like_for_like_tokens_per_s": round(res["ours-plain"]["tokens_per_s"], 1),
-        "ours_like_for_like_compiled_tokens_per_s": round(res["ours-plain-compiled"]["tokens_per_s"], 1),
-        "hf_tokens_per_s": round(res["hf"]["tokens_per_s"], 1),
-        "hf_loop_tokens_per_s": round(res["hf-loop"]["tokens_per_s"], 1),
-        "speedup": round(h["speedup"], 3),
+        "ours_tokens_per_s": _rounded(res.get("ours", {}).get("tokens_per_s"), 1),
+        "ours_compiled_tokens_per_s": _rounded(res.get("ours-compiled", {}).get("tokens_per_s"), 1),
+        "ours_like_for_like_tokens_per_s": _rounded(res.get("ours-plain", {}).get("tokens_per_s"), 1),
+        "ours_like_for_like_compiled_tokens_per_s": _rounded(res.get("ours-plain-compiled", {}).get("tokens_per_s"), 1),
+        "hf_tokens_per_s": _rounded(res.get("hf", {}).get("tokens_per_s"), 1),
+        "hf_loop_tokens_per_s": _rounded(res.get("hf-loop", {}).get("tokens_per_s"), 1),
+        "speedup": _rounded(h["speedup"], 3),
         "speedup_definition": "ours like for like, eager (no MTP, AdamW) / transformers, default experts "
                               "implementation (no MTP, AdamW)",
-        "compiled_speedup": round(h["compiled_speedup"], 3),
-        "speedup_vs_loop": round(h["speedup_vs_loop"], 3),
-        "compile_gain": {"like_for_like": round(h["compile_gain_plain"], 3), "full": round(h["compile_gain_full"], 3)},
-        "compile_s": {k: round(res[k]["compile_s"], 2) for k in COMPILED},
-        "mfu": round(h["mfu"], 4),
-        "mfu_compiled": round(h["mfu_compiled"], 4),
+        "compiled_speedup": _rounded(h["compiled_speedup"], 3),
+        "speedup_vs_loop": _rounded(h["speedup_vs_loop"], 3),
+        "compile_gain": {"like_for_like": _rounded(h["compile_gain_plain"], 3),
+                         "full": _rounded(h["compile_gain_full"], 3)},
+        "compile_s": {k: round(res[k]["compile_s"], 2) for k in COMPILED if k in res},
+        "mfu": _rounded(h["mfu"], 4),
+        "mfu_compiled": _rounded(h["mfu_compiled"], 4),
         "mfu_definition": "full step: 3 x ledger forward FLOPs (main + MTP depths) / step time / matmul peak",
         "matmul_peak_gflops": round(peak[0], 2),
-        "muon_split_share": round(h["muon_split_share"], 4),
+        "muon_split_share": _rounded(h["muon_split_share"], 4),
         "goals": {k: {"target": v, "met": h["met"][k]} for k, v in goals.items()},
         "cases": {k: {kk: (round(vv, 5) if isinstance(vv, float) else vv) for kk, vv in r.items()}
                   for k, r in res.items()},
@@ -490,7 +514,7 @@ def json_record(res: dict, info, args, peak: tuple[float, list[float]], first_lo
                    "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "stage": stage.name, "use_dsa": stage.use_dsa, "mtp_weights": list(stage.mtp_weights),
                    "indexer_weight": stage.indexer_weight, "lr": stage.lr, "steps": args.steps,
-                   "repeats": args.repeats, "warmup": args.warmup, "device": args.device,
+                   "repeats": args.repeats, "warmup": args.warmup, "device": args.device, "cases": args.case_list,
                    "dtype": "bf16 autocast" if args.device == "cuda" else "fp32",
                    "compile_backend": "inductor",
                    "hf_attn_implementation": info["attn_implementation"],
@@ -503,6 +527,20 @@ def json_record(res: dict, info, args, peak: tuple[float, list[float]], first_lo
 
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
+
+
+def _goal(x: float | None, spec: str, suffix: str, ok: bool | None) -> str:
+    """A goal's value and verdict, or "not measured" (a case --cases left out)."""
+    return "not measured" if x is None else f"{format(x, spec)}{suffix} ({_verdict(ok)})"
+
+
+def _shown(x: float | None, spec: str, suffix: str = "") -> str:
+    """x formatted with `spec` and `suffix`, or "not measured" for None (a case --cases left out)."""
+    return "not measured" if x is None else format(x, spec) + suffix
+
+
+def _rounded(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def main(argv=None) -> dict | None:

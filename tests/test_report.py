@@ -72,7 +72,13 @@ def test_report_holds_every_section_with_the_runs_numbers(run):
         data = (run / "report" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     assert {p.name for p in (run / "report").iterdir()} >= {"loss_by_stage.png", "val_perplexity.png",
-                                                            "expert_load.png", "retrieval.png", "acceptance.png"}
+                                                            "expert_load.png", "retrieval.png", "acceptance.png",
+                                                            "expert_kernels.png"}
+    kernels = text[text.index("### Expert kernels: share of the matmul peak"):]  # inside "Expert load"
+    assert text.index("## Expert load") < text.index("### Expert kernels") < text.index("## Ablations")
+    assert "at this run's expert shape (8 experts of 64 x 32)" in kernels and "| grouped (padded batch) |" in kernels
+    assert "Half of the peak reached (tokens per expert):" in kernels
+    assert "![expert kernels](expert_kernels.png)" in kernels
     assert not list((run / "report").glob(".tmp*"))
 
 
@@ -302,6 +308,8 @@ def test_report_shows_the_attention_costs_record_and_says_when_there_is_none(run
     monkeypatch.setattr(attention_costs, "RESULT", record)
     text = write_report(run, out=tmp_path / "with", measure=False).read_text()
     assert "### Attention costs on one stack (per layer, at 64K tokens)" in text
+    assert "### Expert kernels: share of the matmul peak\n\nNot measured" in text  # measure=False
+    assert not (tmp_path / "with" / "expert_kernels.png").exists()
     assert "| SWA | 0.640 / 0.576 | 3.30 / 2.20 | 4.50 / 4.50 | 64 |" in text
     assert "![attention costs](attention_costs.png)" in text
     data = (tmp_path / "with" / "attention_costs.png").read_bytes()

@@ -160,8 +160,24 @@ def test_latent_max_queries_is_the_flop_break_even():
     assert mla.latent_max_queries(narrow) == narrow.max_position_embeddings
 
 
+CACHED_DENSE_TABLE = [  # (cached, one_offset, T, route): no reference, absorbed nor top-k; S = 97
+    (True, False, LATENT_MAX_T, "latent_masked"),
+    (True, True, LATENT_MAX_T, "latent_masked"),
+    (True, False, LATENT_MAX_T + 1, "expanded"),  # rows at different offsets: the mask
+    (True, True, LATENT_MAX_T + 1, "expanded_blocked"),
+    (True, True, 97, "expanded_blocked"),
+    (False, False, LATENT_MAX_T + 1, "expanded"),
+]
+
+
+@pytest.mark.parametrize("cached, one_offset, T, route", CACHED_DENSE_TABLE)
+def test_cached_dense_rows_of_the_route_table(cached, one_offset, T, route):
+    assert attention_route(reference=False, absorbed=False, sparse=False, decode_sized=False, S=97, index_topk=K,
+                           cached=cached, T=T, latent_max_T=LATENT_MAX_T, one_offset=one_offset) == route
+
+
 def test_route_table_covers_every_route():
-    assert {row[-1] for row in ROUTE_TABLE} == set(ROUTES)
+    assert {row[-1] for row in ROUTE_TABLE + CACHED_DENSE_TABLE} == set(ROUTES)
 
 
 W = 3  # sliding window of the "swa" scenario (< K - 1: the window matters at every T >= 4)
@@ -173,8 +189,8 @@ SCENARIOS = {  # spec changes of tiny's layer 0 and the step's DSA switch
 PREFIX, LENGTHS = 9, (3, 9)  # cached rows sit at offsets 3 and 9 (row 0's slots 3..8 hold stale keys)
 
 
-def _cached_step(cfg, layer, T, use_dsa, **options):
-    """A cache of 2 rows at lengths LENGTHS (prefilled under no_grad with a fixed prefix, then
+def _cached_step(cfg, layer, T, use_dsa, lengths=LENGTHS, **options):
+    """A cache of 2 rows at `lengths` (prefilled under no_grad with a fixed prefix, then
     truncated) and the step of the next T tokens. Fresh per call: a forward writes its cache."""
     cache = KVCache(cfg, (layer.spec,), 2, PREFIX + 32, dtype=torch.float32, device="cpu")
     x_pre = torch.randn(2, PREFIX, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
@@ -183,10 +199,10 @@ def _cached_step(cfg, layer, T, use_dsa, **options):
         step = cache.begin(PREFIX, cos, sin, use_dsa=use_dsa, index_topk=K)
         layer(x_pre, step.layer(0))
         cache.commit(PREFIX)
-    cache.truncate(torch.tensor(LENGTHS))
+    cache.truncate(torch.tensor(lengths))
     cos, sin = rope_angles(cache.positions(T), cfg.qk_rope_head_dim, cfg.rope_theta)
     step = cache.begin(T, cos, sin, use_dsa=use_dsa, index_topk=K, **options)
-    assert step.offsets.tolist() == list(LENGTHS) and step.extent == PREFIX + T
+    assert step.offsets.tolist() == list(lengths) and step.extent >= max(lengths) + T
     return step, x_pre
 
 
@@ -228,6 +244,7 @@ def test_every_route_equals_the_reference_forward_and_backward(scenario, cached,
                                       latent_max_T=layer.latent_max_T)
     ref_grads = grads(ref, *params)
     routes = [r for r in ROUTES if r != "latent_gathered" or topk is not None]  # gathering needs a top-k
+    routes.remove("expanded_blocked")  # needs rows at one offset: test_blocked_route_equals_the_reference
     assert natural in routes
     for route in routes:
         step = make_step()
@@ -280,3 +297,33 @@ def test_cached_dense_calls_attend_in_the_latent_space_up_to_the_break_even(scen
     assert_close(out, ref)
     for a, b in zip(grads(out, *params), grads(ref, *params), strict=True):
         assert_close(a, b)
+
+
+BLOCK = 4
+"""`mla.KEY_BLOCK` in the blocked-route tests: cached prefixes of 0..9 keys make 0..3 blocks, the last partial."""
+
+
+@pytest.mark.parametrize("T", [1, K - 1, 26])
+@pytest.mark.parametrize("offset", [0, BLOCK - 1, BLOCK, BLOCK + 1, PREFIX])
+def test_blocked_route_equals_the_reference(offset, T):
+    """A cached dense call whose rows share one offset (a prefill chunk) takes "expanded_blocked" past
+    `latent_max_queries` (25 here); forced at any T it equals the reference forward and backward (fp32 tolerance
+    `tests.conftest.TOL`), with stale keys in the slots past the offset."""
+    cfg, layer = _layer(SCENARIOS["dense"][0], qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32)
+    x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(T), requires_grad=True)
+    params = (x, layer.q_b_proj.weight, layer.kv_b_proj.weight)
+    ref, natural, _ = _forced(layer, x, _cached_step(cfg, layer, T, False, lengths=(offset, offset))[0], "reference")
+    assert natural == ("expanded_blocked" if T > layer.latent_max_T else "latent_masked")
+    with mock.patch.object(mla, "KEY_BLOCK", BLOCK):
+        out, _, _ = _forced(layer, x, _cached_step(cfg, layer, T, False, lengths=(offset, offset))[0],
+                            "expanded_blocked")
+    assert_close(out, ref)
+    for a, b in zip(grads(out, *params), grads(ref, *params), strict=True):
+        assert_close(a, b)
+
+
+def test_blocked_route_refuses_rows_at_different_offsets():
+    cfg, layer = _layer(SCENARIOS["dense"][0])
+    x = torch.randn(2, 3, cfg.hidden_size)
+    with pytest.raises(ValueError, match="rows share one offset"):
+        _forced(layer, x, _cached_step(cfg, layer, 3, False)[0], "expanded_blocked")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from glm5lab import validate
 from glm5lab.config import ModelConfig
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK, SPECULATIVE
+from glm5lab.infer import AUTO_CHUNK, DEFAULT_PREFILL_CHUNK, DENSE_PREFILL_CHUNK, SPECULATIVE
 
 REPLACEMENT_CHAR = "\ufffd"
 DEFAULT_DRAFT_STEPS = 3
@@ -66,8 +66,9 @@ def add_generate_parser(sub) -> None:
                    "one fp32 scale per token, as DeepSeek-V3.2 serves them (132 instead of 512 bytes per token per "
                    "indexer layer at 128-wide keys in fp32; the keys the indexer scores are rounded, docs/inference.md)")
     p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
-                   help=f"prefill the prompt in pieces of N tokens (default {DEFAULT_PREFILL_CHUNK}; the result "
-                   "does not depend on it)")
+                   help=f"prefill the prompt in pieces of N tokens (default: {DENSE_PREFILL_CHUNK} when every layer is "
+                   f"dense MLA full attention, no DSA nor window: each chunk then costs about the uncached forward; "
+                   f"else {DEFAULT_PREFILL_CHUNK}, DSA's fastest); the result does not depend on it")
     p.add_argument("--compile", action="store_true",
                    help="run the decode, verification and draft steps as torch.compile graphs (static shapes, no "
                    "host synchronisation; attention models only): about 4x faster per token on CPU, after a one-off "
@@ -100,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                    speculative=args.speculative, stop_tokens=stops, index_cache_dtype=args.index_cache_dtype,
                    draft_steps=DEFAULT_DRAFT_STEPS if args.draft_steps is None else args.draft_steps,
-                   prefill_chunk=DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
+                   prefill_chunk=AUTO_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
     check_request(config, prompt_ids, args.max_new_tokens, **options)  # the library's checks, before the weights
 
     if folder != Path(args.model):  # a run folder's latest checkpoint

@@ -20,7 +20,8 @@ def add_report_parser(sub) -> None:
                        description="Turn a `glm5lab train` run folder (and `glm5lab ablate` results in RUN_DIR/ablate/ "
                        "or beside it in ../ablate/, and RUN_DIR/evals/*.json) into RUN_DIR/report/report.md with PNGs: "
                        "loss per stage, validation perplexity, expert load over time, retrieval accuracy by context "
-                       "length, MTP acceptance by draft position, parameters under every counting convention, state "
+                       "length, MTP acceptance by draft position, expert kernels' share of a matmul's peak at the run's expert "
+                       "shape, parameters under every counting convention, state "
                        "bytes per token, prefill/decode throughput with batch and length, library versions, "
                        "hardware, seeds. Measuring loads the latest checkpoint (about a minute for `small` on 2 CPU cores). "
                        "With --compare RUN_B [RUN_C ...], the report also holds a Comparison section: one table "
@@ -30,8 +31,8 @@ def add_report_parser(sub) -> None:
                        "--no-measure`.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder of `glm5lab train --out` (e.g. runs/small)")
     p.add_argument("--out", metavar="DIR", help="report folder (default RUN_DIR/report)")
-    p.add_argument("--no-measure", action="store_true", help="skip loading the checkpoint (no throughput, "
-                   "retrieval or acceptance sections)")
+    p.add_argument("--no-measure", action="store_true", help="skip loading the checkpoint and timing the "
+                   "expert kernels (no throughput, retrieval, acceptance or expert-kernel figures)")
     p.add_argument("--compare", nargs="+", action="extend", metavar="RUN", help="other run folders to compare "
                    "this run with (a table and overlaid curves in a Comparison section); each must be a finished "
                    "`glm5lab train` run folder")

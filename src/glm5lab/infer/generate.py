@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK, SPECULATIVE
+from glm5lab.infer import AUTO_CHUNK, SPECULATIVE
 from glm5lab.infer.compiled import CompiledSteps, capacity_for
 from glm5lab.infer.sampling import BatchGenerator, Sampling, distribution, draw
 from glm5lab.infer.speculative import AcceptanceStats, accept_drafts
-from glm5lab.infer.steps import decode_step, draft, prefill, verify
+from glm5lab.infer.steps import check_chunk, decode_step, draft, prefill, prefill_chunk_for, verify
 from glm5lab.model.cache import KVCache
 from glm5lab.model.fp8_keys import index_cache_fp8
 from glm5lab.validate import int_at_least, one_of
@@ -81,7 +81,7 @@ class GenerateOutput:
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
-             draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+             draft_steps: int = 3, stop_tokens: Iterable[int] = (), prefill_chunk: int | str | None = AUTO_CHUNK,
              on_tokens: Callable[[list[list[int]]], None] | None = None, attn_impl: str = "auto",
              stop_when: Callable[[int, list[int]], bool] | None = None, compile: bool = False,
              index_cache_dtype=None) -> GenerateOutput:
@@ -93,8 +93,10 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
     `draft_steps` tokens per round with the shared MTP layer and verify them in one forward (the output
     distribution is the target's; greedy output equals plain greedy in fp32, and may differ at near-ties in
     bf16, where a k+1-token verification and a 1-token step round differently). stop_tokens: a row ends after
-    emitting one of these. prefill_chunk: prefill in pieces of this many tokens (default 256; None = one
-    forward: same result, more memory, slower on CPU). on_tokens: called after each step with the tokens each
+    emitting one of these. prefill_chunk: prefill in pieces of this many tokens (default "auto": 4096 when every
+    layer is dense MLA full attention (no DSA, no window: `glm5lab.infer.DENSE_PREFILL_CHUNK`; each chunk attends
+    over the cached keys block by block, about the uncached forward's cost), else 256 (DSA's fastest); None = one
+    forward: same result, more memory). on_tokens: called after each step with the tokens each
     row just emitted (streaming). stop_when(b, a copy of row b's tokens so far):
     called after each new token; True ends row b there (the lm-eval adapter's stop strings). compile: the
     decode, verification and draft steps as compiled graphs (`glm5lab.infer.compiled`; the prefill stays
@@ -138,7 +140,7 @@ def generate(model, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
 def check_request(config, input_ids, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
                   top_p: float | None = None, seed: int | None = None, speculative: str | None = None,
                   draft_steps: int = 3, stop_tokens: Iterable[int] = (),
-                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+                  prefill_chunk: int | str | None = AUTO_CHUNK,
                   index_cache_dtype=None) -> tuple[list[list[int]], Sampling, frozenset[int]]:
     """Every check `generate` makes on its arguments, against a `ModelConfig` only (so a CLI can
     refuse a request before loading weights). Returns (prompts as lists of ids, the `Sampling`,
@@ -269,7 +271,7 @@ class _Run:
 
     # -- speculative decoding ---------------------------------------------------------------
     def speculative(self, k: int, chunk):
-        self.chunk = chunk
+        self.chunk = prefill_chunk_for(self.model) if isinstance(chunk, str) else chunk  # the pending pairs' too
         B, P = len(self.prompts), int(self.lens.max())
         capacity = self.capacity(P + self.max_new + k + 1)
         cache = KVCache.for_model(self.model, B, capacity, index_cache_dtype=self.index_cache_dtype)
@@ -368,8 +370,7 @@ def _check_args(cfg, prompts, max_new, speculative, draft_steps, prefill_chunk) 
     int_at_least("draft_steps", draft_steps, 1)
     if speculative == "mtp" and not cfg.num_nextn_predict_layers:
         raise ValueError("speculative='mtp' needs an MTP layer; this model has num_nextn_predict_layers=0")
-    if prefill_chunk is not None:
-        int_at_least("prefill_chunk", prefill_chunk, 1)
+    check_chunk(prefill_chunk, name="prefill_chunk")
     need = max(map(len, prompts)) + max_new + (draft_steps + 1 if speculative else 0)
     if need > cfg.max_position_embeddings:
         raise ValueError(f"the longest prompt ({max(map(len, prompts))} tokens) + max_new_tokens={max_new}"

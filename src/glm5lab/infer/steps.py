@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5lab.infer import DEFAULT_PREFILL_CHUNK
+from glm5lab.infer import AUTO_CHUNK, DEFAULT_PREFILL_CHUNK, DENSE_PREFILL_CHUNK
 from glm5lab.infer.compiled import CompiledSteps, eager
 from glm5lab.infer.sampling import Sampling, distribution, draw
 from glm5lab.model.cache import KVCache
 from glm5lab.model.step import is_decode_sized
-from glm5lab.validate import int_at_least
+from glm5lab.validate import int_at_least, refuse
 
 GREEDY = Sampling(0.0, None, None)
 
@@ -40,18 +40,30 @@ class Prefill:
     hidden_BPD: torch.Tensor | None = None
 
 
-def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | None = DEFAULT_PREFILL_CHUNK,
+def prefill_chunk_for(model) -> int:
+    """The default prefill chunk (`AUTO_CHUNK`) of `model`: `DENSE_PREFILL_CHUNK` (4096) when every main layer is
+    MLA full attention that never selects keys (the config's `use_dsa` off, or no indexer), else
+    `DEFAULT_PREFILL_CHUNK` (256: DSA's fastest; SWA, GQA and Gated DeltaNet layers keep it too)."""
+    cfg = model.config
+    dense = all(s.attention == "mla" and s.mixer == "attention" and (s.indexer == "none" or not cfg.use_dsa)
+                for s in model.layer_specs)
+    return DENSE_PREFILL_CHUNK if dense else DEFAULT_PREFILL_CHUNK
+
+
+def prefill(model, input_ids: torch.Tensor, cache: KVCache, *, chunk: int | str | None = AUTO_CHUNK,
             lengths: torch.Tensor | None = None, keep_hidden: bool = False, attn_impl: str = "auto") -> Prefill:
     """Run each row's prompt through `cache` (empty or not: the prompt continues each row).
 
     input_ids: int64 [B, P], right-padded when `lengths` (int64 [B], 1..P each) says rows are
-    shorter; chunk: tokens per forward (None = all P at once: same result, more memory). After
+    shorter; chunk: tokens per forward ("auto": `prefill_chunk_for(model)`, 4096 for an all-dense-MLA model,
+    else 256; None = all P at once: same result, more memory). After
     each chunk every row's cache length is cut back to its own prompt, so padding never enters
     it (Gated DeltaNet layers roll back only within a forward). Raises ValueError/TypeError for
     ids outside the vocab, bad shapes or lengths, CacheOverflowError past capacity."""
     B, P = _check_ids(model, input_ids, cache, "input_ids")
     _check_values(model, input_ids)
-    _check_chunk(chunk)
+    check_chunk(chunk)
+    chunk = prefill_chunk_for(model) if isinstance(chunk, str) else chunk
     lens_B = _lengths(lengths, B, P, input_ids.device)
     cache.reserve(P)  # refuse before the first chunk: an overflow leaves the cache as it was
     start_B, chunk = cache.lengths.clone(), chunk or P
@@ -116,7 +128,7 @@ def draft(model, hidden: torch.Tensor, token_ids: torch.Tensor, mtp_cache: KVCac
         raise ValueError(f"hidden must be the pending pairs' hidden states [B={B}, L={L}, D={D}], got {got}")
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a glm5lab.infer.sampling.Sampling, got {sampling!r}")
-    _check_chunk(chunk)
+    check_chunk(chunk, auto=False)
     compiled = _compiled_steps(model, compiled)
     pend_B = torch.full((B,), L, dtype=torch.long, device=token_ids.device) if lengths is None else lengths
     # the L pending slots (padding included) and the chained drafts after the valid ones fit, or nothing is written
@@ -173,9 +185,13 @@ def _compiled_steps(model, compiled) -> CompiledSteps | None:
     return CompiledSteps(model, "compiled=True") if compiled else None
 
 
-def _check_chunk(chunk) -> None:
-    if chunk is not None:
-        int_at_least("chunk", chunk, 1)
+def check_chunk(chunk, *, auto: bool = True, name: str = "chunk") -> None:
+    """None, an int >= 1, or (auto) "auto"."""
+    if chunk is None or (auto and isinstance(chunk, str) and chunk == AUTO_CHUNK):
+        return
+    if auto and isinstance(chunk, str):
+        refuse(name, chunk, f'None, "{AUTO_CHUNK}" or an integer >= 1')
+    int_at_least(name, chunk, 1)
 
 
 def _check_ids(model, ids: torch.Tensor, cache: KVCache, name: str, *, T: int | None = None,

@@ -25,6 +25,7 @@ from glm5lab.config import LayerSpec, ModelConfig
 from glm5lab.model.attention import (
     attention_latent_gathered, attention_latent_masked, attention_masked, attention_reference, topk_mask,
 )
+from glm5lab.model.attention_blocked import attention_expanded_blocked
 from glm5lab.model.dsa import LightningIndexer
 from glm5lab.model.fp8_keys import Fp8Keys
 from glm5lab.model.norm import RMSNorm
@@ -40,7 +41,10 @@ GATHER_MIN_KEYS_PER_TOPK = 4
 """Longer forwards gather the top-k keys once the keys exceed 4 x index_topk; below that a
 masked SDPA over all keys is faster on CPU (BENCHMARKS.md, "Kernel choices"). Both compute
 exactly the same function."""
-ROUTES = ("reference", "expanded", "latent_masked", "latent_gathered")
+ROUTES = ("reference", "expanded", "expanded_blocked", "latent_masked", "latent_gathered")
+KEY_BLOCK = 4096
+"""Cached keys whose per-head K/V the "expanded_blocked" route expands at a time (`attention_expanded_blocked`):
+4096 x H x (N+R+V) fp32 values, 64 MiB at the bench preset's 8 heads, 512 MiB at GLM-5's 64."""
 DENSE_KL_BLOCK_ELEMENTS = 2**26
 """The dense indexer KL (the warm-up's) runs in blocks of queries once its [B, heads, T, S] logits or index dots
 would pass this many fp32 values (256 MiB): a 202,752-token sequence's warm-up would otherwise hold tens of GB
@@ -60,12 +64,13 @@ def latent_max_queries(cfg: ModelConfig) -> int:
 
 
 def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_sized: bool, S: int,
-                    index_topk: int, cached: bool, T: int, latent_max_T: int) -> str:
+                    index_topk: int, cached: bool, T: int, latent_max_T: int, one_offset: bool = False) -> str:
     """The kernel of one MLA attention call: the route table. decode_sized: at most `DECODE_MAX_TOKENS` (16)
     queries per row (`Step.decode_sized`: decode, verification: per token only the 576-wide latent is read, never
     per-head K/V); S keys (the cache extent, or T uncached); `sparse`: DSA selected top-k keys for this call;
     `cached`: the call reads a cache (a prefill chunk, SWA's [ring | chunk] included); T queries per row;
-    latent_max_T: `latent_max_queries` of the layer's config.
+    latent_max_T: `latent_max_queries` of the layer's config; one_offset: a cached full-attention call (no
+    window) whose rows all start at one position (`Step.common_offset`: a prefill's chunks).
 
         reference  absorbed  top-k  decode-sized  S (keys)     cached, T        route
         yes        -         any    any           any          any              reference
@@ -76,17 +81,19 @@ def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_siz
         no         no        yes    no            <= 4 x topk  any              latent_masked (mask: visible & top-k)
         no         no        no     yes           any          any              latent_masked
         no         no        no     no            any          cached, T <= max latent_masked (no re-expansion)
+        no         no        no     no            any          cached, one offset  expanded_blocked
         no         no        no     no            any          otherwise        expanded
 
     reference: per-head K/V expanded from the latent, explicit boolean mask, written-out softmax
     (`attention_reference`; transformers' eager path). expanded: the same K/V through SDPA (`is_causal` for an
-    uncached full-attention call, else the mask). latent_masked: absorbed attention over the 576-wide latents
-    under the mask (`attention_latent_masked`). latent_gathered: absorbed attention over each query's gathered
-    top-k latents only (`attention_latent_gathered`, DSA's core attention). The sliding window enters only
-    through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0, but a cached dense call
-    of up to latent_max_T queries attends in the latent space, since the expanded route would re-expand the
-    per-head K/V of every cached key for every call (quadratic over a chunked prefill). All routes compute the
-    same function (tests/model/test_mla.py ties each to the reference)."""
+    uncached full-attention call, else the mask). expanded_blocked: the same K/V expanded `KEY_BLOCK` cached keys at
+    a time, the chunk's own keys under `is_causal`, no mask (`attention_expanded_blocked`). latent_masked: absorbed
+    attention over the 576-wide latents under the mask (`attention_latent_masked`). latent_gathered: absorbed
+    attention over each query's gathered top-k latents only (`attention_latent_gathered`, DSA's core attention). The
+    sliding window enters only through the mask (`Step.mask`): a cached call is the uncached one at offsets > 0, but
+    a cached dense call of up to latent_max_T queries attends in the latent space, since the expanded route would
+    re-expand the per-head K/V of every cached key for every call (quadratic over a chunked prefill). All routes
+    compute the same function (tests/model/test_mla.py ties each to the reference)."""
     if reference:
         return "reference"
     if absorbed:
@@ -95,7 +102,9 @@ def attention_route(*, reference: bool, absorbed: bool, sparse: bool, decode_siz
         return "latent_gathered" if sparse else "latent_masked"
     if sparse:
         return "latent_gathered" if S > GATHER_MIN_KEYS_PER_TOPK * index_topk else "latent_masked"
-    return "latent_masked" if cached and T <= latent_max_T else "expanded"
+    if cached and T <= latent_max_T:
+        return "latent_masked"
+    return "expanded_blocked" if cached and one_offset else "expanded"
 
 
 class MLAttention(nn.Module):
@@ -195,10 +204,12 @@ class MLAttention(nn.Module):
         latent_BSX = step.write("latent", torch.cat([c_BTC, k_pe_BTR], dim=-1))
         index_keys_BSJ = self.index_keys(x_BTD, step)
         topk = self.select(x_BTD, q_lat, index_keys_BSJ, step)
-        S = latent_BSX.shape[1]
+        S, T = latent_BSX.shape[1], x_BTD.shape[1]
+        one_offset = (step.cached and self.window is None and topk is None and T > self.latent_max_T
+                      and step.common_offset() is not None)  # the host read only where the route can use it
         route = attention_route(reference=step.reference, absorbed=step.absorbed, sparse=topk is not None,
                                 decode_sized=step.decode_sized, S=S, index_topk=step.index_topk, cached=step.cached,
-                                T=x_BTD.shape[1], latent_max_T=self.latent_max_T)
+                                T=T, latent_max_T=self.latent_max_T, one_offset=one_offset)
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
         own = self.spec.indexer == "own"
         kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, latent_BSX), step, topk=topk, index_keys_BSJ=index_keys_BSJ)
@@ -208,6 +219,8 @@ class MLAttention(nn.Module):
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""
         S = latent_BSX.shape[1]
+        if route == "expanded_blocked":
+            return self.attend_blocked(q_nope, q_pe, latent_BSX, topk, step)
         plain_causal = step.causal_prefix and self.window is None and topk is None  # SDPA's is_causal
         no_mask = plain_causal or route == "latent_gathered"  # the top-k slots are the gathered keys' mask
         mask_BTS = None if no_mask else step.mask(self.window)
@@ -227,6 +240,18 @@ class MLAttention(nn.Module):
             o_BTHC = attention_latent_masked(q_BTHX, latent_BSX, v_dim=self.kv_rank, scale=self.scale,
                                              mask_BTS=mask_BTS)
         return torch.einsum("bthc,hvc->bthv", o_BTHC, self.absorbed_weights()[1])
+
+    def attend_blocked(self, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
+        """o_BTHV of the "expanded_blocked" route. Raises ValueError for a call it does not fit (a top-k, a
+        window, rows at different offsets)."""
+        offset = step.common_offset()
+        if topk is not None or self.window is not None or offset is None:
+            raise ValueError("the expanded_blocked route is for cached full-attention calls whose rows share one "
+                             f"offset, got top-k {topk is not None}, window {self.window}, offset {offset}")
+        C, R = self.kv_rank, self.rope_dim
+        return attention_expanded_blocked(torch.cat([q_nope, q_pe], dim=-1), latent_BSX,
+                                          lambda lat_BSX: self.expand_kv(*lat_BSX.split([C, R], dim=-1)),
+                                          scale=self.scale, offset=offset, block=KEY_BLOCK)
 
     def indexer_kl(self, x_BTD, q_lat_BTQ, projected, step: LayerStep, *, topk: TopK | None,
                    index_keys_BSJ: torch.Tensor | None = None) -> torch.Tensor:

@@ -127,6 +127,13 @@ class Step:
         """Queries at positions 0..T-1 over keys 0..T-1, nothing cached nor split: SDPA's `is_causal` applies."""
         return self.cache is None and self.context_parallel is None
 
+    def common_offset(self) -> int | None:
+        """The position every row's first new token sits at, when the rows of a cached, non-static forward share
+        one (read once per forward: one host synchronisation), else None (uncached, compiled, or rows apart)."""
+        if not self.cached or self.static:
+            return None
+        return self.shared("common_offset", lambda: _one_value(self.offsets))
+
     def shared(self, key, make):
         """`make()`, built once per forward and key and shared by the layers (masks, write slots)."""
         if key not in self._shared:
@@ -148,6 +155,11 @@ class Step:
     def layer(self, i: int, topk: TopK | None = None) -> LayerStep:
         """Layer i's view: its cache state (none when uncached) and the selection handed on to it."""
         return LayerStep(self, self.cache.states[i] if self.cached else None, topk)
+
+
+def _one_value(offsets_B: torch.Tensor) -> int | None:
+    lo, hi = torch.stack([offsets_B.min(), offsets_B.max()]).tolist()
+    return int(lo) if lo == hi else None
 
 
 def _from_step(name: str) -> property:
@@ -176,6 +188,10 @@ class LayerStep:
     def mask(self, window: int | None = None) -> torch.Tensor:
         """Bool [B|1, T, S]: `Step.mask`, or over a cached sliding-window layer's ring keys (`WindowRing.mask`)."""
         return self._step.mask(window) if self._state is None else self._state.mask(self._step, window)
+
+    def common_offset(self) -> int | None:
+        """`Step.common_offset`."""
+        return self._step.common_offset()
 
     def write(self, name: str, new_BT: torch.Tensor) -> torch.Tensor:
         """Store new_BT ([B, T, ...]) in the layer's state; return buffer `name` [B, S, ...] in new_BT's

@@ -9,6 +9,7 @@ import math
 from glm5lab.ablate.results import markdown_table
 from glm5lab.report import compare
 from glm5lab.report.attention_costs import render_section as attention_costs_section
+from glm5lab.report.expert_kernels import render_section as expert_kernels_section, run_tokens_per_expert
 from glm5lab.report.long_context import render_section as long_context_section
 from glm5lab.report.series import BALANCED, load_stats, perplexity, stage_rows
 from glm5lab.train.balance import DEAD_WINDOW, balance_metrics
@@ -16,18 +17,20 @@ from glm5lab.train.balance import DEAD_WINDOW, balance_metrics
 
 def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, env: dict, pngs: dict,
            generated: dict, moe_names: list[str], long_context: dict | None = None, others: list | None = None,
-           attention_costs: dict | None = None) -> str:
+           attention_costs: dict | None = None, expert_kernels: dict | None = None) -> str:
     """Assemble report.md (`rec`: a RunRecord; `pngs`: name -> file name or None; moe_names: the
     names of metrics.jsonl's `expert_load` entries; long_context: the recorded long-context
     cost curve, `glm5lab.report.long_context.load_record()`, shown in the throughput section;
     others: RunRecords compared against, the "Comparison" section after Quality; attention_costs: the
-    recorded mixer comparison, `glm5lab.report.attention_costs.load_record()`, shown after the curve)."""
+    recorded mixer comparison, `glm5lab.report.attention_costs.load_record()`, shown after the curve;
+    expert_kernels: the sweep at the run's expert shape, `glm5lab.report.expert_kernels.measure_for_report`,
+    shown in the expert-load section, None when not measured)."""
     curve = long_context_section(long_context, pngs.get("long_context"))
     curve += attention_costs_section(attention_costs, pngs.get("attention_costs"))
     parts = [_header(rec, generated), _quality(rec, pngs), compare.section(rec, others or [], pngs.get("compare")),
              _tokens(rec), _params(ledger_text),
-             _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names), _ablations(rec),
-             _evals(rec), _environment(env, rec), _seeds(rec, probed)]
+             _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names, expert_kernels),
+             _ablations(rec), _evals(rec), _environment(env, rec), _seeds(rec, probed)]
     return "\n".join(p for p in parts if p)
 
 
@@ -62,7 +65,7 @@ def _headline(rec) -> str:
     s = rec.summary
     whole = f" ({s['val_tokens']:,} target tokens)" if s.get("val_tokens") else ""
     text = (f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}; "
-            f"{_bits_per_byte(s)}) on the whole held-out split{whole}, the final model; the add-one unigram "
+            f"{_bits_per_byte(s)}) on {_val_set(s)}{whole}, the final model; the add-one unigram "
             f"baseline is {s['unigram_val_loss']:.3f}.")
     subset = s.get("val_subset_loss")
     if subset is None:
@@ -74,6 +77,16 @@ def _headline(rec) -> str:
                    f"tokens (eval_tokens {rec.run['args']['eval_tokens']:,}), scored during training; at the last "
                    f"step it gives **{subset:.3f}** (perplexity {perplexity(subset):.1f}). The two figures "
                    f"differ{gap_text} because they score different text: the subset is a fixed part of the split.")
+
+
+def _val_set(s: dict) -> str:
+    """Which set the validation scored (summary.json's `val_set`): the held-out set the run named (`--val-data`), or
+    the corpus's document split (a summary from before `val_set` was recorded: the split)."""
+    held = s.get("val_set") or {}
+    if held.get("kind") not in ("text", "token folder"):
+        return "the whole held-out split"
+    part = " (its validation split)" if held["kind"] == "token folder" else ""
+    return f"the held-out set `--val-data {held['path']}`{part}, {held['documents']:,} documents"
 
 
 def _bits_per_byte(s: dict) -> str:
@@ -143,7 +156,7 @@ def _probes(probed, pngs, curve: str) -> str:
     return "".join(out)
 
 
-def _load(rec, pngs, names: list[str]) -> str:
+def _load(rec, pngs, names: list[str], kernels: dict | None = None) -> str:
     history = [r["expert_load"] for r in rec.metrics if r.get("expert_load")]
     if not history:
         return ""
@@ -155,7 +168,8 @@ def _load(rec, pngs, names: list[str]) -> str:
             f"layer; CV: standard deviation / mean of the experts' loads; dead: experts with no token in any of the "
             f"last {min(DEAD_WINDOW, len(history))} steps:\n\n"
             + markdown_table(["MoE layer", "assignments", "max", "min", "max / mean", "CV", "dead experts"], rows)
-            + _img(pngs, "load", "expert load balance over time") + expert_parallel_section(rec, pngs))
+            + _img(pngs, "load", "expert load balance over time") + expert_parallel_section(rec, pngs)
+            + expert_kernels_section(kernels, pngs.get("expert_kernels"), run_tokens_per_expert(rec.metrics)))
 
 
 def expert_parallel_section(rec, pngs) -> str:

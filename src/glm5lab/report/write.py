@@ -7,7 +7,7 @@ from pathlib import Path
 
 from glm5lab.environment import environment, git_commit
 from glm5lab.io_utils import atomic_write_text
-from glm5lab.report import attention_costs, long_context, plots
+from glm5lab.report import attention_costs, expert_kernels, long_context, plots
 from glm5lab.report.collect import load_run
 from glm5lab.report.probe import ProbeSizes, probe
 from glm5lab.report.render import render
@@ -19,7 +19,8 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     score retrieval and MTP acceptance (about a minute for `small` on 2 CPU cores); quick: tiny measurement
     sizes (tests); compare: other run folders, shown beside this one in a "Comparison" section (a table and
     compare.png). Returns the path of report.md. Raises NotARunError (a ValueError) naming what a folder (this
-    run's or a compared one's) lacks, before anything is written."""
+    run's or a compared one's) lacks, before anything is written. With `measure`, a MoE run's report also times its
+    expert kernels at the run's own shape (`glm5lab.report.expert_kernels.measure_for_report`, about 10 s)."""
     from glm5lab import ModelConfig, __version__
     from glm5lab.ledger import ledger, render as render_ledger
 
@@ -47,6 +48,10 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
                                      _tmp(out, "compare.png")) if others else None}
     curve = long_context.load_record()
     pngs["long_context"] = long_context.plot(curve, _tmp(out, long_context.PNG_NAME)) if curve else None
+    kernels = expert_kernels.measure_for_report(cfg, quick=quick) if measure and _moe_names(cfg) else None
+    pngs["expert_kernels"] = expert_kernels.plot(
+        kernels, _tmp(out, expert_kernels.PNG_NAME), marker=expert_kernels.run_tokens_per_expert(rec.metrics),
+        title=expert_kernels.report_title(kernels)) if kernels else None
     costs = attention_costs.load_record()
     pngs["attention_costs"] = attention_costs.plot(costs, _tmp(out, attention_costs.PNG_NAME)) if costs else None
     pngs = {k: _publish(p) for k, p in pngs.items()}
@@ -56,7 +61,7 @@ def write_report(run_dir, *, out=None, measure: bool = True, quick: bool = False
     generated = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "version": __version__,
                  "git_commit": git_commit()}
     text = render(rec, render_ledger(ledger(cfg, dtype="bf16", name=str(rec.run_dir))), state_rows, probed,
-                  environment(), pngs, generated, _moe_names(cfg), curve, others, costs)
+                  environment(), pngs, generated, _moe_names(cfg), curve, others, costs, kernels)
     atomic_write_text(out / "report.md", text)
     return out / "report.md"
 
