@@ -379,7 +379,8 @@ def decode_cost(args, device) -> dict:
 
     keys = c32.states[0].buffers["index_keys"][:, :T]
     k8, s8 = c8.states[0].buffers["index_keys"][:, :T], c8.states[0].buffers["index_key_scales"][:, :T]
-    scored = {"fp32": lambda: keys, "fp8": lambda: Fp8Keys(k8, s8), "fp8_dequant": lambda: dequantize(k8, s8, torch.float32)}
+    scored = {"fp32": lambda: keys, "fp8": lambda: Fp8Keys(k8, s8),
+              "fp8_dequant": lambda: dequantize(k8, s8, torch.float32)}
     cases = {f"step_{m}_{n}": step(n, m) for m in args.modes for n in caches}
     cases |= {f"scores_eager_{n}": (lambda f: lambda: ix.scores(x, q_lat, f(), cos, sin, q_offset=pos))(f)
               for n, f in scored.items()}

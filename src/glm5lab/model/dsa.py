@@ -85,7 +85,8 @@ class LightningIndexer(nn.Module):
         head sum on the cache-resident block, one fp32 top-k per query block, O(T k + block x S) memory, one host
         read per call), which MLA runs for forwards that are neither decode-sized nor static (`Step`); else the
         reference, which has no host synchronisation and is as fast at a few queries. k_BSJ: a tensor or
-        `Fp8Keys` (both ways scored without dequantizing, see `scores`). No gradient (selection is discrete). Raises ValueError for k < 1 or shapes that do not agree."""
+        `Fp8Keys` (both ways scored without dequantizing, see `scores`). No gradient (selection is discrete).
+        Raises ValueError for k < 1 or shapes that do not agree."""
         if not blocked:
             return select_topk(self.scores(x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, q_offset=q_offset), k,
                                q_offset=q_offset)
