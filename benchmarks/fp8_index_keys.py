@@ -1,5 +1,9 @@
-"""FP8 indexer keys (issue 28): the top-k they select against fp32 keys on the trained model, the loss change,
-and the bytes and step time of DSA decode at 32K.
+"""FP8 indexer keys (issues 28 and 39): the top-k they select against fp32 keys on the trained model, the loss
+change, and the bytes and step time of DSA decode at 32K; since issue 39 the keys are scored without
+dequantizing, (q . k8) x scale (`fp8_keys.Fp8Keys`), and every figure is also taken with the path before it
+("fp8 dequant": the cache dequantizes the keys, k8 x scale in fp32, and the indexer scores those, in the same
+process, interleaved; the code of commit faf3602, `FullBuffers.write` reproduced in `dequantizing` below, the
+indexer's scoring of fp32 keys being unchanged since).
 
 1. Quality, on the default trained run (`--model`, default runs/small: its checkpoints/latest), fp32 on CPU, at
    contexts `--contexts` (default 4K and 16K; the trained model has max_position_embeddings 4096, raised here on
@@ -15,7 +19,11 @@ and the bytes and step time of DSA decode at 32K.
      that select). Reported per layer (mean, minimum, fraction of queries with recall 1), then the mean and
      the minimum of the layer means.
    - pass fp8: the same prefill into `KVCache(index_cache_dtype="fp8")`. Delta loss = mean next-token NLL
-     (nats, over the L - 1 targets of each window) of pass fp8 minus pass fp32.
+     (nats, over the L - 1 targets of each window) of pass fp8 minus pass fp32. Pass fp8 dequant: the same, by
+     the path before issue 39 (`dequantizing`).
+   - fp8 scaled (issue 39): in pass fp32, the same queries also select from the quantized keys scored without
+     dequantizing (`Fp8Keys`): its recall, and the share of queries whose selection equals the dequantized fp8
+     keys' ("fp8") exactly, indices in order.
    - bf16 keys (k rounded to bfloat16, the usual GPU cache dtype): recall only, to show how much of the
      miss any rounding of the keys causes at this k and context.
    - `--hadamard`: also the keys (and, equivalently, the queries) rotated by the normalised Hadamard matrix
@@ -27,7 +35,9 @@ and the bytes and step time of DSA decode at 32K.
    cache buffers' sizes: fp32 keys S x 128 x 4 B; fp8 keys S x 128 x 1 B + the scales S x 4 B) and the decode
    step time, `glm5lab.infer.decode_step` on each cache then a rewind (`KVCache.truncate`), interleaved
    (fp32, fp8, fp32, ...), medians of `--decode-steps` after 3 warm-up steps each; plus the indexer part of a
-   step alone (scores over the cached keys: fp32 keys vs dequantize + scores). The fp32 cache is filled by
+   step alone (scores over the cached keys: fp32 keys, dequantize + scores, `Fp8Keys` scores) and the
+   conversions of the 32K x 128 cached fp8 values to fp32 (torch's, a 256-entry lookup table indexed by the codes,
+   the bits moved through fp16: `fp8_keys.matmul_values`). The fp32 cache is filled by
    `glm5lab.infer.prefill`; the fp8 cache gets the same latents and the fp32 keys quantized
    (`quantize_per_token`), which is exactly what an fp8 prefill writes on this one-layer model (its layer's
    input is the embedding, so keys and latents do not depend on the cache).
@@ -36,9 +46,12 @@ Goals (issue 28): recall >= 0.99 at 4K and 16K (the minimum over layers of the p
 fewer index-key bytes per decode step at 32K (the values; with the 4-byte scale per token it is 512 / 132 =
 3.88x for 128-wide keys, printed as measured). Run time, 1 thread, loaded 2-core machine: --quick ~30 s; the
 default ~5 min (16K: ~2 min per window with --hadamard; the decode part ~1.5 min, its compilation included).
+Goals (issue 39): the fp8 decode step at 32K no slower than the fp32-key step, eager and compiled; the fp8 NLL
+and selections those of the path before it.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_index_keys.py --threads 1
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fp8_index_keys.py --threads 1 --quick
+    python benchmarks/fp8_index_keys.py --device cuda --skip-quality     # the decode part on a GPU (fp32 model)
 
 Prints markdown tables and the goals' verdicts, then one JSON line with every figure.
 """
@@ -59,9 +72,33 @@ from common import markdown_table, median, print_json_line, resolve_checkpoint, 
 from glm5lab import GLM5ForCausalLM, ModelConfig
 from glm5lab.environment import env_facts, git_commit, load_average
 from glm5lab.model.cache import KVCache
-from glm5lab.model.fp8_keys import dequantize, fp8_roundtrip, quantize_per_token
+from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, Fp8Keys, dequantize, fp8_roundtrip, matmul_values, \
+    quantize_per_token
 
-GOALS = {"recall": 0.99, "bytes_ratio": 4.0}
+GOALS = {"recall": 0.99, "bytes_ratio": 4.0, "step_ratio": 1.0, "recall_change": 1e-4, "nll_change": 1e-5}
+"""Issue 39's "recall and loss unchanged": within 1e-4 of recall (the 4th decimal printed) and 1e-5 nats (fp32
+rounding of the scores moves only near-ties: the share of queries whose selection differs is printed)."""
+
+
+def dequantizing(cache: KVCache) -> KVCache:
+    """`cache` (fp8 keys) made to hand the indexer dequantized keys, as before issue 39: each fp8 layer state's
+    `write` replaced, on the instance, by `FullBuffers.write` of commit faf3602 (store quantized, return k8 x
+    scale in the new keys' dtype); the indexer then scores them as fp32 keys, code unchanged since. Returns it."""
+    for state in cache.states:
+        if getattr(state, "fp8", None):
+            state.write = _old_write.__get__(state)
+    return cache
+
+
+def _old_write(self, name: str, new_BT: torch.Tensor, step) -> torch.Tensor:
+    rows_B1, slots_BT = step.slots()
+    buf = self.buffers[name]
+    if name not in self.fp8:
+        buf[rows_B1, slots_BT] = new_BT.to(buf.dtype)
+        return buf[:, :step.extent].to(new_BT.dtype)
+    scales = self.buffers[SCALE_BUFFERS[name]]
+    buf[rows_B1, slots_BT], scales[rows_B1, slots_BT] = quantize_per_token(new_BT)
+    return dequantize(buf[:, :step.extent], scales[:, :step.extent], new_BT.dtype)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,10 +160,12 @@ def rotated_roundtrip(H: torch.Tensor):
 
 class RecallProbe:
     """Wraps each "own" indexer's `topk`: also selects from the keys passed through each variant's key map
-    and records, per layer, recall = |variant top-k n fp32 top-k| / k of every query at position >= k."""
+    and records, per layer, recall = |variant top-k n fp32 top-k| / k of every query at position >= k, and for
+    "fp8_scaled" whether its selection equals variant "fp8"'s exactly, as a list and as a set (`same`, per
+    query: [N, 2] bool)."""
 
     def __init__(self, model, variants: dict):
-        self.variants, self.recalls, self.originals = variants, {}, []
+        self.variants, self.recalls, self.same, self.originals = variants, {}, {}, []
         for i, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             if getattr(attn, "spec", None) is not None and attn.spec.indexer == "own" and attn.indexer is not None:
@@ -139,9 +178,15 @@ class RecallProbe:
             pos_T = q_offset[0] + torch.arange(x.shape[1]) if torch.is_tensor(q_offset) else q_offset + torch.arange(x.shape[1])
             keep_T = pos_T >= k
             if keep_T.any():
+                chosen = {}
                 for name, key_map in self.variants.items():
                     got = topk(x, q_lat, key_map(k_BSJ), cos, sin, k, q_offset=q_offset, blocked=blocked)
-                    self.recalls.setdefault((name, i), []).append(_recall(ref.idx_BTK[0, keep_T], got.idx_BTK[0, keep_T]))
+                    chosen[name] = got.idx_BTK[0, keep_T]
+                    self.recalls.setdefault((name, i), []).append(_recall(ref.idx_BTK[0, keep_T], chosen[name]))
+                if "fp8_scaled" in chosen:
+                    a, b = chosen["fp8_scaled"], chosen["fp8"]
+                    same_set = (a.sort(-1).values == b.sort(-1).values).all(-1)
+                    self.same.setdefault(i, []).append(torch.stack([(a == b).all(-1), same_set], -1))
             return ref
         return probed
 
@@ -155,11 +200,14 @@ def _recall(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     return (a_NK[:, :, None] == b_NK[:, None, :]).any(-1).float().mean(-1)
 
 
-def nll_pass(model, ids_1L: torch.Tensor, chunk: int, **cache_options) -> tuple[float, int]:
+def nll_pass(model, ids_1L: torch.Tensor, chunk: int, old: bool = False, **cache_options) -> tuple[float, int]:
     """(summed next-token NLL in nats, targets) of one window through a fresh cache, chunk by chunk (the
-    cached prefill of `glm5lab.infer.prefill`, keeping every position's logits)."""
+    cached prefill of `glm5lab.infer.prefill`, keeping every position's logits); old: the fp8 path before issue
+    39 (`dequantizing`)."""
     L = ids_1L.shape[1]
     cache = KVCache.for_model(model, 1, L, **cache_options)
+    if old:
+        dequantizing(cache)
     total = 0.0
     for c0 in range(0, L, chunk):
         ids = ids_1L[:, c0:c0 + chunk]
@@ -176,7 +224,7 @@ def quality(args, model, checkpoint) -> dict:
     from glm5lab.data.pipeline import held_out_prompts
 
     cfg, k = model.config, model.config.index_topk
-    variants = {"fp8": fp8_roundtrip}
+    variants = {"fp8": fp8_roundtrip, "fp8_scaled": lambda k_BSJ: Fp8Keys(*quantize_per_token(k_BSJ))}
     if args.hadamard:
         variants["fp8_hadamard"] = rotated_roundtrip(hadamard(cfg.index_head_dim))
     variants["bf16"] = lambda k_BSJ: k_BSJ.to(torch.bfloat16).float()  # for scale: recall only, no NLL pass
@@ -185,7 +233,7 @@ def quality(args, model, checkpoint) -> dict:
         t0 = time.perf_counter()
         windows, info = held_out_prompts(checkpoint, n, L)
         probe = RecallProbe(model, variants)
-        nll = {name: 0.0 for name in ("fp32", *variants) if name != "bf16"}
+        nll = {name: 0.0 for name in ("fp32", "fp8_dequant", *variants) if name not in ("bf16", "fp8_scaled")}
         targets = 0
         try:
             for w in windows:
@@ -198,11 +246,13 @@ def quality(args, model, checkpoint) -> dict:
         for w in windows:
             ids = torch.tensor([w])
             nll["fp8"] += nll_pass(model, ids, args.chunk, index_cache_dtype="fp8")[0]
+            nll["fp8_dequant"] += nll_pass(model, ids, args.chunk, old=True, index_cache_dtype="fp8")[0]
             if "fp8_hadamard" in variants:
                 nll["fp8_hadamard"] += hadamard_nll(model, ids, args.chunk, variants["fp8_hadamard"])
         out[L] = {"windows": n, "targets": targets, "index_topk": k, "val_windows": info["windows"],
                   "nll": {name: v / targets for name, v in nll.items()},
                   "recall": summarise(probe.recalls, variants), "seconds": time.perf_counter() - t0,
+                  "same_selection_scaled_vs_dequant": same_selection(probe.same),
                   "load_average": load_average()}
         log(f"context {L}: {time.perf_counter() - t0:.0f} s, load {load_average()}")
     return out
@@ -221,6 +271,16 @@ def hadamard_nll(model, ids, chunk: int, key_map) -> float:
             del ix.keys
 
 
+def same_selection(same: dict) -> dict:
+    """Per layer and over all: the share of queries whose fp8-scaled selection equals the fp8 one exactly, the
+    same indices in the same order ("list") and the same indices in any order ("set")."""
+    layers = {i: torch.cat(v) for i, v in sorted(same.items())}
+    allq = torch.cat(list(layers.values())) if layers else torch.zeros(0, 2, dtype=torch.bool)
+    share = lambda v, c: float(v[:, c].float().mean()) if v.shape[0] else None  # noqa: E731
+    return {"per_layer": {i: {"list": share(v, 0), "set": share(v, 1)} for i, v in layers.items()},
+            "list": share(allq, 0), "set": share(allq, 1), "queries": int(allq.shape[0])}
+
+
 def summarise(recalls: dict, variants: dict) -> dict:
     out = {}
     for name in variants:
@@ -237,13 +297,14 @@ def summarise(recalls: dict, variants: dict) -> dict:
 
 # -- 2. decode cost on the bench preset ------------------------------------------------------------
 
-def bench_model(T: int):
-    """The bench-width one-layer model of benchmarks/long_context.py (`make_model` with ["full"]), seed 0."""
+def bench_model(T: int, device):
+    """The bench-width one-layer model of benchmarks/long_context.py (`make_model` with ["full"]), seed 0, fp32 on
+    `device`."""
     cfg = ModelConfig.from_preset("bench", num_hidden_layers=1, indexer_types=["full"], mlp_layer_types=["dense"],
                                   intermediate_size=256, num_nextn_predict_layers=0,
                                   max_position_embeddings=max(16384, T + 1))
     torch.manual_seed(0)
-    return GLM5ForCausalLM(cfg).eval()
+    return GLM5ForCausalLM(cfg).eval().to(device)
 
 
 def fp8_copy(model, cache: KVCache, T: int) -> KVCache:
@@ -258,6 +319,27 @@ def fp8_copy(model, cache: KVCache, T: int) -> KVCache:
     return fp8
 
 
+LUT = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+"""torch's fp32 value of every float8_e4m3fn code: the lookup table the conversion cases index."""
+
+
+def conversions(k8_SJ: torch.Tensor) -> dict:
+    """Ways to get the fp32 values of k8 (float8_e4m3fn [S, J]) for a matmul, each checked equal to torch's on
+    these values (no NaN codes): torch's conversion, the 256-entry table indexed by the codes (int32 index_select,
+    int64 take), and `matmul_values` (the bits moved, unit 2^-8 on the CPU; torch's conversion elsewhere)."""
+    lut, flat = LUT.to(k8_SJ.device), k8_SJ.reshape(-1)
+    cases = {"convert_torch": lambda: k8_SJ.float(),
+             "convert_lut_index_select": lambda: lut.index_select(0, flat.view(torch.uint8).int()).view(k8_SJ.shape),
+             "convert_lut_take": lambda: lut.take(flat.view(torch.uint8).long()).view(k8_SJ.shape),
+             "convert_bits": lambda: matmul_values(k8_SJ)[0] / matmul_values(k8_SJ[:1])[1]}
+    ref = k8_SJ.float()
+    for name, fn in cases.items():
+        if not torch.equal(fn(), ref):
+            raise SystemExit(f"{name}: differs from torch's conversion")
+    cases["convert_bits"] = lambda: matmul_values(k8_SJ)  # timed without the check's division
+    return cases
+
+
 @torch.no_grad()
 def decode_cost(args, device) -> dict:
     from glm5lab.infer import decode_step, prefill
@@ -265,7 +347,7 @@ def decode_cost(args, device) -> dict:
     from glm5lab.model.rope import rope_angles
 
     T = args.decode_context
-    model = bench_model(T)
+    model = bench_model(T, device)
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(1), device="cpu").to(device)
     t0 = time.perf_counter()
@@ -273,15 +355,16 @@ def decode_cost(args, device) -> dict:
     prefill(model, ids, c32, chunk=args.chunk)
     log(f"decode part: prefill of {T} tokens {time.perf_counter() - t0:.0f} s")
     c8 = fp8_copy(model, c32, T)
-    tok = torch.tensor([7])
-    caches = {"fp32": c32, "fp8": c8}
+    tok = torch.tensor([7], device=device)
+    caches = {"fp32": c32, "fp8": c8, "fp8_dequant": dequantizing(fp8_copy(model, c32, T))}
     values = {name: c.states[0].buffers["index_keys"][:, :T].nbytes for name, c in caches.items()}
     read = {name: values[name] + (c.states[0].buffers["index_key_scales"][:, :T].nbytes if c.index_fp8 else 0)
             for name, c in caches.items()}
 
     layer = model.model.layers[0]
     attn, ix = layer.self_attn, layer.self_attn.indexer
-    cos, sin = rope_angles(torch.tensor([[T]]), cfg.qk_rope_head_dim, cfg.rope_theta)
+    pos = torch.tensor([T], device=device)
+    cos, sin = rope_angles(pos[None], cfg.qk_rope_head_dim, cfg.rope_theta)
     x = layer.input_layernorm(model.model.embed_tokens(tok[:, None]))
     q_lat = attn.project(x, cos, sin)[2]
 
@@ -294,15 +377,17 @@ def decode_cost(args, device) -> dict:
             return out
         return fn
 
-    def scoring(name):
-        keys = c32.states[0].buffers["index_keys"][:, :T]
-        k8, s8 = c8.states[0].buffers["index_keys"][:, :T], c8.states[0].buffers["index_key_scales"][:, :T]
-        if name == "fp32":
-            return lambda: ix.scores(x, q_lat, keys, cos, sin, q_offset=torch.tensor([T]))
-        return lambda: ix.scores(x, q_lat, dequantize(k8, s8, torch.float32), cos, sin, q_offset=torch.tensor([T]))
-
+    keys = c32.states[0].buffers["index_keys"][:, :T]
+    k8, s8 = c8.states[0].buffers["index_keys"][:, :T], c8.states[0].buffers["index_key_scales"][:, :T]
+    scored = {"fp32": lambda: keys, "fp8": lambda: Fp8Keys(k8, s8),
+              "fp8_dequant": lambda: dequantize(k8, s8, torch.float32)}
     cases = {f"step_{m}_{n}": step(n, m) for m in args.modes for n in caches}
-    cases |= {f"scores_eager_{n}": scoring(n) for n in caches}
+    cases |= {f"scores_eager_{n}": (lambda f: lambda: ix.scores(x, q_lat, f(), cos, sin, q_offset=pos))(f)
+              for n, f in scored.items()}
+    cases |= conversions(k8[0])
+    same = {n: torch.equal(ix.topk(x, q_lat, f(), cos, sin, cfg.index_topk, q_offset=pos, blocked=False).idx_BTK,
+                           ix.topk(x, q_lat, scored["fp8_dequant"](), cos, sin, cfg.index_topk, q_offset=pos,
+                                   blocked=False).idx_BTK) for n, f in scored.items() if n == "fp8"}
     with torch.no_grad():
         t0 = time.perf_counter()
         for fn in cases.values():
@@ -313,12 +398,18 @@ def decode_cost(args, device) -> dict:
         for _ in range(args.decode_steps):
             for name, fn in cases.items():
                 times[name].append(timed(fn, device)[0])
+    logits = {n: decode_step(model, tok, c, compiled=None).float() for n, c in caches.items()}
+    for c in caches.values():
+        c.truncate(T)
     return {"context": T, "capacity": c32.capacity, "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk,
             "index_key_bytes_read": read, "bytes_ratio": read["fp32"] / read["fp8"],
             "index_key_value_bytes": values, "values_ratio": values["fp32"] / values["fp8"],
             "bytes_per_token": {n: read[n] / T for n in read}, "modes": args.modes,
             "compile_seconds": compiled.seconds if compiled is not None else None,
             "ms": {name: 1e3 * median(v) for name, v in times.items()}, "steps": args.decode_steps,
+            "topk_fp8_equals_dequant": same["fp8"],
+            "next_token": {n: int(v.argmax()) for n, v in logits.items()},
+            "logits_max_abs_diff_fp8_vs_dequant": float((logits["fp8"] - logits["fp8_dequant"]).abs().max()),
             "load_average": load_average()}
 
 
@@ -355,6 +446,18 @@ def print_tables(rec: dict) -> None:
               "recall 1) and next-token NLL (nats) with fp32 vs fp8 index keys:\n")
         print(markdown_table(["context", "keys", "windows", "targets", "recall mean", "recall min layer",
                               "recall 1", "NLL fp32 keys", "NLL these keys", "delta NLL", "load avg"], rows))
+        rows = []
+        for L, r in q.items():
+            same, rec_ = r["same_selection_scaled_vs_dequant"], r["recall"]
+            rows.append([L, same["queries"], f"{same['list']:.5f}", f"{same['set']:.5f}",
+                         f"{rec_['fp8_scaled']['mean_over_layers'] - rec_['fp8']['mean_over_layers']:+.1e}",
+                         f"{r['nll']['fp8']:.6f}", f"{r['nll']['fp8_dequant']:.6f}",
+                         f"{r['nll']['fp8'] - r['nll']['fp8_dequant']:+.2e}"])
+        print("\nIssue 39: fp8 keys scored without dequantizing (fp8 scaled; pass fp8) against the path before it "
+              "(fp8; pass fp8 dequant): share of queries selecting the same keys in the same order / as a set, the "
+              "recall difference and the NLL of both passes:\n")
+        print(markdown_table(["context", "queries", "same list", "same set", "recall mean difference",
+                              "NLL fp8 (scaled after the dot)", "NLL fp8 dequant (before)", "difference"], rows))
     d = rec["decode"]
     if d:
         b, ms = d["index_key_bytes_read"], d["ms"]
@@ -365,10 +468,17 @@ def print_tables(rec: dict) -> None:
                               *[f"decode step ms, {m}" for m in d["modes"]], "indexer scores ms, eager"],
                              [[n, f"{b[n]:,}", f"{d['bytes_per_token'][n]:g}",
                                *[f"{ms[f'step_{m}_{n}']:.2f}" for m in d["modes"]], f"{ms[f'scores_eager_{n}']:.2f}"]
-                              for n in ("fp32", "fp8")]))
-        ratios = ", ".join(f"{m} {ms[f'step_{m}_fp8'] / ms[f'step_{m}_fp32']:.3f}" for m in d["modes"])
+                              for n in ("fp32", "fp8", "fp8_dequant")]))
+        ratios = ", ".join(f"{m} {ms[f'step_{m}_fp8'] / ms[f'step_{m}_fp32']:.3f} (before issue 39: "
+                           f"{ms[f'step_{m}_fp8_dequant'] / ms[f'step_{m}_fp32']:.3f})" for m in d["modes"])
         print(f"\nindex-key bytes ratio fp32 / fp8 = {d['bytes_ratio']:.3f} (4 x {d['index_head_dim']} / "
               f"({d['index_head_dim']} + 4)); decode step time fp8 / fp32: {ratios}")
+        conv = [[n.removeprefix("convert_"), f"{v:.2f}", f"{d['context'] * d['index_head_dim'] / v / 1e3:.0f}"]
+                for n, v in ms.items() if n.startswith("convert_")]
+        print(f"\nfp8 -> fp32 conversion of the {d['context']} x {d['index_head_dim']} cached values (eager):\n")
+        print(markdown_table(["conversion", "ms", "M values/s"], conv))
+        print(f"\nfp8 top-k == fp8 dequant top-k at this step: {d['topk_fp8_equals_dequant']}; next token "
+              f"{d['next_token']}; logits max |fp8 - fp8 dequant| {d['logits_max_abs_diff_fp8_vs_dequant']:.2e}")
     print("\nGoals:")
     for g, (ok, text) in rec["goals"].items():
         print(f"- {g}: {text}: {verdict(ok)}")
@@ -385,8 +495,21 @@ def goals(rec: dict) -> dict:
             h = r["recall"]["fp8_hadamard"]
             out[f"recall_{L}_hadamard"] = (h["min_over_layers"] >= GOALS["recall"],
                                            f"with the Hadamard rotation {h['min_over_layers']:.4f} >= {GOALS['recall']}")
+    for L, r in rec["quality"].items():
+        s8, s = r["recall"]["fp8"], r["recall"]["fp8_scaled"]
+        dr = max(abs(s["mean_over_layers"] - s8["mean_over_layers"]), abs(s["min_over_layers"] - s8["min_over_layers"]))
+        dn = r["nll"]["fp8"] - r["nll"]["fp8_dequant"]
+        out[f"unchanged_{L}"] = (dr <= GOALS["recall_change"] and abs(dn) <= GOALS["nll_change"],
+                                 f"issue 39 at {L}: recall (mean, min layer) moves by {dr:.1e} <= "
+                                 f"{GOALS['recall_change']} and NLL by {dn:+.1e} nats, |.| <= {GOALS['nll_change']}")
     d = rec["decode"]
     if d:
+        for m in d["modes"]:
+            ratio = d["ms"][f"step_{m}_fp8"] / d["ms"][f"step_{m}_fp32"]
+            out[f"step_{m}"] = (ratio <= GOALS["step_ratio"],
+                                f"issue 39: fp8 decode step at {d['context']}, {m}: {ratio:.3f}x the fp32-key step "
+                                f"<= {GOALS['step_ratio']} (before: "
+                                f"{d['ms'][f'step_{m}_fp8_dequant'] / d['ms'][f'step_{m}_fp32']:.3f}x)")
         out["bytes"] = (d["values_ratio"] >= GOALS["bytes_ratio"],
                         f"index-key values read per decode step at {d['context']}: {d['values_ratio']:.2f}x fewer bytes "
                         f">= {GOALS['bytes_ratio']} (with the fp32 scale per token, keys + scales: "

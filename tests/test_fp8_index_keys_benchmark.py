@@ -1,5 +1,6 @@
 """benchmarks/fp8_index_keys.py on a tiny run folder (a random `tiny` model, index_topk 4, with the run's
-corpus and tokenizer): every figure is finite and in range, the bytes are the hand count, and a Hadamard
+corpus and tokenizer): every figure is finite and in range, the bytes are the hand count, the fp8 keys scored
+without dequantizing (issue 39) select and score as the dequantized ones did, and a Hadamard
 rotation, being orthogonal, leaves an fp32 dot product unchanged (fp32 tolerance)."""
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ def test_quick_run_on_a_tiny_run_folder(run_folder, capsys):
             assert set(s["per_layer"]) == {0, 2}  # tiny: "own" indexers on layers 0 and 2
             assert all(p["queries"] == r["windows"] * (L - 4) for p in s["per_layer"].values())
             assert 0.5 < s["min_over_layers"] <= s["mean_over_layers"] <= 1
+        # issue 39: fp8 keys scored without dequantizing select what the dequantized ones did, same loss
+        same = r["same_selection_scaled_vs_dequant"]
+        assert same["list"] == same["set"] == 1.0 and same["queries"] == 2 * r["windows"] * (L - 4)
+        assert rec["goals"][f"unchanged_{L}"]["met"]
+        assert abs(r["nll"]["fp8"] - r["nll"]["fp8_dequant"]) <= 1e-5
     d = rec["decode"]
-    assert d["index_key_bytes_read"] == {"fp32": 300 * 128 * 4, "fp8": 300 * (128 + 4)}
+    assert d["index_key_bytes_read"] == {"fp32": 300 * 128 * 4, "fp8": 300 * (128 + 4), "fp8_dequant": 300 * (128 + 4)}
+    assert d["topk_fp8_equals_dequant"] and d["next_token"]["fp8"] == d["next_token"]["fp8_dequant"]
+    assert {"convert_torch", "convert_lut_index_select", "convert_lut_take", "convert_bits"} <= set(d["ms"])
     assert d["values_ratio"] == 4 and d["bytes_ratio"] == 512 / 132
     assert all(math.isfinite(v) and v > 0 for v in d["ms"].values())
 
@@ -63,3 +71,9 @@ def test_hadamard_is_orthogonal_and_keeps_dot_products():
     torch.testing.assert_close((q @ H) @ (k @ H).T, q @ k.T, atol=1e-5, rtol=1e-5)
     with pytest.raises(SystemExit, match="power-of-two"):
         bench.hadamard(24)
+
+
+def test_quality_part_is_refused_on_cuda():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda"])
+    assert bench.parse_args(["--device", "cuda", "--skip-quality"]).device == "cuda"

@@ -33,7 +33,7 @@ import time
 SAMPLE_S = 0.1
 """Seconds of /proc/stat sampling (10 clock ticks of 10 ms per CPU: busy CPUs to +-0.1)."""
 BUSY_ENV = "GLM5LAB_BUSY_CPUS"
-COMPUTE_COMMANDS = ("train", "generate", "ablate", "report")
+COMPUTE_COMMANDS = ("train", "generate", "ablate", "report", "eval")
 """The CLI commands that take --threads and get this policy (glm5lab.cli.main)."""
 
 

@@ -34,7 +34,7 @@ import torch
 from typing import Protocol
 
 from glm5lab.config import LayerSpec, ModelConfig
-from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, dequantize, index_cache_fp8, quantize_per_token
+from glm5lab.model.fp8_keys import FP8, SCALE_BUFFERS, Fp8Keys, index_cache_fp8, quantize_per_token
 from glm5lab.model.step import Step
 from glm5lab.model.window_ring import WindowRing
 from glm5lab.validate import int_at_least
@@ -76,7 +76,8 @@ class FullBuffers:
     """The per-token buffers of one full-attention layer, `buffers` name -> [B, capacity, ...] zero-filled
     (`layer_buffers`' shapes in `dtype`). fp8: the indexer keys (`SCALE_BUFFERS`) stored as float8_e4m3fn, each
     with its fp32 per-token scales [B, capacity] in buffers[SCALE_BUFFERS[name]] (`glm5lab.model.fp8_keys`),
-    quantized on write and dequantized on read (`self.fp8`: those names). A `LayerState` whose rollback is
+    quantized on write and read back as `Fp8Keys` (values and scales, for the indexer to score without
+    dequantizing; `self.fp8`: those names). A `LayerState` whose rollback is
     free: slots past a row's length are never read."""
 
     bounded_rollback = None
@@ -92,7 +93,8 @@ class FullBuffers:
 
     def write(self, name: str, new_BT: torch.Tensor, step: Step) -> torch.Tensor:
         """Store new_BT ([B, T, ...]) at the step's slots; return the buffer's first `step.extent` slots
-        [B, S, ...] in new_BT's dtype (read back cast, or dequantized for an fp8 buffer)."""
+        [B, S, ...] in new_BT's dtype (read back cast), or for an fp8 buffer as `Fp8Keys` (views of the fp8 values
+        and their scales: the indexer scores them without dequantizing)."""
         rows_B1, slots_BT = step.slots()
         buf = self.buffers[name]
         if name not in self.fp8:
@@ -100,7 +102,7 @@ class FullBuffers:
             return buf[:, :step.extent].to(new_BT.dtype)
         scales = self.buffers[SCALE_BUFFERS[name]]
         buf[rows_B1, slots_BT], scales[rows_B1, slots_BT] = quantize_per_token(new_BT)
-        return dequantize(buf[:, :step.extent], scales[:, :step.extent], new_BT.dtype)
+        return Fp8Keys(buf[:, :step.extent], scales[:, :step.extent])
 
     def mask(self, step: Step, window: int | None) -> torch.Tensor:
         return step.mask(window)  # over slots 0..extent-1
@@ -127,7 +129,7 @@ class KVCache:
 
     index_cache_dtype: None / "auto" (the indexer keys in `dtype`, as everything else), or "fp8" /
     torch.float8_e4m3fn: "index_keys" in float8_e4m3fn plus "index_key_scales" fp32 [B, capacity], one scale per
-    token, quantized on write and dequantized on read (`glm5lab.model.fp8_keys`; DeepSeek-V3.2's serving
+    token, quantized on write and scored without dequantizing (`glm5lab.model.fp8_keys`; DeepSeek-V3.2's serving
     layout); a `dtype` of float8_e4m3fn implies it. ValueError for another value."""
 
     def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], batch: int, capacity: int, *,

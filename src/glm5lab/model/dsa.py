@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from glm5lab.config import ModelConfig
-from glm5lab.model.dsa_blocked import index_topk_blocked
+from glm5lab.model.dsa_blocked import index_scores_fp8, index_topk_blocked
+from glm5lab.model.fp8_keys import Fp8Keys
 from glm5lab.model.precision import FP32LayerNorm, FP32Linear, fp32_compute
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.topk import TopK, select_topk
@@ -63,11 +64,16 @@ class LightningIndexer(nn.Module):
         from the same scores block by block.
 
         x_BTD: hidden states of the queries (layer input after `input_layernorm`); q_lat_BTQ:
-        the MLA q latent after `q_a_layernorm`; k_BSJ: keys from `keys()` for positions 0..S-1;
+        the MLA q latent after `q_a_layernorm`; k_BSJ: keys from `keys()` for positions 0..S-1, or
+        `Fp8Keys` (an fp8 index cache's), scored as (q . k8) x scale without dequantizing
+        (`dsa_blocked.index_scores_fp8`; its reference: this call on `Fp8Keys.dequantize()`);
         cos/sin: angles of the query positions q_offset..q_offset+T-1. q_offset: an int, or a
         LongTensor [B] with one offset per row (cached decoding of rows of different lengths)."""
         B, T, _ = x_BTD.shape
         q_BTIJ, w_BTI = self.queries(x_BTD, q_lat_BTQ, cos_TR2, sin_TR2)
+        if isinstance(k_BSJ, Fp8Keys):
+            scores_BTS = index_scores_fp8(q_BTIJ, w_BTI, k_BSJ, scale=self.head_dim**-0.5)
+            return scores_BTS.masked_fill(~visible(q_offset, T, k_BSJ.shape[1], device=x_BTD.device), float("-inf"))
         with fp32_compute(x_BTD.device):
             dots_BTIS = torch.einsum("btij,bsj->btis", q_BTIJ.float(), k_BSJ.float()) * self.head_dim**-0.5
             scores_BTS = torch.einsum("bti,btis->bts", w_BTI, dots_BTIS.relu())
@@ -78,8 +84,9 @@ class LightningIndexer(nn.Module):
         by the blocked kernel (`dsa_blocked.index_topk_blocked`: scores per block of queries and keys, ReLU and
         head sum on the cache-resident block, one fp32 top-k per query block, O(T k + block x S) memory, one host
         read per call), which MLA runs for forwards that are neither decode-sized nor static (`Step`); else the
-        reference, which has no host synchronisation and is as fast at a few queries. No gradient (selection is
-        discrete). Raises ValueError for k < 1 or shapes that do not agree."""
+        reference, which has no host synchronisation and is as fast at a few queries. k_BSJ: a tensor or
+        `Fp8Keys` (both ways scored without dequantizing, see `scores`). No gradient (selection is discrete).
+        Raises ValueError for k < 1 or shapes that do not agree."""
         if not blocked:
             return select_topk(self.scores(x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, q_offset=q_offset), k,
                                q_offset=q_offset)
@@ -89,7 +96,10 @@ class LightningIndexer(nn.Module):
     def scores_at(self, x_BTD, q_lat_BTQ, k_BSJ, cos_TR2, sin_TR2, idx_BTK: torch.Tensor) -> torch.Tensor:
         """`scores(...)` at the K keys idx_BTK (int64 [B, T, K], positions in [0, S)) of each query: fp32 [B,
         T, K], differentiable in the indexer's inputs and weights, O(T K) work and memory (the sparse stage's
-        indexer KL). No causal mask: pass visible keys (`TopK.valid_BTK` says which slots are)."""
+        indexer KL). No causal mask: pass visible keys (`TopK.valid_BTK` says which slots are). `Fp8Keys` are
+        dequantized (training runs no cache; O(S J))."""
+        if isinstance(k_BSJ, Fp8Keys):
+            k_BSJ = k_BSJ.dequantize()
         (B, S, J), (T, K) = k_BSJ.shape, idx_BTK.shape[1:]
         q_BTIJ, w_BTI = self.queries(x_BTD, q_lat_BTQ, cos_TR2, sin_TR2)
         # index_select, not k[b, idx]: a key chosen by many queries gets its gradient summed in a fixed

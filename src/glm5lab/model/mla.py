@@ -27,6 +27,7 @@ from glm5lab.model.attention import (
 )
 from glm5lab.model.attention_blocked import attention_expanded_blocked
 from glm5lab.model.dsa import LightningIndexer
+from glm5lab.model.fp8_keys import Fp8Keys
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.step import LayerStep
@@ -174,10 +175,10 @@ class MLAttention(nn.Module):
             return self.indexer.topk(x_BTD, q_lat_BTQ, index_keys_BSJ, step.cos, step.sin, step.index_topk,
                                      q_offset=step.offsets, blocked=not (step.decode_sized or step.static))
 
-    def index_keys(self, x_BTD, step: LayerStep) -> torch.Tensor | None:
-        """The indexer keys of all S keys ([B, S, J]) on an "own" layer: written to the cache
-        whenever it keeps them (later steps score them), computed uncached only when DSA runs (then from the
-        detached input: selection takes no gradient, and the indexer KL reuses them, training the indexer only;
+    def index_keys(self, x_BTD, step: LayerStep) -> torch.Tensor | Fp8Keys | None:
+        """The indexer keys of all S keys ([B, S, J]; `Fp8Keys` from an fp8 index cache) on an "own" layer: written
+        to the cache whenever it keeps them (later steps score them), computed uncached only when DSA runs (then
+        from the detached input: selection takes no gradient, and the indexer KL reuses them, training the indexer only;
         under CP gathered from the group)."""
         if self.spec.indexer != "own":
             return None

@@ -195,7 +195,7 @@ class LayerStep:
 
     def write(self, name: str, new_BT: torch.Tensor) -> torch.Tensor:
         """Store new_BT ([B, T, ...]) in the layer's state; return buffer `name` [B, S, ...] in new_BT's
-        dtype (`FullBuffers.write`: read back cast, fp8 keys dequantized; `WindowRing.write`: the keys of
+        dtype (`FullBuffers.write`: read back cast, fp8 keys as `Fp8Keys`; `WindowRing.write`: the keys of
         `ring_key_positions`). With no cache, returns new_BT itself (S = T), or under context parallelism the
         whole sequence's entries [B, extent, ...] gathered from the CP group (`ContextParallel.gather`)."""
         if self._state is not None:
