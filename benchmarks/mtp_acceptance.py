@@ -111,7 +111,8 @@ def measure_context(model, checkpoint, L: int, args) -> dict:
         for name, (a, b) in (("text", (L - G - 1, L - 1)), ("gen", (L - 1, S - DEPTHS - 1))):
             r = regions[name]
             for t in range(a, b):
-                got = {"train": [train[j][t] for j in range(DEPTHS)], "draft": chain(model, stream, ids, t, reset=False),
+                got = {"train": [train[j][t] for j in range(DEPTHS)],
+                       "draft": chain(model, stream, ids, t, reset=False),
                        "reset": chain(model, stream, ids, t, reset=True)}
                 want = [main[t + j + 1] for j in range(DEPTHS)]
                 r["positions"] += 1

@@ -1,6 +1,7 @@
 """`benchmarks/mtp_acceptance.py`: its teacher-forced draft chain is the draft path `glm5lab.infer.steps.draft`
 runs (fed the drafts `draft` chose, it returns them, token ids exactly, fp32), its depth 1 is the training
-forward's, the MTP cache is left as it was, and the loop and copy classifiers find hand-made periods and repeated 4-grams."""
+forward's, the MTP cache is left as it was, and the loop and copy classifiers find hand-made periods and
+repeated 4-grams."""
 
 from __future__ import annotations
 
