@@ -41,7 +41,8 @@ def test_parse_threads_accepts_1_to_cpus_and_names_the_range_otherwise():
             parse_threads(bad, cpus=2)
 
 
-REQUIRED = {"train": [], "generate": ["--model", "m", "--prompt", "x"], "ablate": ["mla"], "report": ["run"]}
+REQUIRED = {"train": [], "generate": ["--model", "m", "--prompt", "x"], "ablate": ["mla"], "report": ["run"],
+            "eval": ["blimp", "run"]}  # eval: a group, --threads on each subcommand
 
 
 @pytest.mark.parametrize("command", COMPUTE_COMMANDS)

@@ -1,9 +1,9 @@
 """The `glm5lab` command: one entry point, one subcommand per task, thin over the library.
 
-Commands: ledger, train, generate, ablate, report, tokenize, export; `glm5lab COMMAND -h` lists a command's
+Commands: ledger, train, generate, ablate, report, tokenize, export, eval (a group: eval blimp); `glm5lab COMMAND -h` lists a command's
 flags (the parsers below are their one definition).
 
-train, generate, ablate and report take --threads N; without it the CPU threads follow
+train, generate, ablate, report and every eval subcommand take --threads N; without it the CPU threads follow
 `glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from glm5lab.cli.ablate import add_ablate_parser
+from glm5lab.cli.eval import add_eval_parser
 from glm5lab.cli.export import add_export_parser
 from glm5lab.cli.generate import add_generate_parser
 from glm5lab.cli.report import add_report_parser
@@ -43,7 +44,7 @@ from glm5lab.serve_fit import serve_fit, serve_fit_text
 from glm5lab.tensor_parallel import check_tp, render_tp, tp_serve
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
-from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
+from glm5lab.threads import COMPUTE_COMMANDS, add_threads_flag
 from glm5lab.threads import configure as configure_threads
 from glm5lab.parallel.launcher import exit_with_launcher
 from glm5lab.validate import DTYPES, refuse
@@ -480,12 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_tokenize_parser(sub)
     add_export_parser(sub)
+    add_eval_parser(sub)
     for name in COMPUTE_COMMANDS:
-        sub.choices[name].add_argument(
-            "--threads", type=parse_threads, metavar="N",
-            help="torch CPU threads, 1 to the usable CPUs; wins over OMP_NUM_THREADS (default: OMP_NUM_THREADS "
-            "if set, else one per CPU that other processes leave free, with a notice when that is fewer than "
-            "all: docs/threads.md)")
+        if name != "eval":  # a group: each of its subcommands takes --threads itself (glm5lab.cli.eval)
+            add_threads_flag(sub.choices[name])
     return parser
 
 
