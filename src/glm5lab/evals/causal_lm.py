@@ -40,7 +40,7 @@ def glm5lab_lm(path, *, device, flag: str = "RUN_OR_CHECKPOINT") -> CausalLM:
     tokenizer.json of the checkpoint (or of `path`). Raises ValueError in one line naming `flag` when `path` is no
     such folder or has no tokenizer."""
     from glm5lab.checkpoints.export import resolve_checkpoint
-    from glm5lab.data.tokenizer import EOT, TOKENIZER_FILE, eot_id, load_tokenizer
+    from glm5lab.data.tokenizer import TOKENIZER_FILE, load_tokenizer
     from glm5lab.model.model import GLM5ForCausalLM
 
     folder = resolve_checkpoint(path, flag)
@@ -48,10 +48,18 @@ def glm5lab_lm(path, *, device, flag: str = "RUN_OR_CHECKPOINT") -> CausalLM:
     if place is None:
         raise ValueError(f"{flag} {path}: no {TOKENIZER_FILE} in {folder} (nor in {path}); BLiMP scores text, so "
                          "the model needs its tokenizer")
-    tokenizer = load_tokenizer(place)
     model = GLM5ForCausalLM.from_pretrained(folder, dtype=torch.float32, device=device).eval()
-    return CausalLM(str(folder), lambda ids, mask: model(ids).logits, lambda text: tokenizer.encode(text).ids,
-                    eot_id(tokenizer), EOT, model.config.max_position_embeddings, torch.device(device))
+    return model_lm(model, load_tokenizer(place), str(folder))
+
+
+def model_lm(model, tokenizer, name: str, *, use_dsa: bool | None = None) -> CausalLM:
+    """A GLM5ForCausalLM already in memory (on its own device, in the mode the caller set: eval for scoring) and
+    its `tokenizers` tokenizer; use_dsa as the model's forward takes it (None: its config's)."""
+    from glm5lab.data.tokenizer import EOT, eot_id
+
+    return CausalLM(name, lambda ids, mask: model(ids, use_dsa=use_dsa).logits,
+                    lambda text: tokenizer.encode(text).ids, eot_id(tokenizer), EOT,
+                    model.config.max_position_embeddings, next(model.parameters()).device)
 
 
 def hf_lm(folder, *, device, flag: str = "--hf") -> CausalLM:
