@@ -219,3 +219,14 @@ def test_bad_input_is_refused_in_one_line(capsys, glm5lab_folder, args, line):
     status, out, err = cli(capsys, *[a.format(ckpt=glm5lab_folder) for a in args])
     assert status == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
+
+
+def test_batched_glm5lab_scores_equal_one_sentence_at_a_time(glm5lab_folder):
+    """Right padding must not reach a real position through attention, DSA's top-k or the MoE router."""
+    from glm5lab.evals.causal_lm import glm5lab_lm
+
+    lm = glm5lab_lm(glm5lab_folder, device="cpu")
+    seqs = [[lm.prefix, *lm.encode(s)] for pair in SENTENCES for s in pair]
+    alone = [sequence_logprobs(lm.logits_fn, [s])[0] for s in seqs]
+    assert len({len(s) for s in seqs}) > 1
+    assert sequence_logprobs(lm.logits_fn, seqs, batch_size=4) == pytest.approx(alone, abs=1e-4)
