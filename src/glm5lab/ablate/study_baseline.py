@@ -27,7 +27,7 @@ Every arm of a seed sees the same batches in the same order (`text_batches`: glo
 validation loss (nats/token) and bits per byte (`evals.bpb`) over fixed validation windows (the whole split at
 the cpu size), the GLM-5 arm with DSA on as in its last stage; BLiMP accuracy (`glm5lab.evals.blimp`, the
 mean over paradigms of the first SIZES[...]["blimp"] pairs of each: 50 of 1,000 at the cpu size, about 6,700
-sentences, a minute per arm); training wall seconds (sum of `fit`'s step
+sentences, about 30 s per arm at one thread); training wall seconds (sum of `fit`'s step
 times, no evaluation) and training tokens per second. Comparisons are paired by seed (`ablate.stats`).
 
 Sizes: "cpu" (default) 168 steps (120/16/32) of 8 x 256 tokens, 2 seeds: 19 minutes at one thread (on a shared

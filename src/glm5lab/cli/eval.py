@@ -32,9 +32,10 @@ def add_blimp_parser(evals) -> argparse.ArgumentParser:
         "simple LM method: a pair is right when the whole good sentence has a higher total log-probability than "
         "the bad one (every token scored, the first given the start-of-text token: <|endoftext|> for glm5lab, the "
         "tokenizer's BOS else EOS for --hf; a tie is wrong). Prints accuracy per phenomenon (the paper's 12) and "
-        "overall (mean over the 67 paradigms) with a 95%% normal-approximation interval, the published models "
+        "overall (mean over the 67 paradigms) with a 95% normal-approximation interval, the published models "
         "beside; writes blimp.json (blimp-limitN.json with --limit) into the folder given, or --out. fp32. The "
-        "whole benchmark's time on the default run is in BENCHMARKS.md.")
+        "whole benchmark on the default run: about 14 minutes at one CPU thread on a shared 2-core machine "
+        "(BENCHMARKS.md); --limit 50: about 30 s.")
     p.add_argument("model", nargs="?", metavar="RUN_OR_CHECKPOINT", help="a `glm5lab train` run folder (its latest "
                    "checkpoint), a checkpoint folder, or an HF GLM-5 folder")
     p.add_argument("--hf", metavar="FOLDER", help="instead: any transformers causal LM folder "
