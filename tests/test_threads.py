@@ -42,7 +42,7 @@ def test_parse_threads_accepts_1_to_cpus_and_names_the_range_otherwise():
 
 
 REQUIRED = {"train": [], "generate": ["--model", "m", "--prompt", "x"], "ablate": ["mla"], "report": ["run"],
-            "eval": ["blimp", "run"]}  # eval: a group, --threads on each subcommand
+            "eval": ["perplexity", "run", "text"]}
 
 
 @pytest.mark.parametrize("command", COMPUTE_COMMANDS)

@@ -34,17 +34,7 @@ SAMPLE_S = 0.1
 """Seconds of /proc/stat sampling (10 clock ticks of 10 ms per CPU: busy CPUs to +-0.1)."""
 BUSY_ENV = "GLM5LAB_BUSY_CPUS"
 COMPUTE_COMMANDS = ("train", "generate", "ablate", "report", "eval")
-"""The CLI commands that take --threads and get this policy (glm5lab.cli.main); `eval` is a group whose every
-subcommand takes --threads (glm5lab.cli.eval)."""
-
-
-def add_threads_flag(parser) -> None:
-    """Add --threads N (`parse_threads`) to an argparse parser."""
-    parser.add_argument(
-        "--threads", type=parse_threads, metavar="N",
-        help="torch CPU threads, 1 to the usable CPUs; wins over OMP_NUM_THREADS (default: OMP_NUM_THREADS "
-        "if set, else one per CPU that other processes leave free, with a notice when that is fewer than "
-        "all: docs/threads.md)")
+"""The CLI commands that take --threads and get this policy (glm5lab.cli.main)."""
 
 
 def usable_cpus() -> int:

@@ -1,7 +1,7 @@
 """The `glm5lab` command: one entry point, one subcommand per task, thin over the library.
 
-Commands: ledger, train, generate, ablate, report, tokenize, export, eval (a group: eval blimp); `glm5lab COMMAND -h` lists a command's
-flags (the parsers below are their one definition).
+Commands: ledger, train, generate, ablate, report, tokenize, export, eval (a group: eval perplexity,
+eval blimp); `glm5lab COMMAND -h` lists a command's flags (the parsers below are their one definition).
 
 train, generate, ablate, report and every eval subcommand take --threads N; without it the CPU threads follow
 `glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
@@ -44,7 +44,7 @@ from glm5lab.serve_fit import serve_fit, serve_fit_text
 from glm5lab.tensor_parallel import check_tp, render_tp, tp_serve
 from glm5lab.ledger import ledger, render
 from glm5lab.presets import PRESETS
-from glm5lab.threads import COMPUTE_COMMANDS, add_threads_flag
+from glm5lab.threads import COMPUTE_COMMANDS, parse_threads
 from glm5lab.threads import configure as configure_threads
 from glm5lab.parallel.launcher import exit_with_launcher
 from glm5lab.validate import DTYPES, refuse
@@ -217,8 +217,8 @@ def _sigterm_stops_the_run():
 
 NAMED_FLAGS = (("quick", "quick"), ("stages", "stages"), ("steps", "steps"), ("optimizer", ""), ("seed", "seed"),
                ("seq_len", "seq"), ("batch_size", "batch"), ("bias_update_rate", "bias"), ("data", "data-"),
-               ("lr", "lr"), ("grad_accum", "accum"))
-"""The train arguments that change what is trained, in the order they name a default run folder:
+               ("lr", "lr"), ("grad_accum", "accum"), ("val_data", "val-"))
+"""The train arguments that change what is trained or scored, in the order they name a default run folder:
 (argument, prefix in the folder name); one at the default run's value (`Recipe.flag_values`) does not name it."""
 
 
@@ -226,8 +226,8 @@ def default_out(args: argparse.Namespace) -> str:
     """The run folder `glm5lab train` writes to without --out: runs/ + what ran, so runs do not collide: the
     preset (or config-NAME for --config, init-NAME for --init), then each argument of NAMED_FLAGS that differs
     from its default, e.g. runs/small, runs/small-quick, runs/small-quick-steps6, runs/small-adamw,
-    runs/tiny-seed1, runs/small-data-NAME. The same arguments give the same folder, so --resume finds the run
-    it continues. The tokenizer, compile and the evaluation/checkpoint cadence do not name it."""
+    runs/tiny-seed1, runs/small-data-NAME, runs/small-val-NAME. The same arguments give the same folder, so --resume
+    finds the run it continues. The tokenizer, compile and the evaluation/checkpoint cadence do not name it."""
     from glm5lab.train.recipe import DEFAULT_RECIPE, default_recipe, load_recipe
 
     recipe = getattr(args, "recipe", None)
@@ -246,7 +246,7 @@ def default_out(args: argparse.Namespace) -> str:
         if value is None or value == defaults.get(name) or value is False:
             continue
         value = "+".join(value) if isinstance(value, list) else "" if value is True else f"{value:g}" \
-            if isinstance(value, float) else _stem(value) if name == "data" else str(value)
+            if isinstance(value, float) else _stem(value) if name in ("data", "val_data") else str(value)
         parts.append(f"{prefix}{value}" if prefix and value else prefix or value)
     return "runs/" + "-".join(parts)
 
@@ -276,6 +276,8 @@ def format_summary(summary: dict) -> str:
     bpb = summary.get("val_bits_per_byte")
     per_byte = "bits per byte not recorded" if bpb is None else f"{bpb:.3f} bits/byte"
     tokens = f" over {summary['val_tokens']:,} held-out tokens" if summary.get("val_tokens") else ""
+    if (summary.get("val_set") or {}).get("kind") in ("text", "token folder"):
+        tokens += f" of --val-data {summary['val_set']['path']}"
     lines.append(f"validation loss {summary['val_loss']:.3f} nats/token{tokens} (perplexity "
                  f"{summary['val_perplexity']:.1f}, {per_byte}); unigram baseline {summary['unigram_val_loss']:.3f}")
     if summary.get("val_subset_loss") is not None:
@@ -317,6 +319,11 @@ def add_train_parser(sub) -> None:
                    "file (`text` column), a folder of such files, or a token folder written by `glm5lab tokenize` "
                    "(streamed from disk: for corpora larger than memory, or another text field; docs/data.md) "
                    "(default: the Shakespeare corpus, fetched and cached)")
+    p.add_argument("--val-data", dest="val_data", metavar="PATH", help="the held-out set to validate on instead "
+                   "of the document split of --data (periodic and final validation, bits per byte, summary.json, "
+                   "the report): a text, .jsonl or .parquet/.arrow file or a folder of them (scored whole), or a "
+                   "token folder (its validation split), under the run's tokenizer; a --resume keeps the run's "
+                   "(docs/training.md, \"A held-out set you name\")")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a folder holding one (default: "
                    "byte-level BPE trained on the training split at the model's vocab_size, cached)")
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/ + what ran: runs/small for the default run, "
@@ -483,9 +490,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_eval_parser(sub)
     for name in COMPUTE_COMMANDS:
-        if name != "eval":  # a group: each of its subcommands takes --threads itself (glm5lab.cli.eval)
-            add_threads_flag(sub.choices[name])
+        for command in _leaves(sub.choices[name]):
+            command.add_argument(
+                "--threads", type=parse_threads, metavar="N",
+                help="torch CPU threads, 1 to the usable CPUs; wins over OMP_NUM_THREADS (default: OMP_NUM_THREADS "
+                "if set, else one per CPU that other processes leave free, with a notice when that is fewer than "
+                "all: docs/threads.md)")
     return parser
+
+
+def _leaves(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers that take a command's own flags: a command group's subcommands (`glm5lab eval perplexity`), else
+    the command's parser itself."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [leaf for g in groups for leaf in g.choices.values()] or [parser]
 
 
 def main(argv: list[str] | None = None) -> int:

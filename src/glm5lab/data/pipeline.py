@@ -21,13 +21,15 @@ from glm5lab.validate import refuse
 @dataclass
 class TrainingData:
     """A run's tokenizer and token streams, `ShardedTokens` read on demand from a token folder (`glm5lab tokenize`'s,
-    or the cached one of a text corpus); `source` the corpus or folder given; `index` the folder's index.json."""
+    or the cached one of a text corpus); `source` the corpus or folder given; `index` the folder's index.json; `val_set`
+    what val_tokens are when they are not the folder's validation split (`glm5lab train --val-data`)."""
 
     tokenizer: Tokenizer
     train_tokens: ShardedTokens
     val_tokens: ShardedTokens
     source: str
     index: dict
+    val_set: dict | None = None  # --val-data's record (`glm5lab.data.heldout`): val_tokens are that set's
 
 
 def _stderr(message: str) -> None:
@@ -132,14 +134,18 @@ def token_folder_data(vocab_size: int, folder, *, tokenizer: str | None = None, 
     return TrainingData(tok, tokens.train, tokens.val, str(folder), tokens.index)
 
 
-def run_json_of(folder) -> dict | None:
-    """The run.json of the `glm5lab train` run a model folder belongs to: FOLDER/run.json (a run
-    folder), else two levels up (RUN/checkpoints/step-N -> RUN/run.json); None when there is none."""
+def run_folder_of(folder) -> Path | None:
+    """The folder of the `glm5lab train` run a model folder belongs to: FOLDER (a run folder, holding run.json), else
+    up to two levels up (RUN/checkpoints/step-N -> RUN); None when there is no run.json."""
     folder = Path(folder)
-    for place in (folder, folder.parent, folder.parent.parent):
-        if (place / "run.json").is_file():
-            return json.loads((place / "run.json").read_text())
-    return None
+    return next((place for place in (folder, folder.parent, folder.parent.parent) if (place / "run.json").is_file()),
+                None)
+
+
+def run_json_of(folder) -> dict | None:
+    """The run.json of the `glm5lab train` run a model folder belongs to (`run_folder_of`); None when there is none."""
+    place = run_folder_of(folder)
+    return None if place is None else json.loads((place / "run.json").read_text())
 
 
 def held_out_prompts(checkpoint, count: int, length: int, *, data=None,

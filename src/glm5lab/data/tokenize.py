@@ -158,10 +158,46 @@ def cached_token_folder(data, seed: int, *, tokenizer=None, vocab_size: int, say
     return folder
 
 
-def corpus_key(corpus, seed: int) -> str:
+HELD_OUT = "held-out"
+"""The split key of a held-out set's cached token folder (`cached_held_out_folder`): every document to val."""
+
+
+def cached_held_out_folder(data, tokenizer, *, say: Callable[[str], None]) -> Path:
+    """The token folder of a held-out text set `data` (a path as `open_corpus` reads: `glm5lab train --val-data`,
+    `glm5lab eval perplexity`), tokenized whole by `tokenizer` (a `tokenizers.Tokenizer`: the run's) on first use
+    into glm5lab's cache: `cache_root()/tokens/<name>-<corpus_key(corpus, HELD_OUT)>-<tokenizer sha256[:16]>/`.
+    No split: every document goes to its val split, in input order, `<|endoftext|>` between two (the train split
+    is empty). A fill says so in one line through `say` and is published as `cached_token_folder`'s. Errors as
+    `open_corpus` (FileNotFoundError for a missing path, ValueError for an empty file or folder)."""
+    source = Path(data)
+    corpus = open_corpus(source)
+    sha = tokenizer_sha256(tokenizer)
+    folder = cache_root() / "tokens" / f"{source.resolve().name}-{corpus_key(corpus, HELD_OUT)}-{sha[:16]}"
+    if (folder / INDEX_FILE).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    say(f"tokenizing the held-out set {source} (tokenizer {sha[:12]}, no split) once into the cache: {folder}")
+
+    def fill(staging: Path) -> None:
+        staging.mkdir()
+        cutter, why = Cutter.of(tokenizer)
+        n_ids = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        writers = {split: ShardWriter(staging, split, dtype_for(n_ids), DEFAULT_SHARD_SIZE) for split in SPLITS}
+        pairs = ((doc, True) for doc in corpus.documents())
+        _encode_into(tokenizer, _pieces(pairs, cutter, _WholeNote(f"tokenizer {sha[:12]}", why)), writers, False)
+        encoding = (f"pieces of at most {PIECE_CHARS} characters (glm5lab.data.pieces)" if cutter
+                    else f"whole documents ({why})")
+        finish_folder(staging, tokenizer, writers, split={"by": "none", "all": "val"}, source=str(corpus.path),
+                      text_field=corpus.text_field, tokenizer_source=f"given: sha256 {sha}", encoding=encoding)
+
+    publish_folder(folder, fill, done=lambda f: (f / INDEX_FILE).is_file())
+    return folder
+
+
+def corpus_key(corpus, seed: int | str) -> str:
     """SHA-256 (16 hex digits) of what a cached token folder's tokens depend on but the tokenizer: the token format
-    and BPE recipe versions, the split rule (`VAL_FRACTION`, `seed`), the text field, and each file's name and
-    bytes, in the corpus's (an `open_corpus`) order."""
+    and BPE recipe versions, the split rule (`VAL_FRACTION`, `seed`; `HELD_OUT`: no split), the text field, and each
+    file's name and bytes, in the corpus's (an `open_corpus`) order."""
     h = hashlib.sha256(f"glm5lab-tokens-{VERSION}:bpe-{BPE_RECIPE}:{VAL_FRACTION}:{seed}:{corpus.text_field}".encode())
     for path, name in corpus.files:
         h.update(f"\0{name}\0{path.stat().st_size}\0".encode())

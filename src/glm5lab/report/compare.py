@@ -5,7 +5,8 @@ Columns: the whole-split validation loss, perplexity and bits per byte (summary.
 loss, steps, tokens, training wall time (the sum of metrics.jsonl's step_time_s: validation and checkpoints
 excluded), preset (or config), optimizer and seed, then every other run.json argument (and the resolved stage
 plan, and the git commit) whose value is not the same in all runs. Runs whose held-out splits differ (another
-corpus, tokenizer, vocabulary size or seed: the seed draws the document split) score different text:
+corpus, tokenizer, vocabulary size, seed (it draws the document split and the BPE's training text) or --val-data)
+score different text or tokens:
 the section says so above the table.
 """
 
@@ -18,7 +19,7 @@ from glm5lab.report.series import fmt_duration, wall_time_s
 
 ALWAYS = ("preset", "optimizer", "seed")
 IGNORED = {"out", "progress", "resume", "config", "preset", "optimizer", "seed"}  # shown, or not a setting
-SPLIT = ("data", "tokenizer", "seed")  # decide the held-out text
+SPLIT = ("data", "tokenizer", "seed", "val_data")  # decide the held-out text (and, with the first two, its tokens)
 
 
 def label(rec) -> str:

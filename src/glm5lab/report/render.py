@@ -67,7 +67,7 @@ def _headline(rec) -> str:
     s = rec.summary
     whole = f" ({s['val_tokens']:,} target tokens)" if s.get("val_tokens") else ""
     text = (f"Validation loss **{s['val_loss']:.3f}** nats/token (perplexity {s['val_perplexity']:.1f}; "
-            f"{_bits_per_byte(s)}) on the whole held-out split{whole}, the final model; the add-one unigram "
+            f"{_bits_per_byte(s)}) on {_val_set(s)}{whole}, the final model; the add-one unigram "
             f"baseline is {s['unigram_val_loss']:.3f}.")
     subset = s.get("val_subset_loss")
     if subset is None:
@@ -79,6 +79,16 @@ def _headline(rec) -> str:
                    f"tokens (eval_tokens {rec.run['args']['eval_tokens']:,}), scored during training; at the last "
                    f"step it gives **{subset:.3f}** (perplexity {perplexity(subset):.1f}). The two figures "
                    f"differ{gap_text} because they score different text: the subset is a fixed part of the split.")
+
+
+def _val_set(s: dict) -> str:
+    """Which set the validation scored (summary.json's `val_set`): the held-out set the run named (`--val-data`), or
+    the corpus's document split (a summary from before `val_set` was recorded: the split)."""
+    held = s.get("val_set") or {}
+    if held.get("kind") not in ("text", "token folder"):
+        return "the whole held-out split"
+    part = " (its validation split)" if held["kind"] == "token folder" else ""
+    return f"the held-out set `--val-data {held['path']}`{part}, {held['documents']:,} documents"
 
 
 def _bits_per_byte(s: dict) -> str:

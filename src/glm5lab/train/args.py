@@ -39,6 +39,9 @@ class TrainArgs:
     grad_clip: float | None = None
     bias_update_rate: float | None = None
     eval_every: int | None = None
+    val_data: str | None = None
+    """`--val-data PATH`: the held-out set the validation scores instead of the corpus's document split
+    (`glm5lab.data.heldout`: text, JSONL, parquet or a token folder's validation split, under the run's tokenizer)."""
     eval_tokens: int | None = None
     """Targets the periodic validation scores (`--eval-tokens`; recipe [evaluation] eval_tokens): the first
     ceil(eval_tokens / seq_len) held-out windows, whatever the batch size, accumulation or process count."""

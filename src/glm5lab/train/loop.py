@@ -25,7 +25,7 @@ import collections
 import functools
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -122,6 +122,8 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
     model = build_model(args, cfg, ctx.world_size)
     data = plan.data if plan.data is not None else prepare_data(  # a token folder: opened by check_run
         model.config.vocab_size, args.data, args.seed, tokenizer=args.tokenizer, checkpoint=plan.checkpoint, say=say)
+    if args.val_data is not None:
+        data = with_held_out_set(data, args.val_data, stages, say)
     check_data_fits(data, stages, ctx.world_size // args.cp, named=args.data is not None)
     if args.eval_every:
         check_eval_subset(data, stages, args.eval_tokens, warn=say)
@@ -162,6 +164,19 @@ def _train(args: TrainArgs, plan, ctx, run_dir: Path) -> dict:
         loop.last_val = metrics.last_validation()
     loop.run(start)
     return loop.finish()
+
+
+def with_held_out_set(data: TrainingData, path: str, stages: list[Stage], say) -> TrainingData:
+    """`data` validating on the held-out set at `path` (`--val-data`: `glm5lab.data.heldout.held_out_set` under the
+    run's tokenizer, every rank the same tokens) instead of its document split; `val_set` records it. Raises
+    ValueError (one line) for a missing or empty set, one shorter than a stage's validation window, a token folder
+    of another tokenizer."""
+    from glm5lab.data.heldout import check_window, held_out_set
+
+    held = held_out_set(path, data.tokenizer, say=say)
+    for stage in stages:
+        check_window(held, stage.seq_len)
+    return replace(data, val_tokens=held.tokens, val_set=held.record)
 
 
 def _wrap_blocks(model, args: TrainArgs, ctx) -> None:
@@ -337,6 +352,14 @@ class _Loop:
         if self.ctx.is_main:
             mark_latest(folder)
 
+    def val_set(self) -> dict:
+        """summary.json's `val_set`: which set the validation scored: --val-data's record (`HeldOutSet.record`), or
+        the corpus's document split ({"kind": "split", "path": the corpus or token folder, documents, tokens})."""
+        if self.data.val_set is not None:
+            return self.data.val_set
+        documents = self.data.index.get("splits", {}).get("val", {}).get("documents")
+        return {"path": self.data.source, "kind": "split", "documents": documents, "tokens": len(self.data.val_tokens)}
+
     def stage_summaries(self) -> list[dict]:
         """Per stage, from the whole metrics.jsonl (so a resumed run reports its full history):
         `stage_summary` of its records."""
@@ -357,7 +380,7 @@ class _Loop:
                               context_parallel=self.cp)
         subset = {} if self.last_val is None else {"val_subset_loss": self.last_val[1],
                                                    "val_subset_tokens": self.last_val[2]}
-        summary = {**summary_fields(result), **subset,
+        summary = {**summary_fields(result), **subset, "val_set": self.val_set(),
                    "unigram_val_loss": unigram_loss(self.data.train_tokens, self.data.val_tokens, self.model.config.vocab_size),
                    "steps": self.step, "stages": self.stage_summaries() if self.ctx.is_main else [],
                    "run_dir": str(self.run_dir)}

@@ -177,18 +177,21 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
     (`token_folder_data`: nothing is loaded; its split seed, when it is not --seed, through `say`) and its token
     counts against each stage's global batch (`check_data_fits`). Returns the token folder's `TrainingData`, else
     None (a text corpus: the run reads it)."""
+    from glm5lab.data.heldout import check_exists
     from glm5lab.data.pipeline import given_tokenizer, token_folder_data
     from glm5lab.data.shards import is_token_folder
     from glm5lab.data.sources import open_corpus
 
     if args.data is not None and not Path(args.data).exists():
         open_corpus(Path(args.data))  # raises its FileNotFoundError
+    if args.val_data is not None:  # its tokens need the run's tokenizer: the run reads it (`with_held_out_set`)
+        check_exists(args.val_data)
     if args.data is None or not is_token_folder(args.data):  # a text corpus: --tokenizer, the checkpoint's
         given_tokenizer(cfg.vocab_size, args.tokenizer, checkpoint)
         return None
     data = token_folder_data(cfg.vocab_size, args.data, tokenizer=args.tokenizer, checkpoint=checkpoint,
                              seed=args.seed, say=say)
-    check_data_fits(data, stages, world_size)
+    check_data_fits(data, stages, world_size, val=args.val_data is None)  # --val-data: the run checks its set
     return data
 
 
@@ -380,10 +383,11 @@ def check_stage_lengths(stages: list[Stage], cfg: ModelConfig, warn) -> None:
                  "to train sparse attention")
 
 
-def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True) -> None:
+def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1, *, named: bool = True,
+                    val: bool = True) -> None:
     """Refuse data whose training split holds fewer windows of seq_len + 1 tokens than a stage's global batch
-    (batch_size x grad_accum x world_size, the data-parallel slices: processes / cp), or whose held-out split holds
-    no window. The message names --data (`named`; else the default corpus), the token counts and what to change.
+    (batch_size x grad_accum x world_size, the data-parallel slices: processes / cp), or (`val`) whose held-out split
+    holds no window. The message names --data (`named`; else the default corpus), the token counts and what to change.
     Raises ValueError."""
     where = f"--data {data.source}" if named else f"the default corpus ({data.source})"
     for stage in stages:
@@ -393,7 +397,7 @@ def check_data_fits(data: TrainingData, stages: list[Stage], world_size: int = 1
                              f"{len(data.train_tokens) // width} windows of --seq-len {stage.seq_len} + 1; stage "
                              f"{stage.name!r} needs a batch of {batch} windows ({batch * width:,} tokens): give more "
                              "text, or a smaller --seq-len or --batch-size")
-        if len(data.val_tokens) < width:
+        if val and len(data.val_tokens) < width:
             raise ValueError(f"{where}: its held-out split (about 5% of the text, by document) holds "
                              f"{len(data.val_tokens):,} tokens, fewer than one window of --seq-len {stage.seq_len} "
                              f"+ 1 = {width} tokens: give more text (at least about {20 * width:,} tokens in all), "
@@ -450,6 +454,7 @@ def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[St
         if diff:
             raise ValueError(f"--resume: the run in {run_dir} was trained with another model config (fields "
                              f"{diff[:8]} differ); resume with the run's own --preset/--config")
+    check_same_val_data(run_dir, saved, args)
     # another process count, --ep or --cp is allowed: resharded on load, the global batch kept (`rescale_stages`)
     keys = ("data", "seed", "optimizer", "init", "bias_update_rate", "weight_decay", "grad_clip")
     saved_stages = json.loads(json.dumps([Stage.from_dict(d).to_dict() for d in saved["stages"]]))  # fields added later: defaults
@@ -472,6 +477,18 @@ def check_same_plan(run_dir: Path, saved: dict, args: TrainArgs, stages: list[St
         raise ValueError(f"--resume: {', '.join(differ)} {verb} from the run in {run_dir} (see its run.json); "
                          f"{_resume_fix(saved, extended=bool(free) or longer is not None)}")
     return longer if longer is not None else (stages, 0)
+
+
+def check_same_val_data(run_dir: Path, saved: dict, args: TrainArgs) -> None:
+    """A resumed run keeps the held-out set it validated on (`--val-data`; run.json without it: the corpus's split):
+    its curve and summary score one set. Raises ValueError, one line naming both."""
+    old, new = saved["args"].get("val_data"), args.val_data
+    if old is not None and new is not None and Path(old).resolve() == Path(new).resolve():
+        return
+    if old != new:
+        name = lambda v: "no --val-data (the corpus's document split)" if v is None else f"--val-data {v}"  # noqa
+        raise ValueError(f"--resume: the run in {run_dir} validates on {name(old)}, this resume asks for {name(new)}: "
+                         f"a run keeps one validation set; resume with {name(old)}")
 
 
 def _resume_fix(saved: dict, extended: bool) -> str:
