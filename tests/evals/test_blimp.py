@@ -121,6 +121,8 @@ def test_limit_keeps_every_paradigm(data_dir):
     assert [p.uid for p in pairs] == [u for u in PARADIGMS for _ in range(2)]
     with pytest.raises(ValueError, match="--limit 0 is not allowed"):
         load_pairs(data_dir, limit=0)
+    with pytest.raises(ValueError, match="--limit 4 is not allowed: at most 3"):
+        load_pairs(data_dir, limit=4)
 
 
 def test_the_packaged_copy_reproduces_the_papers_overall_figures():

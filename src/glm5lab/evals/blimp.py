@@ -65,7 +65,8 @@ def load_published(data_dir=DATA_DIR) -> dict[str, dict]:
 def load_pairs(data_dir=DATA_DIR, limit: int | None = None) -> list[Pair]:
     """The pairs in file order, grouped as the paper does (`load_published`'s group, else the line's own
     linguistics_term); with `limit`, the first `limit` pairs of each paradigm (a subset: every paradigm kept).
-    Raises ValueError for a limit < 1 or a malformed line (naming the file and line)."""
+    Raises ValueError for a limit < 1 or above the smallest paradigm's pairs, or a malformed line (naming the file
+    and line)."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit {limit} is not allowed: at least 1 pair per paradigm")
     published, file = load_published(data_dir), Path(data_dir) / PAIRS_FILE
@@ -80,6 +81,9 @@ def load_pairs(data_dir=DATA_DIR, limit: int | None = None) -> list[Pair]:
             if limit is None or seen[uid] < limit:
                 seen[uid] += 1
                 pairs.append(Pair(uid, published.get(uid, {}).get("group", term), good, bad))
+    if limit is not None and limit > min(seen.values()):
+        raise ValueError(f"--limit {limit} is not allowed: at most {min(seen.values())} (the pairs of the smallest "
+                         "paradigm); leave it out to score them all")
     return pairs
 
 
