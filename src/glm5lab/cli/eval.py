@@ -145,9 +145,11 @@ def cmd_blimp(args: argparse.Namespace) -> int:
                "data": str(data), "device": str(device), "threads": torch.get_num_threads(),
                "batch_size": args.batch_size, "seconds": seconds, "load_average_1min": load,
                "citation": blimp.CITATION}
+    from glm5lab.io_utils import atomic_write_text
+
     print(format_result(result))
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written: {out}", file=sys.stderr)
+    atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+    print(f"written: {out}")
     return 0
 
 
