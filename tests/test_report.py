@@ -322,3 +322,21 @@ def test_report_shows_the_attention_costs_record_and_says_when_there_is_none(run
     text = write_report(run, out=tmp_path / "without", measure=False).read_text()
     assert "Not recorded (no benchmarks/results/attention_costs.json" in text
     assert not (tmp_path / "without" / "attention_costs.png").exists()
+
+
+def test_report_shows_the_blimp_table_when_blimp_json_exists(run, tmp_path):
+    from glm5lab.evals.blimp import Pair, load_published, summarize
+
+    folder = _copy(run, tmp_path / "run")
+    assert "## BLiMP" not in write_report(folder, measure=False).read_text()
+    pairs = [Pair("anaphor_gender_agreement", "anaphor_agreement", "good", "bad")] * 2
+    result = summarize(pairs, [0.0, 0.0], [-1.0, 1.0], load_published())  # one right, one wrong
+    result |= {"model": "m", "prefix_token": "<|endoftext|>", "subset": None}
+    (folder / "blimp.json").write_text(json.dumps(result))
+    text = write_report(folder, measure=False).read_text()
+    assert "## BLiMP" in text and "Overall **50.0%** (95% CI" in text
+    assert "| anaphor_agreement | 1 | 50.0 (" in text and "| 43.9 | 88.2 | 91.2 | 99.4 |" in text  # published beside
+    assert "Early Modern English" not in text  # this run names its corpus (--data)
+    default = _copy(run, tmp_path / "default", run_json=lambda r: r["args"].update(data=None))
+    (default / "blimp.json").write_text(json.dumps(result))
+    assert "Early Modern English" in write_report(default, measure=False).read_text()

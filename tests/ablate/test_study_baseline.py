@@ -31,6 +31,8 @@ def test_quick_run_writes_every_arm_and_seed(quick):
     for arm in ARMS:
         assert any(line.startswith(f"| {arm} |") for line in text.splitlines())
     assert "GLM-5 small vs dense GPT + AdamW" in text and "GLM-5 small vs dense GPT + Muon" in text
+    assert "BLiMP accuracy, 1 pairs/paradigm [95% t]" in text  # --quick: the first pair of each of 67 paradigms
+    assert all(r["blimp"] * 67 == pytest.approx(round(r["blimp"] * 67)) for a in ARMS for r in info["raw"][a].values())
     s = info["settings"]
     assert s["optimizers"] == {sb.GLM5: "muon-split", sb.ADAMW: "adamw", sb.MUON: "muon"}
     assert s["eval"]["glm5_use_dsa"] is True and s["threads"] >= 1 and s["device"] == "cpu"

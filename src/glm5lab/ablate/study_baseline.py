@@ -25,7 +25,9 @@ No report figure. Three arms on `glm5lab train`'s text, tokenizer (vocab 4096) a
 Every arm of a seed sees the same batches in the same order (`text_batches`: global step k is batch k of one
 `BatchStream` over the training split, seeded by the seed) and starts from `torch.manual_seed(seed)`. Scores:
 validation loss (nats/token) and bits per byte (`evals.bpb`) over fixed validation windows (the whole split at
-the cpu size), the GLM-5 arm with DSA on as in its last stage; training wall seconds (sum of `fit`'s step
+the cpu size), the GLM-5 arm with DSA on as in its last stage; BLiMP accuracy (`glm5lab.evals.blimp`, the
+mean over paradigms of the first SIZES[...]["blimp"] pairs of each: 50 of 1,000 at the cpu size, about 6,700
+sentences, about 30 s per arm at one thread); training wall seconds (sum of `fit`'s step
 times, no evaluation) and training tokens per second. Comparisons are paired by seed (`ablate.stats`).
 
 Sizes: "cpu" (default) 168 steps (120/16/32) of 8 x 256 tokens, 2 seeds: 19 minutes at one thread (on a shared
@@ -68,11 +70,12 @@ ADAMW_LR = {"small": 2e-3, "gpu": 6e-4}
 first 128 validation windows, nats/token): 1e-3 5.476, 2e-3 5.341, 3e-3 5.403, 6e-3 5.602.
 gpu: nanoGPT's value for GPT-2 small (124M). Muon is not tuned: both Muon arms keep `glm5lab
 train`'s 3e-3 (the same probe gave the dense GPT + Muon 5.058 at 1.5e-3 and 4.795 at 6e-3)."""
-SIZES = {  # steps: the GLM-5 arm's total, split 300/40/80 as default_stages; val_windows None = all
-    "quick": dict(model="small", T=128, batch=2, steps=5, val_windows=4, seeds=2),
-    "cpu": dict(model="small", T=256, batch=8, steps=168, val_windows=None, seeds=2),
-    "gpu": dict(model="gpu", T=2048, batch=8, steps=2100, val_windows=None, seeds=2),
-    "gpu-quick": dict(model="gpu", T=2048, batch=1, steps=2, val_windows=1, seeds=1),
+SIZES = {  # steps: the GLM-5 arm's total, split 300/40/80 as default_stages; val_windows None = all;
+    # blimp: BLiMP pairs per paradigm scored per arm and seed (of 1,000; x 67 paradigms)
+    "quick": dict(model="small", T=128, batch=2, steps=5, val_windows=4, seeds=2, blimp=1),
+    "cpu": dict(model="small", T=256, batch=8, steps=168, val_windows=None, seeds=2, blimp=50),
+    "gpu": dict(model="gpu", T=2048, batch=8, steps=2100, val_windows=None, seeds=2, blimp=1000),
+    "gpu-quick": dict(model="gpu", T=2048, batch=1, steps=2, val_windows=1, seeds=1, blimp=1),
 }
 
 
@@ -134,12 +137,15 @@ def text_batches(windows: torch.Tensor, batch_size: int, seed: int, stages: list
 
 
 def train_and_score(cfg: ModelConfig, stages: list[Stage], optimizer: str, batches: BatchFn, seed: int,
-                    val_BT: torch.Tensor, byte_lengths: torch.Tensor, device) -> dict:
-    """Train one arm for one seed on `device`; its raw numbers."""
+                    val_BT: torch.Tensor, byte_lengths: torch.Tensor, device, blimp_lm=None) -> dict:
+    """Train one arm for one seed on `device`; its raw numbers. blimp_lm(model, use_dsa) -> BLiMP accuracy
+    (`blimp_score`), or None for no BLiMP score."""
     model = seeded_model(cfg, seed, device)
     records = fit(model, stages, batches, hyper=dataclasses.replace(TRAIN_HYPER, optimizer=optimizer), seed=seed)
     t0 = time.perf_counter()
     scores = text_score(model, val_BT, byte_lengths, use_dsa=stages[-1].use_dsa)
+    if blimp_lm is not None:
+        scores["blimp"] = blimp_lm(model, stages[-1].use_dsa)
     seconds = sum(r["seconds"] for r in records)
     tokens = sum(st.steps * st.batch_size * st.seq_len for st in stages)
     return {**scores, "train_seconds": seconds, "train_tokens": tokens, "tokens_per_s": tokens / seconds,
@@ -159,13 +165,16 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
     windows = pack(data.train_tokens, s["T"])
     val = pack(data.val_tokens, s["T"])[:s["val_windows"]]
     byte_lengths = token_byte_lengths(data.tokenizer, cfgs[GLM5].vocab_size)
+    score_blimp = blimp_score(data.tokenizer, s["blimp"])
     raw = {arm: {} for arm in OPTIMIZERS}
     for seed in seeds:
         for arm, optimizer in OPTIMIZERS.items():
             batches = text_batches(windows, s["batch"], seed, plan[arm])
-            r = train_and_score(cfgs[arm], plan[arm], optimizer, batches, seed, val, byte_lengths, args.device)
+            r = train_and_score(cfgs[arm], plan[arm], optimizer, batches, seed, val, byte_lengths, args.device,
+                                score_blimp)
             raw[arm][str(seed)] = r
             args.say(f"seed {seed}: {arm} val bpb {r['val_bpb']:.3f} ({r['val_loss']:.3f} nats/token), "
+                     f"BLiMP {100 * r['blimp']:.1f}% ({s['blimp']} pairs per paradigm), "
                      f"{r['train_seconds']:.0f} s, {r['tokens_per_s']:.0f} tok/s")
     settings = {"size": s, "scale": args.size_key, "device": str(args.device), "threads": torch.get_num_threads(),
                 "optimizers": OPTIMIZERS,
@@ -174,13 +183,29 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
                 "matched_convention": MATCHED, "params": {a: ledger.conventions(c) for a, c in cfgs.items()},
                 "flops_per_token": {a: ledger.flops(c, context=s["T"])["prefill"]["total"] for a, c in cfgs.items()},
                 "eval": {"windows": len(val), "seq_len": s["T"], "whole_val_split": s["val_windows"] is None,
-                         "glm5_use_dsa": plan[GLM5][-1].use_dsa},
+                         "glm5_use_dsa": plan[GLM5][-1].use_dsa, "blimp_pairs_per_paradigm": s["blimp"]},
                 "data": {"source": data.source, "train_tokens": len(data.train_tokens),
                          "val_tokens": len(data.val_tokens),
                          "epochs": sum(st.steps for st in plan[GLM5]) * s["batch"] * s["T"] / len(data.train_tokens)},
                 "models": {a: c.to_hf() for a, c in cfgs.items()}}
     return StudyResult("baseline", table(raw, settings), raw, settings, seeds, lambda path: plot(raw, path),
                        notes(raw, settings))
+
+
+def blimp_score(tokenizer, pairs_per_paradigm: int):
+    """(model, use_dsa) -> BLiMP accuracy (the mean over the 67 paradigms, `glm5lab.evals.blimp`) on the first
+    `pairs_per_paradigm` pairs of each, with the packaged data; the model is scored in eval mode."""
+    from glm5lab.evals import blimp
+    from glm5lab.evals.causal_lm import model_lm
+
+    pairs, published = blimp.load_pairs(limit=pairs_per_paradigm), blimp.load_published()
+
+    def score(model, use_dsa: bool) -> float:
+        model.eval()
+        good, bad = blimp.score_pairs(model_lm(model, tokenizer, "arm", use_dsa=use_dsa), pairs, progress=False)
+        return blimp.summarize(pairs, good, bad, published)["overall"]["accuracy"]
+
+    return score
 
 
 def bpb_comparisons(raw: dict) -> dict:
@@ -201,16 +226,19 @@ def _millions(p: dict) -> str:
 def table(raw: dict, settings: dict) -> str:
     """The arms (mean ± sd [95% t] over seeds) and the paired comparisons."""
     shown = [f"params total / activated, {ledger.CONVENTIONS[c]}" for c in SHOWN]
+    scored = [("val_bpb", 3), ("val_loss", 3), ("train_seconds", 0), ("tokens_per_s", 0)]
     head = ["arm", "optimizer (peak lr)", "layers x hidden", *shown, "train tokens", "val bpb [95% t]",
             "val loss (nats/token) [95% t]", "train wall s [95% t]", "tok/s [95% t]"]
+    if all("blimp" in r for arm in raw.values() for r in arm.values()):  # results.json of before BLiMP lack it
+        scored.append(("blimp", 3))
+        head.append(f"BLiMP accuracy, {settings['eval'].get('blimp_pairs_per_paradigm')} pairs/paradigm [95% t]")
     rows = []
     for arm, opt in OPTIMIZERS.items():
         m, p = settings["models"][arm], settings["params"][arm]
         rows.append([arm, f"{opt} ({settings['stages'][arm][0]['lr']:g})",
                      f"{m['num_hidden_layers']} x {m['hidden_size']}", *(_millions(p[c]) for c in SHOWN),
                      next(iter(raw[arm].values()))["train_tokens"],
-                     *(interval(seed_values(raw[arm], k)).text(digits) for k, digits in
-                       (("val_bpb", 3), ("val_loss", 3), ("train_seconds", 0), ("tokens_per_s", 0)))])
+                     *(interval(seed_values(raw[arm], k)).text(digits) for k, digits in scored)])
     cmp_rows = [[f"{a} vs {b}", compare_text(c), speed_ratio(raw, a, b).text(2)]
                 for (a, b), c in bpb_comparisons(raw).items()]
     return ("Validation bits per byte and loss, training time and speed, mean ± sd [95% t-interval] over seeds; "
@@ -242,6 +270,11 @@ def notes(raw: dict, settings: dict) -> list[str]:
     out.append(f"Validation: {e['windows']} windows of {e['seq_len']} tokens ({which}), "
                f"GLM-5 with DSA {'on' if e['glm5_use_dsa'] else 'off'}; bpb counts the document separators' loss at "
                "0 bytes, the same for every arm.")
+    if e.get("blimp_pairs_per_paradigm"):
+        out.append(f"BLiMP: the mean over its 67 paradigms of the first {e['blimp_pairs_per_paradigm']} pairs each "
+                   "(`glm5lab eval blimp --limit`; a subset at the cpu size for time), each arm's final model in "
+                   "eval mode, GLM-5 with DSA as validated; on the default Shakespeare corpus a modern-English "
+                   "benchmark stays near chance (README, BLiMP).")
     out.append(f"Data: {d['source']} with `glm5lab train`'s tokenizer and split ({d['train_tokens']:,} training "
                f"tokens; each arm trains {d['epochs']:.2f} epochs); text only, the ablation workbench is not used.")
     out.append(f"Peak lr: AdamW {settings['stages'][ADAMW][0]['lr']:g} (the best of a one-seed probe, `ADAMW_LR`); "

@@ -1,9 +1,9 @@
 """The `glm5lab` command: one entry point, one subcommand per task, thin over the library.
 
-Commands: ledger, train, generate, ablate, report, tokenize, export; `glm5lab COMMAND -h` lists a command's
-flags (the parsers below are their one definition).
+Commands: ledger, train, generate, ablate, report, tokenize, export, eval (a group: eval perplexity,
+eval blimp); `glm5lab COMMAND -h` lists a command's flags (the parsers below are their one definition).
 
-train, generate, ablate and report take --threads N; without it the CPU threads follow
+train, generate, ablate, report and every eval subcommand take --threads N; without it the CPU threads follow
 `glm5lab.threads` (one per CPU other processes leave free; docs/threads.md).
 
 Errors a user can cause (unknown preset, missing or malformed config.json, wrong model_type, a

@@ -3,7 +3,8 @@ the latest checkpoint, and evaluation / ablation results beside it.
 
 Ablation results are the `results.json` (+ `table.md`) folders of `glm5lab ablate`, looked for
 in RUN_DIR/ablate/* and in the sibling runs/ablate/* (the default layout: runs/small next to
-runs/ablate). Evaluation results are any RUN_DIR/evals/*.json a user wrote.
+runs/ablate). Evaluation results are any RUN_DIR/evals/*.json a user wrote, and RUN_DIR/blimp.json
+(`glm5lab eval blimp`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from glm5lab.report import blimp
 
 
 class NotARunError(ValueError):
@@ -21,7 +24,8 @@ class NotARunError(ValueError):
 class RunRecord:
     """run_dir: the folder. run: run.json (args, stages, git commit, torch, world size, device). config: the
     HF config.json dict. summary: summary.json. metrics: one dict per step. checkpoint: the latest checkpoint
-    folder. ablations: {study: results.json dict + "table"}. evals: {file stem: its JSON}."""
+    folder. ablations: {study: results.json dict + "table"}. evals: {file stem: its JSON}. blimp: RUN_DIR/blimp.json
+    (`glm5lab eval blimp`), None when absent."""
 
     run_dir: Path
     run: dict
@@ -31,6 +35,7 @@ class RunRecord:
     checkpoint: Path
     ablations: dict[str, dict] = field(default_factory=dict)
     evals: dict[str, dict] = field(default_factory=dict)
+    blimp: dict | None = None
 
 
 def load_run(run_dir: Path, name: str = "RUN_DIR") -> RunRecord:
@@ -61,7 +66,7 @@ def load_run(run_dir: Path, name: str = "RUN_DIR") -> RunRecord:
     metrics = [_json(line, f"{run_dir / 'metrics.jsonl'} line {i}")
                for i, line in enumerate((run_dir / "metrics.jsonl").read_bytes().splitlines(), 1) if line.strip()]
     return RunRecord(run_dir, run, config, summary, metrics, resolve_checkpoint(run_dir, name=name),
-                     _ablations(run_dir), _evals(run_dir))
+                     _ablations(run_dir), _evals(run_dir), blimp.load_record(run_dir))
 
 
 def _json(data: bytes, where) -> dict:

@@ -1,6 +1,6 @@
 """The report's markdown: the seed's closing checklist (quality, training tokens, parameter counting convention,
 KV and index state bytes, prefill/decode batch and length, kernel and library versions, hardware), in that order
-(with the "Comparison" of `--compare` runs after quality), then expert load, ablations, evaluations, seeds."""
+(with the "Comparison" of `--compare` runs and BLiMP, when RUN_DIR/blimp.json exists, after quality), then expert load, ablations, evaluations, seeds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 
 from glm5lab.ablate.results import markdown_table
 from glm5lab.report import compare
+from glm5lab.report.blimp import render_section as blimp_section
 from glm5lab.report.attention_costs import render_section as attention_costs_section
 from glm5lab.report.expert_kernels import render_section as expert_kernels_section, run_tokens_per_expert
 from glm5lab.report.long_context import render_section as long_context_section
@@ -28,6 +29,7 @@ def render(rec, ledger_text: str, state_rows: list[list], probed: dict | None, e
     curve = long_context_section(long_context, pngs.get("long_context"))
     curve += attention_costs_section(attention_costs, pngs.get("attention_costs"))
     parts = [_header(rec, generated), _quality(rec, pngs), compare.section(rec, others or [], pngs.get("compare")),
+             blimp_section(rec.blimp, default_corpus=rec.run.get("args", {}).get("data") is None),
              _tokens(rec), _params(ledger_text),
              _state(state_rows), _probes(probed, pngs, curve), _load(rec, pngs, moe_names, expert_kernels),
              _ablations(rec), _evals(rec), _environment(env, rec), _seeds(rec, probed)]
