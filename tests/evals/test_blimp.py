@@ -216,11 +216,13 @@ def test_cli_hf_folder_matches_transformers(capsys, data_dir, tmp_path):
     ([], "glm5lab eval: error: give exactly one model: RUN_OR_CHECKPOINT"),
     (["{ckpt}", "--batch-size", "0"], "glm5lab eval: error: --batch-size"),
     (["--hf", "/nonexistent/hf"], "glm5lab eval: error: --hf /nonexistent/hf is not allowed: a transformers model"),
+    (["{ckpt}", "--out", "{ckpt}"], "glm5lab eval: error: --out {ckpt} is not allowed: a JSON file path (it is a "
+     "folder: give e.g. {ckpt}/blimp.json)"),
 ])
 def test_bad_input_is_refused_in_one_line(capsys, glm5lab_folder, args, line):
     status, out, err = cli(capsys, *[a.format(ckpt=glm5lab_folder) for a in args])
     assert status == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and err.startswith(line), err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(line.format(ckpt=glm5lab_folder)), err
 
 
 def test_batched_glm5lab_scores_equal_one_sentence_at_a_time(glm5lab_folder):

@@ -126,6 +126,8 @@ def cmd_blimp(args: argparse.Namespace) -> int:
     pairs = blimp.load_pairs(data, args.limit)
     given = Path(args.hf or args.model)
     out = Path(args.out) if args.out else given / ("blimp.json" if args.limit is None else f"blimp-limit{args.limit}.json")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is not allowed: a JSON file path (it is a folder: give e.g. {out / 'blimp.json'})")
     if not os.access(out.parent if out.parent.is_dir() else given, os.W_OK):
         raise ValueError(f"{'--out ' + args.out if args.out else str(given)}: cannot write {out} there (read-only "
                          "or missing folder); give --out FILE in a writable folder")
