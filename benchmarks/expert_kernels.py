@@ -3,10 +3,11 @@ padded batch, grouped_mm, gathered), forward and backward, as a share of the sam
 tokens per expert and routing skew, at the `small` preset's expert shape and GLM-5's divided by 8.
 
 Definitions (skews, useful FLOPs, time basis, shapes): `glm5lab.expert_sweep`. Figure: `--png`
-(docs/figures/expert_kernels.png); record: `--json-out` (benchmarks/results/expert_kernels.json).
+(docs/figures/expert_kernels.png); record: `--json-out` (benchmarks/results/expert_kernels.json); both written by
+default only without --quick.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/expert_kernels.py --threads 1          # the full sweep
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/expert_kernels.py --threads 1 --quick  # seconds
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/expert_kernels.py --threads 1 --quick  # seconds, no record
     .venv/bin/python benchmarks/expert_kernels.py --device cuda --dtype bf16             # the GPU check
 
 Prints a table (share of peak per cell), the tokens per expert at which each kernel reaches half of the
@@ -68,6 +69,10 @@ def half_peak_rows(record: dict) -> list[list[str]]:
             for sh in shapes for k in kernels for d in DIRECTIONS], skews
 
 
+RECORD = ROOT / "benchmarks" / "results" / "expert_kernels.json"
+FIGURE = ROOT / "docs" / "figures" / "expert_kernels.png"
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a few seconds: small shape, 2 skews, 1-256 tokens per expert")
@@ -77,9 +82,13 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds per cell")
     p.add_argument("--target-s", type=float, default=0.1, help="seconds of repeated calls per cell, round, direction")
     p.add_argument("--max-gib", type=float, default=4.0, help="skip a kernel whose estimated memory exceeds this")
-    p.add_argument("--json-out", type=Path, default=ROOT / "benchmarks" / "results" / "expert_kernels.json")
-    p.add_argument("--png", type=Path, default=ROOT / "docs" / "figures" / "expert_kernels.png")
+    p.add_argument("--json-out", type=Path, help="the record (default: benchmarks/results/expert_kernels.json; with --quick: "
+                   "none, so that a quick try never replaces the full sweep's record)")
+    p.add_argument("--png", type=Path, help="the figure (default: docs/figures/expert_kernels.png; with --quick: none)")
     args = p.parse_args(argv)
+    if not args.quick:
+        args.json_out = args.json_out or RECORD
+        args.png = args.png or FIGURE
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads = {args.threads} is not allowed: an integer >= 1")
     if args.rounds < 1 or args.target_s <= 0 or args.max_gib <= 0:
@@ -110,8 +119,9 @@ def main(argv=None) -> dict:
             print(f"skipped {s['shape']} {s['skew']} {s['kernel']} from {s['tokens_per_expert']}: {s['reason']}")
     print(f"\nthreads {env['torch_threads']}, load average {env['load_average_start']} -> {env['load_average_end']}")
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(record, indent=1) + "\n")
+        from glm5lab.io_utils import atomic_write_text
+
+        atomic_write_text(args.json_out, json.dumps(record, indent=1) + "\n")
     if args.png:
         args.png.parent.mkdir(parents=True, exist_ok=True)
         expert_kernels.plot(record, args.png)

@@ -154,6 +154,17 @@ def test_benchmark_quick_writes_its_record_table_and_figure(tmp_path, capsys):
     assert set(rec["half_peak"]["small|grouped|forward"]) == {"uniform", "one_hot"}
 
 
+def test_benchmark_quick_leaves_the_full_sweeps_record_and_figure_alone(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import expert_kernels as bench
+
+    monkeypatch.setattr(bench, "RECORD", tmp_path / "record.json")
+    monkeypatch.setattr(bench, "FIGURE", tmp_path / "figure.png")
+    bench.main(["--quick", "--threads", "1"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["json_out"] is None and list(tmp_path.iterdir()) == []
+
+
 def test_benchmark_plans_a_peak_matmul_big_enough_for_a_gpu():
     import argparse
 
