@@ -122,6 +122,10 @@ def test_refusals_are_one_line(trained, cache, tmp_path):
     tok = _tok(root)
     with pytest.raises(ValueError, match=r"^--val-data = '.*nowhere' is not allowed: no such file or folder"):
         check_run(_args(root, out=str(tmp_path / "r"), val_data=str(tmp_path / "nowhere")), 1)
+    for same in (root / "texts", next((root / "texts").iterdir())):  # the training text itself, or a file of it
+        with pytest.raises(ValueError, match=r"^--val-data = '.*texts.*' is not allowed: a held-out set, not the "
+                           r"training text \(--data .*texts\): scored whole it would hold the training documents"):
+            check_run(_args(root, out=str(tmp_path / "r"), val_data=str(same)), 1)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=r"^--val-data .*empty.jsonl: .*empty"):
         held_out_set(tmp_path / "empty.jsonl", tok)

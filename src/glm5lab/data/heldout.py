@@ -41,6 +41,19 @@ def check_exists(path, name: str = "--val-data") -> None:
         refuse(name, str(path), f"no such file or folder; give {FORMATS}")
 
 
+def check_not_training_text(path, data) -> None:
+    """Refuse (ValueError, one line naming --val-data) a text `path` that is the text corpus `data` (--data) or lies
+    inside it: scored whole, it would hold the training documents. A token folder is allowed (its validation split
+    is held out); `data` None (the default corpus) passes."""
+    if data is None or is_token_folder(path):
+        return
+    val, train = Path(path).resolve(), Path(data).resolve()
+    if val == train or train in val.parents:
+        refuse("--val-data", str(path), f"a held-out set, not the training text (--data {data}): scored whole it "
+               "would hold the training documents; give other text, or leave --val-data out to validate on --data's "
+               "held-out document split")
+
+
 def held_out_set(path, tokenizer, *, name: str = "--val-data", say: Callable[[str], None] = _stderr) -> HeldOutSet:
     """The held-out set at `path` under `tokenizer` (a `tokenizers.Tokenizer`: the run's). A token folder gives its
     validation split; anything else is tokenized whole into the cache (a fill said through `say`). Raises

@@ -177,7 +177,7 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
     (`token_folder_data`: nothing is loaded; its split seed, when it is not --seed, through `say`) and its token
     counts against each stage's global batch (`check_data_fits`). Returns the token folder's `TrainingData`, else
     None (a text corpus: the run reads it)."""
-    from glm5lab.data.heldout import check_exists
+    from glm5lab.data.heldout import check_exists, check_not_training_text
     from glm5lab.data.pipeline import given_tokenizer, token_folder_data
     from glm5lab.data.shards import is_token_folder
     from glm5lab.data.sources import open_corpus
@@ -186,6 +186,7 @@ def _check_data(args, cfg, stages: list[Stage], world_size: int, checkpoint: Pat
         open_corpus(Path(args.data))  # raises its FileNotFoundError
     if args.val_data is not None:  # its tokens need the run's tokenizer: the run reads it (`with_held_out_set`)
         check_exists(args.val_data)
+        check_not_training_text(args.val_data, args.data)
     if args.data is None or not is_token_folder(args.data):  # a text corpus: --tokenizer, the checkpoint's
         given_tokenizer(cfg.vocab_size, args.tokenizer, checkpoint)
         return None
