@@ -13,6 +13,7 @@ from glm5lab.cli import format_summary, main
 from glm5lab.data.heldout import check_window, held_out_set
 from glm5lab.data.tokenize import tokenize_corpus
 from glm5lab.data.tokenizer import eot_id, load_tokenizer
+from glm5lab.evals.perplexity import run_perplexity
 from glm5lab.train.loop import TrainArgs, train
 from glm5lab.train.plan import check_run
 from tests.conftest import write_word_corpus
@@ -126,6 +127,9 @@ def test_refusals_are_one_line(trained, cache, tmp_path):
         with pytest.raises(ValueError, match=r"^--val-data = '.*texts.*' is not allowed: a held-out set, not the "
                            r"training text \(--data .*texts\): scored whole it would hold the training documents"):
             check_run(_args(root, out=str(tmp_path / "r"), val_data=str(same)), 1)
+    with pytest.raises(ValueError, match=r"^--seq-len = 100000 is not allowed: 1\.\.\d+ \(the model's "
+                       r"max_position_embeddings\)$"):
+        run_perplexity(root / "run", root / "nowhere-never-read", seq_len=100000)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=r"^--val-data .*empty.jsonl: .*empty"):
         held_out_set(tmp_path / "empty.jsonl", tok)

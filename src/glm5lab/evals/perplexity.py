@@ -107,6 +107,7 @@ def run_perplexity(model_path, data, *, seq_len: int | None = None, batch_size: 
              Stage("eval", 1, 0.0, seq_len, 1, use_dsa=_has_indexer(folder)))
     if seq_len is not None:
         stage = replace(stage, seq_len=int_at_least("--seq-len", seq_len, 1))
+        _check_positions(folder, seq_len)
     if batch_size is not None:
         stage = replace(stage, batch_size=int_at_least("--batch-size", batch_size, 1))
     tokenizer = load_tokenizer(folder / TOKENIZER_FILE)
@@ -123,6 +124,17 @@ def run_perplexity(model_path, data, *, seq_len: int | None = None, batch_size: 
             "tokens": result.tokens, "windows": len(windows), "seq_len": stage.seq_len,
             "batch_size": stage.batch_size, "use_dsa": stage.use_dsa, "model": str(folder), "data": str(data),
             "val_set": held.record, "run_dir": None if run_dir is None else str(run_dir)}
+
+
+def _check_positions(folder, seq_len: int) -> None:
+    """Refuse (ValueError naming --seq-len) a window longer than the model's max_position_embeddings, before the
+    text is tokenized or the weights loaded."""
+    from glm5lab.config import ModelConfig
+    from glm5lab.validate import refuse
+
+    most = ModelConfig.from_hf(folder).max_position_embeddings
+    if seq_len > most:
+        refuse("--seq-len", seq_len, f"1..{most} (the model's max_position_embeddings)")
 
 
 def _has_indexer(folder) -> bool:
