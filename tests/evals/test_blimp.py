@@ -125,6 +125,18 @@ def test_limit_keeps_every_paradigm(data_dir):
         load_pairs(data_dir, limit=4)
 
 
+@pytest.mark.parametrize("content, message", [
+    (gzip.compress(b""), "blimp.jsonl.gz holds no BLiMP pairs: give the folder of a BLiMP copy$"),
+    (b"not gzip", r"blimp.jsonl.gz: not a gzip-compressed UTF-8 JSONL file \(Not a gzipped file"),
+    (gzip.compress(b"\xff\xfe\n"), r"blimp.jsonl.gz: not a gzip-compressed UTF-8 JSONL file \('utf-8' codec"),
+])
+def test_an_empty_or_foreign_pairs_file_is_refused_in_one_line(data_dir, tmp_path, content, message):
+    (tmp_path / "models_summary.jsonl").write_bytes((data_dir / "models_summary.jsonl").read_bytes())
+    (tmp_path / "blimp.jsonl.gz").write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        load_pairs(tmp_path, limit=1)
+
+
 def test_the_packaged_copy_reproduces_the_papers_overall_figures():
     published = load_published()
     assert len(published) == 67 and len({v["group"] for v in published.values()}) == 12

@@ -65,22 +65,27 @@ def load_published(data_dir=DATA_DIR) -> dict[str, dict]:
 def load_pairs(data_dir=DATA_DIR, limit: int | None = None) -> list[Pair]:
     """The pairs in file order, grouped as the paper does (`load_published`'s group, else the line's own
     linguistics_term); with `limit`, the first `limit` pairs of each paradigm (a subset: every paradigm kept).
-    Raises ValueError for a limit < 1 or above the smallest paradigm's pairs, or a malformed line (naming the file
-    and line)."""
+    Raises ValueError for a limit < 1 or above the smallest paradigm's pairs, a malformed line (naming the file
+    and line), a file that is not gzip-compressed UTF-8 or holds no pairs."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit {limit} is not allowed: at least 1 pair per paradigm")
     published, file = load_published(data_dir), Path(data_dir) / PAIRS_FILE
     pairs, seen = [], defaultdict(int)
-    with gzip.open(file, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            try:
-                d = json.loads(line)
-                uid, good, bad, term = d["UID"], d["sentence_good"], d["sentence_bad"], d["linguistics_term"]
-            except (ValueError, KeyError) as e:
-                raise ValueError(f"{file} line {n}: not a BLiMP pair ({type(e).__name__}: {e})") from None
-            if limit is None or seen[uid] < limit:
-                seen[uid] += 1
-                pairs.append(Pair(uid, published.get(uid, {}).get("group", term), good, bad))
+    try:
+        with gzip.open(file, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    d = json.loads(line)
+                    uid, good, bad, term = d["UID"], d["sentence_good"], d["sentence_bad"], d["linguistics_term"]
+                except (ValueError, KeyError) as e:
+                    raise ValueError(f"{file} line {n}: not a BLiMP pair ({type(e).__name__}: {e})") from None
+                if limit is None or seen[uid] < limit:
+                    seen[uid] += 1
+                    pairs.append(Pair(uid, published.get(uid, {}).get("group", term), good, bad))
+    except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not a gzip-compressed UTF-8 JSONL file ({e})") from None
+    if not pairs:
+        raise ValueError(f"{file} holds no BLiMP pairs: give the folder of a BLiMP copy")
     if limit is not None and limit > min(seen.values()):
         raise ValueError(f"--limit {limit} is not allowed: at most {min(seen.values())} (the pairs of the smallest "
                          "paradigm); leave it out to score them all")
