@@ -125,6 +125,15 @@ def test_limit_keeps_every_paradigm(data_dir):
         load_pairs(data_dir, limit=4)
 
 
+def test_a_malformed_published_figures_file_is_refused_naming_its_line(tmp_path):
+    (tmp_path / "models_summary.jsonl").write_text('\n{"UID": "x"}\n')
+    with pytest.raises(ValueError, match=r"models_summary.jsonl line 2: not a BLiMP models_summary row \(KeyError: "):
+        load_published(tmp_path)
+    (tmp_path / "models_summary.jsonl").write_text("garbage{\n")
+    with pytest.raises(ValueError, match=r"models_summary.jsonl line 1: not a BLiMP models_summary row \(JSONDecodeError"):
+        load_published(tmp_path)
+
+
 @pytest.mark.parametrize("content, message", [
     (gzip.compress(b""), "blimp.jsonl.gz holds no BLiMP pairs: give the folder of a BLiMP copy$"),
     (b"not gzip", r"blimp.jsonl.gz: not a gzip-compressed UTF-8 JSONL file \(Not a gzipped file"),

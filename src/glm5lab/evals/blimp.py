@@ -56,10 +56,20 @@ def check_data_dir(data_dir, flag: str = "--data") -> Path:
 
 def load_published(data_dir=DATA_DIR) -> dict[str, dict]:
     """Paradigm UID -> {"group": the paper's phenomenon, "ngram"/"lstm"/"txl"/"gpt2": accuracy in [0, 1]}
-    (the file's per-group and overall rows, UID "overall", are left out: they are recomputed from these)."""
-    rows = [json.loads(line) for line in (Path(data_dir) / PUBLISHED_FILE).read_text().splitlines() if line.strip()]
-    return {r["UID"]: {"group": r["linguistics_term"], **{k: r[k] for k in PUBLISHED}}
-            for r in rows if r["UID"] != "overall"}
+    (the file's per-group and overall rows, UID "overall", are left out: they are recomputed from these). Raises
+    ValueError naming the file and line for a row that is not JSON or lacks a field."""
+    file, published = Path(data_dir) / PUBLISHED_FILE, {}
+    for n, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            row = {"group": r["linguistics_term"], **{k: r[k] for k in PUBLISHED}}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{file} line {n}: not a BLiMP models_summary row ({type(e).__name__}: {e})") from None
+        if r["UID"] != "overall":
+            published[r["UID"]] = row
+    return published
 
 
 def load_pairs(data_dir=DATA_DIR, limit: int | None = None) -> list[Pair]:
