@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -91,9 +92,12 @@ def main(argv=None) -> dict:
         args.png = args.png or FIGURE
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads = {args.threads} is not allowed: an integer >= 1")
-    if args.rounds < 1 or args.target_s <= 0 or args.max_gib <= 0:
+    if args.rounds < 1 or not 0 < args.target_s < math.inf or not 0 < args.max_gib < math.inf:
         p.error(f"--rounds = {args.rounds}, --target-s = {args.target_s}, --max-gib = {args.max_gib}: "
-                "rounds >= 1 and positive seconds and GiB are allowed")
+                "rounds >= 1 and positive finite seconds and GiB are allowed")
+    for flag, path in (("--json-out", args.json_out), ("--png", args.png)):
+        if path is not None and path.is_dir():
+            p.error(f"{flag} = '{path}' is not allowed: a file path (it is a folder)")
     device = setup_device(args)
     from glm5lab.environment import env_facts, load_average
 

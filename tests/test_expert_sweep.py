@@ -165,6 +165,21 @@ def test_benchmark_quick_leaves_the_full_sweeps_record_and_figure_alone(tmp_path
     assert last["json_out"] is None and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--max-gib", "nan"], "--max-gib = nan: rounds >= 1 and positive finite seconds and GiB are allowed"),
+    (["--target-s", "inf"], "--target-s = inf, --max-gib = 4.0: rounds >= 1 and positive finite seconds"),
+    (["--json-out", "{tmp}"], "--json-out = '{tmp}' is not allowed: a file path (it is a folder)"),
+])
+def test_benchmark_bad_flags_are_refused_in_one_line_before_measuring(tmp_path, capsys, args, line):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import expert_kernels as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", *[a.format(tmp=tmp_path) for a in args]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and line.format(tmp=tmp_path) in err[-1], err
+
+
 def test_benchmark_plans_a_peak_matmul_big_enough_for_a_gpu():
     import argparse
 
