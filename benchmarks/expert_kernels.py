@@ -80,9 +80,11 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the kernels' and the peak matmul's dtype")
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds per cell")
-    p.add_argument("--target-s", type=float, default=0.1, help="seconds of repeated calls per cell, round, direction")
-    p.add_argument("--max-gib", type=float, default=4.0, help="skip a kernel whose estimated memory exceeds this")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds per cell (default 2; --quick: 1)")
+    p.add_argument("--target-s", type=float, help="seconds of repeated calls per cell, round, direction (default "
+                   "0.1; --quick: 0.01)")
+    p.add_argument("--max-gib", type=float, help="skip a kernel whose estimated memory exceeds this (default 4; "
+                   "--quick: no bound)")
     p.add_argument("--json-out", type=Path, help="the record (default: benchmarks/results/expert_kernels.json; with --quick: "
                    "none, so that a quick try never replaces the full sweep's record)")
     p.add_argument("--png", type=Path, help="the figure (default: docs/figures/expert_kernels.png; with --quick: none)")
@@ -92,6 +94,12 @@ def main(argv=None) -> dict:
         args.png = args.png or FIGURE
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads = {args.threads} is not allowed: an integer >= 1")
+    given = [f"--{k.replace('_', '-')}" for k in ("rounds", "target_s", "max_gib") if getattr(args, k) is not None]
+    if args.quick and given:
+        p.error(f"{', '.join(given)} applies only to the full sweep: --quick fixes its own timings; drop --quick or them")
+    args.rounds = 2 if args.rounds is None else args.rounds
+    args.target_s = 0.1 if args.target_s is None else args.target_s
+    args.max_gib = 4.0 if args.max_gib is None else args.max_gib
     if args.rounds < 1 or not 0 < args.target_s < math.inf or not 0 < args.max_gib < math.inf:
         p.error(f"--rounds = {args.rounds}, --target-s = {args.target_s}, --max-gib = {args.max_gib}: "
                 "rounds >= 1 and positive finite seconds and GiB are allowed")
