@@ -48,7 +48,7 @@ def glm5lab_lm(path, *, device, flag: str = "RUN_OR_CHECKPOINT") -> CausalLM:
     if place is None:
         raise ValueError(f"{flag} {path}: no {TOKENIZER_FILE} in {folder} (nor in {path}); BLiMP scores text, so "
                          "the model needs its tokenizer")
-    model = GLM5ForCausalLM.from_pretrained(folder, dtype=torch.float32, device=device).eval()
+    model = GLM5ForCausalLM.from_pretrained(folder, dtype=torch.float32, device=device, mtp=False).eval()
     return model_lm(model, load_tokenizer(place), str(folder))
 
 
