@@ -26,6 +26,9 @@ MIXER_ALIASES = {"full": "attention"}
 glm5lab 0.1; it clashed with the "full" of `indexer_types`)."""
 SIMPLE_GDN_DECAYS = ("learned", "constant")
 INDEXER_TYPES = ("full", "shared")
+INDEXER_TARGETS = ("own", "served")
+"""What a kept indexer learns in training (`Stage.indexer_target`): "own" its layer's attention; "served" the
+layers it serves (multi-layer distillation, `glm5lab.model.index_distill`)."""
 MLP_LAYER_TYPES = ("dense", "sparse")
 FIRST_K_DENSE_REPLACE = 3
 """Leading dense layers when neither `first_k_dense_replace` nor `mlp_layer_types` is given (GLM-5's, as

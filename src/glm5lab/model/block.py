@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.self_attn, MLAttention):
             a_BTD, topk, kl = self.self_attn(h_BTD, step)
         else:
-            a_BTD, topk, kl = self.self_attn(h_BTD, step), step.topk, None
+            a_BTD, topk, kl = self.self_attn(h_BTD, step), step.handoff, None
         x_BTD = x_BTD + a_BTD
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD), step), topk, kl
 

@@ -28,6 +28,7 @@ from glm5lab.model.attention import (
 from glm5lab.model.attention_blocked import attention_expanded_blocked
 from glm5lab.model.dsa import LightningIndexer
 from glm5lab.model.fp8_keys import Fp8Keys
+from glm5lab.model.index_distill import Teacher
 from glm5lab.model.norm import RMSNorm
 from glm5lab.model.rope import apply_rope
 from glm5lab.model.step import LayerStep
@@ -212,9 +213,53 @@ class MLAttention(nn.Module):
                                 T=T, latent_max_T=self.latent_max_T, one_offset=one_offset)
         o_BTHV = self.attend(route, q_nope, q_pe, latent_BSX, topk, step)
         own = self.spec.indexer == "own"
+        out_BTD = self.o_proj(o_BTHV.flatten(2))
+        if step.indexer_loss and step.indexer_target == "served" and self.spec.indexer != "none":
+            return (out_BTD, *self.served_kl(x_BTD, q_lat, (q_nope, q_pe, latent_BSX), step, topk, index_keys_BSJ))
         kl = (self.indexer_kl(x_BTD, q_lat, (q_nope, q_pe, latent_BSX), step, topk=topk, index_keys_BSJ=index_keys_BSJ)
               if own and step.indexer_loss else None)
-        return self.o_proj(o_BTHV.flatten(2)), topk if own else step.topk, kl
+        return out_BTD, topk if own else step.handoff, kl
+
+    def served_kl(self, x_BTD, q_lat_BTQ, projected, step: LayerStep, topk: TopK | None, index_keys_BSJ):
+        """Multi-layer distillation (`glm5lab.model.index_distill`): (what to hand on, this layer's KL). An own
+        layer: a `Teacher` (its top-k, its index scores with their gradient) and KL(p_own || q); a shared layer:
+        the teacher handed to it and KL(p_this || q of that teacher), p without gradient on the teacher's keys."""
+        sparse = topk is not None and not step.reference
+        if self.spec.indexer == "own":
+            if index_keys_BSJ is None:
+                index_keys_BSJ = step.write("index_keys", self.indexer.keys(x_BTD.detach(), step.cos, step.sin))
+            x, q_lat = x_BTD.detach(), q_lat_BTQ.detach()
+            scores = (self.indexer.scores_at(x, q_lat, index_keys_BSJ, step.cos, step.sin, topk.idx_BTK) if sparse
+                      else self.indexer.scores(x, q_lat, index_keys_BSJ, step.cos, step.sin, q_offset=step.offsets))
+            teacher = Teacher(topk, scores)
+        else:
+            teacher = step.teacher
+            if teacher is None:
+                raise ValueError("a 'shared' DSA layer under indexer_target 'served' needs the scores of an earlier "
+                                 "'own' layer in the same forward")
+        target, keep = self.attention_target(projected, step, topk, sparse)
+        return teacher, step.token_mean(kl_to_indexer(target, teacher.scores, keep))
+
+    def attention_target(self, projected, step: LayerStep, topk: TopK | None, sparse: bool):
+        """(p, keep): this layer's attention probabilities, mean over heads, fp32 without gradient, the indexer
+        KL's target, and the keys it covers: sparse, [B, T, K] at topk's keys (keep: its valid slots); else
+        [B, T, S] over the visible keys (and topk's when given; keep: that mask). O(B H T S) for the dense form."""
+        q_nope, q_pe, latent_BSX = projected
+        with torch.no_grad():
+            q_BTHX = self.absorbed_query(q_nope, q_pe).float()
+            if sparse:
+                rows_B11 = torch.arange(q_BTHX.shape[0], device=q_BTHX.device)[:, None, None]
+                kv_BTKX = latent_BSX.float()[rows_B11, topk.idx_BTK]
+                logits_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX, kv_BTKX) * self.scale
+                probs = logits_BTHK.masked_fill(~topk.valid_BTK[:, :, None], float("-inf")).softmax(-1)
+                return probs.mean(2), topk.valid_BTK
+            S = latent_BSX.shape[1]
+            keep_BTS = visible(step.offsets, q_BTHX.shape[1], S, device=q_BTHX.device)
+            if topk is not None:
+                keep_BTS = keep_BTS & topk_mask(topk, S)
+            logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, latent_BSX.float()) * self.scale
+            probs_BHTS = logits_BHTS.masked_fill(~keep_BTS[:, None], float("-inf")).softmax(-1)
+            return probs_BHTS.mean(1), keep_BTS.expand(q_BTHX.shape[0], -1, -1)
 
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""

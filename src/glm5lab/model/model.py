@@ -20,6 +20,7 @@ from glm5lab.config import ModelConfig
 from glm5lab.model.block import DecoderLayer
 from glm5lab.model.cache import KVCache
 from glm5lab.model.gdn_layer import GatedDeltaNet, SimpleGDN
+from glm5lab.model.index_distill import INDEXER_TARGETS, check_served, distill_loss
 from glm5lab.model.local import local
 from glm5lab.model.mla import ATTN_IMPLS
 from glm5lab.model.moe import EXPERT_IMPLS, Experts, Router
@@ -102,7 +103,8 @@ class GLM5ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, mtp_depth: int = 0, attn_impl: str = "auto",
                 moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
-                cache: KVCache | None = None, logits_to_keep: int = 0, context_parallel=None) -> CausalLMOutput:
+                cache: KVCache | None = None, logits_to_keep: int = 0, context_parallel=None,
+                indexer_target: str = "own") -> CausalLMOutput:
         """input_ids: int64 [B, T] with 1 <= T <= max_position_embeddings, ids in the vocab.
 
         cache: a `KVCache.for_model(self, ...)`; input_ids are then each row's next T tokens, at positions
@@ -116,7 +118,11 @@ class GLM5ForCausalLM(nn.Module):
         moe_impl: "auto" (a sync-free path when at most 16 tokens decode: `torch._grouped_mm`, or
         gathered expert weights where it does not run; tiled grouped otherwise) | "grouped" |
         "grouped_mm" | "gathered" | "loop" (the reference; see `glm5lab.model.moe`). use_dsa: override the config's switch for this call
-        (training stages). indexer_loss: also compute the DSA indexer KL (`MLAttention.indexer_kl`).
+        (training stages). indexer_loss: also compute the DSA indexer KL (`MLAttention.indexer_kl`): the mean
+        over the "own" indexer layers (the MTP layer counting as one). indexer_target (with indexer_loss): "own",
+        each own layer's indexer learns its layer's attention; "served", multi-layer distillation, it learns the
+        mean attention of the layers it serves (itself and the "shared" layers after it: IndexCache's
+        training-aware loss, `glm5lab.model.index_distill`; not with context_parallel).
         context_parallel: a `glm5lab.parallel.context_parallel.ContextParallel` (training, uncached): every rank
         of its group passes the whole sequence's input_ids and gets its own tokens' outputs only: logits and
         hidden_states [B, T / cp, ...] at `context_parallel.positions(T)`, MTP depth j's logits at those of them
@@ -133,7 +139,7 @@ class GLM5ForCausalLM(nn.Module):
             if cache.batch != input_ids.shape[0]:
                 raise ValueError(f"input_ids has {input_ids.shape[0]} rows but the cache was built for {cache.batch}")
         options = dict(mtp_depth=mtp_depth, attn_impl=attn_impl, moe_impl=moe_impl, use_dsa=use_dsa,
-                       indexer_loss=indexer_loss, logits_to_keep=logits_to_keep)
+                       indexer_loss=indexer_loss, logits_to_keep=logits_to_keep, indexer_target=indexer_target)
         if context_parallel is not None:
             self._check_context_parallel(input_ids, cache, logits_to_keep, context_parallel)
             return self.step(input_ids, None, context_parallel=context_parallel, **options)
@@ -144,7 +150,8 @@ class GLM5ForCausalLM(nn.Module):
 
     def step(self, input_ids: torch.Tensor, cache: KVCache | None, *, mtp_depth: int = 0, attn_impl: str = "auto",
              moe_impl: str = "auto", use_dsa: bool | None = None, indexer_loss: bool = False,
-             logits_to_keep: int = 0, static: bool = False, context_parallel=None) -> CausalLMOutput:
+             logits_to_keep: int = 0, static: bool = False, context_parallel=None,
+             indexer_target: str = "own") -> CausalLMOutput:
         """`forward` without its checks of the ids' values and shapes (the caller made them once:
         `glm5lab.infer.prefill` / `decode_step` / `verify`); no host synchronisation on the way. With a cache,
         call it inside `cache.writing(T)` (which reserves and commits the tokens). Options as `forward`;
@@ -152,7 +159,8 @@ class GLM5ForCausalLM(nn.Module):
         whole capacity (`KVCache.begin`), the form `torch.compile` traces (`glm5lab.infer.compiled`).
         context_parallel: as `forward` (uncached; input_ids the whole sequence)."""
         cfg, T = self.config, input_ids.shape[1]
-        options = self._options(attn_impl, moe_impl, use_dsa, indexer_loss)
+        options = self._options(attn_impl, moe_impl, use_dsa, indexer_loss, indexer_target)
+        check_served(indexer_target, context_parallel)
         int_at_least("logits_to_keep (0 = all positions)", logits_to_keep, 0)
         cp, own_ids = context_parallel, input_ids
         if cp is not None:  # this rank's tokens at their global positions
@@ -167,28 +175,30 @@ class GLM5ForCausalLM(nn.Module):
             step = Step.split(cp, T, positions, cos_TR2, sin_TR2, **options)
         else:
             step = Step.uncached(T, cos_TR2, sin_TR2, **options)
-        x_BTD, topk, kls = self.model.embed_tokens(own_ids), None, []
+        x_BTD, handoff, kls = self.model.embed_tokens(own_ids), None, []
         for i, layer in enumerate(self.model.layers):  # the last "own" layer's top-k goes on to the "shared" ones
-            x_BTD, topk, kl = layer(x_BTD, step.layer(i, topk))
-            kls += [] if kl is None else [kl]
+            x_BTD, handoff, kl = layer(x_BTD, step.layer(i, handoff))
+            kls += [] if kl is None else [(self.layer_specs[i].indexer, kl)]
         h_BTD = self.model.norm(x_BTD)
         out = CausalLMOutput(logits=self.lm_head(h_BTD[:, -logits_to_keep:]), hidden_states=h_BTD)
         if mtp_depth:
             out.mtp_logits, mtp_kls = mtp_unroll(self.model.mtp_layers[0], self.model.embed_tokens, self.lm_head,
                                                  h_BTD, input_ids, mtp_depth, step)
             if mtp_kls:  # the MTP layer counts as one indexer layer, averaged over its depths
-                kls.append(torch.stack(mtp_kls).mean())
-        if kls:
-            out.indexer_loss = torch.stack(kls).mean()
+                kls.append(("own", torch.stack(mtp_kls).mean()))
+        if kls:  # the mean over own layers (groups: an own layer and the shared ones whose KL it takes)
+            out.indexer_loss = distill_loss(kls)
         return out
 
-    def _options(self, attn_impl: str, moe_impl: str, use_dsa: bool | None, indexer_loss: bool) -> dict:
-        """The `Step` options of one forward. Raises ValueError for an unknown impl."""
+    def _options(self, attn_impl: str, moe_impl: str, use_dsa: bool | None, indexer_loss: bool,
+                 indexer_target: str = "own") -> dict:
+        """The `Step` options of one forward. Raises ValueError for an unknown impl or indexer target."""
         one_of("attention impl", attn_impl, ATTN_IMPLS)
         one_of("experts impl", moe_impl, EXPERT_IMPLS)
+        one_of("indexer_target", indexer_target, INDEXER_TARGETS)
         return dict(reference=attn_impl == "naive", absorbed=attn_impl == "absorbed", moe_impl=moe_impl,
                     use_dsa=self.config.use_dsa if use_dsa is None else bool(use_dsa),
-                    index_topk=self.config.index_topk, indexer_loss=indexer_loss)
+                    index_topk=self.config.index_topk, indexer_loss=indexer_loss, indexer_target=indexer_target)
 
     def mtp_step(self, hidden_BTD: torch.Tensor, next_ids: torch.Tensor, *, cache: KVCache,
                  attn_impl: str = "auto", moe_impl: str = "auto", with_logits: bool = True

@@ -22,6 +22,9 @@ cache is the offset-0 case of the cached one: `Step.uncached` gives every row of
     static         a compiled graph's forward: static shapes, no host synchronisation
     topk           the last "own" layer's selection, handed on by the model loop ("shared" layers: IndexCache)
     indexer_loss   training: an "own" DSA layer also returns its indexer KL
+    indexer_target with indexer_loss: "own" (its layer's attention) or "served" (multi-layer distillation:
+                   the own layer hands on a `Teacher`, its top-k and index scores, and shared layers return
+                   their KL to it too; `glm5lab.model.index_distill`)
 
 A layer reads the step and never assigns to it: what it hands to later layers it returns (a block
 returns `(x, topk, kl)`, as DeepSeek-V3.2's `model.py` returns `topk_indices`), and the model loop
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from glm5lab.model.index_distill import Teacher, selection
 from glm5lab.model.topk import TopK
 from glm5lab.model.visibility import visible
 
@@ -66,10 +70,10 @@ class Step:
     def __init__(self, *, T: int, extent: int, cos: torch.Tensor, sin: torch.Tensor, offsets: int | torch.Tensor = 0,
                  cache=None, reference: bool = False, absorbed: bool = False, use_dsa: bool = False,
                  index_topk: int = 0, moe_impl: str = "auto", indexer_loss: bool = False, static: bool = False,
-                 context_parallel=None, seq_len: int | None = None):
+                 context_parallel=None, seq_len: int | None = None, indexer_target: str = "own"):
         self.T, self.extent, self.cos, self.sin, self.offsets, self.cache = T, extent, cos, sin, offsets, cache
         self.reference, self.absorbed, self.use_dsa, self.index_topk = reference, absorbed, use_dsa, index_topk
-        self.moe_impl, self.indexer_loss = moe_impl, indexer_loss
+        self.moe_impl, self.indexer_loss, self.indexer_target = moe_impl, indexer_loss, indexer_target
         self.context_parallel, self.seq_len = context_parallel, extent if seq_len is None else seq_len
         # a CP forward is a slice of a long training sequence: the kernels of long forwards, as one process runs
         self.decode_sized = is_decode_sized(T) and context_parallel is None
@@ -98,7 +102,8 @@ class Step:
         cp = self.context_parallel
         return Step(T=n, extent=L, cos=self.cos[:n], sin=self.sin[:n], offsets=0 if cp is None else self.offsets[:, :n],
                     reference=self.reference, absorbed=self.absorbed, use_dsa=self.use_dsa, index_topk=self.index_topk,
-                    moe_impl=self.moe_impl, indexer_loss=self.indexer_loss, context_parallel=cp, seq_len=self.seq_len)
+                    moe_impl=self.moe_impl, indexer_loss=self.indexer_loss, context_parallel=cp, seq_len=self.seq_len,
+                    indexer_target=self.indexer_target)
 
     def n_below(self, L: int) -> int:
         """How many of this forward's tokens sit at positions below L (uncached)."""
@@ -152,9 +157,10 @@ class Step:
         return self.shared("slots", lambda: (torch.arange(self.offsets.shape[0], device=device)[:, None],
                                              self.offsets[:, None] + torch.arange(self.T, device=device)))
 
-    def layer(self, i: int, topk: TopK | None = None) -> LayerStep:
-        """Layer i's view: its cache state (none when uncached) and the selection handed on to it."""
-        return LayerStep(self, self.cache.states[i] if self.cached else None, topk)
+    def layer(self, i: int, handoff: TopK | Teacher | None = None) -> LayerStep:
+        """Layer i's view: its cache state (none when uncached) and what the layers before handed on to it (the
+        selection, or a `Teacher` holding it)."""
+        return LayerStep(self, self.cache.states[i] if self.cached else None, handoff)
 
 
 def _one_value(offsets_B: torch.Tensor) -> int | None:
@@ -171,18 +177,23 @@ class LayerStep:
     `state`, and `topk`, the selection of the last "own" DSA layer before it in the forward (None
     when none ran; the model loop hands it on). `write` its new entries, read back all S of them."""
 
-    __slots__ = ("_step", "_state", "_topk")
+    __slots__ = ("_step", "_state", "_handoff")
 
-    def __init__(self, step: Step, state=None, topk: TopK | None = None):
-        self._step, self._state, self._topk = step, state, topk
+    def __init__(self, step: Step, state=None, handoff: TopK | Teacher | None = None):
+        self._step, self._state, self._handoff = step, state, handoff
 
     step = property(lambda self: self._step, doc="The forward's `Step`.")
     state = property(lambda self: self._state, doc="This layer's `LayerState` in the cache (None uncached).")
-    topk = property(lambda self: self._topk, doc="The selection handed on to this layer (IndexCache).")
+    handoff = property(lambda self: self._handoff, doc="What the layers before handed on: a `TopK`, a `Teacher` or "
+                       "None (a layer that selects nothing passes it on as it came).")
+    topk = property(lambda self: selection(self._handoff), doc="The selection handed on to this layer (IndexCache).")
+    teacher = property(lambda self: self._handoff if isinstance(self._handoff, Teacher) else None,
+                       doc="The `Teacher` handed on under indexer_target 'served', else None.")
     T, extent, cos, sin, offsets = (_from_step(n) for n in ("T", "extent", "cos", "sin", "offsets"))
     cached, reference, absorbed, static = (_from_step(n) for n in ("cached", "reference", "absorbed", "static"))
     causal_prefix, context_parallel = _from_step("causal_prefix"), _from_step("context_parallel")
     use_dsa, index_topk, indexer_loss = (_from_step(n) for n in ("use_dsa", "index_topk", "indexer_loss"))
+    indexer_target = _from_step("indexer_target")
     moe_impl, decode_sized = _from_step("moe_impl"), _from_step("decode_sized")
 
     def mask(self, window: int | None = None) -> torch.Tensor:

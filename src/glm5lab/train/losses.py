@@ -53,7 +53,8 @@ def task_losses(model, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, stag
         raise ValueError(f"input_ids {tuple(input_ids_BT.shape)} and labels {tuple(labels_BT.shape)} must have one shape")
     T = input_ids_BT.shape[1]
     out = model(input_ids_BT, mtp_depth=min(stage.mtp_depth, T - 1), use_dsa=stage.use_dsa,
-                indexer_loss=stage.indexer_weight > 0, context_parallel=context_parallel)
+                indexer_loss=stage.indexer_weight > 0, context_parallel=context_parallel,
+                indexer_target=stage.indexer_target)
     total = input_ids_BT.new_zeros((), dtype=torch.float32)
     lm = _head_loss(out.logits, labels_BT, 0, context_parallel)
     if stage.lm_weight:

@@ -15,6 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from glm5lab.config import INDEXER_TARGETS
 from glm5lab.validate import finite, int_at_least, one_of, refuse
 
 TRAINABLE = ("all", "indexer")
@@ -55,6 +56,11 @@ class Stage:
     from lr to lr_end (torchtitan's decay_type "cosine", HF's get_cosine_schedule_with_warmup with a floor);
     "wsd", warmup-stable-decay: lr held, then linear to lr_end over the last `decay_ratio` of the H steps.
     "cosine" and "wsd" need lr_end."""
+    indexer_target: str = "own"
+    """With indexer_weight > 0, what each kept ("own") indexer learns: "own", its layer's attention (DeepSeek-V3.2's
+    loss, what public trainers do); "served", the mean attention of the layers it serves, itself and the "shared"
+    layers after it (IndexCache's training-aware multi-layer distillation: `glm5lab.model.index_distill`). The
+    same loss when every DSA layer keeps its indexer."""
     decay_ratio: float | None = None
     """"wsd" only (and required there): the fraction of the H steps that decay (torchtitan's
     lr_scheduler.decay_ratio): the last D = max(1, round(decay_ratio x H)) steps, which must fit after the
@@ -64,6 +70,7 @@ class Stage:
         for name in ("steps", "seq_len", "batch_size", "grad_accum"):
             int_at_least(f"stage {self.name!r}: `{name}`", getattr(self, name), 1)
         one_of(f"stage {self.name!r}: `trainable`", self.trainable, TRAINABLE)
+        one_of(f"stage {self.name!r}: `indexer_target`", self.indexer_target, INDEXER_TARGETS)
         if self.decay_steps is not None:
             int_at_least(f"stage {self.name!r}: `decay_steps`", self.decay_steps, 1)
         if not 0 <= self.warmup_steps < self.steps:
