@@ -25,13 +25,14 @@ TRAIN_HYPER = TrainHyper.default()
 
 
 def fit(model, stages: list[Stage], batches: BatchFn, *, hyper: TrainHyper = STUDY_HYPER,
-        seed: int = 0, optimizer=None) -> list[dict]:
+        seed: int = 0, optimizer=None, start: dict | None = None) -> list[dict]:
     """Train `model` in place through `stages` with the step settings `hyper` (optimizer, weight
     decay, clipping, router bias rate); returns one record per step (stage, step, the losses of
     `StepLosses.to_log`, lr, seconds). Seeds torch with `seed` first (dropout-free models: the
     batches fix everything else); batches (ids [B, T], labels [B, T]) are moved to the model's
     device. optimizer: default `hyper.build_optimizer` at the first stage's lr (pass one to hook or inspect
-    it). Leaves every parameter trainable and the model in eval mode. Raises TrainingDiverged
+    it). start: begin there (`run_stages`'s {"step", "stage", "in_stage"}), e.g. a branch of a model trained through
+    the first stages continues at the next one on the batches the whole run would have seen. Leaves every parameter trainable and the model in eval mode. Raises TrainingDiverged
     (glm5lab.train.step) on a non-finite loss or gradient, ValueError for an unknown optimizer."""
     torch.manual_seed(seed)
     model.train()
@@ -43,7 +44,7 @@ def fit(model, stages: list[Stage], batches: BatchFn, *, hyper: TrainHyper = STU
                         "seconds": done.seconds})
 
     run_stages(model, stages, lambda *at: tuple(t.to(device) for t in batches(*at)), hyper, record,
-               losses=lambda batch, stage: task_losses(model, *batch, stage), optimizer=optimizer)
+               losses=lambda batch, stage: task_losses(model, *batch, stage), optimizer=optimizer, start=start)
     for p in model.parameters():
         p.requires_grad_(True)
     model.eval()
@@ -74,13 +75,15 @@ def decay_stage(name: str, steps: int, lr: float, seq_len: int, batch_size: int,
                  mtp_weights=mtp_weights)
 
 
-def dsa_stages(s: dict) -> list[Stage]:
+def dsa_stages(s: dict, indexer_target: str = "own") -> list[Stage]:
     """The report's DSA recipe at study size `s` (T, batch, base_steps, lr, W, A, adapt_lr): dense pre-training
     (`decay_stage`, 5% warm-up), indexer warm-up (W steps, lr 5e-3 -> 2e-4 as the report, only the indexers
     train on their KL, LM weight 0, dense), sparse adaptation (A steps at constant adapt_lr, DSA on, everything
-    trains, LM loss + indexer KL on the selected keys); no MTP loss."""
+    trains, LM loss + indexer KL on the selected keys); no MTP loss. indexer_target: `Stage.indexer_target` of the
+    two DSA stages ("served": IndexCache's multi-layer distillation)."""
     T, B = s["T"], s["batch"]
     return [decay_stage("dense", s["base_steps"], s["lr"], T, B, s["base_steps"] // 20),
             Stage("indexer_warmup", s["W"], 5e-3, T, B, lr_end=2e-4, trainable="indexer", lm_weight=0.0,
-                  mtp_weights=(), indexer_weight=1.0),
-            Stage("sparse_adaptation", s["A"], s["adapt_lr"], T, B, use_dsa=True, mtp_weights=(), indexer_weight=1.0)]
+                  mtp_weights=(), indexer_weight=1.0, indexer_target=indexer_target),
+            Stage("sparse_adaptation", s["A"], s["adapt_lr"], T, B, use_dsa=True, mtp_weights=(), indexer_weight=1.0,
+                  indexer_target=indexer_target)]
