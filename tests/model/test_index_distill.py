@@ -154,3 +154,17 @@ def test_served_refused_where_it_does_not_run():
         _model(["full", "shared", "full", "shared"])(_ids(), indexer_loss=True, indexer_target="mean")
     with pytest.raises(ValueError, match=r"stage 'a': `indexer_target`.*'own', 'served'"):
         Stage("a", 1, 1e-3, 8, 1, indexer_weight=1.0, indexer_target="served_mean")
+
+
+def test_recipe_stage_takes_indexer_target(tmp_path):
+    from glm5lab.train.recipe import load_recipe
+
+    text = ('name = "t"\ndescription = "t"\n[defaults]\nseq_len = 64\nbatch_size = 2\n[[stages]]\nname = "dense"\n'
+            'steps = 2\nlr = 1e-3\n[[stages]]\nname = "indexer_warmup"\nsteps = 2\nlr = 1e-3\ntrainable = "indexer"\n'
+            'lm_weight = 0.0\nindexer_weight = 1.0\nindexer_target = "{}"\n')
+    (tmp_path / "ok.toml").write_text(text.format("served"))
+    assert load_recipe(str(tmp_path / "ok.toml")).stages[1].fields["indexer_target"] == "served"
+    (tmp_path / "bad.toml").write_text(text.format("mean"))
+    with pytest.raises(ValueError, match=r"stages\[1\]\.indexer_target = 'mean' is not allowed: one of \('own', "
+                                         r"'served'\)"):
+        load_recipe(str(tmp_path / "bad.toml"))

@@ -70,7 +70,6 @@ class Stage:
         for name in ("steps", "seq_len", "batch_size", "grad_accum"):
             int_at_least(f"stage {self.name!r}: `{name}`", getattr(self, name), 1)
         one_of(f"stage {self.name!r}: `trainable`", self.trainable, TRAINABLE)
-        one_of(f"stage {self.name!r}: `indexer_target`", self.indexer_target, INDEXER_TARGETS)
         if self.decay_steps is not None:
             int_at_least(f"stage {self.name!r}: `decay_steps`", self.decay_steps, 1)
         if not 0 <= self.warmup_steps < self.steps:
@@ -162,6 +161,8 @@ def check_values(key, fields: dict) -> None:
     decay_steps not above warmup_steps (the warm-up ends at lr, and the decay reaches lr_end at step decay_steps:
     `Stage.lr_at`). Raises ValueError (`glm5lab.validate.refuse`'s form)."""
     finite(key("lr"), fields.get("lr"), positive=True)
+    if fields.get("indexer_target") is not None:
+        one_of(key("indexer_target"), fields["indexer_target"], INDEXER_TARGETS)
     if fields.get("lr_end") is not None:
         finite(key("lr_end"), fields["lr_end"])
     for name in LOSS_WEIGHTS:
