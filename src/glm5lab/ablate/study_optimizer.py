@@ -302,6 +302,11 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                 "eval": {"val_windows": s["val_windows"], "mqar_rows": s["eval_rows"], "mqar_seed": EVAL_SEED,
                          "draft_steps": DRAFT_STEPS, "prompts": s["prompts"], "use_dsa": True},
                 "at_glm5_scale": at_scale(), "model": cfg.to_hf()}
+    return result(raw, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them)."""
     return StudyResult("optimizer", table(raw, settings), raw, settings, seeds, lambda path: plot(raw, settings, path),
                        notes(raw, settings))
 
