@@ -83,6 +83,7 @@ def copy_of(src, tmp_path, edit=None):
 
 def refused(capsys, *argv) -> str:
     """The one-line error of `glm5lab ablate ARGV` (exit 2)."""
+    capsys.readouterr()  # what came before (a fixture tokenizing its corpus)
     assert main(["ablate", *argv, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
@@ -129,6 +130,22 @@ def test_what_cannot_be_extended_is_refused_before_anything_runs(two_seed_run, s
         (out / "results.json").write_text(text)
         err = refused(capsys, "mla", "--quick", "--seeds", "3", "--out", str(out), "--data", data)
         assert err.startswith(f"{out / 'results.json'}: ") and what in err
+
+
+def test_a_conflict_after_the_new_seeds_ran_keeps_them_apart(two_seed_run, study_corpus, tmp_path, capsys):
+    """Settings that differ outside the size (here a hand edit) are found only when merging: the folder is left as
+    it was and seed 2's results are written beside, to merge by hand."""
+    out = copy_of(two_seed_run("mla"), tmp_path, lambda info: info["settings"].update(steps=999))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    err = refused(capsys, "mla", "--quick", "--seeds", "3", "--out", str(out), "--data", str(study_corpus))
+    steps = json.loads((two_seed_run("mla") / "results.json").read_text())["settings"]["steps"]
+    assert err == (f"settings.steps: the old seeds' 999 and the new seeds' {steps} cannot be merged (neither "
+                   f"per-seed entries nor equal); {out}'s files are left as they were, the new seeds' results are in "
+                   f"{out / 'seeds-2-2'} (glm5lab.ablate.runner.merge_seeds merges them once the difference is "
+                   "resolved)")
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    kept = json.loads((out / "seeds-2-2" / "results.json").read_text())
+    assert kept["seeds"] == [2] and list(kept["raw"]["MLA"]) == ["2"]
 
 
 def test_an_old_results_json_without_runs_or_data_is_extended(two_seed_run, study_corpus, tmp_path, capsys):

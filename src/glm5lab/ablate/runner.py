@@ -243,17 +243,25 @@ def extend_study(args: StudyArgs, info: dict, out: Path) -> Path:
     """Run seeds m..N-1 of the study whose results `info` (out/results.json) hold seeds 0..m-1, merge them in
     (`merge_seeds`) and re-write out's table.md, results.json and PNG; returns table.md's path. Raises
     ValueError as `check_extension` before anything runs, and as `merge_seeds` (naming the conflicting path)
-    after, when the new seeds' numbers or settings cannot be merged (then the folder is left as it was)."""
+    after, when the new seeds' numbers or settings cannot be merged: then out's files are left as they were and
+    the new seeds' own results are written to out/seeds-m-(N-1) (named in the message)."""
     import dataclasses
 
-    from glm5lab.ablate.results import write_result
+    from glm5lab.ablate.results import run_record, write_result
     from glm5lab.ablate.workbench import Workbench
 
     first = check_extension(args, info, out / "results.json")
     args.say(f"extending {out}: it has seeds 0..{first - 1}, running {first}..{args.seeds - 1}")
     t0 = time.perf_counter()
     new = study_module(args.study).run(dataclasses.replace(args, first_seed=first), Workbench.load(data=args.data))
-    merged, runs = merge_seeds(info, new, elapsed_s=time.perf_counter() - t0)
+    record = run_record(new.seeds, time.perf_counter() - t0, new.settings)
+    try:
+        merged, runs = merge_seeds(info, new, record=record)
+    except ValueError as e:  # keep what the new seeds cost: they can be merged by hand (`merge_seeds`)
+        kept = out / f"seeds-{first}-{args.seeds - 1}"
+        write_result(new, kept, quick=args.quick, runs=[record], data=corpus(args.data))
+        raise ValueError(f"{e}; {out}'s files are left as they were, the new seeds' results are in {kept} "
+                         "(glm5lab.ablate.runner.merge_seeds merges them once the difference is resolved)") from e
     return write_result(merged, out, quick=bool(info.get("quick")), runs=runs, data=info.get("data"))
 
 
