@@ -125,6 +125,10 @@ def test_what_cannot_be_extended_is_refused_before_anything_runs(two_seed_run, s
     assert refused(capsys, "mla", "--quick", "--seeds", "3", "--out", str(out), "--data", data) == (
         f"{out / 'results.json'}: seeds [0, 2], not 0..m-1: cannot extend them with --seeds")
 
+    (out / "results.json").unlink()
+    assert refused(capsys, "mla", "--quick", "--seeds", "3", "--out", str(out), "--data", data) == (
+        f"--out {out} holds table.md but no results.json: --seeds cannot extend it (the raw numbers are in "
+        "results.json); write into another folder with --out DIR")
     for text, what in (("{not json", "not valid JSON"), ("[1, 2]", "got list"), ('{"study": "mla"}', "got an object "
                                                                                                   "without seeds")):
         (out / "results.json").write_text(text)

@@ -163,7 +163,10 @@ def check_out(out: Path, *, extend: bool = False) -> dict | None:
     held = [name for name in RESULT_FILES if (out / name).is_file()]
     if not held:
         return None
-    if not extend or "results.json" not in held:
+    if extend and "results.json" not in held:
+        raise FileExistsError(f"--out {out} holds {', '.join(held)} but no results.json: --seeds cannot extend it "
+                              "(the raw numbers are in results.json); write into another folder with --out DIR")
+    if not extend:
         raise FileExistsError(f"--out {out} already holds a study's results ({', '.join(held)}): write this run's "
                               f"into another folder with --out DIR, remove this one (rm -r {out}) to run the "
                               "study again, or add seeds to it with --seeds N (N more than it has)")
