@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,7 +62,9 @@ class StudyArgs:
     None = the study's default). progress: print one line per trained variant. data: the text
     corpus (`Workbench.load`; default: Shakespeare). scale: "cpu" (default) or "gpu" (larger
 models and lengths; see the module docstring). first_seed: the first seed run (the runner sets it when
-    --seeds extends a folder holding seeds 0..first_seed-1: `extend_study`)."""
+    --seeds extends a folder holding seeds 0..first_seed-1: `extend_study`). prior: that folder's settings (set
+    with first_seed), so a study reuses what it computed once for all seeds instead of re-running it (the
+    optimizer study's lr sweep)."""
 
     study: str
     quick: bool = False
@@ -72,6 +74,7 @@ models and lengths; see the module docstring). first_seed: the first seed run (t
     data: str | None = None
     scale: str = "cpu"
     first_seed: int = 0
+    prior: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         one_of("--scale", self.scale, SCALES)
@@ -256,7 +259,8 @@ def extend_study(args: StudyArgs, info: dict, out: Path) -> Path:
     first = check_extension(args, info, out / "results.json")
     args.say(f"extending {out}: it has seeds 0..{first - 1}, running {first}..{args.seeds - 1}")
     t0 = time.perf_counter()
-    new = study_module(args.study).run(dataclasses.replace(args, first_seed=first), Workbench.load(data=args.data))
+    new = study_module(args.study).run(dataclasses.replace(args, first_seed=first, prior=info["settings"]),
+                                       Workbench.load(data=args.data))
     record = run_record(new.seeds, time.perf_counter() - t0, new.settings)
     try:
         merged, runs = merge_seeds(info, new, record=record)
