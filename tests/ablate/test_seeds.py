@@ -35,14 +35,22 @@ def body(table_md: str) -> str:
 
 @pytest.fixture(scope="module")
 def extended(tmp_path_factory, study_corpus):
-    """study -> folder of `--quick --seeds 1` then `--quick --seeds 2` into it (run on first ask)."""
+    """study -> folder of `--quick --seeds 1` then `--quick --seeds 2` into it (run on first ask). The optimizer
+    study's extension must reuse the folder's lr sweep: its `sweep` fails if called."""
+    from glm5lab.ablate import study_optimizer
+
     made = {}
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("the lr sweep ran again for an extension")
 
     def get(study: str):
         if study not in made:
             out = tmp_path_factory.mktemp(f"{study}-extended") / study
-            for n in (1, 2):
-                run_study(StudyArgs(study, quick=True, seeds=n, out=str(out), progress=False, data=str(study_corpus)))
+            run_study(StudyArgs(study, quick=True, seeds=1, out=str(out), progress=False, data=str(study_corpus)))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(study_optimizer, "sweep", no_sweep)
+                run_study(StudyArgs(study, quick=True, seeds=2, out=str(out), progress=False, data=str(study_corpus)))
             made[study] = out
         return made[study]
 
