@@ -13,7 +13,8 @@ mqar_accuracy_pct[arm][length]). Merging an old batch (seeds S_old) with a new o
   anything else         a conflict: ValueError naming the path (e.g. raw.MLA.0.val_loss)
 
 The one ambiguity: a raw list that is not per-seed but happens to be as long as both batches, and differs, would
-be concatenated; no study writes one (tests/ablate/test_seeds.py merges every study's layout).
+be concatenated; no study writes one (tests/ablate/test_seeds.py extends mla, dsa, mtp, optimizer and swa and
+compares with one run; efficient and baseline were compared by hand the same way; indexcache is being rewritten).
 """
 
 from __future__ import annotations
