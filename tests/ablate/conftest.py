@@ -38,3 +38,21 @@ def run_quick(tmp_path_factory, study: str, corpus) -> tuple:
     out = tmp_path_factory.mktemp(study)
     _, text = run_study(StudyArgs(study, quick=True, out=str(out), progress=False, data=str(corpus)))
     return out, text
+
+
+@pytest.fixture(scope="session")
+def two_seed_run(tmp_path_factory, study_corpus):
+    """study -> the folder of its `glm5lab ablate STUDY --quick --seeds 2` on the word corpus, run on first ask and
+    shared by the session (test_summary, test_seeds). Read it; copy it before changing anything."""
+    from glm5lab.ablate.runner import StudyArgs, run_study
+
+    made = {}
+
+    def get(study: str):
+        if study not in made:
+            out = tmp_path_factory.mktemp(f"{study}-2-seeds") / study
+            run_study(StudyArgs(study, quick=True, seeds=2, out=str(out), progress=False, data=str(study_corpus)))
+            made[study] = out
+        return made[study]
+
+    return get

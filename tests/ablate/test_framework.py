@@ -147,8 +147,8 @@ def test_a_study_into_a_folder_holding_results_is_refused_before_it_runs(tmp_pat
     assert main(["ablate", "mla", "--quick", "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err == (f"glm5lab ablate: error: --out {out} already holds a study's results (results.json): write this "
-                   f"run's into another folder with --out DIR, or remove this one (rm -r {out}) to run the study "
-                   "again\n")
+                   f"run's into another folder with --out DIR, remove this one (rm -r {out}) to run the study "
+                   "again, or add seeds to it with --seeds N (N more than it has)\n")
     assert (out / "results.json").read_text() == '{"study": "mla"}' and sorted(p.name for p in out.iterdir()) == [
         "notes.txt", "results.json"]
 

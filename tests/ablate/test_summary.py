@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 
-from glm5lab.ablate.runner import StudyArgs, run_study
 from glm5lab.ablate.summary import BEGIN, END, load_results, replace_block, row, summary_table, write_summary
 from glm5lab.cli import main
 
@@ -15,12 +14,12 @@ STUDIES = ("mla", "dsa", "swa", "efficient", "mtp", "indexcache", "baseline", "o
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, study_corpus):
-    """Quick runs of every study with 2 seeds (so each comparison has an interval), laid out as
-    runs/ablate/STUDY with quick=False and scale "cpu" in results.json (as a default-size run)."""
+def root(tmp_path_factory, two_seed_run):
+    """Quick runs of every study with 2 seeds (so each comparison has an interval; conftest's `two_seed_run`),
+    copied into runs/ablate/STUDY with quick=False and scale "cpu" in results.json (as a default-size run)."""
     out = tmp_path_factory.mktemp("ablate")
     for study in STUDIES:
-        run_study(StudyArgs(study, quick=True, seeds=2, out=str(out / study), progress=False, data=str(study_corpus)))
+        shutil.copytree(two_seed_run(study), out / study)
         path = out / study / "results.json"
         info = json.loads(path.read_text())
         path.write_text(json.dumps({**info, "quick": False, "settings": {**info["settings"], "scale": "cpu"}}))
@@ -159,3 +158,22 @@ def test_writes_are_all_or_nothing_and_keep_the_file(root, tmp_path, monkeypatch
     text = a.read_bytes().decode()
     assert "old" not in text and text.count("\r\n") == text.count("\n") and (a.stat().st_mode & 0o777) == 0o600
     assert link.is_symlink() and "`mtp` [2]" in b.read_text()
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_every_study_re_renders_its_table_from_results_json(study, two_seed_run):
+    """`result(raw, settings, seeds)` from the parsed results.json gives the table and notes the run wrote (what
+    `glm5lab ablate STUDY --seeds N` re-renders after merging seeds). indexcache is skipped until its module has
+    `result` (it is being rewritten)."""
+    from glm5lab.ablate.runner import study_module
+
+    module = study_module(study)
+    if not hasattr(module, "result"):
+        pytest.skip(f"{module.__name__} has no result() yet")
+    folder = two_seed_run(study)
+    info = json.loads((folder / "results.json").read_text())
+    again = module.result(info["raw"], info["settings"], info["seeds"])
+    text = (folder / "table.md").read_text()
+    assert again.table.rstrip() in text and again.notes == info["notes"]
+    again.plot(folder.parent / "again.png")
+    assert (folder.parent / "again.png").stat().st_size > 1000

@@ -188,6 +188,11 @@ def run(args: StudyArgs, bench=None) -> StudyResult:
                          "val_tokens": len(data.val_tokens),
                          "epochs": sum(st.steps for st in plan[GLM5]) * s["batch"] * s["T"] / len(data.train_tokens)},
                 "models": {a: c.to_hf() for a, c in cfgs.items()}}
+    return result(raw, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them)."""
     return StudyResult("baseline", table(raw, settings), raw, settings, seeds, lambda path: plot(raw, path),
                        notes(raw, settings))
 

@@ -117,8 +117,15 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                 "eval": {"task": "MQAR per-query accuracy %", "rows": s["eval_rows"], "num_kv_pairs": s["pairs"],
                          "use_dsa": EVAL_DSA, "row_seed": "10000 + length"},
                 "model": config(s).to_hf()}
-    return StudyResult("dsa", tables(raw, lengths), {"mqar_accuracy_pct": raw, "last_losses": losses}, settings,
-                       seeds, lambda path: plot(raw, lengths, path), notes(raw, lengths, s))
+    return result({"mqar_accuracy_pct": raw, "last_losses": losses}, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them):
+    raw["mqar_accuracy_pct"][arm][length] lists one accuracy per seed, in `seeds` order."""
+    acc, lengths, s = raw["mqar_accuracy_pct"], settings["lengths"], settings["size"]
+    return StudyResult("dsa", tables(acc, lengths), raw, settings, seeds, lambda path: plot(acc, lengths, path),
+                       notes(acc, lengths, s))
 
 
 def comparison(raw: dict, row: str, lengths: list[int]) -> dict:

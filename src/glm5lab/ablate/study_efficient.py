@@ -126,14 +126,14 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                  f"{sz['seq_len']})")
         base, _ = train_base(bench, sz, seed=seed, device=args.device)
         found = search_pattern(base, bench, sz, seed=seed)
-        patterns[seed] = found.mixer_types
+        patterns[str(seed)] = found.mixer_types
         args.say(f"seed {seed}: searched SWA layers {list(found.swa_layers)}")
         batches = task_batches(bench, sz, fz["seq_len"], seed=10_000 + seed)
         for name, model in build_variants(base, sz, found.mixer_types, seed=seed).items():
             model.to(args.device)
             args.say(f"seed {seed}: {name}: {fz['steps']} further steps of {sz['batch']} x {fz['seq_len']}")
             records = fit(model, [further_stage(sz, fz)], batches, seed=seed)
-            curves.setdefault(name, {})[seed] = [round(r["lm_loss"], 4) for r in records]
+            curves.setdefault(name, {})[str(seed)] = [round(r["lm_loss"], 4) for r in records]
             raw[name][str(seed)] = score(model, bench, sz, fz, seed=seed)
     settings = {"scale": args.size_key, "device": str(args.device), "base_sizes": sz,
                 "further": {k: v for k, v in fz.items() if k != "base"}, "base_config": base_config(sz).to_hf(),
@@ -142,7 +142,13 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                 "further_tokens": fz["steps"] * sz["batch"] * fz["seq_len"],
                 "replaced_layers": layer_plan(sz), "interleave": interleave_pattern(sz["layers"]),
                 "searched": patterns, "eval_lengths": list(eval_lengths(fz)), "further_curves_lm": curves}
-    table, notes = _table(raw, sz, fz, seeds, patterns)
+    return result(raw, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them)."""
+    sz, fz = settings["base_sizes"], {**settings["further"], "base": settings["base_sizes"]}
+    table, notes = _table(raw, sz, fz, seeds, settings["searched"])
     return StudyResult("efficient", table, raw, settings, seeds, lambda p: _plot(raw, fz, seeds, p), notes)
 
 
@@ -187,7 +193,7 @@ def _table(raw, sz, fz, seeds, patterns) -> tuple[str, list[str]]:
                   *[f"paper Δ {b}" for b in rf.EFFICIENT_BENCHMARKS], "mean Δ ours / paper",
                   "rank ours / paper", "ours mean Δ, paired [95% t]: verdict"], rows))
     text += "\nSearched SWA pattern per seed (F full, S SWA): " + "; ".join(
-        f"seed {s}: " + "".join("S" if m == "swa" else "F" for m in patterns[s]) for s in seeds) + "\n"
+        f"seed {s}: " + "".join("S" if m == "swa" else "F" for m in patterns[str(s)]) for s in seeds) + "\n"
     return text, _notes(ours, rep, raw, seeds, verdicts, fz)
 
 

@@ -117,8 +117,13 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                 "eval": {"val_text_rows": s["val_rows"], "mqar_rows": s["eval_rows"], "mqar_pairs": s["pairs"],
                          "mqar_seed": EVAL_SEED},
                 "models": {row: cfg.to_hf() for row, cfg in cfgs.items()}}
-    return StudyResult("mla", table(raw, params, cfgs), raw, settings, seeds, lambda path: plot(raw, path),
-                       notes(raw, settings))
+    return result(raw, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them)."""
+    return StudyResult("mla", table(raw, settings["params"], settings["cache_values_per_token_per_layer"]), raw,
+                       settings, seeds, lambda path: plot(raw, path), notes(raw, settings))
 
 
 def comparisons(raw: dict) -> dict:
@@ -137,9 +142,10 @@ def comparisons(raw: dict) -> dict:
     return out
 
 
-def table(raw: dict, params: dict, cfgs: dict) -> str:
+def table(raw: dict, params: dict, cache: dict) -> str:
     """One row per variant: ours (mean, 95% t-interval over seeds), size, cache, the report's
-    benchmarks and mean, and each difference vs MLA with its paired interval and the verdict of
+    benchmarks and mean, and each difference vs MLA (params, cache: {variant: parameter count, cache values per
+    token per layer} as settings hold them) with its paired interval and the verdict of
     `glm5lab.ablate.stats` (reproduced / opposite / inconclusive at n seeds)."""
     head = ["variant", "optimizer", "val loss (nats) [95% t]", "MQAR acc [95% t]", "params",
             "cache values/token/layer", *MLA_BENCHMARKS, "paper mean", "paper vs MLA",
@@ -153,7 +159,7 @@ def table(raw: dict, params: dict, cfgs: dict) -> str:
             c = cmps[row]
             cmp = [f"{c['report']:+.2f}", *["-" if c[k] is None else compare_text(c[k]) for k in ("loss", "mqar")]]
         rows.append([row, opt, interval(seed_values(raw[row], "val_loss")).text(),
-                     interval(seed_values(raw[row], "mqar_accuracy")).text(), params[row], cache_values(cfgs[row]),
+                     interval(seed_values(raw[row], "mqar_accuracy")).text(), params[row], cache[row],
                      *[f"{v:.1f}" for v in rep], f"{mean(rep):.2f}", *cmp])
     return ("Validation text loss and MQAR per-query accuracy (mean ± sd [95% t-interval] over seeds) beside the "
             "report's proxy ablation (accuracy %). Verdicts: reproduced / opposite when the paired 95% interval of "

@@ -110,6 +110,11 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                          "draft_steps": list(DRAFT_STEPS), "temperatures": MODES, "sample_seed": SAMPLE_SEED,
                          "prompt_source": "validation split windows"},
                 "models": {str(d): config(s, d).to_hf() for d in DEPTHS}}
+    return result(raw, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them)."""
     return StudyResult("mtp", table(raw), raw, settings, seeds, lambda path: plot(raw, path), notes(raw))
 
 

@@ -268,7 +268,9 @@ def chosen_lr(sweep_losses: dict) -> float:
 
 
 def run(args: StudyArgs, bench: Workbench) -> StudyResult:
-    """The sweep, then every arm at both budgets for every seed, scored (module docstring); the StudyResult."""
+    """The sweep, then every arm at both budgets for every seed, scored (module docstring); the StudyResult. When
+    --seeds extends a folder (`args.prior`: its settings), its sweep is reused: the new seeds train at the lrs the
+    old ones did, and the sweep's cost is not paid again."""
     s, seeds = args.size_and_seeds(SIZES)
     device = args.device
     cfg = config(s, bench.vocab_size)
@@ -276,7 +278,11 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
     val_windows(bench, s, "sweep")  # fail early on a corpus too small
     costs = step_costs(cfg, bench, s, device)
     scales = compute_scales(costs, s)
-    swept = sweep(cfg, bench, s, byte_lengths, args.say, device)
+    if args.prior and "sweep" in args.prior:  # --seeds extending a folder: its seeds' sweep, not a new one
+        swept = {arm: {lr: float(loss) for lr, loss in losses.items()} for arm, losses in args.prior["sweep"].items()}
+        args.say(f"the lr sweep of the seeds already run, reused: {', '.join(map(str, swept))}")
+    else:
+        swept = sweep(cfg, bench, s, byte_lengths, args.say, device)
     lrs = {arm: chosen_lr(swept[arm]) for arm in ARMS}
     plans = {"equal tokens": {arm: stages(s, lrs[arm]) for arm in ARMS},
              "equal compute": {arm: stages(s, lrs[arm], scales[arm]) for arm in ARMS}}
@@ -302,6 +308,11 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                 "eval": {"val_windows": s["val_windows"], "mqar_rows": s["eval_rows"], "mqar_seed": EVAL_SEED,
                          "draft_steps": DRAFT_STEPS, "prompts": s["prompts"], "use_dsa": True},
                 "at_glm5_scale": at_scale(), "model": cfg.to_hf()}
+    return result(raw, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them)."""
     return StudyResult("optimizer", table(raw, settings), raw, settings, seeds, lambda path: plot(raw, settings, path),
                        notes(raw, settings))
 

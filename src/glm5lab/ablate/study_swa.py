@@ -39,9 +39,9 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
         args.say(f"seed {seed}: training the full-attention base ({sz['steps']} steps of {sz['batch']} x "
                  f"{sz['seq_len']})")
         model, records = train_base(bench, sz, seed=seed, device=args.device)
-        curves[seed] = [round(r["lm_loss"], 4) for r in records]
+        curves[str(seed)] = [round(r["lm_loss"], 4) for r in records]
         found = search_pattern(model, bench, sz, seed=seed)
-        searches[seed] = {"mixer_types": found.mixer_types, "swa_layers": list(found.swa_layers),
+        searches[str(seed)] = {"mixer_types": found.mixer_types, "swa_layers": list(found.swa_layers),
                           "search_score": found.score, "full_score": found.full_score,
                           "evaluations": found.evaluations}
         args.say(f"seed {seed}: searched SWA layers {list(found.swa_layers)} ({found.evaluations} evaluations)")
@@ -55,7 +55,13 @@ def run(args: StudyArgs, bench: Workbench) -> StudyResult:
                     "1:1 SWA": interleave_pattern(sz["layers"]), "searched SWA": searches},
                 "search": "search_swa beam 8, per_round 2, target_fraction 0.5, score = mean(MQAR, NIAH) token "
                           f"accuracy at {sz['seq_len']} tokens", "train_curves_lm": curves}
-    table, notes = _table(raw, sz, searches, seeds)
+    return result(raw, settings, seeds)
+
+
+def result(raw: dict, settings: dict, seeds: list[int]) -> StudyResult:
+    """The StudyResult of these raw numbers and settings (as `run` builds them or results.json holds them)."""
+    sz = settings["sizes"]
+    table, notes = _table(raw, sz, settings["patterns"]["searched SWA"], seeds)
     return StudyResult("swa", table, raw, settings, seeds, lambda p: _plot(raw, sz, seeds, p), notes)
 
 
@@ -94,8 +100,8 @@ def _table(raw: dict, sz: dict, searches: dict, seeds: list[int]) -> tuple[str, 
               for v in VARIANTS for task in ("mqar", "niah")]
     text += ("\nPer task (accuracy in [0, 1], mean ± sd [95% t]):\n\n"
              + markdown_table(["variant", "task", *map(str, sz["lengths"])], detail))
-    pats = [[s, "".join("S" if m == "swa" else "F" for m in searches[s]["mixer_types"]), searches[s]["swa_layers"],
-             searches[s]["evaluations"]] for s in seeds]
+    pats = [[s, "".join("S" if m == "swa" else "F" for m in searches[str(s)]["mixer_types"]),
+             searches[str(s)]["swa_layers"], searches[str(s)]["evaluations"]] for s in seeds]
     text += "\nSearched patterns (F full, S SWA; 1:1 SWA = " + "".join(
         "S" if m == "swa" else "F" for m in interleave_pattern(sz["layers"])) + "):\n\n" + markdown_table(
         ["seed", "pattern", "SWA layers", "search evaluations"], pats)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from glm5lab.ablate.results import markdown_table
+from glm5lab.ablate.results import markdown_table, short_commit
 from glm5lab.ablate.runner import STUDIES, study_module
 from glm5lab.io_utils import atomic_write_all
 
@@ -83,12 +83,16 @@ def summary_table(infos: dict[str, dict]) -> str:
 
 
 def _commit(info: dict) -> str:
-    """Short commit, marked '+dirty' when the run's tree had uncommitted changes."""
-    commit = str(info.get("git_commit") or "?")
-    return commit[:7] + ("+dirty" if "uncommitted" in commit or "dirty" in commit else "")
+    """Short commit, marked '+dirty' when the run's tree had uncommitted changes; for a folder whose seeds came
+    from several runs (its "runs" history, `glm5lab ablate STUDY --seeds N` extending it), each distinct commit
+    in run order, joined by ' / '."""
+    runs = info.get("runs") if isinstance(info.get("runs"), list) else []
+    commits = [r.get("git_commit") for r in runs if isinstance(r, dict)] or [info.get("git_commit")]
+    return " / ".join(dict.fromkeys(short_commit(c) for c in commits))
 
 
 def _minutes(info: dict) -> str:
+    """results.json's elapsed_s in minutes: the sum over its runs when --seeds extended it."""
     s = info.get("elapsed_s")
     return "?" if s is None else f"{float(s) / 60:.0f} min"
 

@@ -43,7 +43,8 @@ def add_ablate_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train and score small models for one of the report's comparisons; print a "
                        "markdown table with the report's figures beside ours and write table.md, results.json "
-                       "(config, seeds, raw numbers) and a PNG into --out.\n\nstudies:\n" + studies
+                       "(config, seeds, raw numbers) and a PNG into --out; --seeds N adds seeds to an --out that holds "
+                       "fewer.\n\nstudies:\n" + studies
                        + "\n  summary     rebuild the one-table summary in README.md and docs/ablations.md from "
                        "--root/STUDY/results.json")
     p.add_argument("study", choices=[*STUDIES, "summary"], metavar="STUDY", help="one of: " + ", ".join(STUDIES)
@@ -57,7 +58,9 @@ def add_ablate_parser(sub) -> None:
                    "for a step or two (runs on a CPU)")
     p.add_argument("--out", metavar="DIR", help="results folder (default runs/ablate/STUDY[-gpu][-quick])")
     p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1 (default: the study's own: 3, "
-                   "2 for baseline)")
+                   "2 for baseline); into an --out holding this study's results with seeds 0..m-1 (same size and "
+                   "--data) and N > m: runs only seeds m..N-1 and re-writes the table from all N "
+                   "(docs/ablations.md)")
     p.add_argument("--data", metavar="PATH", help="text corpus: a .txt/.md file, a .jsonl file (`text` field), a "
                    ".parquet/.arrow file (`text` column), or a folder of such files (docs/data.md) (default: the "
                    "Shakespeare corpus, fetched and cached)")
