@@ -61,6 +61,20 @@ def test_write_summary_replaces_only_the_block(root, tmp_path):
     assert main(["ablate", "summary", "--root", str(root), "--write", str(readme)]) == 0
 
 
+def test_a_study_missing_from_root_keeps_its_row(root, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(root / "mla", partial / "mla")
+    readme = tmp_path / "README.md"
+    old_row = "| `dsa` [3] (abc1234, 11 min) | paper dsa | ours dsa | verdict dsa |"
+    stale = "| `mla` [1] (0000000, 1 min) | old | old | old |"
+    readme.write_text(f"x\n{BEGIN}\n| study [seeds] (commit, time) | paper | ours | verdict |\n|---|---|---|---|\n"
+                      f"{stale}\n{old_row}\n| `nosuch` [1] (x, 1 min) | a | b | c |\n{END}\n")
+    table = write_summary(partial, [readme])
+    lines = [ln for ln in table.splitlines() if ln.startswith("| `")]
+    assert len(lines) == 2 and lines[0].startswith("| `mla` [") and lines[0] != stale and lines[1] == old_row
+    assert table.strip() in readme.read_text() and "nosuch" not in readme.read_text()
+
+
 def test_bad_inputs_are_refused_before_writing(root, tmp_path):
     with pytest.raises(ValueError, match="needs exactly one"):
         replace_block("no markers", "x", where="README.md")

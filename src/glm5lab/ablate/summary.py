@@ -68,18 +68,36 @@ def row(info: dict) -> dict:
                          f"`glm5lab ablate {info['study']}`") from e
 
 
-def summary_table(infos: dict[str, dict]) -> str:
+def summary_table(infos: dict[str, dict], kept: dict[str, list[str]] | None = None) -> str:
     """Markdown: one row per study (name with seed count and commit; the report's figures; ours;
-    verdicts by the rule of `glm5lab.ablate.stats`), in STUDIES order. Raises ValueError when
+    verdicts by the rule of `glm5lab.ablate.stats`), in STUDIES order; kept: {study: its cells} for studies
+    without results in `infos`, whose rows stay as they were (`block_rows`). Raises ValueError when
     `infos` is empty or a study's results cannot be summarised (`row`)."""
     if not infos:
         raise ValueError("no study results: run `glm5lab ablate STUDY` first (runs/ablate/STUDY/results.json)")
-    rows = []
-    for study in (s for s in STUDIES if s in infos):
+    rows, kept = [], kept or {}
+    for study in (s for s in STUDIES if s in infos or s in kept):
+        if study not in infos:
+            rows.append(kept[study])
+            continue
         info, r = infos[study], row(infos[study])
         rows.append([f"`{study}` [{len(info.get('seeds') or [])}] ({_commit(info)}, {_minutes(info)})",
                      r["paper"], r["ours"], r["verdict"]])
     return markdown_table(["study [seeds] (commit, time)", "paper", "ours", "verdict (95% paired interval)"], rows)
+
+
+def block_rows(text: str, *, where: str = "text") -> dict[str, list[str]]:
+    """{study: the cells of its row} in the marked block of `text` (rows whose first cell names a study of
+    STUDIES as `` `study` [n] (...) ``; others are dropped). Raises ValueError as `replace_block`."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{where}: needs exactly one {BEGIN} ... {END} block")
+    out = {}
+    for line in text.split(BEGIN)[1].split(END)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        name = cells[0].split("`")[1] if cells[0].startswith("`") and cells[0].count("`") >= 2 else None
+        if name in STUDIES and len(cells) == 4:
+            out[name] = cells
+    return out
 
 
 def _commit(info: dict) -> str:
@@ -108,18 +126,21 @@ def replace_block(text: str, block: str, *, where: str = "text") -> str:
 
 
 def write_summary(root: str | Path = "runs/ablate", files=("README.md", "docs/ablations.md")) -> str:
-    """Rewrite the marked block of each file with `summary_table(load_results(root))`; returns the table. All
-    or nothing (`io_utils.atomic_write_all`): every new text is checked and written to a temporary file beside
+    """Rewrite the marked block of each file with `summary_table(load_results(root), kept)`; returns the (first
+    file's) table. A study with no results under `root` keeps the row the file's block has for it (`block_rows`:
+    re-run one study, the others' rows stay); a study in neither has no row. All or nothing (`io_utils.atomic_write_all`): every new text is checked and written to a temporary file beside
     its target first, and only then are they renamed over the targets (symlinks are followed; file modes,
     UTF-8 and line endings are kept). Raises ValueError as `load_results`, `summary_table` and `replace_block`
     do, and OSError when a temporary file cannot be written, before any target changes."""
-    table = summary_table(load_results(root))
+    infos = load_results(root)
     targets = [Path(f).resolve() for f in files]
-    texts = {}
+    texts, tables = {}, []
     for f, path in zip(files, targets, strict=True):
         raw = path.read_bytes().decode("utf-8")
         crlf = "\r\n" in raw
-        text = replace_block(raw.replace("\r\n", "\n"), table, where=str(f))
+        plain = raw.replace("\r\n", "\n")
+        tables.append(summary_table(infos, block_rows(plain, where=str(f))))
+        text = replace_block(plain, tables[-1], where=str(f))
         texts[path] = (text.replace("\n", "\r\n") if crlf else text).encode("utf-8")
     atomic_write_all({path: lambda tmp, data=data: Path(tmp).write_bytes(data) for path, data in texts.items()})
-    return table
+    return tables[0] if tables else summary_table(infos)

@@ -46,7 +46,7 @@ def add_ablate_parser(sub) -> None:
                        "(config, seeds, raw numbers) and a PNG into --out; --seeds N adds seeds to an --out that holds "
                        "fewer.\n\nstudies:\n" + studies
                        + "\n  summary     rebuild the one-table summary in README.md and docs/ablations.md from "
-                       "--root/STUDY/results.json")
+                       "--root/STUDY/results.json (a study without one there keeps its row)")
     p.add_argument("study", choices=[*STUDIES, "summary"], metavar="STUDY", help="one of: " + ", ".join(STUDIES)
                    + "; or summary")
     p.add_argument("--quick", action="store_true", help="the smoke size: under two minutes on 2 CPU cores "
