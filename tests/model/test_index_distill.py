@@ -45,9 +45,10 @@ def _capture(model, ids, use_dsa: bool):
     return seen
 
 
-def _reference(model, ids, use_dsa: bool, per_layer: bool) -> torch.Tensor:
+def _reference(model, ids, use_dsa: bool, per_layer: bool, own_only: bool = False) -> torch.Tensor:
     """mean over own layers g of KL(pbar_g || q_g) (per_layer: mean_l KL(p_l || q_g)), written out: naive
-    per-head keys, causal (and top-k) masks, the indexer's dense scores."""
+    per-head keys, causal (and top-k) masks, the indexer's dense scores. own_only: the shared layers left out
+    (indexer_target "own")."""
     cfg = model.config
     cos, sin = rope_angles(torch.arange(T), cfg.qk_rope_head_dim, cfg.rope_theta)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -64,7 +65,7 @@ def _reference(model, ids, use_dsa: bool, per_layer: bool) -> torch.Tensor:
             keys = attn.indexer.keys(h, cos, sin)
             scores = attn.indexer.scores(h, q_lat.detach(), keys, cos, sin)
             groups.append((scores.masked_fill(~keep, float("-inf")).log_softmax(-1), keep, [p]))
-        else:
+        elif not own_only:
             groups[-1][2].append(p)
     out = []
     for log_q, keep, ps in groups:
@@ -105,37 +106,9 @@ def test_own_target_differs_only_with_shared_layers(use_dsa):
     torch.testing.assert_close(served, own, rtol=1e-5, atol=1e-6)
     shared = _model(["full", "shared", "full", "shared"])
     own = shared(ids, use_dsa=use_dsa, indexer_loss=True).indexer_loss
-    torch.testing.assert_close(own, _reference_own(shared, ids, use_dsa), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(own, _reference(shared, ids, use_dsa, per_layer=True, own_only=True), rtol=1e-5,
+                               atol=1e-6)
     assert not torch.allclose(own, shared(ids, use_dsa=use_dsa, indexer_loss=True, indexer_target="served").indexer_loss)
-
-
-def _reference_own(model, ids, use_dsa):
-    """The own target: mean over own layers of KL(p_own || q_own) (shared layers' attention left out)."""
-    pattern = list(model.config.indexer_types)
-    alone = GLM5ForCausalLM(model.config.replace(indexer_types=pattern))
-    alone.load_state_dict(model.state_dict())
-    return _reference_groups_of_one(alone, ids, use_dsa)
-
-
-def _reference_groups_of_one(model, ids, use_dsa):
-    cfg = model.config
-    cos, sin = rope_angles(torch.arange(T), cfg.qk_rope_head_dim, cfg.rope_theta)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    out = []
-    for layer, (h, topk) in zip(model.model.layers, _capture(model, ids, use_dsa), strict=True):
-        attn = layer.self_attn
-        if attn.spec.indexer != "own":
-            continue
-        q_nope, q_pe, q_lat, c, k_pe = attn.project(h, cos, sin)
-        k, _ = attn.expand_kv(c, k_pe)
-        logits = torch.einsum("bthx,bshx->bhts", torch.cat([q_nope, q_pe], -1), k) * attn.scale
-        keep = causal[None].expand(h.shape[0], -1, -1)
-        keep = keep & topk_mask(topk, T) if topk is not None else keep
-        p = logits.masked_fill(~keep[:, None], float("-inf")).softmax(-1).mean(1).detach()
-        log_q = attn.indexer.scores(h, q_lat, attn.indexer.keys(h, cos, sin), cos, sin).masked_fill(
-            ~keep, float("-inf")).log_softmax(-1)
-        out.append((torch.xlogy(p, p) - p * log_q.masked_fill(~keep, 0.0)).sum(-1).mean())
-    return torch.stack(out).mean()
 
 
 def test_distill_loss_groups():
