@@ -203,13 +203,13 @@ def check_extension(args: StudyArgs, info: dict, path: Path) -> int:
     checks = (("study", info["study"], args.study), ("quick", bool(info.get("quick")), args.quick),
               ("settings.scale", settings.get("scale", "cpu"), args.size_key),
               ("data (--data)", info.get("data"), corpus(args.data)))
-    for field, old, new in checks:
+    for name, old, new in checks:
         if old != new:
-            raise ValueError(f"{path}: {field} is {old!r}, this run's {new!r}: only the same study, size and "
+            raise ValueError(f"{path}: {name} is {old!r}, this run's {new!r}: only the same study, size and "
                              "corpus can be extended (pick another --out)")
     if recorded is not None and recorded != wanted:
-        field, old, new = first_difference(recorded, wanted, "size")
-        raise ValueError(f"{path}: {field} is {old!r}, this code's {new!r}: the study's size changed since those "
+        name, old, new = first_difference(recorded, wanted, "size")
+        raise ValueError(f"{path}: {name} is {old!r}, this code's {new!r}: the study's size changed since those "
                          "seeds ran; extend with the code that ran them, or start another --out")
     seeds = info["seeds"]
     m = len(seeds) if isinstance(seeds, list) else -1
