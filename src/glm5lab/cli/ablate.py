@@ -25,7 +25,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         print(write_summary(args.root, args.write).rstrip())
         missing = [s for s in STUDIES if not (Path(args.root) / s / "results.json").is_file()]
         print(f"\nwritten: the ablations block of {', '.join(args.write)}"
-              + (f"; no results (not in the table): {', '.join(missing)}" if missing else ""))
+              + (f"; no results under {args.root} (their rows, if the files had them, kept): {', '.join(missing)}"
+                 if missing else ""))
         return 0
     if args.root != "runs/ablate" or args.write != list(WRITE):
         raise ValueError(f"--root / --write are for `glm5lab ablate summary`, not for the study {args.study!r}")
