@@ -191,3 +191,19 @@ def test_every_study_re_renders_its_table_from_results_json(study, two_seed_run)
     assert again.table.rstrip() in text and again.notes == info["notes"]
     again.plot(folder.parent / "again.png")
     assert (folder.parent / "again.png").stat().st_size > 1000
+
+
+def test_the_recorded_folders_still_summarise_and_re_render():
+    """benchmarks/results/ablate holds the recorded default runs the README's rows come from; this code must still
+    read them (`--seeds N` extends copies of them)."""
+    from pathlib import Path
+
+    from glm5lab.ablate.runner import study_module
+
+    infos = load_results(Path(__file__).parents[2] / "benchmarks" / "results" / "ablate")
+    assert set(infos) >= {"baseline", "efficient", "indexcache"}
+    table = summary_table(infos)
+    for study, info in infos.items():
+        assert f"`{study}` [{len(info['seeds'])}]" in table
+        again = study_module(study).result(info["raw"], info["settings"], info["seeds"])
+        assert again.notes == info["notes"]
