@@ -222,3 +222,31 @@ def test_summary_reads_an_extended_folder(extended, tmp_path):
     commit = json.loads((extended("mla") / "results.json").read_text())["git_commit"][:7]
     assert line.startswith(f"| `mla` [2] (abcdef0 / {commit}")
     assert ", 10 min) |" in line
+
+
+def test_hand_edited_results_and_nonsense_seeds_are_refused_in_one_line(tmp_path):
+    """Found by the issue-40 attack: each of these was a traceback, or ran and wrote a wrong table."""
+    from glm5lab.ablate.runner import check_extension, check_out
+
+    with pytest.raises(ValueError, match=r"^--seeds = 100000000000000000000 is not allowed: at most 1000$"):
+        StudyArgs("dsa", quick=True, seeds=10**20)  # was OverflowError from range() after the lock was taken
+    good = {"study": "dsa", "quick": True, "seeds": [0], "settings": {"scale": "quick"}, "raw": {"a": {"0": 1.0}}}
+    path = tmp_path / "results.json"
+    cases = [({"raw": {}}, "raw is {}, a non-empty object expected"),
+             ({"settings": 5}, "settings is 5, a non-empty object expected"),
+             ({"seeds": []}, "seeds is [], a non-empty list expected"),
+             ({"seeds": "0"}, 'seeds is "0", a non-empty list expected'),
+             ({"quick": "no"}, "quick is 'no', true or false expected")]
+    for edit, message in cases:
+        path.write_text(json.dumps(good | edit))
+        with pytest.raises(ValueError) as e:
+            check_out(tmp_path, extend=True)
+        assert str(e.value) == f"{path}: {message}; cannot extend it"
+    path.write_text(json.dumps(good))
+    args = StudyArgs("dsa", quick=True, seeds=2, out=str(tmp_path))
+    assert check_extension(args, check_out(tmp_path, extend=True), path) == 1
+    path.unlink()
+    path.mkdir()  # was: the whole study ran, then failed to rename its results.json over the folder
+    with pytest.raises(ValueError) as e:
+        check_out(tmp_path, extend=True)
+    assert str(e.value) == f"--out {tmp_path}: results.json is not a file; remove it or pick another --out"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from glm5lab.validate import int_at_least, one_of
+from glm5lab.validate import int_at_least, one_of, refuse
 
 
 class Study(NamedTuple):
@@ -52,6 +52,8 @@ STUDIES = {
                        "the GLM-5 recipe, at equal tokens and equal compute (Newton-Schulz FLOPs charged)"),
 }
 SCALES = ("cpu", "gpu")
+MAX_SEEDS = 1000
+"""The most --seeds allowed: a quick seed takes seconds, a default-size one minutes (more is a typo)."""
 SIZE_KEYS = ("quick", "cpu", "gpu", "gpu-quick")
 
 
@@ -82,6 +84,8 @@ models and lengths; see the module docstring). first_seed: the first seed run (t
             raise ValueError(f"study {self.study!r} is not known: choose one of {', '.join(STUDIES)}")
         if self.seeds is not None:
             int_at_least("--seeds", self.seeds, 1)
+            if self.seeds > MAX_SEEDS:
+                refuse("--seeds", self.seeds, f"at most {MAX_SEEDS}")
         int_at_least("first_seed", self.first_seed, 0)
 
     @property
@@ -156,13 +160,17 @@ RESULT_FILES = ("results.json", "table.md")
 
 
 def check_out(out: Path, *, extend: bool = False) -> dict | None:
-    """Refuse, before anything runs, an --out that is a file (ValueError) or that holds a study's results already
+    """Refuse, before anything runs, an --out that is a file or holds a folder named results.json or table.md
+    (ValueError) or that holds a study's results already
     (FileExistsError: they would be overwritten when the new run finishes; as `glm5lab train` refuses an --out
     holding a run), unless `extend` (--seeds given) and it holds results.json: then its parsed contents (to be
     extended; ValueError naming the file when it is not valid JSON or not a JSON object). An empty or missing
     folder, or one holding other files, is fine: None."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
+    odd = [name for name in RESULT_FILES if (out / name).exists() and not (out / name).is_file()]
+    if odd:
+        raise ValueError(f"--out {out}: {', '.join(odd)} is not a file; remove it or pick another --out")
     held = [name for name in RESULT_FILES if (out / name).is_file()]
     if not held:
         return None
@@ -178,7 +186,8 @@ def check_out(out: Path, *, extend: bool = False) -> dict | None:
 
 def read_results(path: Path) -> dict:
     """The parsed results.json at `path`. Raises ValueError naming the file when it is not UTF-8 JSON holding
-    an object with "study", "seeds", "settings" and "raw"."""
+    an object with "study", non-empty "seeds" (list), "settings" and "raw" (objects), and "quick" true or false
+    where present (a hand-edited or truncated file is refused rather than merged into a wrong table)."""
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -189,6 +198,11 @@ def read_results(path: Path) -> dict:
         got = f"an object without {', '.join(missing)}" if isinstance(info, dict) else type(info).__name__
         raise ValueError(f"{path}: a JSON object with study, seeds, settings and raw expected, got {got}; cannot "
                          "extend it")
+    for key, kind, what in (("seeds", list, "list"), ("settings", dict, "object"), ("raw", dict, "object")):
+        if not isinstance(info[key], kind) or not info[key]:
+            raise ValueError(f"{path}: {key} is {short(info[key])}, a non-empty {what} expected; cannot extend it")
+    if not isinstance(info.get("quick", False), bool):
+        raise ValueError(f"{path}: quick is {info['quick']!r}, true or false expected; cannot extend it")
     return info
 
 
@@ -312,6 +326,13 @@ def old_record(info: dict) -> dict:
     return ({"seeds": info["seeds"], "elapsed_s": info.get("elapsed_s"), "git_commit": info.get("git_commit"),
              "torch": info.get("torch"), "date": info.get("date")}
             | {k: settings[k] for k in ("device", "threads") if k in settings})
+
+
+def short(value) -> str:
+    """`value` as JSON, cut at 80 characters (`merge._short`)."""
+    from glm5lab.ablate.merge import _short
+
+    return _short(value)
 
 
 def as_json(value):
