@@ -97,6 +97,11 @@ REFUSED = [
     ("cp-with-gated-deltanet", lambda c: {"cp": 2, "config": _config(c, "gdn", mixer_types=["attention", "attention",
                                                                                            "gdn", "attention"])}, 2,
      r"^--cp 2 is not supported for a model with Gated DeltaNet layers \(layer 2: mixer 'gdn'\)"),
+    # the attack pass on issue 40: the model refused it at the stage's first step, after every stage before it
+    ("cp-with-served-indexer-target", lambda c: {"cp": 2, "recipe": _write(c, "served.toml", WARM_UP.replace(
+        "indexer_weight = 1.0", 'indexer_weight = 1.0\nindexer_target = "served"'))}, 2,
+     r"^stage 'warm': indexer_target = 'served' \(multi-layer distillation\) is not available with --cp 2: train it "
+     r"with --cp 1, or with indexer_target = 'own'$"),
     ("init-empty", lambda c: {"init": ""}, 1, r"^--init = '' is not allowed: a run folder"),
     ("mtp-too-long-for-seq", lambda c: {"seq_len": 3}, 1, r"^--seq-len 3 is too short for stage 'dense'"),
     ("unknown-stage", lambda c: {"stages": ["dense", "nope"]}, 1, r"^--stages: unknown stage\(s\) \['nope'\]"),

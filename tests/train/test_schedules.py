@@ -88,6 +88,10 @@ def test_wsd_by_hand():
     (dict(lr_end=0.0, warmup_steps=4, decay_steps=4), r"^stage 's': `decay_steps` = 4 is not allowed: more than "
      r"warmup_steps \(4\)"),
     (dict(lr_end=0.0, warmup_steps=4, decay_steps=2, schedule="cosine"), r"`decay_steps` = 2 is not allowed"),
+    # the attack pass on issue 40: None was accepted here and failed in the forward (or the loss) at the stage
+    (dict(indexer_target=None), r"^stage 's': `indexer_target` = None is not allowed: one of \('own', 'served'\)$"),
+    (dict(indexer_target="Served"), r"^stage 's': `indexer_target` = 'Served' is not allowed"),
+    (dict(indexer_weight=None), r"^stage 's': `indexer_weight` = None is not allowed: a finite number >= 0$"),
 ])
 def test_schedules_no_run_can_mean_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -119,7 +119,8 @@ CP_MIXERS = {"attention": None, "swa": "SWA", "gdn": "Gated DeltaNet", "simple_g
 
 
 def check_context_parallel(args, cfg, stages: list[Stage]) -> None:
-    """--cp-layout is a known layout (`context_parallel.LAYOUTS`); with --cp above 1: no --compile, a model of
+    """--cp-layout is a known layout (`context_parallel.LAYOUTS`); with --cp above 1: no --compile, no stage with
+    indexer_target "served" and an indexer loss (`index_distill.check_served`), a model of
     attention layers only (not SWA, Gated DeltaNet or SimpleGDN: `CP_MIXERS`; the MTP layer's mixer included), and
     every stage's seq_len split evenly by the layout (`check_split`). Raises ValueError in one line naming the
     flag or layer type. The process count is `check_mesh`'s."""
@@ -132,6 +133,10 @@ def check_context_parallel(args, cfg, stages: list[Stage]) -> None:
     if args.compile:
         raise ValueError(f"--compile with --cp {args.cp} is not supported: the context-parallel gathers run "
                          "eagerly; drop --compile (or --cp)")
+    for stage in stages:  # the model refuses it too, but only when the stage's first step runs
+        if stage.indexer_target == "served" and stage.indexer_weight > 0:
+            raise ValueError(f"stage {stage.name!r}: indexer_target = 'served' (multi-layer distillation) is not "
+                             f"available with --cp {args.cp}: train it with --cp 1, or with indexer_target = 'own'")
     specs = [*cfg.layers, *([cfg.mtp_layer] if cfg.mtp_layer is not None else [])]
     for i, spec in enumerate(specs):
         if CP_MIXERS[spec.mixer] is not None:

@@ -156,17 +156,18 @@ LOSS_WEIGHTS = ("lm_weight", "mtp_weight", "indexer_weight")
 def check_values(key, fields: dict) -> None:
     """Refuse stage values no run can mean, by one rule for a `Stage` and a recipe's tables (`fields`: a stage's
     fields by name, missing ones at `Stage`'s defaults; key(name) names a field as in `check_schedule`): lr not a
-    finite number > 0 (inf trains NaN weights); lr_end neither None nor a finite number >= 0; a loss weight
-    (`LOSS_WEIGHTS`, each of `mtp_weights`) not a finite number >= 0 (a negative weight maximises its loss);
+    finite number > 0 (inf trains NaN weights); indexer_target not one of INDEXER_TARGETS (None included); lr_end
+    neither None nor a finite number >= 0; a loss weight (`LOSS_WEIGHTS`, each of `mtp_weights`; None included)
+    not a finite number >= 0 (a negative weight maximises its loss);
     decay_steps not above warmup_steps (the warm-up ends at lr, and the decay reaches lr_end at step decay_steps:
     `Stage.lr_at`). Raises ValueError (`glm5lab.validate.refuse`'s form)."""
     finite(key("lr"), fields.get("lr"), positive=True)
-    if fields.get("indexer_target") is not None:
+    if "indexer_target" in fields:  # None too: it reached the forward as an unknown target
         one_of(key("indexer_target"), fields["indexer_target"], INDEXER_TARGETS)
     if fields.get("lr_end") is not None:
         finite(key("lr_end"), fields["lr_end"])
     for name in LOSS_WEIGHTS:
-        if fields.get(name) is not None:
+        if name in fields:  # None too: the loss compares it with 0
             finite(key(name), fields[name])
     weights = fields.get("mtp_weights")
     if weights is not None and not all(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0 for w in weights):
