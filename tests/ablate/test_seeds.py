@@ -237,6 +237,9 @@ def test_hand_edited_results_and_nonsense_seeds_are_refused_in_one_line(tmp_path
              ({"seeds": []}, "seeds is [], a non-empty list expected"),
              ({"seeds": "0"}, 'seeds is "0", a non-empty list expected'),
              ({"quick": "no"}, "quick is 'no', true or false expected")]
+    runs = "a list of objects with seeds (a list) and elapsed_s (a number) expected"  # these failed after the run
+    cases += [({"runs": 5}, f"runs is 5, {runs}"), ({"runs": "ab"}, f'runs is "ab", {runs}'),
+              ({"runs": [{"seeds": [0], "elapsed_s": "x"}]}, f'runs is [{{"seeds": [0], "elapsed_s": "x"}}], {runs}')]
     for edit, message in cases:
         path.write_text(json.dumps(good | edit))
         with pytest.raises(ValueError) as e:

@@ -187,7 +187,8 @@ def check_out(out: Path, *, extend: bool = False) -> dict | None:
 def read_results(path: Path) -> dict:
     """The parsed results.json at `path`. Raises ValueError naming the file when it is not UTF-8 JSON holding
     an object with "study", non-empty "seeds" (list), "settings" and "raw" (objects), and "quick" true or false
-    where present (a hand-edited or truncated file is refused rather than merged into a wrong table)."""
+    where present, and "runs" where present a list of `good_run` records (a hand-edited or truncated file is
+    refused rather than merged into a wrong table, or failing after the new seeds ran)."""
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -203,7 +204,20 @@ def read_results(path: Path) -> dict:
             raise ValueError(f"{path}: {key} is {short(info[key])}, a non-empty {what} expected; cannot extend it")
     if not isinstance(info.get("quick", False), bool):
         raise ValueError(f"{path}: quick is {info['quick']!r}, true or false expected; cannot extend it")
+    runs = info.get("runs")
+    if runs is not None and not (isinstance(runs, list) and all(good_run(r) for r in runs)):
+        raise ValueError(f"{path}: runs is {short(runs)}, a list of objects with seeds (a list) and elapsed_s (a "
+                         "number) expected; cannot extend it")
     return info
+
+
+def good_run(record) -> bool:
+    """Whether `record` is a "runs" entry the history can be extended with: an object with a seeds list and
+    elapsed_s a number or null (`results.run_record`)."""
+    if not isinstance(record, dict) or not isinstance(record.get("seeds"), list):
+        return False
+    elapsed = record.get("elapsed_s")
+    return elapsed is None or (isinstance(elapsed, (int, float)) and not isinstance(elapsed, bool))
 
 
 def check_extension(args: StudyArgs, info: dict, path: Path) -> int:
