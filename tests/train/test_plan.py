@@ -190,6 +190,15 @@ def test_the_dry_runs_ledger_command_runs_under_its_cp_layout(corpus, capsys):
     assert "--cp-layout" not in dry_run(_base(corpus, cp=2, seq_len=24), nproc=2)  # the default: not said
 
 
+def test_the_dry_run_names_a_served_indexer_target(corpus):
+    """The attack pass on issue 40: a stage with indexer_target "served" printed the same plan as "own"."""
+    recipe = _write(corpus, "served.toml", WARM_UP.replace("indexer_weight = 1.0",
+                                                           'indexer_weight = 1.0\nindexer_target = "served"'))
+    text = dry_run(_base(corpus, recipe=recipe))
+    assert "loss KL (lm 0.0, mtp [0.0, 0.0, 0.0], indexer 1.0, served target)" in text, text
+    assert "indexer 0.0)" in text  # the dense stage: no indexer loss, no target named
+
+
 def test_the_dry_run_says_what_it_does_not_check(corpus, capsys):
     """A text corpus too short for the batch: the run refuses it when it reads it; the dry run plans and says that
     it did not read the text (its last line, `NOT_CHECKED`), which docs/recipes.md repeats."""

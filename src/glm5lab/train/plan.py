@@ -319,8 +319,15 @@ def stage_lines(stage: Stage, world: int, first_step: int, cp: int = 1) -> list[
             f"of {stage.seq_len:,} tokens ({sequences * stage.seq_len:,} tokens a step), "
             f"{stage_tokens(stage, slices):,} tokens",
             f"  trains {stage.trainable}, dsa {'on' if stage.use_dsa else 'off'}, loss {objective_name(stage)} "
-            f"(lm {stage.lm_weight}, mtp {list(stage.mtp_weights)}, indexer {stage.indexer_weight})",
+            f"(lm {stage.lm_weight}, mtp {list(stage.mtp_weights)}, indexer {stage.indexer_weight}"
+            f"{target_text(stage)})",
             f"  lr (stage step: lr): {curve}  [{schedule_text(stage)}]"]
+
+
+def target_text(stage: Stage) -> str:
+    """", served target" when the stage's indexer loss is multi-layer distillation (`Stage.indexer_target`), else
+    "" (the default "own", or no indexer loss)."""
+    return ", served target" if stage.indexer_target == "served" and stage.indexer_weight > 0 else ""
 
 
 def lr_points(stage: Stage) -> list[int]:
