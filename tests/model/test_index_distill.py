@@ -141,3 +141,21 @@ def test_recipe_stage_takes_indexer_target(tmp_path):
     with pytest.raises(ValueError, match=r"stages\[1\]\.indexer_target = 'mean' is not allowed: one of \('own', "
                                          r"'served'\)"):
         load_recipe(str(tmp_path / "bad.toml"))
+
+
+@pytest.mark.parametrize("length", [8, 5], ids=["T = index_topk", "T < index_topk"])
+@pytest.mark.parametrize("attn_impl", ["auto", "naive"])
+def test_served_when_every_key_is_selected(length, attn_impl, monkeypatch):
+    """The attack pass on issue 40: at T <= index_topk the sparse stage's layers are dense (no top-k handed on) and
+    the shared layers learn from the own layer's dense scores; the same reference, also with the naive kernels and
+    under no_grad."""
+    import tests.model.test_index_distill as me
+
+    monkeypatch.setattr(me, "T", length)
+    model = _model(["full", "shared", "shared", "shared"])
+    ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(1))
+    got = model(ids, use_dsa=True, indexer_loss=True, indexer_target="served", attn_impl=attn_impl).indexer_loss
+    torch.testing.assert_close(got, _reference(model, ids, True, per_layer=True), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        again = model(ids, use_dsa=True, indexer_loss=True, indexer_target="served", attn_impl=attn_impl)
+    torch.testing.assert_close(again.indexer_loss, got.detach(), rtol=1e-5, atol=1e-7)
