@@ -45,7 +45,8 @@ STUDIES = {
                        "SWA interleave, searched SWA, Gated DeltaNet, SimpleGDN after equal further training"),
     "mtp": Study("glm5lab.ablate.study_mtp", "MTP acceptance length vs draft steps 1..4; training unroll depth 1 vs 3"),
     "indexcache": Study("glm5lab.ablate.study_indexcache",
-                        "IndexCache retention 1, 1/2, 1/4 (searched and uniform): quality and attention time"),
+                        "IndexCache at 1/2 and 1/4 of the indexers: training-free (searched, uniform) and "
+                        "training-aware (own-loss warm-up, multi-layer distillation) vs full DSA: quality and time"),
     "baseline": Study("glm5lab.ablate.study_baseline", "the small preset vs a dense GPT (MHA, SwiGLU; AdamW and "
                       "Muon) at matched activated params and tokens"),
     "optimizer": Study("glm5lab.ablate.study_optimizer", "AdamW vs Muon vs Muon Split vs Muon Split with K/V apart on "
