@@ -177,13 +177,10 @@ def test_writes_are_all_or_nothing_and_keep_the_file(root, tmp_path, monkeypatch
 @pytest.mark.parametrize("study", STUDIES)
 def test_every_study_re_renders_its_table_from_results_json(study, two_seed_run):
     """`result(raw, settings, seeds)` from the parsed results.json gives the table and notes the run wrote (what
-    `glm5lab ablate STUDY --seeds N` re-renders after merging seeds). indexcache is skipped until its module has
-    `result` (it is being rewritten)."""
+    `glm5lab ablate STUDY --seeds N` re-renders after merging seeds)."""
     from glm5lab.ablate.runner import study_module
 
     module = study_module(study)
-    if not hasattr(module, "result"):
-        pytest.skip(f"{module.__name__} has no result() yet")
     folder = two_seed_run(study)
     info = json.loads((folder / "results.json").read_text())
     again = module.result(info["raw"], info["settings"], info["seeds"])

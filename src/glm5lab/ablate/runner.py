@@ -224,9 +224,8 @@ def good_run(record) -> bool:
 def check_extension(args: StudyArgs, info: dict, path: Path) -> int:
     """The first seed to run when `args` extends the results `info` read from `path`: m, the count of its seeds
     0..m-1. Raises ValueError in one line naming the field and both values when the folder holds another study,
-    quick, scale, size or corpus than this run, seeds that are not 0..m-1, at least --seeds N seeds already, or a
-    study that cannot re-render its table from raw numbers yet (no `result`)."""
-    settings = info["settings"] if isinstance(info["settings"], dict) else {}
+    quick, scale, size or corpus than this run, seeds that are not 0..m-1, or at least --seeds N seeds already."""
+    settings = info["settings"]  # an object: `read_results`
     module = study_module(args.study)
     recorded, wanted = recorded_size(settings), as_json(module.SIZES.get(args.size_key))
     checks = (("study", info["study"], args.study), ("quick", bool(info.get("quick")), args.quick),
@@ -241,15 +240,12 @@ def check_extension(args: StudyArgs, info: dict, path: Path) -> int:
         raise ValueError(f"{path}: {name} is {old!r}, this code's {new!r}: the study's size changed since those "
                          "seeds ran; extend with the code that ran them, or start another --out")
     seeds = info["seeds"]
-    m = len(seeds) if isinstance(seeds, list) else -1
+    m = len(seeds)  # a list: `read_results`
     if seeds != list(range(m)):
         raise ValueError(f"{path}: seeds {seeds!r}, not 0..m-1: cannot extend them with --seeds")
     if args.seeds <= m:
         raise ValueError(f"--seeds {args.seeds}: {path.parent} already has {m} seeds {seeds}; pass more than {m} to "
                          f"add seeds {m}..N-1")
-    if not hasattr(module, "result"):
-        raise ValueError(f"study {args.study!r} cannot extend its seeds yet: {module.__name__} has no "
-                         "result(raw, settings, seeds)")
     return m
 
 
@@ -309,8 +305,7 @@ def merge_seeds(info: dict, new, *, elapsed_s: float | None = None, record: dict
     new. record: the new run's history entry (`results.run_record`), else one made here from `elapsed_s`. The
     history: info["runs"], or for a file from before it, one entry made from its top-level seeds, elapsed_s,
     git_commit and torch. Write both with `results.write_result(merged, out, quick=..., runs=...)`. Raises
-    ValueError when the studies differ, the seed sets overlap, the module has no `result`, or the numbers
-    conflict (naming the path)."""
+    ValueError when the studies differ, the seed sets overlap, or the numbers conflict (naming the path)."""
     from glm5lab.ablate.merge import merge_json
     from glm5lab.ablate.results import run_record
 
@@ -320,8 +315,6 @@ def merge_seeds(info: dict, new, *, elapsed_s: float | None = None, record: dict
     if set(old_seeds) & set(new_seeds):
         raise ValueError(f"seeds: the new seeds {new_seeds} overlap the old {old_seeds}")
     module = study_module(new.study)
-    if not hasattr(module, "result"):
-        raise ValueError(f"study {new.study!r}: {module.__name__} has no result(raw, settings, seeds) to re-render")
     n_old, n_new = len(old_seeds), len(new_seeds)
     raw = merge_json(info["raw"], as_json(new.raw), n_old, n_new, path="raw")
     settings = merge_json(info["settings"], as_json(new.settings), n_old, n_new, path="settings",
