@@ -23,16 +23,14 @@ from typing import NamedTuple
 
 import torch
 
-from glm5lab.config import INDEXER_TARGETS
 from glm5lab.model.topk import TopK
-
-__all__ = ["INDEXER_TARGETS", "Teacher", "check_served", "distill_loss", "selection"]
 
 
 class Teacher(NamedTuple):
     """What an own DSA layer hands on under indexer_target "served": its selection (None when DSA is off, the
     warm-up) and its index scores with their gradient, fp32 [B, T, K] at topk's keys (sparse) or [B, T, S]
-    (dense: -inf after each query), over the keys `kept` says."""
+    (dense: -inf after each query); the shared layers score their attention on the same keys
+    (`MLAttention.attention_target`)."""
 
     topk: TopK | None
     scores: torch.Tensor

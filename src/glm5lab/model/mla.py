@@ -237,29 +237,30 @@ class MLAttention(nn.Module):
             if teacher is None:
                 raise ValueError("a 'shared' DSA layer under indexer_target 'served' needs the scores of an earlier "
                                  "'own' layer in the same forward")
-        target, keep = self.attention_target(projected, step, topk, sparse)
+        target, keep = self.attention_target(*projected, step.offsets, topk, sparse=sparse)
         return teacher, step.token_mean(kl_to_indexer(target, teacher.scores, keep))
 
-    def attention_target(self, projected, step: LayerStep, topk: TopK | None, sparse: bool):
-        """(p, keep): this layer's attention probabilities, mean over heads, fp32 without gradient, the indexer
-        KL's target, and the keys it covers: sparse, [B, T, K] at topk's keys (keep: its valid slots); else
-        [B, T, S] over the visible keys (and topk's when given; keep: that mask). O(B H T S) for the dense form."""
-        q_nope, q_pe, latent_BSX = projected
-        with torch.no_grad():
-            q_BTHX = self.absorbed_query(q_nope, q_pe).float()
-            if sparse:
-                rows_B11 = torch.arange(q_BTHX.shape[0], device=q_BTHX.device)[:, None, None]
-                kv_BTKX = latent_BSX.float()[rows_B11, topk.idx_BTK]
-                logits_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX, kv_BTKX) * self.scale
-                probs = logits_BTHK.masked_fill(~topk.valid_BTK[:, :, None], float("-inf")).softmax(-1)
-                return probs.mean(2), topk.valid_BTK
-            S = latent_BSX.shape[1]
-            keep_BTS = visible(step.offsets, q_BTHX.shape[1], S, device=q_BTHX.device)
-            if topk is not None:
-                keep_BTS = keep_BTS & topk_mask(topk, S)
-            logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, latent_BSX.float()) * self.scale
-            probs_BHTS = logits_BHTS.masked_fill(~keep_BTS[:, None], float("-inf")).softmax(-1)
-            return probs_BHTS.mean(1), keep_BTS.expand(q_BTHX.shape[0], -1, -1)
+    @torch.no_grad()
+    def attention_target(self, q_nope, q_pe, latent_BSX, offsets, topk: TopK | None, *, sparse: bool):
+        """(p, keep): this layer's attention probabilities averaged over heads, fp32 without gradient (the indexer
+        KL's target, DeepSeek-V3.2 section 2.1), and the keys they cover. sparse: [B, T, K] at topk's keys, keep
+        its valid slots [B, T, K]; else [B, T, S] over the keys visible to queries at `offsets`
+        (`glm5lab.model.visibility`), and topk's when given; keep that mask [B|1, T, S]. The dense form holds
+        [B, H, T, S] fp32 logits."""
+        q_BTHX = self.absorbed_query(q_nope, q_pe).float()
+        if sparse:
+            rows_B11 = torch.arange(q_BTHX.shape[0], device=q_BTHX.device)[:, None, None]
+            kv_BTKX = latent_BSX.float()[rows_B11, topk.idx_BTK]
+            logits_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX, kv_BTKX) * self.scale
+            probs_BTHK = logits_BTHK.masked_fill(~topk.valid_BTK[:, :, None], float("-inf")).softmax(-1)
+            return probs_BTHK.mean(2), topk.valid_BTK
+        S = latent_BSX.shape[1]
+        keep_BTS = visible(offsets, q_BTHX.shape[1], S, device=q_BTHX.device)
+        if topk is not None:
+            keep_BTS = keep_BTS & topk_mask(topk, S)
+        logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, latent_BSX.float()) * self.scale
+        probs_BHTS = logits_BHTS.masked_fill(~keep_BTS[:, None], float("-inf")).softmax(-1)
+        return probs_BHTS.sum(1) / probs_BHTS.shape[1], keep_BTS
 
     def attend(self, route: str, q_nope, q_pe, latent_BSX, topk: TopK | None, step: LayerStep) -> torch.Tensor:
         """o_BTHV of one `attention_route` route over the latents [c | k_pe] of all S keys."""
@@ -335,15 +336,7 @@ class MLAttention(nn.Module):
                   topk: TopK | None) -> torch.Tensor:
         """fp32 [B, T]: the dense-form KL of each of T queries (at `offsets`: `glm5lab.model.visibility`) over the
         S keys, restricted to `topk`'s keys when given; inputs detached but the indexer keys."""
-        S = latent_BSX.shape[1]
-        keep_BTS = visible(offsets, x_BTD.shape[1], S, device=x_BTD.device)
-        if topk is not None:
-            keep_BTS = keep_BTS & topk_mask(topk, S)
-        with torch.no_grad():
-            q_BTHX = self.absorbed_query(q_nope, q_pe).float()
-            logits_BHTS = torch.einsum("bthx,bsx->bhts", q_BTHX, latent_BSX.float()) * self.scale
-            probs_BHTS = logits_BHTS.masked_fill(~keep_BTS[:, None], float("-inf")).softmax(-1)
-            target_BTS = probs_BHTS.sum(1) / probs_BHTS.shape[1]
+        target_BTS, keep_BTS = self.attention_target(q_nope, q_pe, latent_BSX, offsets, topk, sparse=False)
         scores_BTS = self.indexer.scores(x_BTD, q_lat_BTQ, index_keys_BSJ, cos_TR2, sin_TR2, q_offset=offsets)
         return kl_to_indexer(target_BTS, scores_BTS, keep_BTS)
 
@@ -352,15 +345,7 @@ class MLAttention(nn.Module):
         """`indexer_kl` of the sparse stage over the K selected keys of each query: the target from
         the absorbed logits at the gathered latents, the index scores from
         `LightningIndexer.scores_at`. Same value and indexer gradients as the dense-mask form."""
-        q_nope, q_pe, latent_BSX = projected
-        B = x_BTD.shape[0]
-        rows_B11 = torch.arange(B, device=x_BTD.device)[:, None, None]
-        with torch.no_grad():
-            q_BTHX = self.absorbed_query(q_nope, q_pe).float()
-            kv_BTKX = latent_BSX.float()[rows_B11, topk.idx_BTK]
-            logits_BTHK = torch.einsum("bthx,btkx->bthk", q_BTHX, kv_BTKX) * self.scale
-            probs_BTHK = logits_BTHK.masked_fill(~topk.valid_BTK[:, :, None], float("-inf")).softmax(-1)
-            target_BTK = probs_BTHK.mean(2)
+        target_BTK, _ = self.attention_target(*projected, step.offsets, topk, sparse=True)
         scores_BTK = self.indexer.scores_at(x_BTD.detach(), q_lat_BTQ.detach(), index_keys_BSJ, step.cos, step.sin,
                                             topk.idx_BTK)
         return step.token_mean(kl_to_indexer(target_BTK, scores_BTK, topk.valid_BTK))

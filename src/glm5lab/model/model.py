@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from glm5lab.config import ModelConfig
+from glm5lab.config import INDEXER_TARGETS, ModelConfig
 from glm5lab.model.block import DecoderLayer
 from glm5lab.model.cache import KVCache
 from glm5lab.model.gdn_layer import GatedDeltaNet, SimpleGDN
-from glm5lab.model.index_distill import INDEXER_TARGETS, check_served, distill_loss
+from glm5lab.model.index_distill import check_served, distill_loss
 from glm5lab.model.local import local
 from glm5lab.model.mla import ATTN_IMPLS
 from glm5lab.model.moe import EXPERT_IMPLS, Experts, Router
