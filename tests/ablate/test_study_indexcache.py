@@ -119,3 +119,22 @@ def test_stages_end_with_sparse_adaptation():
     assert st[1].trainable == "indexer" and st[2].use_dsa and st[2].indexer_weight == 1
     assert {x.indexer_target for x in st} == {"own"}
     assert [x.indexer_target for x in dsa_stages(study_indexcache.SIZES["cpu"], "served")] == ["own", "served", "served"]
+
+
+def test_heldout_score_is_the_last_targets_nll_and_its_bits_per_byte(bench):
+    from glm5lab import GLM5ForCausalLM
+    from glm5lab.evals.bpb import target_bytes, token_byte_lengths
+    from glm5lab.evals.variants import mean_nll
+
+    s = study_indexcache.SIZES["quick"]
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(study_indexcache.config(s)).eval()
+    rows = bench.text_windows("val", s["T"])[:3]
+    last = s["T"] - s["topk"]
+    lengths = token_byte_lengths(bench.tokenizer, model.config.vocab_size)
+    got = study_indexcache.heldout_score(model, rows, last, lengths)
+    with torch.no_grad():
+        want = mean_nll(model, rows, last)
+    assert got["heldout_loss"] == pytest.approx(want, rel=1e-5)  # fp32 sums in another order
+    nbytes = target_bytes(lengths, rows[:, -last:])
+    assert got["heldout_bpb"] == pytest.approx(want * rows.shape[0] * last / (math.log(2) * nbytes), rel=1e-5)

@@ -38,7 +38,7 @@ import statistics
 import torch
 
 from glm5lab.ablate.fit import dsa_stages, fit
-from glm5lab.ablate.measure import mqar_accuracy, niah_accuracy
+from glm5lab.ablate.measure import labelled_nll, mqar_accuracy, niah_accuracy
 from glm5lab.ablate.models import seeded_model, study_config
 from glm5lab.ablate.report_figures import DSA_ATTENTION_SPEEDUP, INDEXCACHE
 from glm5lab.ablate.results import StudyResult, figure, markdown_table, save_png
@@ -46,6 +46,7 @@ from glm5lab.ablate.runner import StudyArgs
 from glm5lab.ablate.stats import compare, compare_equivalent, compare_text, interval, paired_difference
 from glm5lab.ablate.workbench import Workbench
 from glm5lab.evals.bpb import bits_per_byte, target_bytes, token_byte_lengths
+from glm5lab.evals.mqar import IGNORE_INDEX
 from glm5lab.evals.search_indexcache import attention_time, search_indexcache, uniform_pattern, with_indexer_pattern
 from glm5lab.evals.variants import model_variant
 
@@ -114,14 +115,14 @@ def measure_seed(arms: dict, bench: Workbench, s: dict) -> dict:
     calib, held = w[:s["calib_rows"]], w[s["calib_rows"]:s["calib_rows"] + s["eval_rows"]]
     full, window = arms["full"], T - s["topk"]
     byte_lengths = token_byte_lengths(bench.tokenizer, full.config.vocab_size)
-    models, rows = [full], [_row("full", 1.0, full, s)]
+    models, rows = [full], [_row("full", 1.0, full)]
     for r in search_indexcache(full, calib, retentions=RETENTIONS, window=window, time_repeats=0):
         models.append(with_indexer_pattern(full, r.pattern))
-        rows.append({**_row(r.method, r.retention, models[-1], s), "calib_loss": r.loss, "switched": r.switched})
+        rows.append({**_row(r.method, r.retention, models[-1]), "calib_loss": r.loss, "switched": r.switched})
         if r.method == "uniform":
             for m in TRAINED:
                 models.append(arms[(m, r.retention)])
-                rows.append(_row(m, r.retention, models[-1], s))
+                rows.append(_row(m, r.retention, models[-1]))
     for x, model in zip(rows, models, strict=True):
         x.update(heldout_score(model, held, window, byte_lengths))
         x["mqar_T"] = 100 * mqar_accuracy(model, bench, s["eval_rows"], T, s["pairs"], seed=20_000)
@@ -135,25 +136,19 @@ def measure_seed(arms: dict, bench: Workbench, s: dict) -> dict:
     return {"rows": rows, "dense_attn_ms_long": timed[-1]["attn_ms_long"], "dsa_attn_ms_long": timed[0]["attn_ms_long"]}
 
 
-def _row(method: str, retention: float, model, s: dict) -> dict:
+def _row(method: str, retention: float, model) -> dict:
     pattern = model.config.indexer_types
     return {"method": method, "retention": retention, "full_layers": sum(t == "full" for t in pattern),
             "pattern": "".join("F" if t == "full" else "s" for t in pattern)}
 
 
-@torch.no_grad()
-def heldout_score(model, rows_BT1: torch.Tensor, last: int, byte_lengths: torch.Tensor, batch: int = 16) -> dict:
-    """NLL (nats/token) and bits per byte of the last `last` targets of each held-out row [N, T + 1], DSA as the
-    model's config has it."""
-    nll, tokens, nbytes = 0.0, 0, 0
-    for i in range(0, len(rows_BT1), batch):
-        w = rows_BT1[i:i + batch]
-        logits = model(w[:, :-1]).logits[:, -last:].float()
-        labels = w[:, -last:]
-        nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
-        tokens += labels.numel()
-        nbytes += target_bytes(byte_lengths, labels)
-    return {"heldout_loss": nll / tokens, "heldout_bpb": bits_per_byte(nll, nbytes)}
+def heldout_score(model, rows_BT1: torch.Tensor, last: int, byte_lengths: torch.Tensor) -> dict:
+    """NLL (nats/token) and bits per byte (`glm5lab.evals.bpb`) of the last `last` targets of each held-out row
+    [N, T + 1] (`ablate.measure.labelled_nll`, the earlier targets ignored), DSA as the model's config has it."""
+    labels = rows_BT1[:, 1:].clone()
+    labels[:, :-last] = IGNORE_INDEX
+    nll, tokens = labelled_nll(model, rows_BT1[:, :-1], labels)
+    return {"heldout_loss": nll / tokens, "heldout_bpb": bits_per_byte(nll, target_bytes(byte_lengths, labels))}
 
 
 def time_models(models: list, ids_BT: torch.Tensor, decode: int, repeats: int) -> list[dict]:
