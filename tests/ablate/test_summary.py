@@ -73,6 +73,9 @@ def test_a_study_missing_from_root_keeps_its_row(root, tmp_path):
     lines = [ln for ln in table.splitlines() if ln.startswith("| `")]
     assert len(lines) == 2 and lines[0].startswith("| `mla` [") and lines[0] != stale and lines[1] == old_row
     assert table.strip() in readme.read_text() and "nosuch" not in readme.read_text()
+    readme.write_text(readme.read_text().replace(lines[1], "| `dsa` [3] (x) | a | b | c | d |"))
+    with pytest.raises(ValueError, match=r"the ablations row of 'dsa' has 5 cells, not 4"):
+        write_summary(partial, [readme])
 
 
 def test_bad_inputs_are_refused_before_writing(root, tmp_path):

@@ -88,14 +88,18 @@ def summary_table(infos: dict[str, dict], kept: dict[str, list[str]] | None = No
 
 def block_rows(text: str, *, where: str = "text") -> dict[str, list[str]]:
     """{study: the cells of its row} in the marked block of `text` (rows whose first cell names a study of
-    STUDIES as `` `study` [n] (...) ``; others are dropped). Raises ValueError as `replace_block`."""
+    STUDIES as `` `study` [n] (...) ``; others are dropped). Raises ValueError as `replace_block`, and naming the
+    row when a study's row has other than the table's 4 cells (it would be lost)."""
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
         raise ValueError(f"{where}: needs exactly one {BEGIN} ... {END} block")
     out = {}
     for line in text.split(BEGIN)[1].split(END)[0].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         name = cells[0].split("`")[1] if cells[0].startswith("`") and cells[0].count("`") >= 2 else None
-        if name in STUDIES and len(cells) == 4:
+        if name in STUDIES:
+            if len(cells) != 4:
+                raise ValueError(f"{where}: the ablations row of {name!r} has {len(cells)} cells, not 4 (a '|' inside "
+                                 f"a cell?): {line[:80]}")
             out[name] = cells
     return out
 
