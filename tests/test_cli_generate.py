@@ -96,6 +96,18 @@ def test_sampling_and_prefill_chunk_options_reach_the_library(capsys, folders, r
     assert d["tokens"] == expected
 
 
+def test_prefill_chunk_auto_is_the_default_and_other_words_are_refused(capsys, folders, reference):
+    ids, _, _ = reference
+    model = GLM5ForCausalLM.from_pretrained(folders["ckpt"], mtp=False)
+    expected = generate(model, ids, N).tokens[0]  # the library's default chunk: "auto"
+    d = cli_json(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, "--max-new-tokens", N,
+                 "--prefill-chunk", "auto")
+    assert d["tokens"] == expected
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(folders["ckpt"]), "--prompt", PROMPT, "--prefill-chunk", "big"])
+    assert e.value.code == 2 and "argument --prefill-chunk: 'big': an integer >= 1 or \"auto\"" in capsys.readouterr().err
+
+
 def test_index_cache_dtype_reaches_the_library(capsys, folders, reference):
     ids, _, _ = reference
     model = GLM5ForCausalLM.from_pretrained(folders["ckpt"], mtp=False)
@@ -287,7 +299,7 @@ ERRORS = [
      "the default): add --temperature T > 0 (e.g. --temperature 0.8), or drop --top-k"),
     (lambda f: f["ckpt"], ["--top-k", "5", "--top-p", "0.9"], "--top-k 5 and --top-p 0.9 restrict sampling"),
     (lambda f: f["ckpt"], ["--max-new-tokens", "0"], "max_new_tokens = 0 is not allowed: an integer >= 1"),
-    (lambda f: f["ckpt"], ["--prefill-chunk", "0"], "prefill_chunk = 0 is not allowed: an integer >= 1"),
+    (lambda f: f["ckpt"], ["--prefill-chunk", "0"], "--prefill-chunk = 0 is not allowed: an integer >= 1"),
     (lambda f: f["ckpt"], ["--speculative", "mtp", "--draft-steps", "0"], "draft_steps = 0 is not allowed: an integer >= 1"),
     (lambda f: f["ckpt"], ["--draft-steps", "2"], "--draft-steps applies only with --speculative"),
     # prompts that overflow with a single new token: the library stops the run before it starts

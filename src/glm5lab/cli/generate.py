@@ -65,8 +65,8 @@ def add_generate_parser(sub) -> None:
                    help="dtype of the cached DSA indexer keys: auto = the cache's (--dtype), fp8 = float8_e4m3fn with "
                    "one fp32 scale per token, as DeepSeek-V3.2 serves them (132 instead of 512 bytes per token per "
                    "indexer layer at 128-wide keys in fp32; the keys the indexer scores are rounded, docs/inference.md)")
-    p.add_argument("--prefill-chunk", dest="prefill_chunk", type=int, metavar="N",
-                   help=f"prefill the prompt in pieces of N tokens (default: {DENSE_PREFILL_CHUNK} when every layer is "
+    p.add_argument("--prefill-chunk", dest="prefill_chunk", type=prefill_chunk_arg, default=AUTO_CHUNK, metavar="N",
+                   help=f"prefill the prompt in pieces of N tokens, or \"{AUTO_CHUNK}\" (the default: {DENSE_PREFILL_CHUNK} when every layer is "
                    f"dense MLA full attention, no DSA nor window: each chunk then costs about the uncached forward; "
                    f"else {DEFAULT_PREFILL_CHUNK}, DSA's fastest); the result does not depend on it")
     p.add_argument("--compile", action="store_true",
@@ -80,6 +80,17 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def prefill_chunk_arg(text: str) -> int | str:
+    """--prefill-chunk's value: AUTO_CHUNK ("auto") or an integer (checked >= 1 in `cmd_generate`, naming the
+    flag). Raises argparse.ArgumentTypeError for anything else."""
+    if text == AUTO_CHUNK:
+        return AUTO_CHUNK
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'{text!r}: an integer >= 1 or "{AUTO_CHUNK}"') from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from glm5lab.checkpoints.export import resolve_checkpoint
     from glm5lab.infer.generate import check_request, generate
@@ -87,6 +98,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.draft_steps is not None and not args.speculative:
         raise ValueError("--draft-steps applies only with --speculative mtp")
     check_sampling_flags(args)
+    if args.prefill_chunk != AUTO_CHUNK:
+        validate.int_at_least("--prefill-chunk", args.prefill_chunk, 1)
     device = validate.torch_device(args.device, "--device")
     dtype = args.dtype or validate.default_dtype(device)
     folder = resolve_checkpoint(args.model, "--model")
@@ -101,7 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                    speculative=args.speculative, stop_tokens=stops, index_cache_dtype=args.index_cache_dtype,
                    draft_steps=DEFAULT_DRAFT_STEPS if args.draft_steps is None else args.draft_steps,
-                   prefill_chunk=AUTO_CHUNK if args.prefill_chunk is None else args.prefill_chunk)
+                   prefill_chunk=args.prefill_chunk)
     check_request(config, prompt_ids, args.max_new_tokens, **options)  # the library's checks, before the weights
 
     if folder != Path(args.model):  # a run folder's latest checkpoint
