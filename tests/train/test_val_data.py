@@ -133,6 +133,12 @@ def test_refusals_are_one_line(trained, cache, tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=r"^--val-data .*empty.jsonl: .*empty"):
         held_out_set(tmp_path / "empty.jsonl", tok)
+    (tmp_path / "other.jsonl").write_text('{"txt": "the king"}\n')  # the hint names the flag in use, not --data
+    for name in ("--val-data", "PATH"):
+        with pytest.raises(ValueError, match=rf"^{name} .*other.jsonl: .*line 1 has no field 'text' \(its fields: txt\); "
+                           rf"{name} reads the field 'text': write the set with its text under that name") as e:
+            held_out_set(tmp_path / "other.jsonl", tok, name=name)
+        assert "--data DIR" not in str(e.value) and "\n" not in str(e.value)
     (tmp_path / "short.txt").write_text("the king")
     held = held_out_set(tmp_path / "short.txt", tok)
     with pytest.raises(ValueError, match=rf"holds {len(held.tokens)} tokens under the run's tokenizer, fewer than one "

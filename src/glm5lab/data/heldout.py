@@ -74,7 +74,7 @@ def held_out_set(path, tokenizer, *, name: str = "--val-data", say: Callable[[st
         from glm5lab.data.tokenize import cached_held_out_folder
 
         try:
-            where = cached_held_out_folder(path, tokenizer, say=say)
+            where = cached_held_out_folder(path, tokenizer, say=say, flag=name)
         except ValueError as e:  # the reader's own line (an empty file or folder, bad UTF-8, ...), named
             raise ValueError(f"{name} {path}: {e}") from None
         folder = open_token_folder(where)

@@ -85,6 +85,9 @@ class Corpus:
     path: Path
     files: tuple[tuple[Path, str], ...]
     text_field: str = "text"
+    flag: str = "--data"
+    """The option that named the corpus, for the hints of its errors: --data (training), else a held-out set's
+    (`glm5lab train --val-data`, `glm5lab eval perplexity`'s PATH)."""
 
     def documents(self) -> Iterator[Document | TextFile]:
         """Yield the documents in order (reading the files again on each call); text files as `TextFile`s. Raises
@@ -93,16 +96,17 @@ class Corpus:
             yield from _file_documents(path, name, self)
 
 
-def open_corpus(path, text_field: str = "text") -> Corpus:
+def open_corpus(path, text_field: str = "text", flag: str = "--data") -> Corpus:
     """List the corpus at `path` (a file or a folder, see the module docstring): files of other types, hidden and
     empty files in a folder are skipped, named in one line on stderr. Raises FileNotFoundError for a missing
     path; ValueError for an unknown file type, an empty file given as the corpus, bad UTF-8 or an unreadable table
-    (found while checking for empty files), or a folder without a non-empty file of `SUFFIXES`."""
+    (found while checking for empty files), or a folder without a non-empty file of `SUFFIXES`. flag: the option
+    naming `path`, for the hints of later errors (`Corpus.flag`)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no corpus at {path}: expected a file or a folder of {'/'.join(SUFFIXES)} files")
     if path.is_dir():
-        return Corpus(path, tuple((f, f.relative_to(path).as_posix()) for f in _folder_files(path)), text_field)
+        return Corpus(path, tuple((f, f.relative_to(path).as_posix()) for f in _folder_files(path)), text_field, flag)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
@@ -110,7 +114,7 @@ def open_corpus(path, text_field: str = "text") -> Corpus:
         what = {".jsonl": "expected one JSON object per line", ".parquet": "the table has no rows",
                 ".arrow": "the table has no rows"}.get(suffix, "every document must hold some text")
         raise ValueError(f"{path} is empty: {what}")
-    return Corpus(path, ((path, path.name),), text_field)
+    return Corpus(path, ((path, path.name),), text_field, flag)
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -256,9 +260,13 @@ def _jsonl_text(line: str, path: Path, lineno: int, corpus: Corpus) -> str:
 
 def _field_hint(corpus: Corpus, what: str) -> str:
     """How to read another JSONL field / table column (only `glm5lab tokenize` has --text-field): nothing when one
-    was named already."""
+    was named already; for a held-out set (`Corpus.flag` other than --data), that it reads 'text' only."""
     if corpus.text_field != "text":
         return ""
+    if corpus.flag != "--data":
+        return (f"; {corpus.flag} reads the {what} 'text': write the set with its text under that name (a token "
+                f"folder of `glm5lab tokenize --text-field NAME --tokenizer RUN/model` is scored on its validation "
+                "split only)")
     return (f"; name the text {what} with `glm5lab tokenize {corpus.path} --text-field NAME --out DIR` (then "
             "`glm5lab train --data DIR`)")
 

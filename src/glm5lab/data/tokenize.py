@@ -162,15 +162,16 @@ HELD_OUT = "held-out"
 """The split key of a held-out set's cached token folder (`cached_held_out_folder`): every document to val."""
 
 
-def cached_held_out_folder(data, tokenizer, *, say: Callable[[str], None]) -> Path:
+def cached_held_out_folder(data, tokenizer, *, say: Callable[[str], None], flag: str = "--val-data") -> Path:
     """The token folder of a held-out text set `data` (a path as `open_corpus` reads: `glm5lab train --val-data`,
     `glm5lab eval perplexity`), tokenized whole by `tokenizer` (a `tokenizers.Tokenizer`: the run's) on first use
     into glm5lab's cache: `cache_root()/tokens/<name>-<corpus_key(corpus, HELD_OUT)>-<tokenizer sha256[:16]>/`.
     No split: every document goes to its val split, in input order, `<|endoftext|>` between two (the train split
     is empty). A fill says so in one line through `say` and is published as `cached_token_folder`'s. Errors as
-    `open_corpus` (FileNotFoundError for a missing path, ValueError for an empty file or folder)."""
+    `open_corpus` (FileNotFoundError for a missing path, ValueError for an empty file or folder; their hints name
+    `flag`, the option that gave `data`)."""
     source = Path(data)
-    corpus = open_corpus(source)
+    corpus = open_corpus(source, flag=flag)
     sha = tokenizer_sha256(tokenizer)
     folder = cache_root() / "tokens" / f"{source.resolve().name}-{corpus_key(corpus, HELD_OUT)}-{sha[:16]}"
     if (folder / INDEX_FILE).is_file():
