@@ -201,7 +201,7 @@ def test_the_recorded_folders_still_summarise_and_re_render():
     from glm5lab.ablate.runner import study_module
 
     infos = load_results(Path(__file__).parents[2] / "benchmarks" / "results" / "ablate")
-    assert set(infos) >= {"baseline", "efficient", "indexcache"}
+    assert set(infos) >= {"baseline", "efficient", "indexcache", "optimizer"}
     table = summary_table(infos)
     for study, info in infos.items():
         assert f"`{study}` [{len(info['seeds'])}]" in table
