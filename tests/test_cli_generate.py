@@ -96,28 +96,21 @@ def test_sampling_and_prefill_chunk_options_reach_the_library(capsys, folders, r
     assert d["tokens"] == expected
 
 
-def test_prefill_chunk_auto_is_the_default_and_other_words_are_refused(capsys, folders, reference):
+@pytest.mark.parametrize("flag, value, library, bad, error", [
+    # "auto" is the default prefill chunk: the same tokens as the library's default
+    ("--prefill-chunk", "auto", {}, "big", "argument --prefill-chunk: 'big': an integer >= 1 or \"auto\""),
+    ("--index-cache-dtype", "fp8", {"index_cache_dtype": "fp8"}, "int8", "--index-cache-dtype: invalid choice: 'int8'"),
+])
+def test_a_word_flag_reaches_the_library_and_other_words_are_refused(capsys, folders, reference, flag, value, library,
+                                                                     bad, error):
     ids, _, _ = reference
     model = GLM5ForCausalLM.from_pretrained(folders["ckpt"], mtp=False)
-    expected = generate(model, ids, N).tokens[0]  # the library's default chunk: "auto"
-    d = cli_json(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, "--max-new-tokens", N,
-                 "--prefill-chunk", "auto")
+    expected = generate(model, ids, N, **library).tokens[0]
+    d = cli_json(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, "--max-new-tokens", N, flag, value)
     assert d["tokens"] == expected
     with pytest.raises(SystemExit) as e:
-        main(["generate", "--model", str(folders["ckpt"]), "--prompt", PROMPT, "--prefill-chunk", "big"])
-    assert e.value.code == 2 and "argument --prefill-chunk: 'big': an integer >= 1 or \"auto\"" in capsys.readouterr().err
-
-
-def test_index_cache_dtype_reaches_the_library(capsys, folders, reference):
-    ids, _, _ = reference
-    model = GLM5ForCausalLM.from_pretrained(folders["ckpt"], mtp=False)
-    expected = generate(model, ids, N, index_cache_dtype="fp8").tokens[0]
-    d = cli_json(capsys, "--model", folders["ckpt"], "--prompt", PROMPT, "--max-new-tokens", N,
-                 "--index-cache-dtype", "fp8")
-    assert d["tokens"] == expected
-    with pytest.raises(SystemExit) as e:
-        main(["generate", "--model", str(folders["ckpt"]), "--prompt", PROMPT, "--index-cache-dtype", "int8"])
-    assert e.value.code == 2 and "--index-cache-dtype: invalid choice: 'int8'" in capsys.readouterr().err
+        main(["generate", "--model", str(folders["ckpt"]), "--prompt", PROMPT, flag, bad])
+    assert e.value.code == 2 and error in capsys.readouterr().err
 
 
 def test_stop_token_ends_generation(capsys, folders, reference):

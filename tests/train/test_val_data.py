@@ -135,8 +135,9 @@ def test_refusals_are_one_line(trained, cache, tmp_path):
         held_out_set(tmp_path / "empty.jsonl", tok)
     (tmp_path / "other.jsonl").write_text('{"txt": "the king"}\n')  # the hint names the flag in use, not --data
     for name in ("--val-data", "PATH"):
-        with pytest.raises(ValueError, match=rf"^{name} .*other.jsonl: .*line 1 has no field 'text' \(its fields: txt\); "
-                           rf"{name} reads the field 'text': write the set with its text under that name") as e:
+        with pytest.raises(ValueError, match=rf"^{name} .*other.jsonl: .*line 1 has no field 'text' "
+                           rf"\(its fields: txt\); {name} reads the field 'text': write the set with its text "
+                           "under that name") as e:
             held_out_set(tmp_path / "other.jsonl", tok, name=name)
         assert "--data DIR" not in str(e.value) and "\n" not in str(e.value)
     (tmp_path / "short.txt").write_text("the king")

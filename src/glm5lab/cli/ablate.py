@@ -59,8 +59,8 @@ def add_ablate_parser(sub) -> None:
                    "for a step or two (runs on a CPU)")
     p.add_argument("--out", metavar="DIR", help="results folder (default runs/ablate/STUDY[-gpu][-quick])")
     p.add_argument("--seeds", type=int, metavar="N", help="number of seeds 0..N-1, N at most 1000 (default: the "
-                   "study's own: 3, 2 for baseline); into an --out holding this study's results with seeds 0..m-1 (same size and "
-                   "--data) and N > m: runs only seeds m..N-1 and re-writes the table from all N "
+                   "study's own: 3, 2 for baseline); into an --out holding this study's results with seeds 0..m-1 "
+                   "(same size and --data) and N > m: runs only seeds m..N-1 and re-writes the table from all N "
                    "(docs/ablations.md)")
     p.add_argument("--data", metavar="PATH", help="text corpus: a .txt/.md file, a .jsonl file (`text` field), a "
                    ".parquet/.arrow file (`text` column), or a folder of such files (docs/data.md) (default: the "

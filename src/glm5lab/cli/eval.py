@@ -45,8 +45,8 @@ def add_perplexity(evals) -> None:
                    "last stage's seq_len; needed for a folder outside a run)")
     p.add_argument("--batch-size", dest="batch_size", type=int, metavar="B", help="windows per forward (default: "
                    "the run's last stage's batch_size; the figures change only by rounding)")
-    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N, or auto (cuda when "
-                   "available, else cpu)")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N, or auto "
+                   "(cuda when available, else cpu)")
     p.add_argument("--json", action="store_true", help="also print the result as one JSON line, last")
     p.set_defaults(func=cmd_perplexity)
 

@@ -65,10 +65,11 @@ def add_generate_parser(sub) -> None:
                    help="dtype of the cached DSA indexer keys: auto = the cache's (--dtype), fp8 = float8_e4m3fn with "
                    "one fp32 scale per token, as DeepSeek-V3.2 serves them (132 instead of 512 bytes per token per "
                    "indexer layer at 128-wide keys in fp32; the keys the indexer scores are rounded, docs/inference.md)")
-    p.add_argument("--prefill-chunk", dest="prefill_chunk", type=prefill_chunk_arg, default=AUTO_CHUNK, metavar="N",
-                   help=f"prefill the prompt in pieces of N tokens, or \"{AUTO_CHUNK}\" (the default: {DENSE_PREFILL_CHUNK} when every layer is "
-                   f"dense MLA full attention, no DSA nor window: each chunk then costs about the uncached forward; "
-                   f"else {DEFAULT_PREFILL_CHUNK}, DSA's fastest); the result does not depend on it")
+    p.add_argument("--prefill-chunk", dest="prefill_chunk", type=prefill_chunk_arg, default=AUTO_CHUNK,
+                   metavar="N", help=f"prefill the prompt in pieces of N tokens, or \"{AUTO_CHUNK}\" (the default: "
+                   f"{DENSE_PREFILL_CHUNK} when every layer is dense MLA full attention, no DSA nor window: each chunk "
+                   f"then costs about the uncached forward; else {DEFAULT_PREFILL_CHUNK}, DSA's fastest); the result "
+                   "does not depend on it")
     p.add_argument("--compile", action="store_true",
                    help="run the decode, verification and draft steps as torch.compile graphs (static shapes, no "
                    "host synchronisation; attention models only): about 4x faster per token on CPU, after a one-off "
