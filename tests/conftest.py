@@ -90,6 +90,17 @@ def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Every test leaves torch's thread count as it found it: `glm5lab ... --threads N` called through `main()` sets
+    it for the whole process, and a later test comparing against a module fixture's run would then reduce in
+    another order (run-to-run differences of ~1e-8)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def single_thread_no_grad():
     """One torch thread and no autograd for a whole test module (`pytestmark =
