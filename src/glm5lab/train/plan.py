@@ -134,7 +134,7 @@ def check_context_parallel(args, cfg, stages: list[Stage]) -> None:
         raise ValueError(f"--compile with --cp {args.cp} is not supported: the context-parallel gathers run "
                          "eagerly; drop --compile (or --cp)")
     for stage in stages:  # the model refuses it too, but only when the stage's first step runs
-        if stage.indexer_target == "served" and stage.indexer_weight > 0:
+        if stage.distills:
             raise ValueError(f"stage {stage.name!r}: indexer_target = 'served' (multi-layer distillation) is not "
                              f"available with --cp {args.cp}: train it with --cp 1, or with indexer_target = 'own'")
     specs = [*cfg.layers, *([cfg.mtp_layer] if cfg.mtp_layer is not None else [])]
@@ -327,7 +327,7 @@ def stage_lines(stage: Stage, world: int, first_step: int, cp: int = 1) -> list[
 def target_text(stage: Stage) -> str:
     """", served target" when the stage's indexer loss is multi-layer distillation (`Stage.indexer_target`), else
     "" (the default "own", or no indexer loss)."""
-    return ", served target" if stage.indexer_target == "served" and stage.indexer_weight > 0 else ""
+    return ", served target" if stage.distills else ""
 
 
 def lr_points(stage: Stage) -> list[int]:

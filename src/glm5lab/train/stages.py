@@ -88,6 +88,12 @@ class Stage:
         return len(self.mtp_weights)
 
     @property
+    def distills(self) -> bool:
+        """Whether the stage trains indexers by multi-layer distillation: indexer_target "served" with an indexer
+        loss (a "served" stage without one trains no indexer)."""
+        return self.indexer_target == "served" and self.indexer_weight > 0
+
+    @property
     def wsd_decay_steps(self) -> int | None:
         """D, the steps of a "wsd" stage's decay: max(1, round(decay_ratio x H)), H = decay_steps or steps; None
         for the other schedules."""
